@@ -1,0 +1,355 @@
+"""The single source of truth for every metric gpufleet exports.
+
+Each :class:`MetricSpec` names one metric family: its full name, Prometheus type,
+base unit, help text and label names. The agent's collectors build their metric
+families from here (:meth:`MetricSpec.family`), the simulator writes recordings
+with these names, the detector reads them, and the dashboards, alert tests and
+the metric table in the docs (``python -m gpufleet.agent.catalog``) are generated
+from or checked against this module. Add a metric here first, never elsewhere.
+
+Conventions (Prometheus/node_exporter): ``gpufleet_`` prefix, base units with a
+unit suffix, counters end in ``_total``, identity and inventory on ``_info``
+series whose value is 1. Per-GPU series carry only the ``gpu`` label (the NVML
+index as a string); uuid, name, serial and PCI bus id live on
+``gpufleet_gpu_info`` and are joined on ``gpu`` when needed.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+MetricType = Literal["gauge", "counter"]
+
+#: Groups: which collector (or component) produces the family.
+GROUPS = (
+    "exporter",  # the agent's own health
+    "gpu",  # NVML, per GPU
+    "xid",  # NVML XID event listener
+    "nic",  # InfiniBand/RoCE sysfs and Ethernet (psutil)
+    "topology",  # NIC <-> GPU mapping from PCI topology
+    "jobs",  # job attribution (dcgm-exporter mapping directory)
+    "host",  # psutil host context and node GPU totals
+    "site",  # facility data (BMS/DCIM); produced by the simulator in recordings
+    "detector",  # gpufleet-detector findings and health
+)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    type: MetricType
+    unit: str  # base unit ("celsius", "watts", "joules", "hertz", "bytes", "seconds", "ratio", "" = none)
+    help: str
+    labels: tuple[str, ...] = ()
+    group: str = "gpu"
+    #: Grafana unit id used by dashboards (derived from ``unit`` when empty).
+    grafana_unit: str = ""
+    #: Enumerated values of a label, when fixed (documentation and dashboards).
+    label_values: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def family(self, labels: Sequence[str] | None = None) -> Metric:
+        """A new, empty prometheus-client metric family for this spec."""
+        names = list(self.labels if labels is None else labels)
+        if self.type == "counter":
+            # prometheus-client strips the _total suffix and adds it back on exposition.
+            return CounterMetricFamily(self.name.removesuffix("_total"), self.help, labels=names)
+        return GaugeMetricFamily(self.name, self.help, labels=names)
+
+    @property
+    def dashboard_unit(self) -> str:
+        if self.grafana_unit:
+            return self.grafana_unit
+        return {
+            "celsius": "celsius",
+            "watts": "watt",
+            "joules": "joule",
+            "hertz": "hertz",
+            "bytes": "bytes",
+            "bytes_per_second": "Bps",
+            "seconds": "s",
+            "ratio": "percentunit",
+            "timestamp": "dateTimeAsIso",
+        }.get(self.unit, "short")
+
+
+CLOCK_EVENT_REASONS = (
+    "gpu_idle",
+    "applications_clocks_setting",
+    "sw_power_cap",
+    "hw_slowdown",
+    "sync_boost",
+    "sw_thermal_slowdown",
+    "hw_thermal_slowdown",
+    "hw_power_brake_slowdown",
+    "display_clock_setting",
+)
+#: Reasons for which NVML keeps a cumulative time counter (field values).
+CLOCK_EVENT_COUNTED_REASONS = (
+    "sw_power_cap",
+    "sync_boost",
+    "sw_thermal_slowdown",
+    "hw_thermal_slowdown",
+    "hw_power_brake_slowdown",
+)
+NVLINK_ERRORS = ("crc_flit", "crc_data", "replay", "recovery")
+IB_PORT_ERRORS = (
+    "symbol_error",
+    "link_downed",
+    "link_error_recovery",
+    "port_rcv_errors",
+    "port_rcv_remote_physical_errors",
+    "port_rcv_switch_relay_errors",
+    "port_xmit_discards",
+    "port_xmit_constraint_errors",
+    "port_rcv_constraint_errors",
+    "local_link_integrity_errors",
+    "excessive_buffer_overrun_errors",
+    "VL15_dropped",
+)
+FINDING_KINDS = ("straggler", "throttling", "network", "pue_drift")
+FINDING_CAUSES = ("thermal", "power", "clock", "network", "pcie", "memory", "host", "unknown")
+
+_G: MetricType = "gauge"
+_C: MetricType = "counter"
+
+SPECS: tuple[MetricSpec, ...] = (
+    # ---------------------------------------------------------------- exporter
+    MetricSpec("gpufleet_build_info", _G, "", "gpufleet agent build information; value is 1.",
+               ("version", "python_version", "nvml_binding_version"), "exporter"),
+    MetricSpec("gpufleet_scrape_collector_duration_seconds", _G, "seconds",
+               "Time a collector took to read its source for this scrape.", ("collector",), "exporter"),
+    MetricSpec("gpufleet_scrape_collector_success", _G, "",
+               "1 if the collector read its source without error on this scrape, 0 otherwise.",
+               ("collector",), "exporter"),
+    MetricSpec("gpufleet_nvml_up", _G, "",
+               "1 if NVML is initialized and answering, 0 if it failed (driver not loaded, library missing).",
+               (), "exporter"),
+    MetricSpec("gpufleet_nvml_errors_total", _C, "",
+               "NVML calls that returned an error other than NOT_SUPPORTED, by function and NVML error name.",
+               ("function", "error"), "exporter"),
+    # ---------------------------------------------------------------- gpu identity
+    MetricSpec("gpufleet_driver_info", _G, "", "NVIDIA driver, NVML and CUDA driver versions; value is 1.",
+               ("driver_version", "nvml_version", "cuda_version"), "gpu"),
+    MetricSpec("gpufleet_gpu_count", _G, "", "Number of GPUs NVML reports on this host.", (), "gpu"),
+    MetricSpec("gpufleet_gpu_info", _G, "",
+               "GPU identity and inventory; value is 1. Join on the gpu label.",
+               ("gpu", "uuid", "name", "serial", "pci_bus_id", "vbios_version", "architecture"), "gpu"),
+    MetricSpec("gpufleet_gpu_up", _G, "",
+               "1 if the GPU answers NVML, 0 if it is lost (fell off the bus, GPU_IS_LOST) or unreachable.",
+               ("gpu",), "gpu"),
+    # ---------------------------------------------------------------- utilization
+    MetricSpec("gpufleet_gpu_utilization_ratio", _G, "ratio",
+               "Fraction of the last sample period during which a kernel was running on the GPU (NVML).",
+               ("gpu",), "gpu"),
+    MetricSpec("gpufleet_gpu_memory_utilization_ratio", _G, "ratio",
+               "Fraction of the last sample period during which device memory was read or written (NVML).",
+               ("gpu",), "gpu"),
+    # ---------------------------------------------------------------- clocks
+    MetricSpec("gpufleet_gpu_clock_hertz", _G, "hertz", "Current clock frequency.", ("gpu", "clock"), "gpu",
+               label_values={"clock": ("sm", "memory", "graphics")}),
+    MetricSpec("gpufleet_gpu_clock_max_hertz", _G, "hertz", "Maximum clock frequency the GPU supports.",
+               ("gpu", "clock"), "gpu", label_values={"clock": ("sm", "memory", "graphics")}),
+    # ---------------------------------------------------------------- power
+    MetricSpec("gpufleet_gpu_power_watts", _G, "watts", "Current power draw of the GPU board.", ("gpu",), "gpu"),
+    MetricSpec("gpufleet_gpu_power_limit_watts", _G, "watts", "Enforced power limit of the GPU.", ("gpu",), "gpu"),
+    MetricSpec("gpufleet_gpu_energy_joules_total", _C, "joules",
+               "Energy consumed by the GPU since the driver was loaded; rate() gives exact average power.",
+               ("gpu",), "gpu"),
+    # ---------------------------------------------------------------- thermal
+    MetricSpec("gpufleet_gpu_temperature_celsius", _G, "celsius", "Temperature of a GPU sensor.",
+               ("gpu", "sensor"), "gpu", label_values={"sensor": ("gpu", "memory")}),
+    MetricSpec("gpufleet_gpu_temperature_threshold_celsius", _G, "celsius",
+               "Temperature thresholds of the GPU: slowdown and shutdown (GPU die), gpu_max and memory_max (max operating).",
+               ("gpu", "threshold"), "gpu",
+               label_values={"threshold": ("slowdown", "shutdown", "gpu_max", "memory_max")}),
+    MetricSpec("gpufleet_gpu_fan_speed_ratio", _G, "ratio", "Intended fan speed as a fraction of maximum.",
+               ("gpu", "fan"), "gpu"),
+    # ---------------------------------------------------------------- memory
+    MetricSpec("gpufleet_gpu_memory_used_bytes", _G, "bytes", "Device memory allocated by processes.", ("gpu",), "gpu"),
+    MetricSpec("gpufleet_gpu_memory_total_bytes", _G, "bytes", "Total device memory.", ("gpu",), "gpu"),
+    MetricSpec("gpufleet_gpu_memory_reserved_bytes", _G, "bytes", "Device memory reserved by the driver and firmware.",
+               ("gpu",), "gpu"),
+    MetricSpec("gpufleet_gpu_performance_state", _G, "",
+               "Performance state (P-state): 0 is maximum performance, 15 minimum.", ("gpu",), "gpu"),
+    # ---------------------------------------------------------------- clock events (throttling)
+    MetricSpec("gpufleet_gpu_clock_event_active", _G, "",
+               "1 if the clock-event (throttle) reason is currently active, else 0.", ("gpu", "reason"), "gpu",
+               label_values={"reason": CLOCK_EVENT_REASONS}),
+    MetricSpec("gpufleet_gpu_clock_event_seconds_total", _C, "seconds",
+               "Cumulative time clocks were held down for the reason (NVML counters); rate() gives the throttled fraction.",
+               ("gpu", "reason"), "gpu", label_values={"reason": CLOCK_EVENT_COUNTED_REASONS}),
+    # ---------------------------------------------------------------- ECC / memory health
+    MetricSpec("gpufleet_gpu_ecc_errors_total", _C, "",
+               "ECC errors; counter=volatile resets at driver reload, counter=aggregate persists.",
+               ("gpu", "error", "counter"), "gpu",
+               label_values={"error": ("corrected", "uncorrected"), "counter": ("volatile", "aggregate")}),
+    MetricSpec("gpufleet_gpu_remapped_rows", _G, "", "HBM rows remapped, by the kind of error that caused it.",
+               ("gpu", "cause"), "gpu", label_values={"cause": ("correctable", "uncorrectable")}),
+    MetricSpec("gpufleet_gpu_row_remap_pending", _G, "",
+               "1 if a row remap is pending (takes effect at the next GPU reset), else 0.", ("gpu",), "gpu"),
+    MetricSpec("gpufleet_gpu_row_remap_failure", _G, "",
+               "1 if a row remap failed (no spare rows; the GPU needs service), else 0.", ("gpu",), "gpu"),
+    MetricSpec("gpufleet_gpu_retired_pages", _G, "", "Device memory pages retired, by cause.", ("gpu", "cause"), "gpu",
+               label_values={"cause": ("single_bit", "double_bit")}),
+    MetricSpec("gpufleet_gpu_retired_pages_pending", _G, "",
+               "1 if page retirement is pending (takes effect at the next reboot), else 0.", ("gpu",), "gpu"),
+    # ---------------------------------------------------------------- PCIe
+    MetricSpec("gpufleet_gpu_pcie_link_generation", _G, "", "Current PCIe link generation.", ("gpu",), "gpu"),
+    MetricSpec("gpufleet_gpu_pcie_link_generation_max", _G, "", "Maximum PCIe link generation of the GPU and system.",
+               ("gpu",), "gpu"),
+    MetricSpec("gpufleet_gpu_pcie_link_width", _G, "", "Current PCIe link width (lanes).", ("gpu",), "gpu"),
+    MetricSpec("gpufleet_gpu_pcie_link_width_max", _G, "", "Maximum PCIe link width (lanes).", ("gpu",), "gpu"),
+    MetricSpec("gpufleet_gpu_pcie_replay_total", _C, "", "PCIe replay counter.", ("gpu",), "gpu"),
+    MetricSpec("gpufleet_gpu_pcie_throughput_bytes_per_second", _G, "bytes_per_second",
+               "PCIe throughput (GPM between samples where supported, else NVML's 20 ms sample).",
+               ("gpu", "direction"), "gpu", label_values={"direction": ("tx", "rx")}),
+    # ---------------------------------------------------------------- NVLink
+    MetricSpec("gpufleet_gpu_nvlink_up", _G, "", "1 if the NVLink link is active, 0 if it is down.",
+               ("gpu", "link"), "gpu"),
+    MetricSpec("gpufleet_gpu_nvlink_bytes_total", _C, "bytes", "NVLink data bytes per link and direction.",
+               ("gpu", "link", "direction"), "gpu", label_values={"direction": ("tx", "rx")}),
+    MetricSpec("gpufleet_gpu_nvlink_errors_total", _C, "", "NVLink data-link error counters per link.",
+               ("gpu", "link", "error"), "gpu", label_values={"error": NVLINK_ERRORS}),
+    # ---------------------------------------------------------------- GPM (Hopper and newer)
+    MetricSpec("gpufleet_gpu_sm_active_ratio", _G, "ratio",
+               "Fraction of SMs busy, averaged between the last two samples (GPM).", ("gpu",), "gpu"),
+    MetricSpec("gpufleet_gpu_sm_occupancy_ratio", _G, "ratio",
+               "Fraction of resident warps against the theoretical maximum (GPM).", ("gpu",), "gpu"),
+    MetricSpec("gpufleet_gpu_tensor_active_ratio", _G, "ratio",
+               "Fraction of cycles the tensor pipes were active (GPM).", ("gpu",), "gpu"),
+    MetricSpec("gpufleet_gpu_dram_active_ratio", _G, "ratio",
+               "Fraction of peak DRAM bandwidth used (GPM).", ("gpu",), "gpu"),
+    MetricSpec("gpufleet_gpu_nvlink_throughput_bytes_per_second", _G, "bytes_per_second",
+               "NVLink throughput over all links (GPM).", ("gpu", "direction"), "gpu",
+               label_values={"direction": ("tx", "rx")}),
+    # ---------------------------------------------------------------- XID
+    MetricSpec("gpufleet_gpu_xid_errors_total", _C, "", "XID errors reported by the driver, per XID code.",
+               ("gpu", "xid"), "xid"),
+    MetricSpec("gpufleet_gpu_xid_last_seen_timestamp_seconds", _G, "timestamp",
+               "Unix time the XID code was last seen on the GPU.", ("gpu", "xid"), "xid"),
+    # ---------------------------------------------------------------- jobs
+    MetricSpec("gpufleet_gpu_job_info", _G, "",
+               "Job running on the GPU (dcgm-exporter mapping directory); value is 1. Join on gpu.",
+               ("gpu", "job"), "jobs"),
+    # ---------------------------------------------------------------- NIC: InfiniBand / RoCE
+    MetricSpec("gpufleet_ib_port_info", _G, "", "InfiniBand/RoCE port identity; value is 1.",
+               ("device", "port", "link_layer", "hca_type", "board_id", "fw_ver"), "nic"),
+    MetricSpec("gpufleet_ib_port_rate_bytes_per_second", _G, "bytes_per_second", "Negotiated port rate.",
+               ("device", "port"), "nic"),
+    MetricSpec("gpufleet_ib_port_state_id", _G, "",
+               "Logical port state: 1 DOWN, 2 INIT, 3 ARMED, 4 ACTIVE, 5 ACTIVE_DEFER.", ("device", "port"), "nic"),
+    MetricSpec("gpufleet_ib_port_physical_state_id", _G, "",
+               "Physical port state: 2 Polling, 3 Disabled, 5 LinkUp, 6 LinkErrorRecovery, ...", ("device", "port"), "nic"),
+    MetricSpec("gpufleet_ib_port_transmit_bytes_total", _C, "bytes",
+               "Data bytes transmitted (port_xmit_data words x 4).", ("device", "port"), "nic"),
+    MetricSpec("gpufleet_ib_port_receive_bytes_total", _C, "bytes",
+               "Data bytes received (port_rcv_data words x 4).", ("device", "port"), "nic"),
+    MetricSpec("gpufleet_ib_port_transmit_packets_total", _C, "", "Packets transmitted.", ("device", "port"), "nic"),
+    MetricSpec("gpufleet_ib_port_receive_packets_total", _C, "", "Packets received.", ("device", "port"), "nic"),
+    MetricSpec("gpufleet_ib_port_transmit_wait_total", _C, "",
+               "Ticks the port had data to send but no credits (port_xmit_wait): congestion.", ("device", "port"), "nic"),
+    MetricSpec("gpufleet_ib_port_errors_total", _C, "", "Port error counters from counters/, by counter name.",
+               ("device", "port", "error"), "nic", label_values={"error": IB_PORT_ERRORS}),
+    MetricSpec("gpufleet_ib_hw_counter_total", _C, "",
+               "mlx5 hw_counters (RoCE ECN/CNP, retransmits, out_of_sequence, ...), by counter name.",
+               ("device", "port", "counter"), "nic"),
+    # ---------------------------------------------------------------- NIC: Ethernet (psutil)
+    MetricSpec("gpufleet_net_bytes_total", _C, "bytes", "Network interface bytes.", ("interface", "direction"), "nic",
+               label_values={"direction": ("transmit", "receive")}),
+    MetricSpec("gpufleet_net_packets_total", _C, "", "Network interface packets.", ("interface", "direction"), "nic"),
+    MetricSpec("gpufleet_net_errors_total", _C, "", "Network interface errors.", ("interface", "direction"), "nic"),
+    MetricSpec("gpufleet_net_drops_total", _C, "", "Network interface dropped packets.", ("interface", "direction"), "nic"),
+    # ---------------------------------------------------------------- topology
+    MetricSpec("gpufleet_nic_gpu_info", _G, "",
+               "NIC nearest to a GPU by PCI topology (deepest common PCI ancestor); value is 1.",
+               ("device", "gpu", "pci_bus_id", "common_ancestor"), "topology"),
+    # ---------------------------------------------------------------- host
+    MetricSpec("gpufleet_host_cpu_utilization_ratio", _G, "ratio", "Host CPU utilization since the last scrape.",
+               (), "host"),
+    MetricSpec("gpufleet_host_cpu_count", _G, "", "Logical CPUs on the host.", (), "host"),
+    MetricSpec("gpufleet_host_memory_total_bytes", _G, "bytes", "Host memory.", (), "host"),
+    MetricSpec("gpufleet_host_memory_available_bytes", _G, "bytes", "Host memory available to new processes.", (), "host"),
+    MetricSpec("gpufleet_host_load_average", _G, "", "Host load average.", ("window",), "host",
+               label_values={"window": ("1m", "5m", "15m")}),
+    MetricSpec("gpufleet_node_gpu_power_watts", _G, "watts", "Sum of the power draw of the host's GPUs.", (), "gpu"),
+    MetricSpec("gpufleet_node_gpu_energy_joules_total", _C, "joules", "Sum of the energy counters of the host's GPUs.",
+               (), "gpu"),
+    # ---------------------------------------------------------------- site (facility, from BMS/DCIM)
+    MetricSpec("gpufleet_site_facility_power_watts", _G, "watts",
+               "Total facility power of a site (utility meter).", ("site",), "site"),
+    MetricSpec("gpufleet_site_it_power_watts", _G, "watts", "IT power of a site (PDUs/UPS output).", ("site",), "site"),
+    MetricSpec("gpufleet_site_outdoor_temperature_celsius", _G, "celsius", "Outdoor (dry bulb) temperature at a site.",
+               ("site",), "site"),
+    # ---------------------------------------------------------------- detector
+    MetricSpec("gpufleet_detector_straggler_score", _G, "",
+               "Combined straggler score of a GPU against its peers (0 = typical; >= threshold = straggler).",
+               ("node", "gpu", "job"), "detector"),
+    MetricSpec("gpufleet_detector_feature_deviation", _G, "",
+               "Robust z-score of a feature of a GPU against its peer group (median/MAD).",
+               ("node", "gpu", "job", "feature"), "detector"),
+    MetricSpec("gpufleet_detector_finding", _G, "",
+               "An active finding; value is its score. Series vanish when the finding closes.",
+               ("kind", "cause", "node", "gpu", "job", "site"), "detector",
+               label_values={"kind": FINDING_KINDS, "cause": FINDING_CAUSES}),
+    MetricSpec("gpufleet_detector_finding_start_timestamp_seconds", _G, "timestamp",
+               "Unix time an active finding started.", ("kind", "cause", "node", "gpu", "job", "site"), "detector"),
+    MetricSpec("gpufleet_detector_site_pue", _G, "", "Observed PUE of a site (facility / IT power).", ("site",),
+               "detector"),
+    MetricSpec("gpufleet_detector_site_pue_expected", _G, "",
+               "PUE expected from IT load and outdoor temperature.", ("site",), "detector"),
+    MetricSpec("gpufleet_detector_last_success_timestamp_seconds", _G, "timestamp",
+               "Unix time of the last successful evaluation.", (), "detector"),
+    MetricSpec("gpufleet_detector_evaluation_duration_seconds", _G, "seconds",
+               "Time the last evaluation took.", (), "detector"),
+    MetricSpec("gpufleet_detector_evaluations_total", _C, "", "Evaluations run, by result.", ("result",), "detector"),
+    MetricSpec("gpufleet_detector_query_errors_total", _C, "", "Queries to the metrics source that failed.", (),
+               "detector"),
+    MetricSpec("gpufleet_detector_missing_inputs", _G, "",
+               "1 for each input metric the detector looked for and did not find.", ("metric",), "detector"),
+)
+
+BY_NAME: dict[str, MetricSpec] = {s.name: s for s in SPECS}
+if len(BY_NAME) != len(SPECS):  # pragma: no cover - guarded by tests too
+    raise RuntimeError("duplicate metric name in catalog")
+
+
+def spec(name: str) -> MetricSpec:
+    """The spec of a metric by its full name (KeyError if it is not in the catalog)."""
+    return BY_NAME[name]
+
+
+def by_group(group: str) -> tuple[MetricSpec, ...]:
+    return tuple(s for s in SPECS if s.group == group)
+
+
+def markdown_table(groups: Sequence[str] = GROUPS) -> str:
+    """The metric reference table for the docs."""
+    lines = ["| metric | type | unit | labels | help |", "| --- | --- | --- | --- | --- |"]
+    for g in groups:
+        for s in by_group(g):
+            labels = ", ".join(f"`{label}`" for label in s.labels)
+            lines.append(f"| `{s.name}` | {s.type} | {s.unit or '-'} | {labels} | {s.help} |")
+    return "\n".join(lines) + "\n"
+
+
+def _iter_markdown(argv: Sequence[str]) -> Iterator[str]:
+    groups = tuple(argv) or GROUPS
+    for g in groups:
+        if g not in GROUPS:
+            raise SystemExit(f"unknown group {g!r}; groups: {', '.join(GROUPS)}")
+        yield f"### {g}\n\n" + markdown_table((g,))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the metric reference as Markdown (``python -m gpufleet.agent.catalog [GROUP...]``)."""
+    sys.stdout.write("\n".join(_iter_markdown(sys.argv[1:] if argv is None else argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,33 @@
+"""The agent's settings: one dataclass that flags, GPUFLEET_* environment variables
+and the optional TOML config file all fill (see :mod:`gpufleet.agent.cli`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: Every collector the agent knows, in scrape order. All are on by default.
+COLLECTORS = ("gpu", "xid", "nic", "topology", "jobs", "host")
+
+DEFAULT_PORT = 9445
+DEFAULT_LISTEN = f":{DEFAULT_PORT}"
+
+
+@dataclass
+class AgentConfig:
+    listen_address: str = DEFAULT_LISTEN  # --web.listen-address, host:port (":9445" = all interfaces)
+    telemetry_path: str = "/metrics"  # --web.telemetry-path
+    web_config_file: str | None = None  # --web.config.file (exporter-toolkit format)
+    collectors: dict[str, bool] = field(default_factory=lambda: {c: True for c in COLLECTORS})
+    sysfs_path: str = "/sys"  # --path.sysfs; InfiniBand under <sysfs>/class/infiniband
+    job_mapping_dir: str = "/var/lib/dcgm-exporter/job-mapping"  # --collector.jobs.mapping-dir
+    log_level: str = "info"  # --log.level: debug, info, warn, error
+    #: --nvml.fake: "" for the real libnvidia-ml; "sim" / "sim:N" (built-in simulated H100 host with N GPUs,
+    #: default 8), "trace:PATH" (replay a recorded trace), "live:PATH" (snapshot file the fleet simulator rewrites)
+    nvml_fake: str = ""
+    #: Scrapes arriving within this many seconds of a finished hardware read reuse it.
+    cache_seconds: float = 0.0
+    textfile_directory: str | None = None  # textfile mode: node_exporter's textfile-collector directory
+    textfile_interval: float = 15.0  # seconds between textfile writes (0 = once)
+
+    def enabled(self, collector: str) -> bool:
+        return self.collectors.get(collector, False)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Sets up everything the test suite needs on a fresh Debian machine, then runs it:
+# Debian's prometheus (promtool) and prometheus-alertmanager (amtool), a virtualenv
+# with gpufleet[dev], the linters, and pytest. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need=()
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+command -v amtool >/dev/null 2>&1 || need+=(prometheus-alertmanager)
+if ((${#need[@]})); then
+  sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  echo "==> installing ${need[*]} from Debian"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "==> creating .venv"
+  python3 -m venv .venv
+fi
+echo "==> installing gpufleet[dev] into .venv"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+
+echo "==> ruff"
+.venv/bin/ruff check .
+echo "==> mypy"
+.venv/bin/mypy
+echo "==> pytest"
+exec .venv/bin/python -m pytest "$@"

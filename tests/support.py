@@ -1,0 +1,82 @@
+"""Shared test helpers: free loopback ports, bounded subprocesses, HTTP waits.
+
+Every server a test starts listens on 127.0.0.1 only, is waited for with a
+deadline, and is stopped when the test ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import requests
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "tests" / "fixtures"
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def need_binary(name: str) -> str:
+    """The path of a required external binary (promtool, prometheus, alertmanager, amtool).
+
+    tests/run.sh installs them from Debian; a missing one is a set-up error, so
+    the test fails rather than skips.
+    """
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed: run tests/run.sh, which installs it from Debian")
+    return path
+
+
+def wait_http(url: str, timeout: float = 20.0, ok: Sequence[int] = (200,), **kwargs: object) -> requests.Response:
+    """Poll ``url`` until it answers with a status in ``ok`` or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            r = requests.get(url, timeout=2, **kwargs)  # type: ignore[arg-type]
+            if r.status_code in ok:
+                return r
+            last = r.status_code
+        except requests.RequestException as e:
+            last = e
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not ready after {timeout}s (last: {last})")
+
+
+@contextlib.contextmanager
+def running(
+    argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | Path | None = None,
+    log: Path | None = None,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Start a process, yield it, and always stop it (SIGTERM, then SIGKILL after 10 s)."""
+    out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(
+        list(argv), env={**os.environ, **(env or {})}, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        if log:
+            out.close()  # type: ignore[union-attr]

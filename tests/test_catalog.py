@@ -1,0 +1,54 @@
+"""The metric catalog is the single source of truth: its names must follow Prometheus conventions."""
+
+from __future__ import annotations
+
+import re
+
+from gpufleet.agent import catalog
+
+UNIT_SUFFIX = {
+    "celsius": "_celsius", "watts": "_watts", "joules": "_joules", "hertz": "_hertz", "bytes": "_bytes",
+    "seconds": "_seconds", "ratio": "_ratio", "bytes_per_second": "_bytes_per_second", "timestamp": "_seconds",
+}
+
+
+def test_names_are_unique_and_prefixed() -> None:
+    names = [s.name for s in catalog.SPECS]
+    assert len(names) == len(set(names))
+    for n in names:
+        assert re.fullmatch(r"gpufleet_[a-z0-9_]+", n), n
+
+
+def test_counters_end_in_total_and_gauges_do_not() -> None:
+    for s in catalog.SPECS:
+        assert s.name.endswith("_total") == (s.type == "counter"), s.name
+
+
+def test_unit_suffix_matches_unit() -> None:
+    for s in catalog.SPECS:
+        if s.unit:
+            base = s.name.removesuffix("_total")
+            if s.unit in ("seconds", "timestamp") and base.endswith("_seconds"):
+                continue
+            assert base.endswith(UNIT_SUFFIX[s.unit]), s.name
+
+
+def test_info_series_have_labels_and_no_unit() -> None:
+    for s in catalog.SPECS:
+        if s.name.endswith("_info"):
+            assert s.type == "gauge" and not s.unit and s.labels, s.name
+
+
+def test_markdown_table_lists_every_metric() -> None:
+    table = catalog.markdown_table()
+    for s in catalog.SPECS:
+        assert f"`{s.name}`" in table
+
+
+def test_family_builds_the_right_type() -> None:
+    fam = catalog.spec("gpufleet_gpu_energy_joules_total").family()
+    fam.add_metric(["0"], 12.5)
+    assert fam.type == "counter"
+    assert [s.name for s in fam.samples] == ["gpufleet_gpu_energy_joules_total"]
+    g = catalog.spec("gpufleet_gpu_power_watts").family()
+    assert g.type == "gauge"
