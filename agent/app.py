@@ -1,0 +1,139 @@
+"""Build the agent from an :class:`~gpufleet.agent.config.AgentConfig` and run its lifecycle.
+
+:class:`Agent` owns the NVML backend, the enabled collectors (in
+:data:`gpufleet.agent.config.COLLECTORS` order), the :class:`~gpufleet.agent.registry.AgentCollector`
+and a private prometheus-client registry. ``start()`` initializes NVML (never raises;
+NVML being down is reported as ``gpufleet_nvml_up 0``) and starts the XID listener
+thread; ``close()`` stops both.
+
+When the fake NVML source keeps a fake sysfs tree (``source.sysfs_root``) and the user
+left ``--path.sysfs`` at its default, the NIC and topology collectors read that tree,
+so a simulated host has simulated InfiniBand ports too.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from gpufleet.agent.collectors import Collector
+from gpufleet.agent.config import COLLECTORS, AgentConfig
+from gpufleet.agent.registry import AgentCollector, new_registry
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+
+log = logging.getLogger("gpufleet.agent")
+
+_DEFAULT_SYSFS = AgentConfig().sysfs_path
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig, backend: Any | None = None,
+                 collectors: list[Collector] | None = None) -> None:
+        """Build the agent; ``backend``/``collectors`` may be given (tests, benchmarks)."""
+        self.cfg = cfg
+        if backend is None:
+            from gpufleet.agent.nvml.backend import NvmlBackend
+
+            backend = NvmlBackend(cfg.nvml_fake)
+        self.backend = backend
+        self.sysfs_path = self._sysfs_path()
+        self.collectors = collectors if collectors is not None else self._build_collectors()
+        self.collector = AgentCollector(self.collectors, cache_seconds=cfg.cache_seconds)
+        self.registry: CollectorRegistry = new_registry(self.collector)
+        self._started = False
+
+    def _sysfs_path(self) -> str:
+        root: object = getattr(getattr(self.backend, "source", None), "sysfs_root", None)
+        if root and self.cfg.sysfs_path == _DEFAULT_SYSFS:
+            log.info("reading NIC/topology from the fake source's sysfs tree %s", root)
+            return str(root)
+        return str(self.cfg.sysfs_path)
+
+    def _build_collectors(self) -> list[Collector]:
+        out: list[Collector] = []
+        for name in COLLECTORS:
+            if self.cfg.enabled(name):
+                out.append(self._make(name))
+        return out
+
+    def _make(self, name: str) -> Collector:
+        if name == "gpu":
+            from gpufleet.agent.collectors.gpu import GpuCollector
+
+            return GpuCollector(self.backend)
+        if name == "xid":
+            from gpufleet.agent.collectors.xid import XidCollector
+
+            return XidCollector(self.backend)
+        if name == "nic":
+            from gpufleet.agent.collectors.nic import NicCollector
+
+            return NicCollector(self.sysfs_path)
+        if name == "topology":
+            from gpufleet.agent.collectors.topology import TopologyCollector
+
+            return TopologyCollector(self.sysfs_path, self.backend.pci_bus_ids)
+        if name == "jobs":
+            from gpufleet.agent.collectors.jobs import JobsCollector
+
+            return JobsCollector(self.cfg.job_mapping_dir)
+        if name == "host":
+            from gpufleet.agent.collectors.host import HostCollector
+
+            return HostCollector()
+        raise ValueError(f"unknown collector {name!r}")
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, listen_xid: bool = True) -> None:
+        """Initialize NVML and, unless ``listen_xid`` is false, start the XID event thread."""
+        self.backend.start()
+        if not getattr(self.backend, "up", False):
+            log.warning("NVML is not available: %s", getattr(self.backend, "init_error", "unknown error"))
+        if listen_xid:
+            for c in self.collectors:
+                start = getattr(c, "start", None)
+                if callable(start):
+                    start()
+        self._started = True
+
+    def close(self) -> None:
+        for c in self.collectors:
+            close = getattr(c, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception:
+                    log.exception("collector %s: close() failed", c.name)
+        try:
+            self.backend.close()
+        except Exception:
+            log.exception("closing NVML failed")
+        self._started = False
+
+    def __enter__(self) -> Agent:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ output
+    def exposition(self, accept: str | None = None) -> tuple[bytes, str]:
+        """The exposition in the format ``accept`` asks for (Prometheus text by default)."""
+        encoder, content_type = choose_encoder(accept or "")
+        if content_type.startswith("text/plain"):
+            # gpufleet's names are all valid legacy names: the fast encoder's output is identical.
+            return self.collector.read_text(), content_type
+        return bytes(encoder(self.registry)), content_type
+
+    def text(self) -> bytes:
+        """The Prometheus text exposition of one (shared) read."""
+        return bytes(self.collector.read_text())
+
+    def health(self) -> str:
+        """One line on NVML's state for /health."""
+        if getattr(self.backend, "up", False):
+            return "nvml: up"
+        err = getattr(self.backend, "init_error", "") or "not initialized"
+        return f"nvml: down ({err})"

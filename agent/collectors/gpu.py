@@ -1,0 +1,276 @@
+"""The GPU collector: every NVML reading of every GPU, in base units.
+
+Families come from the catalog (group "gpu" plus the exporter's
+``gpufleet_nvml_up`` and ``gpufleet_nvml_errors_total``). NVML's units are
+converted to base units here: MHz -> Hz, mW -> W, mJ -> J, percent -> ratio,
+KiB -> bytes, KB/s -> bytes/s (KB = 1024 bytes, as NVML's other KiB counters),
+ns -> s, MiB/s -> bytes/s. A reading NVML does not support yields no sample.
+A lost GPU is ``gpufleet_gpu_up 0`` and keeps its ``gpufleet_gpu_info`` series
+(cached identity); the other GPUs are reported as usual. When NVML is down the
+collector yields ``gpufleet_nvml_up 0`` (and the error counters) and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from prometheus_client.core import Metric
+from prometheus_client.samples import Sample
+
+from .. import catalog
+from ..nvml.backend import Device, NvmlBackend
+from ..nvml.model import ARCHITECTURES, CLOCK_EVENT_BITS
+from ..nvml.reader import Reading, read_gpu
+
+#: A metric family being filled (GaugeMetricFamily or CounterMetricFamily).
+Fam = Any
+
+# Conversions to base units: multiply by these ...
+MHZ = 1_000_000
+KIB = 1024
+KB = 1024
+MIB = 1024 * 1024
+# ... divide by these (division rounds correctly: 95 / 100 is 0.95, 95 * 0.01 is not).
+PER_PCT = 100
+PER_MILLI = 1000
+PER_NS = 1_000_000_000
+
+_EXPORTER = ("gpufleet_nvml_up", "gpufleet_nvml_errors_total")
+_NAMES: tuple[str, ...] = tuple(s.name for s in catalog.by_group("gpu")) + _EXPORTER
+_SPECS = tuple(catalog.spec(n) for n in _NAMES)
+_REASONS = tuple((r, CLOCK_EVENT_BITS[r]) for r in catalog.CLOCK_EVENT_REASONS)
+_THRESHOLDS = (("slowdown", "temp_slowdown"), ("shutdown", "temp_shutdown"), ("gpu_max", "temp_gpu_max"),
+               ("memory_max", "temp_memory_max"))
+_CLOCKS = (("sm", "clock_sm_mhz", "max_clock_sm"), ("memory", "clock_memory_mhz", "max_clock_memory"),
+           ("graphics", "clock_graphics_mhz", "max_clock_graphics"))
+_NVLINK_ERRORS = tuple(catalog.NVLINK_ERRORS)
+_GPM_RATIOS = (("gpufleet_gpu_sm_active_ratio", "sm_active_pct"),
+               ("gpufleet_gpu_sm_occupancy_ratio", "sm_occupancy_pct"),
+               ("gpufleet_gpu_tensor_active_ratio", "tensor_active_pct"),
+               ("gpufleet_gpu_dram_active_ratio", "dram_active_pct"))
+
+
+#: Default of --collector.gpu.slow-interval (seconds between reads of the slow tier; see nvml.reader).
+DEFAULT_SLOW_INTERVAL = 10.0
+
+
+class GpuCollector:
+    name = "gpu"
+
+    def __init__(self, backend: NvmlBackend, *, slow_interval: float = DEFAULT_SLOW_INTERVAL) -> None:
+        """``slow_interval``: --collector.gpu.slow-interval (0 = read every group on every scrape)."""
+        self.backend = backend
+        self.slow_interval = slow_interval
+        #: Last known cumulative energy (J) per GPU (by UUID), so the node total never drops while a GPU is lost.
+        self._energy: dict[str, float] = {}
+
+    def describe(self) -> Iterable[Metric]:
+        return [s.family() for s in _SPECS]
+
+    def collect(self) -> Iterable[Metric]:
+        b = self.backend
+        if not b.refresh():
+            up: Fam = catalog.spec("gpufleet_nvml_up").family()
+            up.add_metric([], 0)
+            return [up, *self._errors()]
+        devices = list(b.devices)
+        slow = self.slow_interval
+        readings = [read_gpu(b, d, slow_interval=slow) for d in devices]
+        f: dict[str, Fam] = {s.name: s.family() for s in _SPECS}
+        f["gpufleet_nvml_up"].add_metric([], 1)
+        self._identity(f, devices, readings)
+        total_w = total_j = 0.0
+        n_w = n_j = 0
+        last_energy = self._energy
+        present: set[str] = set()
+        for dev, r in zip(devices, readings, strict=True):
+            s = r.sample
+            key = str(dev.facts.get("uuid") or dev.label)
+            present.add(key)
+            if s is None or s.energy_mj is None:
+                # Lost (or its energy unreadable this time): its last known energy stays in the node total,
+                # which is a counter and must not drop because one GPU fell off the bus.
+                if key in last_energy:
+                    total_j += last_energy[key]
+                    n_j += 1
+                if s is None:
+                    continue
+            g = dev.label
+            gl = [g]
+            _div(f["gpufleet_gpu_utilization_ratio"], gl, s.utilization_gpu_pct, PER_PCT)
+            _div(f["gpufleet_gpu_memory_utilization_ratio"], gl, s.utilization_memory_pct, PER_PCT)
+            clock, clock_max = f["gpufleet_gpu_clock_hertz"], f["gpufleet_gpu_clock_max_hertz"]
+            for label, attr, fact in _CLOCKS:
+                _add(clock, [g, label], getattr(s, attr), MHZ)
+                _add(clock_max, [g, label], dev.fact(fact), MHZ)
+            if s.power_mw is not None:
+                watts = s.power_mw / PER_MILLI
+                f["gpufleet_gpu_power_watts"].add_metric(gl, watts)
+                total_w += watts
+                n_w += 1
+            _div(f["gpufleet_gpu_power_limit_watts"], gl, s.power_limit_mw, PER_MILLI)
+            if s.energy_mj is not None:
+                joules = s.energy_mj / PER_MILLI
+                f["gpufleet_gpu_energy_joules_total"].add_metric(gl, joules)
+                total_j += joules
+                n_j += 1
+                last_energy[key] = joules
+            temp = f["gpufleet_gpu_temperature_celsius"]
+            _add(temp, [g, "gpu"], s.temperature_gpu_c)
+            _add(temp, [g, "memory"], s.temperature_memory_c)
+            thr = f["gpufleet_gpu_temperature_threshold_celsius"]
+            for label, fact in _THRESHOLDS:
+                _add(thr, [g, label], dev.fact(fact))
+            if s.fan_speed_pct:
+                fan = f["gpufleet_gpu_fan_speed_ratio"]
+                for i, pct in enumerate(s.fan_speed_pct):
+                    fan.add_metric([g, str(i)], pct / PER_PCT)
+            _add(f["gpufleet_gpu_memory_used_bytes"], gl, s.memory_used_bytes)
+            _add(f["gpufleet_gpu_memory_total_bytes"], gl, r.memory_total_bytes)
+            _add(f["gpufleet_gpu_memory_reserved_bytes"], gl, s.memory_reserved_bytes)
+            _add(f["gpufleet_gpu_performance_state"], gl, s.pstate)
+            if s.clocks_event_reasons is not None:
+                active = f["gpufleet_gpu_clock_event_active"]
+                mask = s.clocks_event_reasons
+                for reason, bit in _REASONS:
+                    active.add_metric([g, reason], 1 if mask & bit else 0)
+            if s.clocks_event_ns:
+                secs = f["gpufleet_gpu_clock_event_seconds_total"]
+                for reason, ns in s.clocks_event_ns.items():
+                    secs.add_metric([g, reason], ns / PER_NS)
+            if s.ecc:
+                ecc = f["gpufleet_gpu_ecc_errors_total"]
+                for key, n in s.ecc.items():
+                    counter, _, error = key.partition("_")
+                    ecc.add_metric([g, error, counter], n)
+            self._memory_health(f, g, r)
+            self._pcie(f, dev, r)
+            self._nvlink(f, g, r)
+            self._gpm(f, g, r)
+        for gone in [k for k in last_energy if k not in present]:  # GPUs no longer enumerated
+            del last_energy[gone]
+        if n_w:
+            f["gpufleet_node_gpu_power_watts"].add_metric([], total_w)
+        if n_j:
+            f["gpufleet_node_gpu_energy_joules_total"].add_metric([], total_j)
+        out: list[Metric] = [f[n] for n in _NAMES[:-1] if f[n].samples]
+        out.extend(self._errors())
+        return out
+
+    # ------------------------------------------------------------------ helpers
+
+    def _identity(self, f: dict[str, Fam], devices: list[Device], readings: list[Reading]) -> None:
+        b = self.backend
+        if b.driver is not None:
+            d = b.driver
+            f["gpufleet_driver_info"].add_metric([d.driver_version, d.nvml_version, d.cuda_version], 1)
+        f["gpufleet_gpus"].add_metric([], len(devices))
+        info, up = f["gpufleet_gpu_info"], f["gpufleet_gpu_up"]
+        for dev, r in zip(devices, readings, strict=True):
+            facts = dev.facts
+            arch = facts.get("architecture")
+            info.add_metric([
+                dev.label, facts.get("uuid") or "", facts.get("name") or "", facts.get("serial") or "",
+                facts.get("pci_bus_id") or "", facts.get("vbios_version") or "",
+                ARCHITECTURES.get(arch, str(arch)) if arch is not None else "",
+            ], 1)
+            up.add_metric([dev.label], 0 if r.lost or r.sample is None else 1)
+
+    @staticmethod
+    def _memory_health(f: dict[str, Fam], g: str, r: Reading) -> None:
+        s = r.sample
+        assert s is not None
+        rows = f["gpufleet_gpu_remapped_rows"]
+        _add(rows, [g, "correctable"], s.remapped_rows_correctable)
+        _add(rows, [g, "uncorrectable"], s.remapped_rows_uncorrectable)
+        _add_bool(f["gpufleet_gpu_row_remap_pending"], [g], s.row_remap_pending)
+        _add_bool(f["gpufleet_gpu_row_remap_failure"], [g], s.row_remap_failure)
+        pages = f["gpufleet_gpu_retired_pages"]
+        _add(pages, [g, "single_bit"], s.retired_pages_single_bit)
+        _add(pages, [g, "double_bit"], s.retired_pages_double_bit)
+        _add_bool(f["gpufleet_gpu_retired_pages_pending"], [g], s.retired_pages_pending)
+
+    @staticmethod
+    def _pcie(f: dict[str, Fam], dev: Device, r: Reading) -> None:
+        s = r.sample
+        assert s is not None
+        g = dev.label
+        gl = [g]
+        _add(f["gpufleet_gpu_pcie_link_generation"], gl, s.pcie_gen)
+        _add(f["gpufleet_gpu_pcie_link_generation_max"], gl, dev.fact("pcie_max_gen"))
+        _add(f["gpufleet_gpu_pcie_link_width"], gl, s.pcie_width)
+        _add(f["gpufleet_gpu_pcie_link_width_max"], gl, dev.fact("pcie_max_width"))
+        _add(f["gpufleet_gpu_pcie_replay_total"], gl, s.pcie_replay_counter)
+        thr = f["gpufleet_gpu_pcie_throughput_bytes_per_second"]
+        gpm = r.gpm
+        tx = gpm.pcie_tx_mibps if gpm else None
+        rx = gpm.pcie_rx_mibps if gpm else None
+        if tx is not None or rx is not None:
+            _add(thr, [g, "tx"], tx, MIB)
+            _add(thr, [g, "rx"], rx, MIB)
+        else:
+            _add(thr, [g, "tx"], s.pcie_tx_kbps, KB)
+            _add(thr, [g, "rx"], s.pcie_rx_kbps, KB)
+
+    @staticmethod
+    def _nvlink(f: dict[str, Fam], g: str, r: Reading) -> None:
+        s = r.sample
+        assert s is not None
+        if not s.nvlink:
+            return
+        # The largest group (7 series per link, 18 links per H100): samples are appended directly.
+        up_fam, bytes_fam, errs_fam = (f["gpufleet_gpu_nvlink_up"], f["gpufleet_gpu_nvlink_bytes_total"],
+                                       f["gpufleet_gpu_nvlink_errors_total"])
+        up, up_name = up_fam.samples.append, up_fam.name
+        nbytes, bytes_name = bytes_fam.samples.append, bytes_fam.name + "_total"
+        errs, errs_name = errs_fam.samples.append, errs_fam.name + "_total"
+        ups = r.nvlink_up
+        for i, (link, ls) in enumerate(zip(r.nvlink_links, s.nvlink, strict=False)):
+            lk = str(link)
+            state = ups[i] if i < len(ups) else None
+            if state is not None:
+                up(Sample(up_name, {"gpu": g, "link": lk}, 1 if state else 0))
+            if ls.tx_kib is not None:
+                nbytes(Sample(bytes_name, {"gpu": g, "link": lk, "direction": "tx"}, ls.tx_kib * KIB))
+            if ls.rx_kib is not None:
+                nbytes(Sample(bytes_name, {"gpu": g, "link": lk, "direction": "rx"}, ls.rx_kib * KIB))
+            for name in _NVLINK_ERRORS:
+                v = getattr(ls, name)
+                if v is not None:
+                    errs(Sample(errs_name, {"gpu": g, "link": lk, "error": name}, v))
+
+    @staticmethod
+    def _gpm(f: dict[str, Fam], g: str, r: Reading) -> None:
+        gpm = r.gpm
+        if gpm is None:
+            return
+        gl = [g]
+        for name, attr in _GPM_RATIOS:
+            _div(f[name], gl, getattr(gpm, attr), PER_PCT)
+        thr = f["gpufleet_gpu_nvlink_throughput_bytes_per_second"]
+        _add(thr, [g, "tx"], gpm.nvlink_tx_mibps, MIB)
+        _add(thr, [g, "rx"], gpm.nvlink_rx_mibps, MIB)
+
+    def _errors(self) -> Iterator[Metric]:
+        errors = self.backend.errors()
+        fam: Fam = catalog.spec("gpufleet_nvml_errors_total").family()
+        for (function, error), n in sorted(errors.items()):
+            fam.add_metric([function, error], n)
+        if errors:
+            yield fam
+
+
+def _add(fam: Fam, labels: list[str], value: float | None, scale: float = 1) -> None:
+    if value is not None:
+        fam.add_metric(labels, value * scale if scale != 1 else value)
+
+
+def _div(fam: Fam, labels: list[str], value: float | None, divisor: float) -> None:
+    if value is not None:
+        fam.add_metric(labels, value / divisor)
+
+
+def _add_bool(fam: Fam, labels: list[str], value: bool | None) -> None:
+    if value is not None:
+        fam.add_metric(labels, 1 if value else 0)

@@ -1,0 +1,433 @@
+"""The agent's door to NVML: init with retry, device handles, static identity, error accounting.
+
+Every NVML call the agent makes goes through :meth:`NvmlBackend.call` (or
+:meth:`NvmlBackend.static` for facts read once), which turns pynvml's exceptions
+into "no value":
+
+* ``NVML_ERROR_NOT_SUPPORTED`` -> ``None`` and nothing else (the field has no series);
+* any other NVML error -> ``None``, counted per (function, error name) for
+  ``gpufleet_nvml_errors_total``;
+* ``GPU_IS_LOST`` / ``GPU_NOT_FOUND`` -> counted, then :class:`GpuLost` is raised so
+  the reader stops reading that GPU for this scrape (one lost GPU never stops
+  the others).
+
+With ``fake_spec`` (``--nvml.fake``) the backend builds a device source with
+:func:`gpufleet.agent.nvml.sources.source_from_spec` and installs the fake NVML
+library into pynvml before ``nvmlInit``, so the very same pynvml calls answer
+from the source.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import pynvml
+
+from .model import GpuInventory
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: NVML return code -> short name ("GPU_IS_LOST"), for the ``error`` label.
+ERROR_NAMES: dict[int, str] = {
+    int(getattr(pynvml, n)): n.removeprefix("NVML_ERROR_") for n in dir(pynvml) if n.startswith("NVML_ERROR_")
+}
+#: Codes that mean the GPU is gone (fell off the bus) until it is reset.
+LOST_CODES = frozenset({pynvml.NVML_ERROR_GPU_IS_LOST, getattr(pynvml, "NVML_ERROR_GPU_NOT_FOUND", 28)})
+#: Codes that mean NVML itself is gone (driver unloaded, library replaced): re-init on a later scrape.
+DOWN_CODES = frozenset({
+    pynvml.NVML_ERROR_UNINITIALIZED,
+    pynvml.NVML_ERROR_DRIVER_NOT_LOADED,
+    pynvml.NVML_ERROR_LIBRARY_NOT_FOUND,
+    pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH,
+})
+#: Codes that, answering "does link N exist", mean it does not.
+_NO_SUCH_LINK = frozenset({pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_INVALID_ARGUMENT})
+
+_NOT_SUPPORTED = pynvml.NVML_ERROR_NOT_SUPPORTED
+_MISSING: Any = object()
+
+
+def error_name(code: int) -> str:
+    return ERROR_NAMES.get(code, f"CODE_{code}")
+
+
+class GpuLost(Exception):
+    """The GPU answered GPU_IS_LOST (or kin): stop reading it for this scrape."""
+
+
+@dataclass
+class Device:
+    """One GPU as the backend knows it: its handle and the facts read once."""
+
+    index: int
+    handle: Any = None
+    #: Static facts by key (uuid, name, max clocks, thresholds...); a key is present once read or NOT_SUPPORTED.
+    facts: dict[str, Any] = field(default_factory=dict)
+    #: NVLink links that exist (probed once), fans (probed once), GPM support (probed once).
+    nvlinks: tuple[int, ...] | None = None
+    fans: int | None = None
+    gpm_supported: bool | None = None
+    lost: bool = False
+    #: True once every static fact has been read (or found unsupported).
+    identified: bool = False
+    #: Per-device state of the reader (GPM samples); owned by :mod:`gpufleet.agent.nvml.reader`.
+    reader_state: Any = None
+
+    @property
+    def label(self) -> str:
+        return str(self.index)
+
+    def fact(self, key: str) -> Any:
+        return self.facts.get(key)
+
+
+@dataclass(frozen=True)
+class DriverVersions:
+    driver_version: str
+    nvml_version: str
+    cuda_version: str
+    cuda_driver_version: int | None
+
+
+class NvmlBackend:
+    """NVML session shared by the GPU collector, the XID listener and the recorder.
+
+    ``fake_spec`` is ``--nvml.fake``: empty for the real libnvidia-ml, else a
+    source spec ("sim", "sim:N", "trace:PATH", "live:PATH"); a bad spec raises
+    ``ValueError`` here (the CLI turns it into a usage error).
+    """
+
+    def __init__(self, fake_spec: str = "") -> None:
+        self.fake_spec = fake_spec
+        self.source: Any = None
+        self._fake: Any = None
+        if fake_spec:
+            from .fake import FakeNvml
+            from .sources import source_from_spec
+
+            self.source = source_from_spec(fake_spec)
+            self._fake = FakeNvml(self.source)
+        self.up = False
+        self.init_error = "not started"
+        #: Incremented on every successful init; users holding NVML objects (event sets) re-create them on change.
+        self.generation = 0
+        self.devices: list[Device] = []
+        self.driver: DriverVersions | None = None
+        self._initialized = False
+        self._fake_installed = False
+        self._lock = threading.RLock()
+        self._errors_lock = threading.Lock()
+        self._errors: dict[tuple[str, str], int] = {}
+        #: Total of every counted error (cheap "did anything fail since" check for the reader's caches).
+        self.error_total = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> bool:
+        """Initialize NVML and enumerate the GPUs. Never raises; sets ``up`` and ``init_error``."""
+        with self._lock:
+            if self.up:
+                return True
+            if self._fake is not None and not self._fake_installed:
+                self._fake.install()
+                self._fake_installed = True
+            try:
+                pynvml.nvmlInit()
+            except pynvml.NVMLError as e:
+                self._count("nvmlInit", e.value)
+                self._set_down(f"nvmlInit: {error_name(e.value)} ({e})")
+                return False
+            self._initialized = True
+            try:
+                self._enumerate()
+            except pynvml.NVMLError as e:
+                self._count("nvmlDeviceGetCount", e.value)
+                self._shutdown_quietly()
+                self._set_down(f"nvmlDeviceGetCount: {error_name(e.value)} ({e})")
+                return False
+            self.up = True
+            self.init_error = ""
+            self.generation += 1
+            log.info("NVML up: %d GPU(s), driver %s", len(self.devices),
+                     self.driver.driver_version if self.driver else "?")
+            return True
+
+    def refresh(self) -> bool:
+        """Called at the start of a scrape: (re)initialize if needed and check NVML still answers.
+
+        Returns True when NVML answers; False means "report nvml_up 0 and nothing else".
+        """
+        with self._lock:
+            if not self.up:
+                return self.start()
+            try:
+                count = pynvml.nvmlDeviceGetCount()
+            except pynvml.NVMLError as e:
+                self._count("nvmlDeviceGetCount", e.value)
+                if e.value in DOWN_CODES:
+                    self._drop_devices()  # handles and GPM samples die with the session
+                    self._shutdown_quietly()
+                    self._set_down(f"nvmlDeviceGetCount: {error_name(e.value)} ({e})")
+                return False
+            if count != len(self.devices):
+                log.warning("GPU count changed from %d to %d: re-enumerating", len(self.devices), count)
+                self._enumerate(count)
+            for dev in self.devices:
+                if dev.handle is None:
+                    self._open(dev)
+            return True
+
+    def close(self) -> None:
+        """Shut NVML down (and uninstall the fake library)."""
+        with self._lock:
+            self._drop_devices()
+            self._shutdown_quietly()
+            self._set_down("closed")
+            if self._fake is not None and self._fake_installed:
+                self._fake.uninstall()
+                self._fake_installed = False
+                closer = getattr(self.source, "close", None)
+                if callable(closer):
+                    closer()  # stops the source's threads, removes its temporary sysfs tree
+
+    def __enter__(self) -> NvmlBackend:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ calls
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T | None:
+        """``fn(*args)``; None when NOT_SUPPORTED or on error (counted); raises GpuLost for a lost GPU."""
+        try:
+            return fn(*args)
+        except pynvml.NVMLError as e:
+            self.failed(fn.__name__, e.value)
+            return None
+
+    def failed(self, function: str, code: int) -> None:
+        """Account for ``function`` returning ``code``: count it (unless NOT_SUPPORTED); raise GpuLost if lost."""
+        if code == _NOT_SUPPORTED:
+            return
+        self._count(function, code)
+        if code in LOST_CODES:
+            raise GpuLost(function)
+
+    def static(self, dev: Device, key: str, fn: Callable[..., T], *args: Any) -> T | None:
+        """A fact read once per device: cached on success or NOT_SUPPORTED, retried after an error."""
+        value = dev.facts.get(key, _MISSING)
+        if value is not _MISSING:
+            return value  # type: ignore[no-any-return]
+        try:
+            value = fn(*args)
+        except pynvml.NVMLError as e:
+            code = e.value
+            if code == _NOT_SUPPORTED:
+                dev.facts[key] = None
+                return None
+            self._count(fn.__name__, code)
+            if code in LOST_CODES:
+                raise GpuLost(fn.__name__) from None
+            return None
+        dev.facts[key] = value
+        return value
+
+    def count_error(self, function: str, code: int) -> None:
+        """Count an error NVML reported inside a struct (field values, GPM metrics)."""
+        if code != _NOT_SUPPORTED:
+            self._count(function, code)
+
+    def errors(self) -> dict[tuple[str, str], int]:
+        """A copy of the error counters: (function, error name) -> count."""
+        with self._errors_lock:
+            return dict(self._errors)
+
+    def _count(self, function: str, code: int) -> None:
+        key = (function, error_name(code))
+        with self._errors_lock:
+            self._errors[key] = self._errors.get(key, 0) + 1
+            self.error_total += 1
+
+    # ------------------------------------------------------------------ devices and identity
+
+    def pci_bus_ids(self) -> dict[str, str]:
+        """GPU index (string) -> NVML PCI bus id ("00000000:18:00.0"), for the topology collector."""
+        if not self.up:
+            self.start()
+        return {d.label: bus for d in self.devices if (bus := d.fact("pci_bus_id"))}
+
+    def identify(self, dev: Device) -> None:
+        """Read the device's static facts (each once; errored ones are retried on the next call)."""
+        if dev.handle is None or dev.identified:
+            return
+        h = dev.handle
+        st = self.static
+        st(dev, "uuid", pynvml.nvmlDeviceGetUUID, h)
+        st(dev, "name", pynvml.nvmlDeviceGetName, h)
+        st(dev, "serial", pynvml.nvmlDeviceGetSerial, h)
+        pci = st(dev, "pci", pynvml.nvmlDeviceGetPciInfo, h)
+        if pci is not None and "pci_bus_id" not in dev.facts:
+            dev.facts["pci_bus_id"] = _text(pci.busId) or _text(pci.busIdLegacy)
+        st(dev, "vbios_version", pynvml.nvmlDeviceGetVbiosVersion, h)
+        st(dev, "architecture", pynvml.nvmlDeviceGetArchitecture, h)
+        st(dev, "minor_number", pynvml.nvmlDeviceGetMinorNumber, h)
+        st(dev, "cuda_compute_capability", pynvml.nvmlDeviceGetCudaComputeCapability, h)
+        for key, clock in (("max_clock_sm", pynvml.NVML_CLOCK_SM), ("max_clock_memory", pynvml.NVML_CLOCK_MEM),
+                           ("max_clock_graphics", pynvml.NVML_CLOCK_GRAPHICS)):
+            st(dev, key, pynvml.nvmlDeviceGetMaxClockInfo, h, clock)
+        for key, thr in THRESHOLDS:
+            st(dev, key, pynvml.nvmlDeviceGetTemperatureThreshold, h, thr)
+        st(dev, "pcie_max_gen", pynvml.nvmlDeviceGetMaxPcieLinkGeneration, h)
+        st(dev, "pcie_max_width", pynvml.nvmlDeviceGetMaxPcieLinkWidth, h)
+        if dev.fans is None:
+            fans = st(dev, "num_fans", pynvml.nvmlDeviceGetNumFans, h)
+            if fans is not None or "num_fans" in dev.facts:
+                dev.fans = int(fans or 0)
+        if dev.nvlinks is None:
+            dev.nvlinks = self._probe_nvlinks(dev)
+        if dev.gpm_supported is None:
+            support = st(dev, "gpm_support", pynvml.nvmlGpmQueryDeviceSupport, h)
+            if "gpm_support" in dev.facts:
+                dev.gpm_supported = bool(support is not None and support.isSupportedDevice)
+        dev.identified = (
+            all(k in dev.facts for k in _FACT_KEYS)
+            and dev.fans is not None and dev.nvlinks is not None and dev.gpm_supported is not None
+        )
+
+    def inventory(self, dev: Device) -> GpuInventory:
+        """The device's static facts as the model's :class:`GpuInventory` (for traces)."""
+        f = dev.facts
+        cc = f.get("cuda_compute_capability")
+        mem = f.get("memory_total_bytes")
+        return GpuInventory(
+            index=dev.index,
+            uuid=f.get("uuid") or "",
+            name=f.get("name") or "",
+            serial=f.get("serial"),
+            pci_bus_id=f.get("pci_bus_id") or "",
+            vbios_version=f.get("vbios_version"),
+            architecture=int(f.get("architecture") or 0),
+            cuda_compute_capability=(int(cc[0]), int(cc[1])) if cc else (0, 0),
+            minor_number=int(f.get("minor_number") or 0),
+            memory_total_bytes=int(mem or 0),
+            power_limit_default_mw=None,
+            power_limit_min_mw=None,
+            power_limit_max_mw=None,
+            temp_slowdown_c=f.get("temp_slowdown"),
+            temp_shutdown_c=f.get("temp_shutdown"),
+            temp_gpu_max_c=f.get("temp_gpu_max"),
+            temp_memory_max_c=f.get("temp_memory_max"),
+            max_clock_sm_mhz=f.get("max_clock_sm"),
+            max_clock_memory_mhz=f.get("max_clock_memory"),
+            max_clock_graphics_mhz=f.get("max_clock_graphics"),
+            pcie_max_gen=f.get("pcie_max_gen"),
+            pcie_max_width=f.get("pcie_max_width"),
+            nvlink_count=len(dev.nvlinks or ()),
+            fan_count=dev.fans or 0,
+            gpm_supported=bool(dev.gpm_supported),
+        )
+
+    def _probe_nvlinks(self, dev: Device) -> tuple[int, ...] | None:
+        links: list[int] = []
+        for link in range(int(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18))):
+            try:
+                pynvml.nvmlDeviceGetNvLinkState(dev.handle, link)
+            except pynvml.NVMLError as e:
+                if e.value in _NO_SUCH_LINK:
+                    break
+                self._count("nvmlDeviceGetNvLinkState", e.value)
+                if e.value in LOST_CODES:
+                    raise GpuLost("nvmlDeviceGetNvLinkState") from None
+                return None  # unknown: probe again next time
+            links.append(link)
+        return tuple(links)
+
+    def _open(self, dev: Device) -> None:
+        try:
+            dev.handle = pynvml.nvmlDeviceGetHandleByIndex(dev.index)
+        except pynvml.NVMLError as e:
+            self._count("nvmlDeviceGetHandleByIndex", e.value)
+            dev.lost = dev.lost or e.value in LOST_CODES
+            return
+        try:
+            self.identify(dev)
+        except GpuLost:
+            dev.lost = True
+
+    def _enumerate(self, count: int | None = None) -> None:
+        if count is None:
+            count = pynvml.nvmlDeviceGetCount()
+        old = {d.index: d for d in self.devices}
+        devices: list[Device] = []
+        for i in range(count):
+            dev = old.pop(i, None) or Device(index=i)
+            if dev.handle is None:
+                self._open(dev)
+            devices.append(dev)
+        for dev in old.values():
+            closer = getattr(dev.reader_state, "close", None)
+            if callable(closer):
+                closer()
+        self.devices = devices
+        self.driver = self._driver_versions()
+
+    def _driver_versions(self) -> DriverVersions:
+        drv = self.call(pynvml.nvmlSystemGetDriverVersion) or ""
+        nvml = self.call(pynvml.nvmlSystemGetNVMLVersion) or ""
+        cuda = self.call(pynvml.nvmlSystemGetCudaDriverVersion)
+        cuda_text = f"{cuda // 1000}.{cuda % 1000 // 10}" if cuda else ""
+        return DriverVersions(str(drv), str(nvml), cuda_text, cuda)
+
+    def _drop_devices(self) -> None:
+        for dev in self.devices:
+            closer = getattr(dev.reader_state, "close", None)
+            if callable(closer):
+                closer()
+        self.devices = []
+
+    def _set_down(self, reason: str) -> None:
+        repeated = reason == self.init_error
+        self.up = False
+        self.init_error = reason
+        if reason == "closed" or repeated:  # retried on every scrape: say it once
+            log.debug("NVML down: %s", reason)
+        else:
+            log.warning("NVML down: %s (retrying on later scrapes)", reason)
+
+    def _shutdown_quietly(self) -> None:
+        if not self._initialized:
+            return
+        self._initialized = False
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError as e:
+            log.debug("nvmlShutdown: %s", e)
+
+
+#: (fact key, NVML threshold) pairs read once per device.
+THRESHOLDS: tuple[tuple[str, int], ...] = (
+    ("temp_slowdown", pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN),
+    ("temp_shutdown", pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN),
+    ("temp_gpu_max", pynvml.NVML_TEMPERATURE_THRESHOLD_GPU_MAX),
+    ("temp_memory_max", pynvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX),
+)
+
+
+def _text(value: object) -> str:
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    return str(value) if value else ""
+
+_FACT_KEYS = (
+    "uuid", "name", "serial", "pci", "vbios_version", "architecture", "minor_number", "cuda_compute_capability",
+    "max_clock_sm", "max_clock_memory", "max_clock_graphics", "pcie_max_gen", "pcie_max_width",
+    *(k for k, _ in THRESHOLDS),
+)

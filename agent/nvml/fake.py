@@ -1,0 +1,985 @@
+"""A pure-Python stand-in for libnvidia-ml that answers pynvml's C calls from a DeviceSource.
+
+pynvml resolves every entry point with ``getattr(pynvml.nvmlLib, "nvmlXxx")`` and
+calls it with ctypes objects (``byref(...)`` out-parameters, ``c_char`` buffers
+with a length, versioned structs, opaque ``c_nvmlDevice_t`` pointers). Installing
+a :class:`FakeNvml` replaces ``pynvml.nvmlLib`` with an object that has exactly
+the entry points implemented here, so the agent's real pynvml calls run unchanged
+on a machine without a GPU:
+
+    with FakeNvml(source) as fake:
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        pynvml.nvmlDeviceGetPowerUsage(h)      # source.sample(0).power_mw
+
+Behaviour mirrors NVML where it matters to a monitoring agent:
+
+* calls before ``nvmlInit`` (or after the last ``nvmlShutdown``) return
+  ``NVML_ERROR_UNINITIALIZED``; init is reference counted;
+* ``driver_loaded = False`` makes ``nvmlInit`` fail with ``DRIVER_NOT_LOADED``;
+* a ``None`` field in the source's data means ``NVML_ERROR_NOT_SUPPORTED``;
+* a sample with ``lost=True`` makes every call for that device return
+  ``NVML_ERROR_GPU_IS_LOST`` (handles can still be obtained, as an agent that
+  started before the GPU fell off the bus already holds them);
+* entry points not implemented are absent, so pynvml raises
+  ``NVMLError_FunctionNotFound`` instead of silently succeeding;
+* :meth:`FakeNvml.inject_error` makes chosen calls (by C entry point or pynvml
+  wrapper name, device, or field id inside ``nvmlDeviceGetFieldValues``) fail
+  with any NVML return code.
+
+Device handles are fake pointer values that are never dereferenced;
+``nvmlDeviceGetIndex`` maps one back to its index.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from types import TracebackType
+from typing import Any
+
+import pynvml
+
+from .model import DeviceSource, GpmCounters, GpuInventory, GpuSample, XidEvent
+
+SUCCESS: int = pynvml.NVML_SUCCESS
+UNINITIALIZED: int = pynvml.NVML_ERROR_UNINITIALIZED
+INVALID_ARGUMENT: int = pynvml.NVML_ERROR_INVALID_ARGUMENT
+NOT_SUPPORTED: int = pynvml.NVML_ERROR_NOT_SUPPORTED
+NOT_FOUND: int = pynvml.NVML_ERROR_NOT_FOUND
+INSUFFICIENT_SIZE: int = pynvml.NVML_ERROR_INSUFFICIENT_SIZE
+DRIVER_NOT_LOADED: int = pynvml.NVML_ERROR_DRIVER_NOT_LOADED
+TIMEOUT: int = pynvml.NVML_ERROR_TIMEOUT
+GPU_IS_LOST: int = pynvml.NVML_ERROR_GPU_IS_LOST
+ARGUMENT_VERSION_MISMATCH: int = pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+UNKNOWN: int = pynvml.NVML_ERROR_UNKNOWN
+
+_ERROR_STRINGS: dict[int, str] = {
+    SUCCESS: "Success",
+    UNINITIALIZED: "Uninitialized",
+    INVALID_ARGUMENT: "Invalid Argument",
+    NOT_SUPPORTED: "Not Supported",
+    pynvml.NVML_ERROR_NO_PERMISSION: "Insufficient Permissions",
+    pynvml.NVML_ERROR_ALREADY_INITIALIZED: "Already Initialized",
+    NOT_FOUND: "Not Found",
+    INSUFFICIENT_SIZE: "Insufficient Size",
+    DRIVER_NOT_LOADED: "Driver Not Loaded",
+    TIMEOUT: "Timeout",
+    pynvml.NVML_ERROR_FUNCTION_NOT_FOUND: "Function Not Found",
+    GPU_IS_LOST: "GPU is lost",
+    pynvml.NVML_ERROR_RESET_REQUIRED: "GPU requires restart",
+    ARGUMENT_VERSION_MISMATCH: "Argument version mismatch",
+    UNKNOWN: "Unknown Error",
+}
+
+# PCI ids of an H100 SXM5 80GB (the only board the built-in sources model).
+_PCI_DEVICE_ID = 0x233010DE
+_PCI_SUBSYSTEM_ID = 0x16C110DE
+
+_FIELD_CLOCK_EVENT: dict[int, str] = {
+    pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP: "sw_power_cap",
+    pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_SYNC_BOOST: "sync_boost",
+    pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN: "sw_thermal_slowdown",
+    pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN: "hw_thermal_slowdown",
+    pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN: "hw_power_brake_slowdown",
+}
+
+_NVLINK_ERROR_COUNTER: dict[int, str] = {
+    pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT: "crc_flit",
+    pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA: "crc_data",
+    pynvml.NVML_NVLINK_ERROR_DL_REPLAY: "replay",
+    pynvml.NVML_NVLINK_ERROR_DL_RECOVERY: "recovery",
+}
+
+_MIB = float(2**20)
+
+# GPM metric id -> (short name, unit, how to compute it from two GpmCounters and the interval).
+_GpmFn = Callable[[GpmCounters, GpmCounters, float], float]
+
+
+def _pct(attr: str) -> _GpmFn:
+    def f(a: GpmCounters, b: GpmCounters, dt: float) -> float:
+        return min(100.0, max(0.0, 100.0 * float(getattr(b, attr) - getattr(a, attr)) / dt))
+
+    return f
+
+
+def _mib_s(attr: str) -> _GpmFn:
+    def f(a: GpmCounters, b: GpmCounters, dt: float) -> float:
+        return max(0.0, float(getattr(b, attr) - getattr(a, attr)) / dt / _MIB)
+
+    return f
+
+
+_GPM_METRICS: dict[int, tuple[bytes, bytes, _GpmFn]] = {
+    pynvml.NVML_GPM_METRIC_SM_UTIL: (b"SM_UTIL", b"%", _pct("sm_active_s")),
+    pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: (b"SM_OCCUPANCY", b"%", _pct("sm_occupancy_s")),
+    pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: (b"ANY_TENSOR_UTIL", b"%", _pct("tensor_active_s")),
+    pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: (b"DRAM_BW_UTIL", b"%", _pct("dram_active_s")),
+    pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC: (b"NVLINK_TOTAL_TX_PER_SEC", b"MiB/s", _mib_s("nvlink_tx_bytes")),
+    pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC: (b"NVLINK_TOTAL_RX_PER_SEC", b"MiB/s", _mib_s("nvlink_rx_bytes")),
+    pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC: (b"PCIE_TX_PER_SEC", b"MiB/s", _mib_s("pcie_tx_bytes")),
+    pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC: (b"PCIE_RX_PER_SEC", b"MiB/s", _mib_s("pcie_rx_bytes")),
+}
+
+_SUPPORTED_EVENTS: int = pynvml.nvmlEventTypeXidCriticalError
+
+#: Entry points that work without nvmlInit.
+_NO_INIT = frozenset({"nvmlInit", "nvmlInit_v2", "nvmlInitWithFlags", "nvmlErrorString"})
+
+#: pynvml wrapper names whose C entry point has a different base name.
+_ALIASES = {"nvmlInit": "nvmlInitWithFlags", "nvmlInit_v2": "nvmlInitWithFlags"}
+
+_POLL_STEP_S = 0.02
+
+
+def _norm(name: str) -> str:
+    name = _ALIASES.get(name, name)
+    return re.sub(r"_v\d+$", "", name)
+
+
+def _int(x: Any) -> int:
+    """The integer behind a ctypes scalar or a plain int."""
+    return int(x.value) if hasattr(x, "value") else int(x)
+
+
+def _target(ref: Any) -> Any:
+    """The object a ``byref(...)`` argument points at (or the object itself)."""
+    return ref._obj if hasattr(ref, "_obj") else ref
+
+
+def _addr(ptr: Any) -> int | None:
+    """The address held by an opaque handle (a ctypes pointer, c_void_p or int)."""
+    if ptr is None:
+        return None
+    if isinstance(ptr, int):
+        return ptr
+    if isinstance(ptr, ctypes.c_void_p):
+        return ptr.value
+    if hasattr(ptr, "contents"):  # a ctypes pointer: its target's address is the handle value
+        try:
+            return ctypes.addressof(ptr.contents)
+        except ValueError:  # NULL
+            return None
+    try:
+        return ctypes.cast(ptr, ctypes.c_void_p).value
+    except (TypeError, ctypes.ArgumentError):
+        return None
+
+
+def _set_pointer(ref: Any, value: int) -> None:
+    """Store ``value`` in the pointer object ``ref`` points at."""
+    obj = _target(ref)
+    ctypes.c_void_p.from_address(ctypes.addressof(obj)).value = value
+
+
+def _write_str(buf: Any, length: Any, text: str) -> int:
+    data = text.encode()
+    if len(data) + 1 > _int(length):
+        return INSUFFICIENT_SIZE
+    buf.value = data
+    return SUCCESS
+
+
+def _set(ref: Any, value: int | None) -> int:
+    if value is None:
+        return NOT_SUPPORTED
+    _target(ref).value = int(value)
+    return SUCCESS
+
+
+@dataclass
+class _Rule:
+    code: int
+    function: str | None
+    gpu: int | None
+    field: int | None
+
+
+@dataclass
+class _Dev:
+    index: int
+    inv: GpuInventory
+    sample: GpuSample
+
+
+@dataclass
+class _GpmSample:
+    index: int | None = None
+    timestamp: float = 0.0
+    counters: GpmCounters | None = None
+
+
+@dataclass
+class _EventSet:
+    devices: set[int] = field(default_factory=set)
+    queue: list[XidEvent] = field(default_factory=list)
+
+
+class _Entry:
+    """One exported "C function": callable, and accepts ``restype``/``argtypes`` like a ctypes function."""
+
+    def __init__(self, fake: FakeNvml, name: str) -> None:
+        self.__name__ = name
+        self._fake = fake
+        self.restype: Any = ctypes.c_int
+        self.argtypes: Any = None
+
+    def __call__(self, *args: Any) -> Any:
+        return self._fake._call(self.__name__, args)
+
+
+class _FakeLib:
+    """What ``pynvml.nvmlLib`` becomes: attribute lookup yields the implemented entry points only."""
+
+    def __init__(self, fake: FakeNvml) -> None:
+        self._fake = fake
+
+    def __getattr__(self, name: str) -> _Entry:
+        if name.startswith("_") or name not in self._fake.entry_points():
+            raise AttributeError(name)
+        return _Entry(self._fake, name)
+
+
+class FakeNvml:
+    """A fake libnvidia-ml backed by ``source``; see the module docstring."""
+
+    _instances = itertools.count(1)
+
+    def __init__(self, source: DeviceSource) -> None:
+        self.source = source
+        self.driver_loaded = True
+        #: the last exception a source raised inside a call (the call returned NVML_ERROR_UNKNOWN)
+        self.last_exception: BaseException | None = None
+        self._lock = threading.RLock()
+        self._refcount = 0
+        self._rules: list[_Rule] = []
+        base = 0x7F5A_0000_0000 + (next(self._instances) % 0xFFFF) * 0x1_0000_0000
+        self._dev_base = base
+        self._gpm_base = base + 0x1000_0000
+        self._set_base = base + 0x2000_0000
+        self._gpm: dict[int, _GpmSample] = {}
+        self._sets: dict[int, _EventSet] = {}
+        self._ids = itertools.count(1)
+        self._lib = _FakeLib(self)
+        self._previous: Any = None
+        self._installed = False
+        self._impl: dict[str, Callable[..., int]] = {
+            name[3:]: getattr(self, name) for name in dir(type(self)) if name.startswith("_c_nvml")
+        }
+        self._normed = {name: _norm(name) for name in self._impl}
+
+    # ------------------------------------------------------------------ public API
+
+    def entry_points(self) -> frozenset[str]:
+        """The C entry point names this fake exports."""
+        return frozenset(self._impl)
+
+    def install(self) -> FakeNvml:
+        """Make pynvml call this fake (remembers the library pynvml had before)."""
+        with pynvml.libLoadLock:
+            if self._installed:
+                raise RuntimeError("this FakeNvml is already installed")
+            self._previous = pynvml.nvmlLib
+            pynvml.nvmlLib = self._lib
+            pynvml._nvmlGetFunctionPointer_cache.clear()
+            self._installed = True
+        return self
+
+    def uninstall(self) -> None:
+        """Give pynvml back the library it had before :meth:`install`."""
+        with pynvml.libLoadLock:
+            if not self._installed:
+                return
+            pynvml.nvmlLib = self._previous
+            pynvml._nvmlGetFunctionPointer_cache.clear()
+            self._previous = None
+            self._installed = False
+
+    def __enter__(self) -> FakeNvml:
+        return self.install()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.uninstall()
+
+    def inject_error(
+        self, code: int, *, function: str | None = None, gpu: int | None = None, field: int | None = None
+    ) -> None:
+        """Make matching calls return ``code``.
+
+        ``function`` is a C entry point ("nvmlDeviceGetPciInfo_v3") or pynvml wrapper name
+        ("nvmlDeviceGetPciInfo"); ``None`` means every call that takes a device (except
+        nvmlDeviceGetHandleByIndex, which fails only when named). ``gpu`` limits the rule to
+        one device index. ``field`` makes only that field id inside nvmlDeviceGetFieldValues
+        carry ``code`` in its nvmlReturn while the call and the other fields succeed.
+        """
+        if function is not None:
+            known = {_norm(n) for n in self._impl}
+            if _norm(function) not in known:
+                raise ValueError(f"unknown NVML function {function!r}: the fake does not implement it")
+            function = _norm(function)
+        if field is not None and function not in (None, "nvmlDeviceGetFieldValues"):
+            raise ValueError("a field error applies to nvmlDeviceGetFieldValues only")
+        if code == SUCCESS:
+            raise ValueError("inject a non-zero NVML return code")
+        with self._lock:
+            self._rules.append(_Rule(int(code), function, gpu, field))
+
+    def clear_errors(self) -> None:
+        with self._lock:
+            self._rules.clear()
+
+    def handle_address(self, index: int) -> int:
+        """The fake pointer value of device ``index``'s handle."""
+        return self._dev_base + (index + 1) * 0x100
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _call(self, name: str, args: tuple[Any, ...]) -> Any:
+        impl = self._impl[name]
+        if name == "nvmlEventSetWait_v2":  # blocks: takes the lock in small steps itself
+            return self._guarded(name, impl, args)
+        with self._lock:
+            return self._guarded(name, impl, args)
+
+    def _guarded(self, name: str, impl: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        try:
+            if name == "nvmlErrorString":
+                return impl(*args)
+            if name not in _NO_INIT and self._refcount == 0:
+                return UNINITIALIZED
+            code = self._system_rule(name)
+            if code is not None:
+                return code
+            return impl(*args)
+        except Exception as e:  # a broken source must not take the agent down
+            self.last_exception = e
+            return UNKNOWN
+
+    def _system_rule(self, name: str) -> int | None:
+        """A rule naming this call and no device (device calls are checked in :meth:`_dev`)."""
+        if not self._rules:
+            return None
+        n = self._normed[name]
+        for r in self._rules:
+            if r.function == n and r.gpu is None and r.field is None:
+                return r.code
+        return None
+
+    def _device_rule(self, name: str, index: int, *, wildcard: bool = True) -> int | None:
+        if not self._rules:
+            return None
+        n = self._normed[name]
+        for r in self._rules:
+            if r.field is not None:
+                continue
+            if r.gpu is not None and r.gpu != index:
+                continue
+            if r.function == n or (r.function is None and wildcard):
+                return r.code
+        return None
+
+    def _dev(self, name: str, handle: Any) -> _Dev | int:
+        """The device behind ``handle`` with its current sample, or the error code the call returns."""
+        addr = _addr(handle)
+        if addr is None:
+            return INVALID_ARGUMENT
+        off = addr - self._dev_base
+        inventory = self.source.inventory()
+        if off <= 0 or off % 0x100 or off // 0x100 > len(inventory):
+            return INVALID_ARGUMENT
+        index = off // 0x100 - 1
+        code = self._device_rule(name, index)
+        if code is not None:
+            return code
+        sample = self.source.sample(index)
+        if sample.lost:
+            return GPU_IS_LOST
+        return _Dev(index, inventory[index], sample)
+
+    # ------------------------------------------------------------------ init / system
+
+    def _c_nvmlInitWithFlags(self, flags: Any = 0) -> int:
+        if not self.driver_loaded:
+            return DRIVER_NOT_LOADED
+        self._refcount += 1
+        return SUCCESS
+
+    def _c_nvmlInit_v2(self) -> int:
+        return self._c_nvmlInitWithFlags(0)
+
+    def _c_nvmlInit(self) -> int:
+        return self._c_nvmlInitWithFlags(0)
+
+    def _c_nvmlShutdown(self) -> int:
+        self._refcount -= 1
+        if self._refcount == 0:
+            self._gpm.clear()
+            self._sets.clear()
+        return SUCCESS
+
+    def _c_nvmlErrorString(self, code: Any) -> bytes:
+        c = _int(code)
+        return _ERROR_STRINGS.get(c, f"Unknown NVML error code {c}").encode()
+
+    def _c_nvmlSystemGetDriverVersion(self, buf: Any, length: Any) -> int:
+        return _write_str(buf, length, self.source.driver().driver_version)
+
+    def _c_nvmlSystemGetNVMLVersion(self, buf: Any, length: Any) -> int:
+        return _write_str(buf, length, self.source.driver().nvml_version)
+
+    def _c_nvmlSystemGetCudaDriverVersion(self, out: Any) -> int:
+        return _set(out, self.source.driver().cuda_driver_version)
+
+    def _c_nvmlSystemGetCudaDriverVersion_v2(self, out: Any) -> int:
+        return _set(out, self.source.driver().cuda_driver_version)
+
+    # ------------------------------------------------------------------ identity
+
+    def _c_nvmlDeviceGetCount_v2(self, out: Any) -> int:
+        return _set(out, len(self.source.inventory()))
+
+    def _c_nvmlDeviceGetHandleByIndex_v2(self, index: Any, out: Any) -> int:
+        i = _int(index)
+        if not 0 <= i < len(self.source.inventory()):
+            return INVALID_ARGUMENT
+        code = self._device_rule("nvmlDeviceGetHandleByIndex_v2", i, wildcard=False)
+        if code is not None:
+            return code
+        _set_pointer(out, self.handle_address(i))
+        return SUCCESS
+
+    def _c_nvmlDeviceGetIndex(self, handle: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetIndex", handle)
+        return d if isinstance(d, int) else _set(out, d.index)
+
+    def _c_nvmlDeviceGetUUID(self, handle: Any, buf: Any, length: Any) -> int:
+        d = self._dev("nvmlDeviceGetUUID", handle)
+        return d if isinstance(d, int) else _write_str(buf, length, d.inv.uuid)
+
+    def _c_nvmlDeviceGetName(self, handle: Any, buf: Any, length: Any) -> int:
+        d = self._dev("nvmlDeviceGetName", handle)
+        return d if isinstance(d, int) else _write_str(buf, length, d.inv.name)
+
+    def _c_nvmlDeviceGetSerial(self, handle: Any, buf: Any, length: Any) -> int:
+        d = self._dev("nvmlDeviceGetSerial", handle)
+        if isinstance(d, int):
+            return d
+        return NOT_SUPPORTED if d.inv.serial is None else _write_str(buf, length, d.inv.serial)
+
+    def _c_nvmlDeviceGetVbiosVersion(self, handle: Any, buf: Any, length: Any) -> int:
+        d = self._dev("nvmlDeviceGetVbiosVersion", handle)
+        if isinstance(d, int):
+            return d
+        v = d.inv.vbios_version
+        return NOT_SUPPORTED if v is None else _write_str(buf, length, v)
+
+    def _c_nvmlDeviceGetPciInfo_v3(self, handle: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetPciInfo_v3", handle)
+        if isinstance(d, int):
+            return d
+        m = re.fullmatch(r"([0-9a-fA-F]+):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])", d.inv.pci_bus_id)
+        if m is None:
+            return UNKNOWN
+        domain, bus, dev = (int(m.group(i), 16) for i in (1, 2, 3))
+        info = _target(out)
+        info.busId = f"{domain:08X}:{bus:02X}:{dev:02X}.{m.group(4)}".encode()
+        info.busIdLegacy = f"{domain:04X}:{bus:02X}:{dev:02X}.{m.group(4)}".encode()
+        info.domain, info.bus, info.device = domain, bus, dev
+        info.pciDeviceId = _PCI_DEVICE_ID
+        info.pciSubSystemId = _PCI_SUBSYSTEM_ID
+        return SUCCESS
+
+    def _c_nvmlDeviceGetArchitecture(self, handle: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetArchitecture", handle)
+        return d if isinstance(d, int) else _set(out, d.inv.architecture)
+
+    def _c_nvmlDeviceGetMinorNumber(self, handle: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetMinorNumber", handle)
+        return d if isinstance(d, int) else _set(out, d.inv.minor_number)
+
+    def _c_nvmlDeviceGetCudaComputeCapability(self, handle: Any, major: Any, minor: Any) -> int:
+        d = self._dev("nvmlDeviceGetCudaComputeCapability", handle)
+        if isinstance(d, int):
+            return d
+        _set(major, d.inv.cuda_compute_capability[0])
+        return _set(minor, d.inv.cuda_compute_capability[1])
+
+    # ------------------------------------------------------------------ readings
+
+    def _c_nvmlDeviceGetUtilizationRates(self, handle: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetUtilizationRates", handle)
+        if isinstance(d, int):
+            return d
+        s = d.sample
+        if s.utilization_gpu_pct is None or s.utilization_memory_pct is None:
+            return NOT_SUPPORTED
+        u = _target(out)
+        u.gpu, u.memory = s.utilization_gpu_pct, s.utilization_memory_pct
+        return SUCCESS
+
+    def _c_nvmlDeviceGetClockInfo(self, handle: Any, clock: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetClockInfo", handle)
+        if isinstance(d, int):
+            return d
+        c, s = _int(clock), d.sample
+        values = {
+            pynvml.NVML_CLOCK_GRAPHICS: s.clock_graphics_mhz,
+            pynvml.NVML_CLOCK_SM: s.clock_sm_mhz,
+            pynvml.NVML_CLOCK_MEM: s.clock_memory_mhz,
+            pynvml.NVML_CLOCK_VIDEO: None,
+        }
+        return _set(out, values[c]) if c in values else INVALID_ARGUMENT
+
+    def _c_nvmlDeviceGetMaxClockInfo(self, handle: Any, clock: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetMaxClockInfo", handle)
+        if isinstance(d, int):
+            return d
+        c, inv = _int(clock), d.inv
+        values = {
+            pynvml.NVML_CLOCK_GRAPHICS: inv.max_clock_graphics_mhz,
+            pynvml.NVML_CLOCK_SM: inv.max_clock_sm_mhz,
+            pynvml.NVML_CLOCK_MEM: inv.max_clock_memory_mhz,
+            pynvml.NVML_CLOCK_VIDEO: None,
+        }
+        return _set(out, values[c]) if c in values else INVALID_ARGUMENT
+
+    def _c_nvmlDeviceGetPowerUsage(self, handle: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetPowerUsage", handle)
+        return d if isinstance(d, int) else _set(out, d.sample.power_mw)
+
+    def _c_nvmlDeviceGetEnforcedPowerLimit(self, handle: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetEnforcedPowerLimit", handle)
+        return d if isinstance(d, int) else _set(out, d.sample.power_limit_mw)
+
+    def _c_nvmlDeviceGetPowerManagementDefaultLimit(self, handle: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetPowerManagementDefaultLimit", handle)
+        return d if isinstance(d, int) else _set(out, d.inv.power_limit_default_mw)
+
+    def _c_nvmlDeviceGetPowerManagementLimitConstraints(self, handle: Any, lo: Any, hi: Any) -> int:
+        d = self._dev("nvmlDeviceGetPowerManagementLimitConstraints", handle)
+        if isinstance(d, int):
+            return d
+        if d.inv.power_limit_min_mw is None or d.inv.power_limit_max_mw is None:
+            return NOT_SUPPORTED
+        _set(lo, d.inv.power_limit_min_mw)
+        return _set(hi, d.inv.power_limit_max_mw)
+
+    def _c_nvmlDeviceGetTotalEnergyConsumption(self, handle: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetTotalEnergyConsumption", handle)
+        return d if isinstance(d, int) else _set(out, d.sample.energy_mj)
+
+    def _c_nvmlDeviceGetTemperature(self, handle: Any, sensor: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetTemperature", handle)
+        if isinstance(d, int):
+            return d
+        if _int(sensor) != pynvml.NVML_TEMPERATURE_GPU:
+            return INVALID_ARGUMENT
+        return _set(out, d.sample.temperature_gpu_c)
+
+    def _c_nvmlDeviceGetTemperatureThreshold(self, handle: Any, threshold: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetTemperatureThreshold", handle)
+        if isinstance(d, int):
+            return d
+        t, inv = _int(threshold), d.inv
+        values = {
+            pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN: inv.temp_shutdown_c,
+            pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN: inv.temp_slowdown_c,
+            pynvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX: inv.temp_memory_max_c,
+            pynvml.NVML_TEMPERATURE_THRESHOLD_GPU_MAX: inv.temp_gpu_max_c,
+        }
+        if t in values:
+            return _set(out, values[t])
+        return NOT_SUPPORTED if 0 <= t < pynvml.NVML_TEMPERATURE_THRESHOLD_COUNT else INVALID_ARGUMENT
+
+    def _c_nvmlDeviceGetNumFans(self, handle: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetNumFans", handle)
+        return d if isinstance(d, int) else _set(out, d.inv.fan_count)
+
+    def _c_nvmlDeviceGetFanSpeed_v2(self, handle: Any, fan: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetFanSpeed_v2", handle)
+        if isinstance(d, int):
+            return d
+        f = _int(fan)
+        if d.inv.fan_count == 0:
+            return NOT_SUPPORTED
+        if not 0 <= f < d.inv.fan_count:
+            return INVALID_ARGUMENT
+        speeds = d.sample.fan_speed_pct
+        if speeds is None or f >= len(speeds):
+            return NOT_SUPPORTED
+        return _set(out, speeds[f])
+
+    def _memory(self, d: _Dev) -> tuple[int, int, int, int] | None:
+        s = d.sample
+        if s.memory_used_bytes is None or s.memory_reserved_bytes is None:
+            return None
+        total = d.inv.memory_total_bytes
+        free = max(0, total - s.memory_reserved_bytes - s.memory_used_bytes)
+        return total, s.memory_reserved_bytes, s.memory_used_bytes, free
+
+    def _c_nvmlDeviceGetMemoryInfo_v2(self, handle: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetMemoryInfo_v2", handle)
+        if isinstance(d, int):
+            return d
+        m = _target(out)
+        if m.version != pynvml.nvmlMemory_v2:
+            return ARGUMENT_VERSION_MISMATCH
+        mem = self._memory(d)
+        if mem is None:
+            return NOT_SUPPORTED
+        m.total, m.reserved, m.used, m.free = mem
+        return SUCCESS
+
+    def _c_nvmlDeviceGetMemoryInfo(self, handle: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetMemoryInfo", handle)
+        if isinstance(d, int):
+            return d
+        mem = self._memory(d)
+        if mem is None:
+            return NOT_SUPPORTED
+        total, reserved, used, free = mem
+        m = _target(out)
+        m.total, m.used, m.free = total, used + reserved, free  # v1 counts reserved memory as used
+        return SUCCESS
+
+    def _c_nvmlDeviceGetPerformanceState(self, handle: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetPerformanceState", handle)
+        return d if isinstance(d, int) else _set(out, d.sample.pstate)
+
+    def _c_nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetCurrentClocksEventReasons", handle)
+        return d if isinstance(d, int) else _set(out, d.sample.clocks_event_reasons)
+
+    def _c_nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetCurrentClocksThrottleReasons", handle)
+        return d if isinstance(d, int) else _set(out, d.sample.clocks_event_reasons)
+
+    # ------------------------------------------------------------------ field values
+
+    def _field(self, d: _Dev, fid: int, scope: int) -> tuple[int, int, int | None]:
+        """(nvmlReturn, valueType, value) of one field id."""
+        s, ull, ui = d.sample, pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+        if fid == pynvml.NVML_FI_DEV_MEMORY_TEMP:
+            v = s.temperature_memory_c
+            return (NOT_SUPPORTED, ui, None) if v is None else (SUCCESS, ui, v)
+        if fid in _FIELD_CLOCK_EVENT:
+            ns = s.clocks_event_ns
+            if ns is None or _FIELD_CLOCK_EVENT[fid] not in ns:
+                return NOT_SUPPORTED, ull, None
+            return SUCCESS, ull, ns[_FIELD_CLOCK_EVENT[fid]]
+        if fid == pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT:
+            return (NOT_SUPPORTED, ui, None) if d.inv.nvlink_count == 0 else (SUCCESS, ui, d.inv.nvlink_count)
+        if fid in (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX):
+            if d.inv.nvlink_count == 0:
+                return NOT_SUPPORTED, ull, None
+            if not 0 <= scope < d.inv.nvlink_count:
+                return INVALID_ARGUMENT, ull, None
+            links = s.nvlink
+            if links is None or scope >= len(links):
+                return NOT_SUPPORTED, ull, None
+            tx = fid == pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX
+            v = links[scope].tx_kib if tx else links[scope].rx_kib
+            return (NOT_SUPPORTED, ull, None) if v is None else (SUCCESS, ull, v)
+        return NOT_SUPPORTED, ull, None
+
+    def _c_nvmlDeviceGetFieldValues(self, handle: Any, count: Any, values: Any) -> int:
+        d = self._dev("nvmlDeviceGetFieldValues", handle)
+        if isinstance(d, int):
+            return d
+        arr = _target(values)
+        n = _int(count)
+        if n < 0 or n > len(arr):
+            return INVALID_ARGUMENT
+        ts = int(d.sample.timestamp * 1e6)
+        for i in range(n):
+            fv = arr[i]
+            ret, vtype, value = self._field(d, int(fv.fieldId), int(fv.scopeId))
+            for r in self._rules:
+                if r.field == fv.fieldId and r.gpu in (None, d.index):
+                    ret, value = r.code, None
+                    break
+            fv.timestamp, fv.latencyUsec, fv.valueType, fv.nvmlReturn = ts, 0, vtype, ret
+            fv.value.ullVal = 0
+            if ret == SUCCESS and value is not None:
+                if vtype == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT:
+                    fv.value.uiVal = int(value)
+                else:
+                    fv.value.ullVal = int(value)
+        return SUCCESS
+
+    # ------------------------------------------------------------------ memory health
+
+    def _c_nvmlDeviceGetEccMode(self, handle: Any, current: Any, pending: Any) -> int:
+        d = self._dev("nvmlDeviceGetEccMode", handle)
+        if isinstance(d, int):
+            return d
+        if not d.inv.ecc_supported:
+            return NOT_SUPPORTED
+        _set(current, pynvml.NVML_FEATURE_ENABLED)
+        return _set(pending, pynvml.NVML_FEATURE_ENABLED)
+
+    def _c_nvmlDeviceGetTotalEccErrors(self, handle: Any, error_type: Any, counter_type: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetTotalEccErrors", handle)
+        if isinstance(d, int):
+            return d
+        kinds = {pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED: "corrected", pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED: "uncorrected"}
+        counters = {pynvml.NVML_VOLATILE_ECC: "volatile", pynvml.NVML_AGGREGATE_ECC: "aggregate"}
+        e, c = _int(error_type), _int(counter_type)
+        if e not in kinds or c not in counters:
+            return INVALID_ARGUMENT
+        if not d.inv.ecc_supported or d.sample.ecc is None:
+            return NOT_SUPPORTED
+        return _set(out, d.sample.ecc.get(f"{counters[c]}_{kinds[e]}", 0))
+
+    def _c_nvmlDeviceGetRemappedRows(self, handle: Any, corr: Any, unc: Any, pending: Any, failure: Any) -> int:
+        d = self._dev("nvmlDeviceGetRemappedRows", handle)
+        if isinstance(d, int):
+            return d
+        s = d.sample
+        values = (s.remapped_rows_correctable, s.remapped_rows_uncorrectable, s.row_remap_pending, s.row_remap_failure)
+        if not d.inv.row_remap_supported or any(v is None for v in values):
+            return NOT_SUPPORTED
+        for ref, v in zip((corr, unc, pending, failure), values, strict=True):
+            _set(ref, int(v or 0))
+        return SUCCESS
+
+    def _c_nvmlDeviceGetRetiredPages(self, handle: Any, cause: Any, count: Any, addresses: Any) -> int:
+        d = self._dev("nvmlDeviceGetRetiredPages", handle)
+        if isinstance(d, int):
+            return d
+        c = _int(cause)
+        by_cause = {
+            pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS: d.sample.retired_pages_single_bit,
+            pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR: d.sample.retired_pages_double_bit,
+        }
+        if c not in by_cause:
+            return INVALID_ARGUMENT
+        n = by_cause[c]
+        if not d.inv.retired_pages_supported or n is None:
+            return NOT_SUPPORTED
+        cnt = _target(count)
+        room = int(cnt.value)
+        cnt.value = n
+        if addresses is None or room < n:
+            return INSUFFICIENT_SIZE if n > room else SUCCESS
+        # The model carries counts only: the page addresses are synthetic (distinct, page aligned).
+        for i in range(n):
+            addresses[i] = (c + 1) * 0x1_0000_0000 + i * 0x1000
+        return SUCCESS
+
+    def _c_nvmlDeviceGetRetiredPagesPendingStatus(self, handle: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetRetiredPagesPendingStatus", handle)
+        if isinstance(d, int):
+            return d
+        p = d.sample.retired_pages_pending
+        if not d.inv.retired_pages_supported or p is None:
+            return NOT_SUPPORTED
+        return _set(out, int(p))
+
+    # ------------------------------------------------------------------ PCIe / NVLink
+
+    def _c_nvmlDeviceGetCurrPcieLinkGeneration(self, handle: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetCurrPcieLinkGeneration", handle)
+        return d if isinstance(d, int) else _set(out, d.sample.pcie_gen)
+
+    def _c_nvmlDeviceGetCurrPcieLinkWidth(self, handle: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetCurrPcieLinkWidth", handle)
+        return d if isinstance(d, int) else _set(out, d.sample.pcie_width)
+
+    def _c_nvmlDeviceGetMaxPcieLinkGeneration(self, handle: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetMaxPcieLinkGeneration", handle)
+        return d if isinstance(d, int) else _set(out, d.inv.pcie_max_gen)
+
+    def _c_nvmlDeviceGetMaxPcieLinkWidth(self, handle: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetMaxPcieLinkWidth", handle)
+        return d if isinstance(d, int) else _set(out, d.inv.pcie_max_width)
+
+    def _c_nvmlDeviceGetPcieReplayCounter(self, handle: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetPcieReplayCounter", handle)
+        return d if isinstance(d, int) else _set(out, d.sample.pcie_replay_counter)
+
+    def _c_nvmlDeviceGetPcieThroughput(self, handle: Any, counter: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetPcieThroughput", handle)
+        if isinstance(d, int):
+            return d
+        c = _int(counter)
+        if c == pynvml.NVML_PCIE_UTIL_TX_BYTES:
+            return _set(out, d.sample.pcie_tx_kbps)
+        if c == pynvml.NVML_PCIE_UTIL_RX_BYTES:
+            return _set(out, d.sample.pcie_rx_kbps)
+        return INVALID_ARGUMENT
+
+    def _link(self, d: _Dev, link: Any) -> Any:
+        """The NvLinkSample for ``link`` or an error code."""
+        n = _int(link)
+        if d.inv.nvlink_count == 0:
+            return NOT_SUPPORTED
+        if not 0 <= n < d.inv.nvlink_count:
+            return INVALID_ARGUMENT
+        links = d.sample.nvlink
+        if links is None or n >= len(links):
+            return NOT_SUPPORTED
+        return links[n]
+
+    def _c_nvmlDeviceGetNvLinkState(self, handle: Any, link: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetNvLinkState", handle)
+        if isinstance(d, int):
+            return d
+        ln = self._link(d, link)
+        if isinstance(ln, int):
+            return ln
+        return _set(out, pynvml.NVML_FEATURE_ENABLED if ln.up else pynvml.NVML_FEATURE_DISABLED)
+
+    def _c_nvmlDeviceGetNvLinkErrorCounter(self, handle: Any, link: Any, counter: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetNvLinkErrorCounter", handle)
+        if isinstance(d, int):
+            return d
+        ln = self._link(d, link)
+        if isinstance(ln, int):
+            return ln
+        c = _int(counter)
+        if c not in _NVLINK_ERROR_COUNTER:
+            return NOT_SUPPORTED if c == pynvml.NVML_NVLINK_ERROR_DL_ECC_DATA else INVALID_ARGUMENT
+        value: int | None = getattr(ln, _NVLINK_ERROR_COUNTER[c])
+        return _set(out, value)
+
+    # ------------------------------------------------------------------ GPM
+
+    def _c_nvmlGpmQueryDeviceSupport(self, handle: Any, out: Any) -> int:
+        d = self._dev("nvmlGpmQueryDeviceSupport", handle)
+        if isinstance(d, int):
+            return d
+        support = _target(out)
+        if support.version != pynvml.NVML_GPM_SUPPORT_VERSION:
+            return ARGUMENT_VERSION_MISMATCH
+        support.isSupportedDevice = int(d.inv.gpm_supported)
+        return SUCCESS
+
+    def _c_nvmlGpmSampleAlloc(self, out: Any) -> int:
+        addr = self._gpm_base + next(self._ids) * 0x40
+        self._gpm[addr] = _GpmSample()
+        _set_pointer(out, addr)
+        return SUCCESS
+
+    def _c_nvmlGpmSampleFree(self, sample: Any) -> int:
+        addr = _addr(sample)
+        if addr not in self._gpm:
+            return INVALID_ARGUMENT
+        del self._gpm[addr]
+        return SUCCESS
+
+    def _c_nvmlGpmSampleGet(self, handle: Any, sample: Any) -> int:
+        d = self._dev("nvmlGpmSampleGet", handle)
+        if isinstance(d, int):
+            return d
+        slot = self._gpm.get(_addr(sample) or 0)
+        if slot is None:
+            return INVALID_ARGUMENT
+        if not d.inv.gpm_supported or d.sample.gpm is None:
+            return NOT_SUPPORTED
+        slot.index, slot.timestamp, slot.counters = d.index, d.sample.timestamp, replace(d.sample.gpm)
+        return SUCCESS
+
+    def _c_nvmlGpmMetricsGet(self, ref: Any) -> int:
+        mg = _target(ref)
+        if mg.version != pynvml.NVML_GPM_METRICS_GET_VERSION:
+            return ARGUMENT_VERSION_MISMATCH
+        a, b = self._gpm.get(_addr(mg.sample1) or 0), self._gpm.get(_addr(mg.sample2) or 0)
+        n = int(mg.numMetrics)
+        if a is None or b is None or a.counters is None or b.counters is None or a.index != b.index:
+            return INVALID_ARGUMENT
+        if not 0 < n <= pynvml.NVML_GPM_METRIC_MAX:
+            return INVALID_ARGUMENT
+        assert a.index is not None
+        d = self._dev("nvmlGpmMetricsGet", ctypes.c_void_p(self.handle_address(a.index)))
+        if isinstance(d, int):
+            return d
+        dt = b.timestamp - a.timestamp
+        for i in range(n):
+            m = mg.metrics[i]
+            m.value = 0.0
+            spec = _GPM_METRICS.get(int(m.metricId))
+            if spec is None:
+                m.nvmlReturn = NOT_SUPPORTED
+                continue
+            m.metricInfo.shortName, m.metricInfo.longName, m.metricInfo.unit = spec[0], spec[0], spec[1]
+            if dt <= 0:
+                m.nvmlReturn = INVALID_ARGUMENT
+                continue
+            m.value = spec[2](a.counters, b.counters, dt)
+            m.nvmlReturn = SUCCESS
+        # Two samples without time between them cannot give a rate (the second must be later).
+        return INVALID_ARGUMENT if dt <= 0 else SUCCESS
+
+    # ------------------------------------------------------------------ events (XID)
+
+    def _c_nvmlDeviceGetSupportedEventTypes(self, handle: Any, out: Any) -> int:
+        d = self._dev("nvmlDeviceGetSupportedEventTypes", handle)
+        return d if isinstance(d, int) else _set(out, _SUPPORTED_EVENTS)
+
+    def _c_nvmlEventSetCreate(self, out: Any) -> int:
+        addr = self._set_base + next(self._ids) * 0x40
+        self._sets[addr] = _EventSet()
+        _set_pointer(out, addr)
+        return SUCCESS
+
+    def _c_nvmlEventSetFree(self, event_set: Any) -> int:
+        addr = _addr(event_set)
+        if addr not in self._sets:
+            return INVALID_ARGUMENT
+        del self._sets[addr]
+        return SUCCESS
+
+    def _c_nvmlDeviceRegisterEvents(self, handle: Any, types: Any, event_set: Any) -> int:
+        d = self._dev("nvmlDeviceRegisterEvents", handle)
+        if isinstance(d, int):
+            return d
+        es = self._sets.get(_addr(event_set) or 0)
+        if es is None:
+            return INVALID_ARGUMENT
+        t = _int(types)
+        if t == 0 or t & ~_SUPPORTED_EVENTS:
+            return NOT_SUPPORTED
+        es.devices.add(d.index)
+        return SUCCESS
+
+    def _pump_events(self) -> None:
+        """Move new XID events from the source to every event set registered for their device."""
+        for ev in self.source.poll_xid():
+            for es in self._sets.values():
+                if ev.gpu in es.devices:
+                    es.queue.append(ev)
+
+    def _c_nvmlEventSetWait_v2(self, event_set: Any, data: Any, timeout_ms: Any) -> int:
+        addr = _addr(event_set) or 0
+        deadline = time.monotonic() + max(0, _int(timeout_ms)) / 1000.0
+        while True:
+            with self._lock:
+                if self._refcount == 0:
+                    return UNINITIALIZED
+                es = self._sets.get(addr)
+                if es is None:
+                    return INVALID_ARGUMENT
+                if not es.queue:
+                    self._pump_events()
+                if es.queue:
+                    ev = es.queue.pop(0)
+                    out = _target(data)
+                    out.device = ctypes.cast(ctypes.c_void_p(self.handle_address(ev.gpu)), pynvml.c_nvmlDevice_t)
+                    out.eventType = pynvml.nvmlEventTypeXidCriticalError
+                    out.eventData = ev.xid
+                    out.gpuInstanceId = 0xFFFFFFFF
+                    out.computeInstanceId = 0xFFFFFFFF
+                    return SUCCESS
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return TIMEOUT
+            time.sleep(min(_POLL_STEP_S, left))

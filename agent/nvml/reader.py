@@ -1,0 +1,502 @@
+"""Read one GPU's time-varying state through pynvml into a :class:`Reading`.
+
+The readings are NVML's raw values in NVML's units, in the device model's
+:class:`~gpufleet.agent.nvml.model.GpuSample` (so the recorder can write them to a
+trace unchanged); each field is ``None`` when NVML says NOT_SUPPORTED or the call
+failed. One function per metric group: a failing call loses only its own fields.
+A GPU answering GPU_IS_LOST (or GPU_NOT_FOUND) stops being read for this scrape
+and the reading is marked ``lost``.
+
+GPM (Hopper and newer) reports activity *between two samples*: the reader keeps
+the previous GPM sample per device and computes the metrics between it and the
+current one, so the first reading of a device has no GPM rates.
+
+Tiered reads (as DCGM's per-field watch frequencies): the slow-changing health
+groups in :data:`SLOW_FIELDS` plus NVLink per-link state and error counters —
+about 100 of a Hopper GPU's ~120 calls — are re-read at most every
+``slow_interval`` seconds and served from the device's cache in between. They
+are counters and flags alerted on with ``increase()`` over minutes, so a
+bounded staleness costs nothing. A slow read in which any call failed is not
+cached (retried on the next reading); a lost GPU or a new NVML session (new
+:class:`ReaderState`) drops the cache. Everything else is read every time, and
+the time-varying per-GPU field ids (memory temperature, clock-event counters,
+NVLink TX/RX of every link) come from one ``nvmlDeviceGetFieldValues`` call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import pynvml
+
+from .backend import Device, GpuLost, NvmlBackend
+from .model import GpuSample, NvLinkSample
+
+#: Field ids read with nvmlDeviceGetFieldValues (values as in nvml.h).
+FI_MEMORY_TEMP = 82
+FI_NVLINK_TX_KIB = 138
+FI_NVLINK_RX_KIB = 139
+#: Cumulative clock-event (throttle) time counters, ns, per catalog.CLOCK_EVENT_COUNTED_REASONS.
+FI_CLOCK_EVENT_NS: dict[str, int] = {
+    "sw_power_cap": 74,
+    "sync_boost": 76,
+    "sw_thermal_slowdown": 269,
+    "hw_thermal_slowdown": 270,
+    "hw_power_brake_slowdown": 271,
+}
+
+#: GPM metric ids (nvmlGpmMetricId_t) -> GpmRates attribute.
+GPM_METRICS: tuple[tuple[int, str], ...] = (
+    (2, "sm_active_pct"),  # NVML_GPM_METRIC_SM_UTIL
+    (3, "sm_occupancy_pct"),  # NVML_GPM_METRIC_SM_OCCUPANCY
+    (5, "tensor_active_pct"),  # NVML_GPM_METRIC_ANY_TENSOR_UTIL
+    (10, "dram_active_pct"),  # NVML_GPM_METRIC_DRAM_BW_UTIL
+    (61, "nvlink_tx_mibps"),  # NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC
+    (60, "nvlink_rx_mibps"),  # NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC
+    (20, "pcie_tx_mibps"),  # NVML_GPM_METRIC_PCIE_TX_PER_SEC
+    (21, "pcie_rx_mibps"),  # NVML_GPM_METRIC_PCIE_RX_PER_SEC
+)
+
+_PSTATE_UNKNOWN = 32
+_TOO_OLD = frozenset({pynvml.NVML_ERROR_FUNCTION_NOT_FOUND, pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH})
+_VALUE_ATTR = {
+    pynvml.NVML_VALUE_TYPE_DOUBLE: "dVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
+    pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
+    pynvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: "usVal",
+}
+_ECC = (
+    ("volatile_corrected", pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC),
+    ("volatile_uncorrected", pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC),
+    ("aggregate_corrected", pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_AGGREGATE_ECC),
+    ("aggregate_uncorrected", pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_AGGREGATE_ECC),
+)
+_NVLINK_ERRORS = (
+    ("crc_flit", pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT),
+    ("crc_data", pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA),
+    ("replay", pynvml.NVML_NVLINK_ERROR_DL_REPLAY),
+    ("recovery", pynvml.NVML_NVLINK_ERROR_DL_RECOVERY),
+)
+#: GpuSample fields of the slow tier (see the module docstring); NVLink state/errors are slow too.
+SLOW_FIELDS: tuple[str, ...] = (
+    "ecc", "remapped_rows_correctable", "remapped_rows_uncorrectable", "row_remap_pending", "row_remap_failure",
+    "retired_pages_single_bit", "retired_pages_double_bit", "retired_pages_pending",
+)
+_BLANK: dict[str, Any] = {f.name: None for f in fields(GpuSample)}
+_READINGS = tuple(k for k in _BLANK if k not in ("timestamp", "lost", "gpm"))
+
+
+@dataclass
+class GpmRates:
+    """GPM metrics between the previous and the current sample (percent and MiB/s, as NVML gives them)."""
+
+    interval_s: float
+    sm_active_pct: float | None = None
+    sm_occupancy_pct: float | None = None
+    tensor_active_pct: float | None = None
+    dram_active_pct: float | None = None
+    nvlink_tx_mibps: float | None = None
+    nvlink_rx_mibps: float | None = None
+    pcie_tx_mibps: float | None = None
+    pcie_rx_mibps: float | None = None
+
+
+@dataclass
+class Reading:
+    """One GPU at one moment. ``sample`` is None for a lost GPU."""
+
+    index: int
+    lost: bool = False
+    sample: GpuSample | None = None
+    memory_total_bytes: int | None = None
+    #: NVLink link ids, aligned with ``sample.nvlink``; ``nvlink_up`` is None where the state was unreadable.
+    nvlink_links: tuple[int, ...] = ()
+    nvlink_up: list[bool | None] = field(default_factory=list)
+    gpm: GpmRates | None = None
+
+
+class ReaderState:
+    """Per-device state kept between readings: GPM sample buffers and the field-value request."""
+
+    def __init__(self) -> None:
+        self.buffers: list[Any] = []
+        self.current = 0
+        self.prev_valid = False
+        self.prev_t = 0.0
+        self.metrics_get: Any = None
+        self.gpm_broken = False
+        self.gpm_pcie_ok: bool | None = None
+        self.last_rates: GpmRates | None = None
+        self.field_request: list[Any] = []
+        self.field_links: tuple[int, ...] | None = None
+        #: The driver lacks a newer entry point: use the older one (fewer fields).
+        self.legacy_memory = False
+        self.legacy_reasons = False
+        #: Slow tier cache: time.monotonic() of the last complete slow read (None: read on the next reading),
+        #: its SLOW_FIELDS values, the links it covered and per link (state, *NVLink error counters).
+        self.slow_at: float | None = None
+        self.slow: dict[str, Any] = {}
+        self.slow_links_key: tuple[int, ...] = ()
+        self.slow_links: list[tuple[bool | None, int | None, int | None, int | None, int | None]] = []
+
+    def invalidate_slow(self) -> None:
+        """Forget the slow tier cache: the next reading re-reads every slow group."""
+        self.slow_at = None
+        self.slow = {}
+        self.slow_links = []
+
+    def close(self) -> None:
+        for buf in self.buffers:
+            with contextlib.suppress(pynvml.NVMLError):
+                pynvml.nvmlGpmSampleFree(buf)
+        self.buffers = []
+        self.prev_valid = False
+        self.invalidate_slow()
+
+
+def blank_sample(timestamp: float) -> GpuSample:
+    """A GpuSample with every reading None (unknown) and ``timestamp`` set."""
+    s = GpuSample.__new__(GpuSample)
+    s.__dict__.update(_BLANK)
+    s.timestamp = timestamp
+    s.lost = False
+    return s
+
+
+def read_gpu(b: NvmlBackend, dev: Device, *, pcie_always: bool = False, slow_interval: float = 0.0) -> Reading:
+    """Read one GPU. ``pcie_always`` also makes the 20 ms PCIe throughput call on GPM devices.
+
+    ``slow_interval`` > 0 serves the slow tier (see the module docstring) from cache when it was
+    read completely less than that many seconds ago; 0 reads every group every time.
+    """
+    r = Reading(index=dev.index)
+    if dev.handle is None:
+        r.lost = dev.lost
+        return r
+    state = dev.reader_state
+    if not isinstance(state, ReaderState):
+        state = dev.reader_state = ReaderState()
+    s = blank_sample(time.time())
+    h = dev.handle
+    try:
+        b.identify(dev)
+        _utilization(b, h, s)
+        _clocks(b, h, s)
+        _power(b, h, s)
+        _thermal(b, dev, s)
+        _memory(b, dev, state, s, r)
+        _performance(b, h, state, s)
+        _fields(b, dev, state, s)
+        _pcie(b, h, s)
+        _slow_tier(b, dev, state, s, r, slow_interval)
+        r.gpm = _gpm(b, dev, state)
+        if pcie_always or not dev.gpm_supported or state.gpm_broken or state.gpm_pcie_ok is False:
+            _pcie_throughput(b, h, s)
+    except GpuLost:
+        dev.lost = True
+        state.prev_valid = False
+        state.last_rates = None
+        state.invalidate_slow()
+        return Reading(index=dev.index, lost=True)
+    dev.lost = False
+    s.gpm = None
+    if r.gpm is not None or any(s.__dict__[k] not in (None, []) for k in _READINGS):
+        r.sample = s
+    # else: not one reading answered (every call failed): the GPU is unreachable, sample stays None
+    return r
+
+
+# ---------------------------------------------------------------------- groups
+
+
+def _utilization(b: NvmlBackend, h: Any, s: GpuSample) -> None:
+    u = b.call(pynvml.nvmlDeviceGetUtilizationRates, h)
+    if u is not None:
+        s.utilization_gpu_pct = int(u.gpu)
+        s.utilization_memory_pct = int(u.memory)
+
+
+def _clocks(b: NvmlBackend, h: Any, s: GpuSample) -> None:
+    get = pynvml.nvmlDeviceGetClockInfo
+    s.clock_sm_mhz = b.call(get, h, pynvml.NVML_CLOCK_SM)
+    s.clock_memory_mhz = b.call(get, h, pynvml.NVML_CLOCK_MEM)
+    s.clock_graphics_mhz = b.call(get, h, pynvml.NVML_CLOCK_GRAPHICS)
+
+
+def _power(b: NvmlBackend, h: Any, s: GpuSample) -> None:
+    s.power_mw = b.call(pynvml.nvmlDeviceGetPowerUsage, h)
+    s.power_limit_mw = b.call(pynvml.nvmlDeviceGetEnforcedPowerLimit, h)
+    s.energy_mj = b.call(pynvml.nvmlDeviceGetTotalEnergyConsumption, h)
+
+
+def _thermal(b: NvmlBackend, dev: Device, s: GpuSample) -> None:
+    h = dev.handle
+    s.temperature_gpu_c = b.call(pynvml.nvmlDeviceGetTemperature, h, pynvml.NVML_TEMPERATURE_GPU)
+    if dev.fans:
+        speeds = [b.call(pynvml.nvmlDeviceGetFanSpeed_v2, h, i) for i in range(dev.fans)]
+        known = [x for x in speeds if x is not None]
+        # A fan that failed to answer keeps its place only if all answered (the list is positional).
+        s.fan_speed_pct = known if len(known) == len(speeds) else None
+
+
+def _memory(b: NvmlBackend, dev: Device, state: ReaderState, s: GpuSample, r: Reading) -> None:
+    m: Any = None
+    if not state.legacy_memory:
+        try:
+            m = pynvml.nvmlDeviceGetMemoryInfo(dev.handle, pynvml.nvmlMemory_v2)
+        except pynvml.NVMLError as e:
+            if e.value in _TOO_OLD:  # driver older than nvmlDeviceGetMemoryInfo_v2 (no "reserved")
+                state.legacy_memory = True
+            else:
+                b.failed("nvmlDeviceGetMemoryInfo", e.value)
+                return
+    if state.legacy_memory:
+        m = b.call(pynvml.nvmlDeviceGetMemoryInfo, dev.handle)
+    if m is None:
+        return
+    s.memory_used_bytes = int(m.used)
+    if not state.legacy_memory:
+        s.memory_reserved_bytes = int(m.reserved)
+    r.memory_total_bytes = int(m.total)
+    dev.facts["memory_total_bytes"] = int(m.total)
+
+
+def _performance(b: NvmlBackend, h: Any, state: ReaderState, s: GpuSample) -> None:
+    p = b.call(pynvml.nvmlDeviceGetPerformanceState, h)
+    s.pstate = None if p is None or p == _PSTATE_UNKNOWN else int(p)
+    # nvmlDeviceGetCurrentClocksEventReasons: driver and bindings >= 535; before that ...ThrottleReasons.
+    event_reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+    if not state.legacy_reasons and event_reasons is not None:
+        try:
+            s.clocks_event_reasons = event_reasons(h)
+            return
+        except pynvml.NVMLError as e:
+            if e.value not in _TOO_OLD:
+                b.failed("nvmlDeviceGetCurrentClocksEventReasons", e.value)
+                return
+            state.legacy_reasons = True  # driver older than 535: the same bits under the old name
+    s.clocks_event_reasons = b.call(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons, h)
+
+
+def _field_request(dev: Device, state: ReaderState) -> list[Any]:
+    links = dev.nvlinks or ()
+    if state.field_links != links or not state.field_request:
+        req: list[Any] = [(FI_MEMORY_TEMP, 0)]
+        req += [(fid, 0) for fid in FI_CLOCK_EVENT_NS.values()]
+        for link in links:
+            req += [(FI_NVLINK_TX_KIB, link), (FI_NVLINK_RX_KIB, link)]
+        state.field_request = req
+        state.field_links = links
+    return state.field_request
+
+
+def _fields(b: NvmlBackend, dev: Device, state: ReaderState, s: GpuSample) -> None:
+    req = _field_request(dev, state)
+    values = b.call(pynvml.nvmlDeviceGetFieldValues, dev.handle, req)
+    if values is None:
+        return
+    out: list[int | float | None] = []
+    lost = False
+    for fv in values:
+        ret = fv.nvmlReturn
+        if ret == pynvml.NVML_SUCCESS:
+            out.append(getattr(fv.value, _VALUE_ATTR.get(fv.valueType, "ullVal")))
+            continue
+        b.count_error("nvmlDeviceGetFieldValues", ret)
+        lost = lost or ret == pynvml.NVML_ERROR_GPU_IS_LOST
+        out.append(None)
+    if lost:
+        raise GpuLost("nvmlDeviceGetFieldValues")
+    mem_t = out[0]
+    s.temperature_memory_c = None if mem_t is None else int(mem_t)
+    ns = {reason: int(v) for reason, v in zip(FI_CLOCK_EVENT_NS, out[1:6], strict=True) if v is not None}
+    s.clocks_event_ns = ns or None
+    s.nvlink = [NvLinkSample(up=True, tx_kib=_int(out[6 + 2 * i]), rx_kib=_int(out[7 + 2 * i]))
+                for i in range(len(dev.nvlinks or ()))]
+
+
+def _ecc(b: NvmlBackend, h: Any, s: GpuSample) -> None:
+    ecc: dict[str, int] = {}
+    for key, kind, counter in _ECC:
+        v = b.call(pynvml.nvmlDeviceGetTotalEccErrors, h, kind, counter)
+        if v is not None:
+            ecc[key] = int(v)
+    s.ecc = ecc or None
+
+
+def _remapping(b: NvmlBackend, h: Any, s: GpuSample) -> None:
+    rows = b.call(pynvml.nvmlDeviceGetRemappedRows, h)
+    if rows is not None:
+        corr, unc, pending, failure = rows
+        s.remapped_rows_correctable = int(corr)
+        s.remapped_rows_uncorrectable = int(unc)
+        s.row_remap_pending = bool(pending)
+        s.row_remap_failure = bool(failure)
+    single = b.call(pynvml.nvmlDeviceGetRetiredPages, h,
+                    pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS)
+    if single is not None:
+        s.retired_pages_single_bit = len(single)
+        double = b.call(pynvml.nvmlDeviceGetRetiredPages, h, pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)
+        s.retired_pages_double_bit = None if double is None else len(double)
+        pending_pages = b.call(pynvml.nvmlDeviceGetRetiredPagesPendingStatus, h)
+        s.retired_pages_pending = None if pending_pages is None else bool(pending_pages)
+
+
+def _pcie(b: NvmlBackend, h: Any, s: GpuSample) -> None:
+    s.pcie_gen = b.call(pynvml.nvmlDeviceGetCurrPcieLinkGeneration, h)
+    s.pcie_width = b.call(pynvml.nvmlDeviceGetCurrPcieLinkWidth, h)
+    s.pcie_replay_counter = b.call(pynvml.nvmlDeviceGetPcieReplayCounter, h)
+
+
+def _pcie_throughput(b: NvmlBackend, h: Any, s: GpuSample) -> None:
+    s.pcie_tx_kbps = b.call(pynvml.nvmlDeviceGetPcieThroughput, h, pynvml.NVML_PCIE_UTIL_TX_BYTES)
+    s.pcie_rx_kbps = b.call(pynvml.nvmlDeviceGetPcieThroughput, h, pynvml.NVML_PCIE_UTIL_RX_BYTES)
+
+
+def _slow_tier(b: NvmlBackend, dev: Device, state: ReaderState, s: GpuSample, r: Reading, interval: float) -> None:
+    """ECC, row remapping, retired pages and NVLink state/errors: from cache when fresh, else read and cache."""
+    now = time.monotonic()
+    links = dev.nvlinks or ()
+    if (interval > 0 and state.slow_at is not None and now - state.slow_at < interval
+            and state.slow_links_key == links):
+        s.__dict__.update(state.slow)
+        _apply_links(dev, state, s, r)
+        return
+    errors_before = b.error_total
+    _ecc(b, dev.handle, s)
+    _remapping(b, dev.handle, s)
+    _nvlink(b, dev, s, r)
+    d = s.__dict__
+    state.slow = {k: d[k] for k in SLOW_FIELDS}
+    state.slow_links_key = links
+    ups = r.nvlink_up
+    state.slow_links = [
+        (ups[i] if i < len(ups) else None, ls.crc_flit, ls.crc_data, ls.replay, ls.recovery)
+        for i, ls in enumerate(s.nvlink or ())
+    ] if links else []
+    # A read in which a call failed is not trusted for a whole interval: read again next time.
+    state.slow_at = now if b.error_total == errors_before else None
+
+
+def _apply_links(dev: Device, state: ReaderState, s: GpuSample, r: Reading) -> None:
+    links = dev.nvlinks or ()
+    r.nvlink_links = links
+    if not links:
+        s.nvlink = None if dev.nvlinks is None else []
+        return
+    samples = s.nvlink if s.nvlink and len(s.nvlink) == len(links) else [
+        NvLinkSample(up=True, tx_kib=None, rx_kib=None) for _ in links]
+    cached = state.slow_links
+    ups: list[bool | None] = []
+    for i, ls in enumerate(samples):
+        if i < len(cached):
+            up, ls.crc_flit, ls.crc_data, ls.replay, ls.recovery = cached[i]
+        else:  # not covered by the cached read: unknown, never zero
+            up = ls.crc_flit = ls.crc_data = ls.replay = ls.recovery = None
+        ups.append(up)
+        ls.up = bool(up)
+    s.nvlink = samples
+    r.nvlink_up = ups
+
+
+def _nvlink(b: NvmlBackend, dev: Device, s: GpuSample, r: Reading) -> None:
+    links = dev.nvlinks or ()
+    r.nvlink_links = links
+    if not links:
+        s.nvlink = None if dev.nvlinks is None else []
+        return
+    h = dev.handle
+    samples = s.nvlink if s.nvlink and len(s.nvlink) == len(links) else [
+        NvLinkSample(up=True, tx_kib=None, rx_kib=None) for _ in links]
+    state_fn = pynvml.nvmlDeviceGetNvLinkState
+    err_fn = pynvml.nvmlDeviceGetNvLinkErrorCounter
+    ups: list[bool | None] = []
+    for link, ls in zip(links, samples, strict=True):
+        up = b.call(state_fn, h, link)
+        ups.append(None if up is None else bool(up))
+        ls.up = bool(up)
+        for name, counter in _NVLINK_ERRORS:
+            setattr(ls, name, b.call(err_fn, h, link, counter))
+    s.nvlink = samples
+    r.nvlink_up = ups
+
+
+def _gpm(b: NvmlBackend, dev: Device, state: ReaderState) -> GpmRates | None:
+    if not dev.gpm_supported or state.gpm_broken:
+        return None
+    if not state.buffers:
+        try:
+            state.buffers = [pynvml.nvmlGpmSampleAlloc(), pynvml.nvmlGpmSampleAlloc()]
+            state.metrics_get = pynvml.c_nvmlGpmMetricsGet_t()
+        except pynvml.NVMLError as e:
+            b.count_error("nvmlGpmSampleAlloc", e.value)
+            state.close()
+            state.gpm_broken = e.value == pynvml.NVML_ERROR_NOT_SUPPORTED
+            return None
+    cur = state.buffers[state.current]
+    now = time.monotonic()
+    if b.call(pynvml.nvmlGpmSampleGet, dev.handle, cur) is None:
+        state.prev_valid = False
+        state.last_rates = None
+        state.gpm_pcie_ok = False  # fall back to nvmlDeviceGetPcieThroughput until GPM answers again
+        return None
+    if state.prev_valid:
+        try:
+            rates = _gpm_metrics(b, state, state.buffers[state.current ^ 1], cur, now - state.prev_t)
+        except _NoNewInterval:
+            # Both samples carry the same time (a source that did not move on since the last scrape):
+            # keep the older sample as the start of the interval and report the last rates again.
+            return state.last_rates
+    else:
+        rates = None
+    state.current ^= 1
+    state.prev_valid = True
+    state.prev_t = now
+    state.last_rates = rates
+    return rates
+
+
+class _NoNewInterval(Exception):
+    pass
+
+
+def _gpm_metrics(b: NvmlBackend, state: ReaderState, prev: Any, cur: Any, interval: float) -> GpmRates | None:
+    mg = state.metrics_get
+    if mg.numMetrics != len(GPM_METRICS):  # fill the request once; NVML only writes the results
+        mg.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+        mg.numMetrics = len(GPM_METRICS)
+        for i, (mid, _) in enumerate(GPM_METRICS):
+            mg.metrics[i].metricId = mid
+    mg.sample1 = prev
+    mg.sample2 = cur
+    try:
+        pynvml.nvmlGpmMetricsGet(mg)
+    except pynvml.NVMLError as e:
+        if e.value == pynvml.NVML_ERROR_INVALID_ARGUMENT:
+            raise _NoNewInterval from None
+        b.failed("nvmlGpmMetricsGet", e.value)
+        state.gpm_pcie_ok = False
+        return None
+    rates = GpmRates(interval_s=interval)
+    lost = False
+    for i, (_, attr) in enumerate(GPM_METRICS):
+        m = mg.metrics[i]
+        if m.nvmlReturn == pynvml.NVML_SUCCESS:
+            setattr(rates, attr, float(m.value))
+        else:
+            b.count_error("nvmlGpmMetricsGet", m.nvmlReturn)
+            lost = lost or m.nvmlReturn == pynvml.NVML_ERROR_GPU_IS_LOST
+    if lost:
+        raise GpuLost("nvmlGpmMetricsGet")
+    state.gpm_pcie_ok = rates.pcie_tx_mibps is not None or rates.pcie_rx_mibps is not None
+    return rates
+
+
+def _int(v: int | float | None) -> int | None:
+    return None if v is None else int(v)

@@ -1,0 +1,327 @@
+"""``gpufleet-agent record``: record a host's raw NVML readings (and IB counters) into a trace.
+
+The trace (format: :mod:`gpufleet.agent.nvml.trace`) holds what NVML returned, in
+NVML's units, plus the XID events the listener saw and the InfiniBand files
+under ``<sysfs>/class/infiniband``. Replay it anywhere with
+``gpufleet-agent --nvml.fake=trace:PATH``: the agent then exports what it would
+have exported on the recorded host.
+
+GPM metrics are ratios between two samples on real hardware; the recorder
+integrates them over the time between samples into the cumulative
+:class:`~gpufleet.agent.nvml.model.GpmCounters`, so replay recomputes the same
+ratios.
+
+Usage::
+
+    gpufleet-agent record --output node17.jsonl.gz --interval 1 --duration 600
+    gpufleet-agent record --output x.jsonl --samples 30 --nvml.fake=sim
+
+Options: ``--output PATH`` (``.jsonl`` or ``.jsonl.gz``, required), ``--interval
+SECONDS`` (default 1), ``--duration SECONDS`` or ``--samples N`` (default: until
+interrupted), ``--path.sysfs DIR`` (default ``/sys``; IB files are read from
+``DIR/class/infiniband`` when it exists), ``--hostname NAME``, and the agent's
+``--nvml.fake SPEC`` and ``--log.level LEVEL``. Exit codes: 0 done (also when
+interrupted after the header), 1 NVML unavailable or an I/O error, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from types import FrameType
+
+from .collectors.xid import XidCollector
+from .nvml.backend import Device, NvmlBackend
+from .nvml.model import DriverInfo, GpmCounters, GpuInventory, GpuSample, XidEvent
+from .nvml.reader import GpmRates, Reading, blank_sample, read_gpu
+from .nvml.trace import TraceWriter
+
+log = logging.getLogger(__name__)
+
+MIB = 1024 * 1024
+#: IB files read per device and per port (besides everything in counters/ and hw_counters/).
+IB_DEVICE_FILES = ("hca_type", "board_id", "fw_ver", "node_guid")
+IB_PORT_FILES = ("state", "phys_state", "rate", "link_layer")
+LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING, "error": logging.ERROR}
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not v > 0 or v != v or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return v
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gpufleet-agent record",
+        description="Record raw NVML readings, XID events and InfiniBand counters into a replayable trace.",
+    )
+    p.add_argument("--output", "-o", required=True, metavar="PATH",
+                   help="trace file to write: .jsonl, or .jsonl.gz for gzip")
+    p.add_argument("--interval", type=_positive_float, default=1.0, metavar="SECONDS",
+                   help="seconds between samples (default: 1)")
+    stop = p.add_mutually_exclusive_group()
+    stop.add_argument("--duration", type=_positive_float, metavar="SECONDS", help="record for this long")
+    stop.add_argument("--samples", type=_positive_int, metavar="N", help="record N sample lines")
+    p.add_argument("--path.sysfs", dest="sysfs", default=None, metavar="DIR",
+                   help="sysfs mount point; IB files come from DIR/class/infiniband (default: /sys, or the fake "
+                        "source's tree with --nvml.fake)")
+    p.add_argument("--nvml.fake", dest="nvml_fake", default="", metavar="SPEC",
+                   help="record from a fake NVML source (sim, sim:N, trace:PATH, live:PATH) instead of the driver")
+    p.add_argument("--hostname", default=socket.gethostname(), help="host name stored in the trace header")
+    p.add_argument("--log.level", dest="log_level", default="info", choices=sorted(LOG_LEVELS))
+    return p
+
+
+# ---------------------------------------------------------------------- IB files
+
+
+def read_ib_files(root: Path) -> dict[str, str]:
+    """The IB files under ``root`` (a ``class/infiniband`` directory), keyed by path relative to it.
+
+    Only the identity/state files and the counters are read (never the ``device`` link
+    into the PCI tree); unreadable files are skipped.
+    """
+    out: dict[str, str] = {}
+    try:
+        devices = sorted(os.listdir(root))
+    except OSError:
+        return out
+    for dev in devices:
+        for name in IB_DEVICE_FILES:
+            _read_into(out, root, f"{dev}/{name}")
+        try:
+            ports = sorted(os.listdir(root / dev / "ports"))
+        except OSError:
+            continue
+        for port in ports:
+            base = f"{dev}/ports/{port}"
+            for name in IB_PORT_FILES:
+                _read_into(out, root, f"{base}/{name}")
+            for sub in ("counters", "hw_counters"):
+                try:
+                    names = sorted(os.listdir(root / base / sub))
+                except OSError:
+                    continue
+                for name in names:
+                    _read_into(out, root, f"{base}/{sub}/{name}")
+    return out
+
+
+def _read_into(out: dict[str, str], root: Path, rel: str) -> None:
+    try:
+        with open(root / rel, encoding="utf-8", errors="replace") as f:
+            out[rel] = f.read()
+    except OSError:
+        pass  # absent, unreadable (EACCES/EINVAL on some counters) or a directory
+
+
+# ---------------------------------------------------------------------- samples
+
+
+class _Integrator:
+    """Integrates GPM ratios (percent, MiB/s) between samples into cumulative GpmCounters per GPU."""
+
+    def __init__(self, n: int) -> None:
+        self.counters = [GpmCounters() for _ in range(n)]
+        self.last_t: list[float | None] = [None] * n
+
+    def add(self, i: int, rates: GpmRates | None, t: float) -> GpmCounters:
+        c = self.counters[i]
+        prev = self.last_t[i]
+        self.last_t[i] = t
+        if rates is not None and prev is not None and t > prev:
+            dt = t - prev
+            c.sm_active_s += (rates.sm_active_pct or 0.0) / 100 * dt
+            c.sm_occupancy_s += (rates.sm_occupancy_pct or 0.0) / 100 * dt
+            c.tensor_active_s += (rates.tensor_active_pct or 0.0) / 100 * dt
+            c.dram_active_s += (rates.dram_active_pct or 0.0) / 100 * dt
+            c.nvlink_tx_bytes += round((rates.nvlink_tx_mibps or 0.0) * MIB * dt)
+            c.nvlink_rx_bytes += round((rates.nvlink_rx_mibps or 0.0) * MIB * dt)
+            c.pcie_tx_bytes += round((rates.pcie_tx_mibps or 0.0) * MIB * dt)
+            c.pcie_rx_bytes += round((rates.pcie_rx_mibps or 0.0) * MIB * dt)
+        return replace(c)
+
+
+def _to_sample(dev: Device, r: Reading, gpm: _Integrator, t: float) -> GpuSample:
+    """The trace sample of one reading; GPM ratios are integrated over the time since the previous line
+    (replay recomputes them over the same line times)."""
+    if r.sample is None:
+        s = blank_sample(t)
+        s.lost = True  # lost or unreachable: replay answers GPU_IS_LOST
+        gpm.last_t[dev.index] = None
+        return s
+    s = r.sample
+    if s.nvlink:
+        for ls, up in zip(s.nvlink, r.nvlink_up, strict=False):
+            ls.up = bool(up)
+    s.gpm = gpm.add(dev.index, r.gpm, t) if dev.gpm_supported else None
+    return s
+
+
+def _inventory(backend: NvmlBackend, dev: Device, first: Reading) -> GpuInventory:
+    inv = backend.inventory(dev)
+    s = first.sample
+    if s is not None:
+        inv.ecc_supported = s.ecc is not None
+        inv.row_remap_supported = s.remapped_rows_correctable is not None
+        inv.retired_pages_supported = s.retired_pages_single_bit is not None
+    return inv
+
+
+# ---------------------------------------------------------------------- main
+
+
+def record_main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
+    """Run ``gpufleet-agent record``; returns the process exit code."""
+    ns = args if isinstance(args, argparse.Namespace) else build_parser().parse_args(
+        list(sys.argv[1:] if args is None else args))
+    logging.basicConfig(level=LOG_LEVELS.get(ns.log_level, logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    out = Path(ns.output)
+    if not (out.name.endswith(".jsonl") or out.name.endswith(".jsonl.gz")):
+        print(f"gpufleet-agent record: --output {out}: the file name must end in .jsonl or .jsonl.gz",
+              file=sys.stderr)
+        return 2
+    if not out.parent.is_dir():
+        print(f"gpufleet-agent record: --output {out}: directory {out.parent} does not exist", file=sys.stderr)
+        return 2
+    try:
+        backend = NvmlBackend(ns.nvml_fake)
+    except (ValueError, OSError) as e:
+        print(f"gpufleet-agent record: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    restore = _install_signal_handlers(stop)
+    try:
+        return _record(ns, backend, out, stop)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        restore()
+        backend.close()
+
+
+def _record(ns: argparse.Namespace, backend: NvmlBackend, out: Path, stop: threading.Event) -> int:
+    if not backend.start():
+        print(f"gpufleet-agent record: NVML is not available: {backend.init_error}", file=sys.stderr)
+        return 1
+    sysfs = ns.sysfs or getattr(backend.source, "sysfs_root", None) or "/sys"
+    ib_root = Path(sysfs) / "class" / "infiniband"
+    has_ib = ib_root.is_dir()
+    events: list[XidEvent] = []
+    lock = threading.Lock()
+
+    def on_xid(e: XidEvent) -> None:
+        with lock:
+            events.append(e)
+
+    xid = XidCollector(backend, on_event=on_xid)
+    xid.start()
+    try:
+        devices = list(backend.devices)
+        if not devices:
+            print("gpufleet-agent record: NVML reports no GPUs", file=sys.stderr)
+            return 1
+        gpm = _Integrator(len(devices))
+        read_t = time.time()
+        readings = [read_gpu(backend, d, pcie_always=True) for d in devices]
+        gpus = [_inventory(backend, d, r) for d, r in zip(devices, readings, strict=True)]
+        assert backend.driver is not None
+        driver = backend.driver
+        info = DriverInfo(driver_version=driver.driver_version, nvml_version=driver.nvml_version,
+                          cuda_driver_version=driver.cuda_driver_version or 0)
+        limit = ns.samples
+        deadline = time.monotonic() + ns.duration if ns.duration else None
+        written = 0
+        try:
+            writer = TraceWriter(out, hostname=ns.hostname, interval_s=ns.interval, driver=info, gpus=gpus)
+        except OSError as e:
+            print(f"gpufleet-agent record: cannot write {out}: {e}", file=sys.stderr)
+            return 1
+        log.info("recording %d GPU(s) every %gs to %s%s", len(devices), ns.interval, out,
+                 f" (IB from {ib_root})" if has_ib else "")
+        with writer:
+            start = time.monotonic()
+            last_t = 0.0
+            while True:
+                t = max(read_t, last_t + 1e-6)
+                samples = [_to_sample(d, r, gpm, t) for d, r in zip(devices, readings, strict=True)]
+                with lock:
+                    xids, events[:] = list(events), []
+                writer.write(t, samples, xids, read_ib_files(ib_root) if has_ib else None)
+                last_t = t
+                written += 1
+                if limit is not None and written >= limit:
+                    break
+                next_at = start + written * ns.interval
+                if deadline is not None and next_at > deadline:
+                    break
+                if stop.wait(max(0.0, next_at - time.monotonic())):
+                    break
+                read_t = time.time()
+                nxt = _read_all(backend, devices, stop)
+                if nxt is None:
+                    break
+                readings = nxt
+        log.info("wrote %d sample line(s) to %s", written, out)
+        return 0
+    finally:
+        xid.close()
+
+
+def _read_all(backend: NvmlBackend, devices: list[Device], stop: threading.Event) -> list[Reading] | None:
+    """Read every GPU; while NVML is down, wait and retry (a trace never gets made-up lines)."""
+    while not backend.refresh():
+        log.warning("NVML not answering (%s); retrying", backend.init_error or "device count failed")
+        if stop.wait(1.0):
+            return None
+    if [d.index for d in backend.devices] != [d.index for d in devices]:
+        log.warning("the GPU set changed during recording; keeping the original %d GPU(s)", len(devices))
+    current = {d.index: d for d in backend.devices}
+    return [read_gpu(backend, current.get(d.index, d), pcie_always=True) for d in devices]
+
+
+def _install_signal_handlers(stop: threading.Event) -> Callable[[], None]:
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    for sig in previous:
+        signal.signal(sig, handler)
+
+    def restore() -> None:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+
+    return restore
+
+
+if __name__ == "__main__":
+    raise SystemExit(record_main())

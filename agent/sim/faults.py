@@ -1,0 +1,318 @@
+"""The fault catalogue: injectable faults with a severity knob and a documented signature.
+
+Every fault has an ``onset`` and an optional ``end`` (seconds from the scenario start),
+a target (site, node, GPU or NIC) and a ``severity`` in [0, 1]: 0 is *marginal*
+(hard to see, still real), 1 is *obvious*; the words ``marginal`` (0.2),
+``moderate`` (0.5) and ``obvious`` (1.0) are accepted. Each class documents its
+expected signature in the recording and the findings (kind, cause) a detector
+should report — kinds and causes are those of :data:`gpufleet.agent.catalog.FINDING_KINDS`
+and :data:`~gpufleet.agent.catalog.FINDING_CAUSES`.
+
+Catalogue (``kind``: signature -> expected findings):
+
+* ``cooling_failure`` (node or GPU): inlet-to-die thermal resistance rises 1.4x..2.0x;
+  temperatures climb to the software slowdown threshold (gpu_max, 85 C on H100), the
+  ``sw_thermal_slowdown`` reason and its seconds counter rise, SM clock and power fall;
+  at obvious severity ``hw_thermal_slowdown`` past 87 C. -> throttling/thermal, straggler/thermal.
+* ``power_brake`` (node): the BMC asserts the power brake: every GPU of the node drops to
+  80%..30% of max SM clock with ``hw_power_brake_slowdown`` (counted). -> throttling/power, straggler/power.
+* ``power_cap`` (node): the enforced power limit drops to 80%..40% of default; power sits
+  at the limit with ``sw_power_cap`` and lower clocks. -> throttling/power, straggler/power.
+* ``clock_stuck_low`` (GPU): SM clock capped at 90%..40% of max with ``hw_slowdown``
+  (not a counted reason); the GPU's power and tensor activity stay *high* (it computes all
+  the time), its peers wait. -> throttling/clock, straggler/clock.
+* ``ib_link_degraded`` (NIC): rate drops (marginal: stays 400 Gb/s with symbol errors and
+  retransmits; moderate: 200; obvious: 100 Gb/s), ``symbol_error`` and
+  ``link_error_recovery`` increase, the job's collective slows. -> network/network, straggler/network.
+* ``ib_link_flapping`` (NIC): the link goes down 1..30 times an hour: ``link_downed`` increments,
+  state DOWN/phys Polling for the tick, collectives stall. -> network/network, straggler/network.
+* ``network_congestion`` (node's NICs): effective bandwidth 85%..35%, ``port_xmit_wait`` and the
+  RoCE ECN/CNP hw counters (np_ecn_marked_roce_packets, np_cnp_sent, rp_cnp_handled) storm.
+  -> network/network, straggler/network.
+* ``pcie_downgrade`` (GPU): link trains down (marginal gen4 x16, moderate gen4 x8, obvious gen3 x4);
+  ``pcie_replay`` counts; GPUDirect traffic of that rank is bounded by PCIe. -> straggler/pcie.
+* ``nvlink_down`` (GPU): 1..6 NVLink links go down (``nvlink_up`` 0, replay/recovery errors just
+  before); the GPU's NVLink bandwidth and so the job's intra-node collective slow. -> straggler/network.
+* ``hbm_ecc`` (GPU): corrected ECC errors at 2..200 per hour from onset, then (after 2 h..5 min) one
+  uncorrectable error, a pending row remap (``row_remap_pending`` 1, ``remapped_rows{cause=uncorrectable}``)
+  and XID 63. Health event: no straggler finding (alerts catch it). -> none.
+* ``xid79`` (GPU): the GPU falls off the bus: XID 79 once, ``gpu_up`` 0, the job on the node dies;
+  at ``end`` the node reboots (all counters of the node reset, scrapes missing for the reboot). -> none.
+* ``slow_host`` (node): the data loader starves the node's GPUs (5%..60% of a step): its GPUs show
+  lower utilization and activity but no GPU-level fault, and the whole job slows. -> straggler/host.
+* ``pue_drift`` (site): facility power / IT power rises by +0.03..+0.20 over 2 hours (cooling plant
+  degrading), independent of weather. -> pue_drift (cause null).
+
+Confounders that are *not* faults (expected findings: none): ``heatwave`` (site outdoor
+temperature +delta, raising PUE and inlet temperatures), the daily temperature cycle, noisy
+jobs, reboots, idle GPUs, missing scrapes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from .physics import Physics
+
+SEVERITY_WORDS = {"marginal": 0.2, "moderate": 0.5, "obvious": 1.0}
+
+
+def severity_class(severity: float) -> str:
+    if severity < 0.35:
+        return "marginal"
+    if severity < 0.75:
+        return "moderate"
+    return "obvious"
+
+
+def lerp(a: float, b: float, s: float) -> float:
+    return a + (b - a) * s
+
+
+@dataclass
+class Fault:
+    """Base class: a target, an onset, an optional end and a severity."""
+
+    kind: ClassVar[str] = ""
+    target: ClassVar[str] = "gpu"  # "site", "node", "gpu" or "nic"
+    findings: ClassVar[tuple[tuple[str, str | None], ...]] = ()
+    signals: ClassVar[tuple[str, ...]] = ()
+
+    onset: float
+    end: float | None = None
+    severity: float = 1.0
+    site: int | None = None
+    node: int | None = None
+    gpu: int | None = None  # local GPU index on the node (None: the whole node)
+    nic: int | None = None  # local NIC index (rail k)
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def active(self, t: float) -> bool:
+        return t >= self.onset and (self.end is None or t < self.end)
+
+    def gpus(self, p: Physics) -> list[int]:
+        """Global GPU indices the fault touches."""
+        assert self.node is not None
+        base = self.node * p.fleet.gpus_per_node
+        if self.gpu is None:
+            return list(range(base, base + p.fleet.gpus_per_node))
+        return [base + self.gpu]
+
+    def nics(self, p: Physics) -> list[int]:
+        assert self.node is not None
+        base = self.node * p.fleet.nics_per_node
+        if self.nic is not None:
+            return [base + self.nic]
+        if self.gpu is not None:
+            return [base + self.gpu]
+        return list(range(base, base + p.fleet.gpus_per_node))
+
+    def apply(self, p: Physics, t: float, dt: float) -> None:
+        """Set this tick's modifiers (called only while active)."""
+
+    def on_start(self, p: Physics, t: float) -> None:
+        """One-off effects at onset."""
+
+    def on_end(self, p: Physics, t: float) -> None:
+        """One-off effects at the end."""
+
+
+class CoolingFailure(Fault):
+    kind = "cooling_failure"
+    target = "node"
+    findings = (("throttling", "thermal"), ("straggler", "thermal"))
+    signals = ("gpufleet_gpu_temperature_celsius", "gpufleet_gpu_clock_event_active{reason=sw_thermal_slowdown}")
+
+    def apply(self, p: Physics, t: float, dt: float) -> None:
+        p.mods.r_mult[self.gpus(p)] *= lerp(1.4, 2.0, self.severity)
+
+
+class PowerBrake(Fault):
+    kind = "power_brake"
+    target = "node"
+    findings = (("throttling", "power"), ("straggler", "power"))
+    signals = ("gpufleet_gpu_clock_event_active{reason=hw_power_brake_slowdown}", "gpufleet_gpu_clock_hertz")
+
+    def apply(self, p: Physics, t: float, dt: float) -> None:
+        g = self.gpus(p)
+        p.mods.brake[g] = True
+        p.mods.clock_cap[g] = min(lerp(0.8, 0.3, self.severity), *p.mods.clock_cap[g])
+
+
+class PowerCap(Fault):
+    kind = "power_cap"
+    target = "node"
+    findings = (("throttling", "power"), ("straggler", "power"))
+    signals = ("gpufleet_gpu_power_limit_watts", "gpufleet_gpu_clock_event_active{reason=sw_power_cap}")
+
+    def apply(self, p: Physics, t: float, dt: float) -> None:
+        g = self.gpus(p)
+        p.mods.limit_w[g] = p.limit_default[g] * lerp(0.8, 0.4, self.severity)
+
+
+class ClockStuckLow(Fault):
+    kind = "clock_stuck_low"
+    findings = (("throttling", "clock"), ("straggler", "clock"))
+    signals = ("gpufleet_gpu_clock_hertz{clock=sm}", "gpufleet_gpu_clock_event_active{reason=hw_slowdown}")
+
+    def apply(self, p: Physics, t: float, dt: float) -> None:
+        g = self.gpus(p)
+        p.mods.clock_cap[g] = lerp(0.9, 0.4, self.severity)
+        p.mods.hw_slowdown[g] = True
+
+
+class IbLinkDegraded(Fault):
+    kind = "ib_link_degraded"
+    target = "nic"
+    findings = (("network", "network"), ("straggler", "network"))
+    signals = ("gpufleet_ib_port_rate_bytes_per_second", "gpufleet_ib_port_errors_total{error=symbol_error}")
+
+    def apply(self, p: Physics, t: float, dt: float) -> None:
+        n = self.nics(p)
+        if self.severity >= 0.67:
+            p.mods.nic_rate_gbps[n] = 100.0
+        elif self.severity >= 0.34:
+            p.mods.nic_rate_gbps[n] = 200.0
+        p.mods.nic_factor[n] *= 1.0 - lerp(0.08, 0.2, self.severity)
+        p.mods.symbol_errors_per_s[n] += lerp(0.05, 5.0, self.severity)
+
+
+class IbLinkFlapping(Fault):
+    kind = "ib_link_flapping"
+    target = "nic"
+    findings = (("network", "network"), ("straggler", "network"))
+    signals = ("gpufleet_ib_port_errors_total{error=link_downed}", "gpufleet_ib_port_state_id")
+
+    def apply(self, p: Physics, t: float, dt: float) -> None:
+        per_hour = lerp(1.0, 30.0, self.severity)
+        n = self.nics(p)
+        first = t - dt < self.onset <= t or t == self.onset
+        if first or p.rng.random() < 1.0 - math.exp(-per_hour * dt / 3600.0):
+            p.mods.nic_down[n] = True  # goes down (and retrains) within this tick
+
+
+class NetworkCongestion(Fault):
+    kind = "network_congestion"
+    target = "node"
+    findings = (("network", "network"), ("straggler", "network"))
+    signals = ("gpufleet_ib_port_transmit_wait_total", "gpufleet_ib_hw_counters_total{counter=np_ecn_marked_roce_packets}")
+
+    def apply(self, p: Physics, t: float, dt: float) -> None:
+        n = self.nics(p)
+        p.mods.nic_factor[n] *= lerp(0.85, 0.35, self.severity)
+        p.mods.congestion[n] = max(float(p.mods.congestion[n].max()), lerp(0.3, 1.0, self.severity))
+
+
+class PcieDowngrade(Fault):
+    kind = "pcie_downgrade"
+    findings = (("straggler", "pcie"),)
+    signals = ("gpufleet_gpu_pcie_link_generation", "gpufleet_gpu_pcie_link_width")
+
+    def apply(self, p: Physics, t: float, dt: float) -> None:
+        g = self.gpus(p)
+        if self.severity >= 0.67:
+            gen, width = 3, 4
+        elif self.severity >= 0.34:
+            gen, width = 4, 8
+        else:
+            gen, width = 4, 16
+        p.mods.pcie_gen[g] = gen
+        p.mods.pcie_width[g] = width
+        p.mods.pcie_replay_per_s[g] += lerp(0.02, 1.0, self.severity)
+
+
+class NvlinkDown(Fault):
+    kind = "nvlink_down"
+    findings = (("straggler", "network"),)
+    signals = ("gpufleet_gpu_nvlink_up", "gpufleet_gpu_nvlink_throughput_bytes_per_second")
+
+    def links(self) -> int:
+        return round(lerp(1.0, 6.0, self.severity))
+
+    def apply(self, p: Physics, t: float, dt: float) -> None:
+        for g in self.gpus(p):
+            p.mods.nvlink_down[g] = max(int(p.mods.nvlink_down[g]), self.links())
+
+    def on_start(self, p: Physics, t: float) -> None:
+        for g in self.gpus(p):
+            p.nvlink_err[g, : self.links(), 2] += 40  # replays
+            p.nvlink_err[g, : self.links(), 3] += 1  # recovery
+
+
+class HbmEcc(Fault):
+    kind = "hbm_ecc"
+    findings = ()
+    signals = ("gpufleet_gpu_ecc_errors_total{error=corrected}", "gpufleet_gpu_row_remap_pending")
+
+    def apply(self, p: Physics, t: float, dt: float) -> None:
+        g = self.gpus(p)
+        p.mods.ecc_per_s[g] += lerp(2.0, 200.0, self.severity) / 3600.0
+        delay = lerp(7200.0, 300.0, self.severity)
+        if t >= self.onset + delay and not self.params.get("_remapped"):
+            self.params["_remapped"] = True
+            for i in g:
+                p.row_remap(i, t)
+
+    def on_start(self, p: Physics, t: float) -> None:
+        for i in self.gpus(p):
+            p.ecc[i, :2] += 1  # the first corrected error shows at onset (volatile, aggregate)
+
+
+class Xid79(Fault):
+    kind = "xid79"
+    findings = ()
+    signals = ("gpufleet_gpu_xid_errors_total{xid=79}", "gpufleet_gpu_up")
+
+    def apply(self, p: Physics, t: float, dt: float) -> None:
+        p.mods.lost[self.gpus(p)] = True
+
+    def on_start(self, p: Physics, t: float) -> None:
+        for i in self.gpus(p):
+            p.xid(i, 79, t)
+        assert self.node is not None
+        p.kill_jobs_on_node(self.node, t)
+
+    def on_end(self, p: Physics, t: float) -> None:
+        assert self.node is not None
+        p.reboot(self.node, t)
+
+
+class SlowHost(Fault):
+    kind = "slow_host"
+    target = "node"
+    findings = (("straggler", "host"),)
+    signals = ("gpufleet_gpu_utilization_ratio", "gpufleet_gpu_tensor_active_ratio")
+
+    def apply(self, p: Physics, t: float, dt: float) -> None:
+        p.mods.loader[self.gpus(p)] = lerp(0.05, 0.6, self.severity)
+
+
+class PueDrift(Fault):
+    kind = "pue_drift"
+    target = "site"
+    findings = (("pue_drift", None),)
+    signals = ("gpufleet_site_facility_power_watts",)
+
+    def apply(self, p: Physics, t: float, dt: float) -> None:
+        assert self.site is not None
+        ramp = min(1.0, (t - self.onset) / 7200.0)
+        p.mods.pue_add[self.site] += lerp(0.03, 0.2, self.severity) * max(ramp, 0.05)
+
+
+FAULTS: dict[str, type[Fault]] = {
+    c.kind: c for c in (
+        CoolingFailure, PowerBrake, PowerCap, ClockStuckLow, IbLinkDegraded, IbLinkFlapping, NetworkCongestion,
+        PcieDowngrade, NvlinkDown, HbmEcc, Xid79, SlowHost, PueDrift,
+    )
+}
+
+
+def fault_doc(kind: str) -> str:
+    """The one-line signature of a fault kind from this module's docstring."""
+    for line in (__doc__ or "").split("\n* "):
+        if line.startswith(f"``{kind}``"):
+            return " ".join(line.split())
+    return kind

@@ -1,0 +1,477 @@
+"""A simulated fleet served live by real agent processes.
+
+:class:`LiveFleet` runs a fleet :class:`~gpufleet.agent.sim.simulator.Simulator` in real
+time (or accelerated: ``speed`` simulated seconds per wall-clock second). Every tick it
+writes, for each node, the device snapshot the agent's fake NVML serves
+(``--nvml.fake=live:PATH``, rewritten atomically), the node's fake sysfs tree
+(InfiniBand counters and PCI topology, ``--path.sysfs``) and its dcgm-exporter style
+job-mapping directory. It starts one real ``gpufleet-agent`` process per node on a
+127.0.0.1 port and writes a Prometheus ``file_sd`` targets file plus a ready-to-use
+``prometheus.yml`` so a local Prometheus can scrape the simulated fleet.
+
+Run directory layout (a temporary directory unless ``run_dir`` is given)::
+
+    RUN/targets.json                 file_sd target groups (instance="<node>:9445", site)
+    RUN/prometheus.yml               scrape config using targets.json (JSON is valid YAML)
+    RUN/nodes/<node>/snapshot.json   the node's device snapshot (model.write_snapshot)
+    RUN/nodes/<node>/sysfs/          the node's fake sysfs root
+    RUN/nodes/<node>/job-mapping/    one file per GPU index holding its job id
+    RUN/logs/<node>.log              the agent's stdout and stderr
+
+Lifecycle is bounded: :meth:`LiveFleet.stop` (also on ``with`` exit and at interpreter
+exit) stops the ticker and every agent (SIGTERM, then SIGKILL after a grace period). On
+Linux each agent also gets ``PR_SET_PDEATHSIG`` so it dies with the process that started
+it even if that process is killed outright: no orphan agents. Start a fleet from a thread
+that lives as long as the fleet (normally the main thread): the death signal follows the
+starting thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Protocol
+
+from gpufleet.agent.config import DEFAULT_PORT
+from gpufleet.agent.nvml.model import Snapshot, write_atomic, write_snapshot
+
+log = logging.getLogger(__name__)
+
+#: Wall-clock seconds between simulator ticks by default.
+DEFAULT_TICK = 1.0
+#: Seconds an agent may take to answer its first scrape.
+DEFAULT_STARTUP_TIMEOUT = 45.0
+#: Largest simulated step (seconds) taken at once; accelerated ticks are split into substeps.
+MAX_SUBSTEP = 1.0
+#: How often an agent that failed to start is retried on another free port.
+PORT_RETRIES = 1
+#: Seconds between SIGTERM and SIGKILL when stopping an agent.
+STOP_GRACE = 5.0
+
+
+class SimulatorLike(Protocol):
+    """What :class:`LiveFleet` needs from the fleet simulator."""
+
+    @property
+    def t(self) -> float: ...
+
+    @property
+    def nodes(self) -> Sequence[str]: ...
+
+    def step(self, dt: float | None = None) -> Any: ...
+
+    def node_site(self, i: int) -> str: ...
+
+    def node_snapshot(self, i: int) -> Snapshot: ...
+
+    def write_node_sysfs(self, i: int, root: str | os.PathLike[str]) -> None: ...
+
+
+class LiveFleetError(RuntimeError):
+    """The live fleet could not start (an agent failed, a port was taken, ...)."""
+
+
+@dataclass
+class AgentProcess:
+    """One node's agent process."""
+
+    node: str
+    port: int
+    snapshot: Path
+    sysfs: Path
+    job_mapping: Path
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}/metrics"
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def agent_command() -> list[str]:
+    """How to start ``gpufleet-agent``: the console script next to the interpreter, else ``-m``."""
+    script = Path(sys.executable).parent / "gpufleet-agent"
+    if script.is_file() and os.access(script, os.X_OK):
+        return [str(script)]
+    return [sys.executable, "-m", "gpufleet.agent.cli"]
+
+
+def _set_parent_death_signal() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: have the kernel send SIGTERM to this child when its parent dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        return
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (all probe sockets stay open until every port is chosen)."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _http_ok(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return 200 <= int(r.status) < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def make_simulator(scenario: Any = "demo", seed: int = 0, **overrides: Any) -> SimulatorLike:
+    """Build the fleet simulator for ``scenario``: a built-in name, a TOML path or a loaded scenario.
+
+    ``overrides`` (``nodes``, ``gpus_per_node``, ...) resize a scenario given by name or path.
+    """
+    from gpufleet.agent.sim.scenario import load_scenario
+    from gpufleet.agent.sim.simulator import Simulator
+
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if isinstance(scenario, str | os.PathLike):
+        scenario = load_scenario(str(scenario), **overrides)
+    elif overrides:
+        raise ValueError("nodes/gpus_per_node overrides apply to a scenario given by name or path")
+    return Simulator(scenario, seed=seed)  # type: ignore[no-any-return]
+
+
+class LiveFleet:
+    """A fleet simulator served by one real agent process per node.
+
+    Use as a context manager::
+
+        with LiveFleet("demo", seed=1, speed=10) as fleet:
+            for node, url in fleet.targets:
+                ...
+
+    ``tick`` is the wall-clock interval between simulator steps; each step advances
+    the simulation by ``tick * speed`` seconds. ``base_port`` puts node *i* on
+    ``base_port + i``; by default free ports are chosen. ``agent_args`` are appended to
+    every agent's command line.
+    """
+
+    def __init__(
+        self,
+        scenario: Any = "demo",
+        seed: int = 0,
+        *,
+        nodes: int | None = None,
+        gpus_per_node: int | None = None,
+        speed: float = 1.0,
+        tick: float = DEFAULT_TICK,
+        run_dir: str | os.PathLike[str] | None = None,
+        base_port: int | None = None,
+        site: str | None = None,
+        agent_args: Sequence[str] = (),
+        startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
+        simulator: SimulatorLike | None = None,
+    ) -> None:
+        if speed <= 0:
+            raise ValueError(f"speed must be > 0 simulated seconds per second, got {speed}")
+        if tick <= 0:
+            raise ValueError(f"tick must be > 0 seconds, got {tick}")
+        if base_port is not None and not 1 <= base_port <= 65535:
+            raise ValueError(f"base port must be in 1..65535, got {base_port}")
+        self.scenario = scenario
+        self.seed = seed
+        self.speed = float(speed)
+        self.tick = float(tick)
+        self.base_port = base_port
+        self.agent_args = list(agent_args)
+        self.startup_timeout = startup_timeout
+        self._sim_overrides = {"nodes": nodes, "gpus_per_node": gpus_per_node}
+        self._simulator = simulator
+        self._run_dir_arg = Path(run_dir) if run_dir is not None else None
+        self._own_run_dir = run_dir is None
+        self._site = site
+        self.run_dir = Path()
+        self.agents: list[AgentProcess] = []
+        #: Held while the simulator steps and writes; hold it to read the simulator consistently.
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+        self._started = False
+        self._stopped = False
+        self.ticks = 0
+        #: Simulated unix time the scenario starts at (fault onsets are relative to it).
+        self.simulator_start = 0.0
+        #: The last error of the ticker thread (the fleet stops advancing when set).
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def simulator(self) -> SimulatorLike:
+        if self._simulator is None:
+            raise LiveFleetError("the fleet is not started")
+        return self._simulator
+
+    @property
+    def targets(self) -> list[tuple[str, str]]:
+        """``(node, metrics URL)`` per node, in node order."""
+        return [(a.node, a.url) for a in self.agents]
+
+    @property
+    def targets_file(self) -> Path:
+        return self.run_dir / "targets.json"
+
+    @property
+    def prometheus_config(self) -> Path:
+        return self.run_dir / "prometheus.yml"
+
+    def node_site(self, i: int) -> str:
+        """The site label of node ``i`` (the ``site`` argument, else the simulator's)."""
+        return self._site or str(self.simulator.node_site(i))
+
+    @property
+    def sim_time(self) -> float:
+        return float(self.simulator.t)
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> LiveFleet:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def start(self) -> LiveFleet:
+        if self._started:
+            raise LiveFleetError("a LiveFleet can be started once")
+        self._started = True
+        atexit.register(self.stop)
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        if self._simulator is None:
+            self._simulator = make_simulator(self.scenario, self.seed, **self._sim_overrides)
+        self.simulator_start = float(getattr(self._simulator, "start", self._simulator.t))
+        if self._run_dir_arg is None:
+            self.run_dir = Path(tempfile.mkdtemp(prefix="gpufleet-live-"))
+        else:
+            self.run_dir = self._run_dir_arg
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        nodes = list(self.simulator.nodes)
+        if not nodes:
+            raise LiveFleetError("the scenario has no nodes")
+        ports = self._ports(len(nodes))
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        for node, port in zip(nodes, ports, strict=True):
+            base = self.run_dir / "nodes" / node
+            a = AgentProcess(
+                node=node, port=port, snapshot=base / "snapshot.json", sysfs=base / "sysfs",
+                job_mapping=base / "job-mapping", log=self.run_dir / "logs" / f"{node}.log",
+            )
+            a.sysfs.mkdir(parents=True, exist_ok=True)
+            a.job_mapping.mkdir(parents=True, exist_ok=True)
+            self.agents.append(a)
+        self._write_all()  # agents find a complete node when they start
+        for a in self.agents:
+            self._spawn(a)
+        self._wait_ready()
+        self._write_targets()
+        self._ticker = threading.Thread(target=self._run, name="gpufleet-live-ticker", daemon=True)
+        self._ticker.start()
+
+    def _ports(self, n: int) -> list[int]:
+        if self.base_port is None:
+            return _free_ports(n)
+        ports = list(range(self.base_port, self.base_port + n))
+        if ports[-1] > 65535:
+            raise LiveFleetError(f"--base-port {self.base_port} + {n} nodes runs past port 65535")
+        taken = [p for p in ports if not _port_free(p)]
+        if taken:
+            raise LiveFleetError(f"port(s) already in use on 127.0.0.1: {', '.join(map(str, taken))}")
+        return ports
+
+    def _spawn(self, a: AgentProcess) -> None:
+        argv = [
+            *agent_command(),
+            f"--nvml.fake=live:{a.snapshot}",
+            f"--path.sysfs={a.sysfs}",
+            f"--collector.jobs.mapping-dir={a.job_mapping}",
+            f"--web.listen-address={a.address}",
+            *self.agent_args,
+        ]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
+        with open(a.log, "ab") as out:
+            a.proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                preexec_fn=_set_parent_death_signal if sys.platform.startswith("linux") else None,
+            )
+        log.debug("started agent for %s on %s (pid %s)", a.node, a.address, a.proc.pid)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        pending = list(self.agents)
+        retries = {a.node: PORT_RETRIES if self.base_port is None else 0 for a in self.agents}
+        while pending:
+            for a in list(pending):
+                if not a.running():
+                    if retries[a.node] > 0:  # a free port taken by someone else meanwhile: try another one
+                        retries[a.node] -= 1
+                        a.port = _free_ports(1)[0]
+                        log.warning("the agent for %s exited before serving; retrying on port %d", a.node, a.port)
+                        self._spawn(a)
+                        continue
+                    code = a.proc.returncode if a.proc else None
+                    raise LiveFleetError(
+                        f"the agent for {a.node} on {a.address} exited (code {code}) before serving; "
+                        f"its log ({a.log}):\n{a.log_tail()}"
+                    )
+                if _http_ok(a.url):
+                    pending.remove(a)
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                names = ", ".join(f"{a.node} ({a.address})" for a in pending)
+                raise LiveFleetError(f"agents not serving after {self.startup_timeout:.0f}s: {names}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        """Stop the ticker and every agent; remove the run directory if it was a temporary one."""
+        if self._stopped:
+            return
+        self._stopped = True
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.stop)
+        self._stop.set()
+        if self._ticker is not None and self._ticker is not threading.current_thread():
+            self._ticker.join(timeout=max(5.0, 2 * self.tick))
+        procs = [a.proc for a in self.agents if a.proc is not None and a.proc.poll() is None]
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.terminate()
+        deadline = time.monotonic() + STOP_GRACE
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+                p.wait(timeout=STOP_GRACE)
+        if self._own_run_dir and self.run_dir != Path():
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def check(self) -> None:
+        """Raise :class:`LiveFleetError` if the simulator stopped or an agent exited."""
+        if self.error is not None:
+            raise LiveFleetError(f"the simulator stopped: {self.error}")
+        for a in self.agents:
+            if not a.running():
+                code = a.proc.returncode if a.proc else None
+                raise LiveFleetError(f"the agent for {a.node} on {a.address} exited (code {code}); its log "
+                                     f"({a.log}):\n{a.log_tail()}")
+
+    # ------------------------------------------------------------------ ticking
+    def _run(self) -> None:
+        next_tick = time.monotonic() + self.tick
+        while not self._stop.wait(max(0.0, next_tick - time.monotonic())):
+            next_tick += self.tick
+            if next_tick < time.monotonic():  # fell behind (slow machine): do not try to catch up in a burst
+                next_tick = time.monotonic() + self.tick
+            try:
+                self.advance()
+            except Exception as e:  # the fleet freezes rather than the program crashing
+                log.exception("live fleet tick failed; the simulated fleet stops advancing")
+                self.error = e
+                return
+
+    def advance(self, dt: float | None = None) -> None:
+        """Advance the simulation by ``dt`` seconds (default ``tick * speed``) and publish the state.
+
+        Large steps are split into substeps of at most :data:`MAX_SUBSTEP` simulated seconds so an
+        accelerated fleet follows the same physics as a real-time one.
+        """
+        total = self.tick * self.speed if dt is None else dt
+        n = max(1, math.ceil(total / MAX_SUBSTEP - 1e-9))
+        with self.lock:
+            for _ in range(n):
+                self.simulator.step(dt=total / n)
+            self._write_all()
+            self.ticks += 1
+
+    def _write_all(self) -> None:
+        sim = self.simulator
+        jobs = getattr(sim, "write_node_job_mapping", None)
+        for i, a in enumerate(self.agents):
+            write_snapshot(a.snapshot, sim.node_snapshot(i))
+            sim.write_node_sysfs(i, a.sysfs)
+            if callable(jobs):
+                jobs(i, a.job_mapping)
+
+    def _write_targets(self) -> None:
+        groups = [
+            {
+                "targets": [a.address],
+                "labels": {"instance": f"{a.node}:{DEFAULT_PORT}", "site": self.node_site(i)},
+            }
+            for i, a in enumerate(self.agents)
+        ]
+        write_atomic(self.targets_file, json.dumps(groups, indent=2) + "\n")
+        config = {
+            "global": {"scrape_interval": "5s", "scrape_timeout": "4s"},
+            "scrape_configs": [
+                {
+                    "job_name": "gpufleet-agent",
+                    "file_sd_configs": [{"files": [str(self.targets_file)], "refresh_interval": "30s"}],
+                }
+            ],
+        }
+        write_atomic(self.prometheus_config, json.dumps(config, indent=2) + "\n")

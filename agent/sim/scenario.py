@@ -1,0 +1,434 @@
+"""Declarative scenarios (TOML, or YAML with the same keys): fleet, jobs, faults, confounders, duration, step, seed.
+
+Example::
+
+    name = "one-straggler"
+    description = "4 nodes, one job, a GPU whose clock is stuck low"
+    seed = 7
+    hours = 2            # or duration = "90m" (s, m, h, d suffixes; plain numbers are seconds)
+    step = 15            # seconds between samples
+    start = "2026-07-01T00:00:00Z"   # optional; recordings default to this, live runs to now
+    scrape_miss_rate = 0.0005        # probability a node's scrape is missing from the recording
+
+    [[sites]]
+    name = "site-a"
+    nodes = 4
+    gpus_per_node = 8
+    gpu_model = "H100-SXM"           # H100-SXM, H200-SXM, A100-SXM
+    outdoor_mean_c = 18
+    outdoor_amplitude_c = 6
+    pue = 1.25
+
+    [jobs]
+    auto = false                     # true: jobs start and end over time, filling `fill` of the nodes
+    [[jobs.fixed]]
+    id = "job-0001"
+    nodes = "all"                    # "all", a number of nodes (the first N), or a list of node names
+    start = 0
+    # end = "1h"; parallel = "data" | "hybrid"; compute_s; intensity; grad_gb; noise
+
+    [[faults]]
+    kind = "clock_stuck_low"         # see gpufleet.agent.sim.faults
+    node = "node-002"
+    gpu = 5
+    onset = "20m"
+    severity = "obvious"             # marginal | moderate | obvious | a number in [0, 1]
+
+    [[heatwaves]]                    # confounder, not a fault
+    site = "site-a"
+    start = "2h"
+    end = "30h"
+    delta_c = 9
+
+    [[reboots]]                      # planned reboot: counters reset, scrapes missing for 3 minutes
+    node = "node-001"
+    at = "3h"
+
+Nodes are named ``node-000``, ``node-001``, ... across sites in order.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from .faults import FAULTS, SEVERITY_WORDS
+from .fleet import GPU_MODELS
+
+DEFAULT_START = "2026-07-01T00:00:00Z"
+
+
+class ScenarioError(ValueError):
+    """A scenario that cannot be run, with a message naming the file and the field."""
+
+
+@dataclass
+class SiteSpec:
+    name: str
+    nodes: int
+    gpus_per_node: int = 8
+    gpu_model: str = "H100-SXM"
+    nic_gbps: float = 400.0
+    outdoor_mean_c: float = 18.0
+    outdoor_amplitude_c: float = 6.0
+    pue: float = 1.25
+    utc_offset_h: float = 0.0
+
+
+@dataclass
+class JobSpec:
+    id: str
+    nodes: str | int | list[str] = "all"
+    start: float = 0.0
+    end: float | None = None
+    parallel: str = "data"
+    compute_s: float = 1.0
+    intensity: float = 0.8
+    grad_gb: float = 16.0
+    noise: float = 0.01
+
+
+@dataclass
+class FaultSpec:
+    kind: str
+    onset: float
+    end: float | None = None
+    severity: float = 1.0
+    site: str | None = None
+    node: str | None = None
+    gpu: int | None = None
+    nic: int | None = None
+
+
+@dataclass
+class Scenario:
+    name: str
+    description: str = ""
+    seed: int = 0
+    duration: float = 3600.0
+    step: float = 15.0
+    start: str | None = None
+    scrape_miss_rate: float = 0.0
+    sites: list[SiteSpec] = field(default_factory=list)
+    auto_jobs: bool = False
+    fill: float = 0.85
+    mean_hours: float = 6.0
+    max_nodes: int = 16
+    noisy_fraction: float = 0.1
+    jobs: list[JobSpec] = field(default_factory=list)
+    faults: list[FaultSpec] = field(default_factory=list)
+    heatwaves: list[dict[str, Any]] = field(default_factory=list)
+    reboots: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def node_names(self) -> list[str]:
+        total = sum(s.nodes for s in self.sites)
+        width = max(3, len(str(total - 1)))
+        return [f"node-{i:0{width}d}" for i in range(total)]
+
+    def start_unix(self) -> float:
+        return parse_time(self.start or DEFAULT_START)
+
+
+_DURATION = re.compile(r"^(?:[0-9]*\.?[0-9]+[smhd])+$|^[0-9]*\.?[0-9]+$")
+_PART = re.compile(r"([0-9]*\.?[0-9]+)([smhd]?)")
+_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(value: object, where: str) -> float:
+    if isinstance(value, bool):
+        raise ScenarioError(f"{where}: expected a duration, got {value!r}")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ScenarioError(f"{where}: duration must not be negative")
+        return float(value)
+    if isinstance(value, str):
+        text = value.replace(" ", "")
+        if _DURATION.match(text):
+            return sum(float(n) * _UNITS[u] for n, u in _PART.findall(text))
+    raise ScenarioError(f"{where}: expected a duration like 90, \"15m\", \"2h\" or \"1d12h\", got {value!r}")
+
+
+def parse_time(value: str) -> float:
+    try:
+        dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError as e:
+        raise ScenarioError(f"start: expected an ISO 8601 time like {DEFAULT_START!r}, got {value!r}") from e
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=UTC)
+    return dt.timestamp()
+
+
+def parse_severity(value: object, where: str) -> float:
+    if isinstance(value, str):
+        if value in SEVERITY_WORDS:
+            return SEVERITY_WORDS[value]
+        raise ScenarioError(f"{where}: severity must be one of {', '.join(SEVERITY_WORDS)} or a number in [0, 1]")
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0.0 <= value <= 1.0:
+        return float(value)
+    raise ScenarioError(f"{where}: severity must be a number in [0, 1], got {value!r}")
+
+
+def _check_keys(table: dict[str, Any], allowed: set[str], where: str) -> None:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise ScenarioError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
+
+
+def _get(table: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str, default: Any = None) -> Any:
+    if key not in table:
+        return default
+    value = table[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) and bool not in kinds:
+        raise ScenarioError(f"{where}.{key}: expected {'/'.join(k.__name__ for k in kinds)}, got {value!r}")
+    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kinds):
+        raise ScenarioError(f"{where}.{key}: expected {'/'.join(k.__name__ for k in kinds)}, got {value!r}")
+    return value
+
+
+def _positive(value: float, where: str) -> float:
+    if value <= 0:
+        raise ScenarioError(f"{where}: must be greater than 0, got {value}")
+    return value
+
+
+def parse_scenario(data: dict[str, Any], source: str = "<scenario>") -> Scenario:
+    """A validated :class:`Scenario` from a parsed TOML document (errors name ``source``)."""
+    w = source
+    _check_keys(data, {"name", "description", "seed", "hours", "duration", "step", "start", "scrape_miss_rate",
+                       "sites", "jobs", "faults", "heatwaves", "reboots"}, w)
+    sc = Scenario(name=_get(data, "name", str, w, Path(source).stem))
+    sc.description = _get(data, "description", str, w, "")
+    sc.seed = _get(data, "seed", int, w, 0)
+    if "hours" in data and "duration" in data:
+        raise ScenarioError(f"{w}: give either hours or duration, not both")
+    if "hours" in data:
+        sc.duration = _positive(_get(data, "hours", float, w) * 3600.0, f"{w}.hours")
+    elif "duration" in data:
+        sc.duration = _positive(parse_duration(data["duration"], f"{w}.duration"), f"{w}.duration")
+    sc.step = _positive(parse_duration(data.get("step", 15), f"{w}.step"), f"{w}.step")
+    if sc.step > sc.duration:
+        raise ScenarioError(f"{w}.step: {sc.step:g} s is longer than the duration ({sc.duration:g} s)")
+    sc.start = _get(data, "start", str, w)
+    if sc.start is not None:
+        parse_time(sc.start)
+    sc.scrape_miss_rate = _get(data, "scrape_miss_rate", float, w, 0.0)
+    if not 0.0 <= sc.scrape_miss_rate < 1.0:
+        raise ScenarioError(f"{w}.scrape_miss_rate: must be in [0, 1)")
+    sites = _get(data, "sites", list, w)
+    if not sites:
+        raise ScenarioError(f"{w}: at least one [[sites]] table is required")
+    for i, s in enumerate(sites):
+        sw = f"{w}: sites[{i}]"
+        if not isinstance(s, dict):
+            raise ScenarioError(f"{sw}: expected a table")
+        _check_keys(s, {f.name for f in SiteSpec.__dataclass_fields__.values()}, sw)  # type: ignore[attr-defined]
+        spec = SiteSpec(name=_get(s, "name", str, sw, f"site-{i}"), nodes=int(_get(s, "nodes", int, sw, 0)))
+        if spec.nodes < 1:
+            raise ScenarioError(f"{sw}.nodes: a site needs at least 1 node")
+        spec.gpus_per_node = _get(s, "gpus_per_node", int, sw, 8)
+        if not 1 <= spec.gpus_per_node <= 16:
+            raise ScenarioError(f"{sw}.gpus_per_node: must be between 1 and 16")
+        spec.gpu_model = _get(s, "gpu_model", str, sw, "H100-SXM")
+        if spec.gpu_model not in GPU_MODELS:
+            raise ScenarioError(f"{sw}.gpu_model: unknown model {spec.gpu_model!r}; known: {', '.join(GPU_MODELS)}")
+        for key in ("nic_gbps", "outdoor_mean_c", "outdoor_amplitude_c", "pue", "utc_offset_h"):
+            setattr(spec, key, _get(s, key, float, sw, getattr(spec, key)))
+        if spec.pue < 1.0:
+            raise ScenarioError(f"{sw}.pue: a PUE is at least 1.0")
+        sc.sites.append(spec)
+    names = [s.name for s in sc.sites]
+    if len(set(names)) != len(names):
+        raise ScenarioError(f"{w}: site names must be unique")
+    if len({s.gpus_per_node for s in sc.sites}) != 1:
+        raise ScenarioError(f"{w}: all sites must use the same gpus_per_node")
+    node_names = set(sc.node_names)
+    _parse_jobs(sc, _get(data, "jobs", dict, w, {}), node_names, f"{w}: jobs")
+    for i, fd in enumerate(_get(data, "faults", list, w, [])):
+        sc.faults.append(_parse_fault(fd, node_names, set(names), sc, f"{w}: faults[{i}]"))
+    for i, h in enumerate(_get(data, "heatwaves", list, w, [])):
+        hw = f"{w}: heatwaves[{i}]"
+        if not isinstance(h, dict):
+            raise ScenarioError(f"{hw}: expected a table")
+        _check_keys(h, {"site", "start", "end", "delta_c"}, hw)
+        site = _get(h, "site", str, hw, names[0])
+        if site not in names:
+            raise ScenarioError(f"{hw}.site: unknown site {site!r}")
+        sc.heatwaves.append({"site": site, "start": parse_duration(h.get("start", 0), f"{hw}.start"),
+                             "end": parse_duration(h.get("end", sc.duration), f"{hw}.end"),
+                             "delta_c": _get(h, "delta_c", float, hw, 8.0)})
+    for i, r in enumerate(_get(data, "reboots", list, w, [])):
+        rw = f"{w}: reboots[{i}]"
+        if not isinstance(r, dict):
+            raise ScenarioError(f"{rw}: expected a table")
+        _check_keys(r, {"node", "at"}, rw)
+        node = _get(r, "node", str, rw)
+        if node not in node_names:
+            raise ScenarioError(f"{rw}.node: unknown node {node!r}")
+        sc.reboots.append({"node": node, "at": parse_duration(r.get("at", 0), f"{rw}.at")})
+    return sc
+
+
+def _parse_jobs(sc: Scenario, jobs: dict[str, Any], node_names: set[str], w: str) -> None:
+    _check_keys(jobs, {"auto", "fill", "mean_hours", "max_nodes", "noisy_fraction", "fixed"}, w)
+    sc.auto_jobs = _get(jobs, "auto", bool, w, False)
+    sc.fill = _get(jobs, "fill", float, w, 0.85)
+    if not 0.0 < sc.fill <= 1.0:
+        raise ScenarioError(f"{w}.fill: must be in (0, 1]")
+    sc.mean_hours = _positive(_get(jobs, "mean_hours", float, w, 6.0), f"{w}.mean_hours")
+    sc.max_nodes = int(_positive(_get(jobs, "max_nodes", int, w, 16), f"{w}.max_nodes"))
+    sc.noisy_fraction = _get(jobs, "noisy_fraction", float, w, 0.1)
+    ids = set()
+    for i, j in enumerate(_get(jobs, "fixed", list, w, [])):
+        jw = f"{w}.fixed[{i}]"
+        if not isinstance(j, dict):
+            raise ScenarioError(f"{jw}: expected a table")
+        _check_keys(j, {"id", "nodes", "start", "end", "parallel", "compute_s", "intensity", "grad_gb", "noise"}, jw)
+        spec = JobSpec(id=_get(j, "id", str, jw, f"job-{i + 1:04d}"))
+        if spec.id in ids:
+            raise ScenarioError(f"{jw}.id: duplicate job id {spec.id!r}")
+        ids.add(spec.id)
+        nodes = j.get("nodes", "all")
+        if isinstance(nodes, list):
+            bad = [n for n in nodes if n not in node_names]
+            if bad or not nodes:
+                raise ScenarioError(f"{jw}.nodes: unknown node(s) {bad!r}" if bad else f"{jw}.nodes: empty")
+        elif isinstance(nodes, int) and not isinstance(nodes, bool):
+            if not 1 <= nodes <= len(node_names):
+                raise ScenarioError(f"{jw}.nodes: must be between 1 and {len(node_names)}")
+        elif nodes != "all":
+            raise ScenarioError(f"{jw}.nodes: expected \"all\", a node count or a list of node names")
+        spec.nodes = nodes
+        spec.start = parse_duration(j.get("start", 0), f"{jw}.start")
+        spec.end = parse_duration(j["end"], f"{jw}.end") if "end" in j else None
+        spec.parallel = _get(j, "parallel", str, jw, "data")
+        if spec.parallel not in ("data", "hybrid"):
+            raise ScenarioError(f"{jw}.parallel: must be \"data\" or \"hybrid\"")
+        for key in ("compute_s", "intensity", "grad_gb", "noise"):
+            setattr(spec, key, _get(j, key, float, jw, getattr(spec, key)))
+        if spec.compute_s <= 0 or not 0.0 < spec.intensity <= 1.0:
+            raise ScenarioError(f"{jw}: compute_s must be > 0 and intensity in (0, 1]")
+        sc.jobs.append(spec)
+
+
+def _parse_fault(fd: object, node_names: set[str], site_names: set[str], sc: Scenario, w: str) -> FaultSpec:
+    if not isinstance(fd, dict):
+        raise ScenarioError(f"{w}: expected a table")
+    _check_keys(fd, {"kind", "onset", "end", "severity", "site", "node", "gpu", "nic"}, w)
+    kind = _get(fd, "kind", str, w)
+    if kind not in FAULTS:
+        raise ScenarioError(f"{w}.kind: unknown fault {kind!r}; known: {', '.join(FAULTS)}")
+    spec = FaultSpec(kind=kind, onset=parse_duration(fd.get("onset", 0), f"{w}.onset"))
+    if "end" in fd:
+        spec.end = parse_duration(fd["end"], f"{w}.end")
+        if spec.end <= spec.onset:
+            raise ScenarioError(f"{w}.end: must be after the onset")
+    spec.severity = parse_severity(fd.get("severity", "obvious"), f"{w}.severity")
+    target = FAULTS[kind].target
+    if target == "site":
+        spec.site = _get(fd, "site", str, w, sc.sites[0].name)
+        if spec.site not in site_names:
+            raise ScenarioError(f"{w}.site: unknown site {spec.site!r}")
+        return spec
+    spec.node = _get(fd, "node", str, w)
+    if spec.node is None:
+        raise ScenarioError(f"{w}.node: fault {kind!r} needs a node")
+    if spec.node not in node_names:
+        raise ScenarioError(f"{w}.node: unknown node {spec.node!r}")
+    gpn = sc.sites[0].gpus_per_node
+    spec.gpu = _get(fd, "gpu", int, w)
+    if spec.gpu is not None and not 0 <= spec.gpu < gpn:
+        raise ScenarioError(f"{w}.gpu: must be between 0 and {gpn - 1}")
+    if target == "gpu" and spec.gpu is None and kind not in ("hbm_ecc",):
+        spec.gpu = 0 if kind in ("xid79", "pcie_downgrade", "nvlink_down", "clock_stuck_low") else None
+    spec.nic = _get(fd, "nic", int, w)
+    if spec.nic is not None and not 0 <= spec.nic <= gpn:
+        raise ScenarioError(f"{w}.nic: must be between 0 and {gpn}")
+    if target == "nic" and spec.nic is None:
+        spec.nic = spec.gpu if spec.gpu is not None else 0
+    return spec
+
+
+def _read_document(p: Path) -> dict[str, Any]:
+    """A scenario file's table: TOML, or YAML (same schema) for ``.yaml``/``.yml`` when PyYAML is installed."""
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ScenarioError(f"{p}: cannot read: {e.strerror or e}") from e
+    if p.suffix in (".yaml", ".yml"):
+        try:
+            import yaml  # optional: PyYAML
+        except ImportError:
+            raise ScenarioError(f"{p}: YAML scenarios need PyYAML (pip install pyyaml); or use TOML") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ScenarioError(f"{p}: not valid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ScenarioError(f"{p}: a scenario is a mapping at the top level")
+        return data
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ScenarioError(f"{p}: not valid TOML: {e}") from e
+
+
+def load_file(path: str | Path) -> Scenario:
+    p = Path(path)
+    return parse_scenario(_read_document(p), str(p))
+
+
+def builtin_names() -> list[str]:
+    root = resources.files("gpufleet.agent.sim") / "scenarios"
+    return sorted(p.name.removesuffix(".toml") for p in root.iterdir() if p.name.endswith(".toml"))
+
+
+def builtin_text(name: str) -> str:
+    return (resources.files("gpufleet.agent.sim") / "scenarios" / f"{name}.toml").read_text(encoding="utf-8")
+
+
+def load_scenario(name_or_path: str | Path, *, nodes: int | None = None, gpus_per_node: int | None = None,
+                  hours: float | None = None, step: float | None = None, seed: int | None = None) -> Scenario:
+    """A built-in scenario by name or a TOML file by path, with optional overrides."""
+    text_name = str(name_or_path)
+    if text_name in builtin_names():
+        data = tomllib.loads(builtin_text(text_name))
+        source = f"built-in scenario {text_name!r}"
+    elif Path(text_name).suffix in (".toml", ".yaml", ".yml") or Path(text_name).exists():
+        p = Path(text_name)
+        data = _read_document(p)
+        source = str(p)
+    else:
+        raise ScenarioError(f"unknown scenario {text_name!r}: not a built-in ({', '.join(builtin_names())}) "
+                            "nor a .toml file")
+    if nodes is not None:
+        if len(data.get("sites", [])) != 1:
+            raise ScenarioError(f"{source}: --nodes needs a single-site scenario")
+        data["sites"][0]["nodes"] = nodes
+    if gpus_per_node is not None:
+        for s in data.get("sites", []):
+            s["gpus_per_node"] = gpus_per_node
+    if hours is not None:
+        data.pop("duration", None)
+        data["hours"] = hours
+    if step is not None:
+        data["step"] = step
+    if seed is not None:
+        data["seed"] = seed
+    return parse_scenario(data, source)
+
+
+def describe(name: str) -> str:
+    """The one-line description of a built-in scenario."""
+    try:
+        return str(tomllib.loads(builtin_text(name)).get("description", ""))
+    except (OSError, tomllib.TOMLDecodeError):
+        return ""

@@ -1,0 +1,217 @@
+"""The detector's configuration: one TOML file, validated with clear errors.
+
+Example (every key optional; these are the defaults)::
+
+    [detector]
+    profile = "gpufleet"          # or "dcgm"
+    interval_seconds = 60         # evaluation interval (serve) / default replay step
+    window_seconds = 300          # feature window: averages, maxima, rates over this
+    listen = "127.0.0.1:9446"     # serve mode: /metrics
+    web_config_file = ""          # serve mode: TLS / basic auth (exporter-toolkit format)
+    node_label = "instance"       # node = this label with any ":port" removed
+    strip_port = true
+    coverage = 0.8                # fraction of the fleet's samples a GPU needs in the window
+
+    [prometheus]
+    url = "http://127.0.0.1:9090"
+    timeout_seconds = 10
+    bearer_token_file = ""
+    username = ""
+    password_file = ""
+    ca_file = ""
+
+    [findings]
+    open_after = 3                # consecutive evaluations to open a finding
+    close_after = 3               # consecutive clear evaluations to close it
+    stale_after = 10              # evaluations without data before an open finding closes
+
+    [straggler]
+    threshold = 4.0
+    busy_util = 0.5
+    min_peers = 4
+    compare_jobless = true
+    isolation_forest = true
+
+    [throttling]
+    min_fraction = 0.3
+
+    [network]
+    threshold = 6.0
+    symbol_errors = 10
+
+    [pue]
+    baseline_hours = 12           # data before the first model fit (no drift detection until then)
+    refit_hours = 1               # refit on in-control history every ...
+    min_drift = 0.05              # smallest PUE shift to detect (CUSUM k = min_drift / 2)
+    h = 0.05                      # CUSUM decision interval in PUE-hours
+    knots_celsius = [5, 10, 15, 20, 25, 30]
+
+    [[sites]]                     # optional; without it sites come from gpufleet_site_* by their site label
+    name = "dc1"
+    facility_power = { metric = "gpufleet_site_facility_power_watts", labels = { site = "dc1" } }
+    it_power = { metric = "ipmi_dcmi_power_consumption_watts", labels = { site = "dc1" } }  # summed
+    outdoor_temperature = { metric = "gpufleet_site_outdoor_temperature_celsius", labels = { site = "dc1" } }
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from gpufleet.detector.findings import Tracker
+from gpufleet.detector.network import NetworkParams
+from gpufleet.detector.profiles import PROFILES, Query
+from gpufleet.detector.pue import PueParams
+from gpufleet.detector.straggler import StragglerParams
+from gpufleet.detector.throttling import ThrottleParams
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message says where and why."""
+
+
+@dataclass
+class SiteConfig:
+    name: str
+    queries: tuple[Query, ...]
+
+
+@dataclass
+class FindingParams:
+    open_after: int = 3
+    close_after: int = 3
+    stale_after: int = 10
+
+    def tracker(self) -> Tracker:
+        return Tracker(self.open_after, self.close_after, self.stale_after)
+
+
+@dataclass
+class DetectorConfig:
+    profile: str = "gpufleet"
+    interval_seconds: float = 60.0
+    window_seconds: float = 300.0
+    listen: str = "127.0.0.1:9446"
+    web_config_file: str = ""
+    node_label: str = "instance"
+    strip_port: bool = True
+    coverage: float = 0.8
+    prometheus_url: str = "http://127.0.0.1:9090"
+    timeout_seconds: float = 10.0
+    bearer_token_file: str = ""
+    username: str = ""
+    password_file: str = ""
+    ca_file: str = ""
+    findings: FindingParams = field(default_factory=FindingParams)
+    straggler: StragglerParams = field(default_factory=StragglerParams)
+    throttling: ThrottleParams = field(default_factory=ThrottleParams)
+    network: NetworkParams = field(default_factory=NetworkParams)
+    pue: PueParams = field(default_factory=PueParams)
+    sites: list[SiteConfig] = field(default_factory=list)
+
+
+_TOP = {
+    "detector": {"profile": str, "interval_seconds": float, "window_seconds": float, "listen": str,
+                 "web_config_file": str, "node_label": str, "strip_port": bool, "coverage": float},
+    "prometheus": {"url": str, "timeout_seconds": float, "bearer_token_file": str, "username": str,
+                   "password_file": str, "ca_file": str},
+}
+_PARAMS = {"findings": FindingParams, "straggler": StragglerParams, "throttling": ThrottleParams,
+           "network": NetworkParams, "pue": PueParams}
+
+
+def _check(where: str, value: Any, typ: type) -> Any:
+    if typ is tuple:
+        if not isinstance(value, list) or not all(isinstance(v, int | float) and not isinstance(v, bool)
+                                                  for v in value):
+            raise ConfigError(f"{where}: expected an array of numbers, got {value!r}")
+        return tuple(float(v) for v in value)
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if typ is int and isinstance(value, bool):
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if not isinstance(value, typ):
+        raise ConfigError(f"{where}: expected {typ.__name__}, got {type(value).__name__} {value!r}")
+    if isinstance(value, int | float) and value < 0:
+        raise ConfigError(f"{where}: must not be negative, got {value!r}")
+    return value
+
+
+def parse(data: dict[str, Any], source: str = "config") -> DetectorConfig:
+    cfg = DetectorConfig()
+    known = set(_TOP) | set(_PARAMS) | {"sites"}
+    for section in data:
+        if section not in known:
+            raise ConfigError(f"{source}: unknown section [{section}]; known: {', '.join(sorted(known))}")
+    for section, keys in _TOP.items():
+        table = data.get(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: [{section}] must be a table")
+        for k, v in table.items():
+            if k not in keys:
+                raise ConfigError(f"{source}: [{section}] unknown key {k!r}; known: {', '.join(sorted(keys))}")
+            attr = "prometheus_url" if (section, k) == ("prometheus", "url") else k
+            setattr(cfg, attr, _check(f"{source}: [{section}] {k}", v, keys[k]))
+    for section, cls in _PARAMS.items():
+        table = data.get(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: [{section}] must be a table")
+        obj = getattr(cfg, section)
+        types = {f.name: type(getattr(obj, f.name)) for f in fields(cls)}
+        for k, v in table.items():
+            if k not in types:
+                raise ConfigError(f"{source}: [{section}] unknown key {k!r}; known: {', '.join(sorted(types))}")
+            setattr(obj, k, _check(f"{source}: [{section}] {k}", v, types[k]))
+    if cfg.profile not in PROFILES:
+        raise ConfigError(f"{source}: [detector] profile must be one of {', '.join(PROFILES)}, got {cfg.profile!r}")
+    if cfg.window_seconds <= 0 or cfg.interval_seconds <= 0:
+        raise ConfigError(f"{source}: [detector] interval_seconds and window_seconds must be > 0")
+    if not 0 < cfg.coverage <= 1:
+        raise ConfigError(f"{source}: [detector] coverage must be in (0, 1], got {cfg.coverage}")
+    if not cfg.prometheus_url.startswith(("http://", "https://")):
+        raise ConfigError(f"{source}: [prometheus] url must start with http:// or https://, got {cfg.prometheus_url!r}")
+    sites = data.get("sites", [])
+    if not isinstance(sites, list):
+        raise ConfigError(f"{source}: sites must be an array of tables ([[sites]])")
+    for i, s in enumerate(sites):
+        cfg.sites.append(_site(f"{source}: sites[{i}]", s))
+    return cfg
+
+
+def _site(where: str, s: Any) -> SiteConfig:
+    if not isinstance(s, dict) or not isinstance(s.get("name"), str) or not s["name"]:
+        raise ConfigError(f"{where}: needs a non-empty name")
+    qs: list[Query] = []
+    for k in s:
+        if k not in ("name", "facility_power", "it_power", "outdoor_temperature"):
+            raise ConfigError(f"{where}: unknown key {k!r}")
+    for feat in ("facility_power", "it_power", "outdoor_temperature"):
+        sel = s.get(feat)
+        if sel is None:
+            if feat == "outdoor_temperature":
+                continue
+            raise ConfigError(f"{where}: {feat} is required (a table: metric = \"...\", labels = {{...}})")
+        if not isinstance(sel, dict) or not isinstance(sel.get("metric"), str) or not sel["metric"]:
+            raise ConfigError(f"{where}: {feat} must be a table with a metric name")
+        labels = sel.get("labels", {})
+        if not isinstance(labels, dict) or not all(isinstance(v, str) for v in labels.values()):
+            raise ConfigError(f"{where}: {feat}.labels must be a table of strings")
+        extra = set(sel) - {"metric", "labels"}
+        if extra:
+            raise ConfigError(f"{where}: {feat}: unknown key(s) {', '.join(sorted(extra))}")
+        matchers = tuple((k, "=", v) for k, v in sorted(labels.items()))
+        qs.append(Query(feat, sel["metric"], "avg", "site", matchers, 1.0, "sum", s["name"]))
+    return SiteConfig(s["name"], tuple(qs))
+
+
+def load(path: str | Path) -> DetectorConfig:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e.strerror or e}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from e
+    return parse(data, str(path))

@@ -1,0 +1,106 @@
+"""One evaluation of the fleet: features -> straggler, throttling, network, PUE -> findings.
+
+:class:`Detector` is shared by the service (live Prometheus source), replay
+(recording source) and the quality harness; it keeps the findings' hysteresis
+and each site's PUE model between evaluations.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from gpufleet.detector import network, straggler, throttling
+from gpufleet.detector.config import DetectorConfig
+from gpufleet.detector.features import NodeNaming, Snapshot, collect
+from gpufleet.detector.findings import Key, Tracker
+from gpufleet.detector.profiles import Query, queries, site_queries
+from gpufleet.detector.pue import PueMonitor, PueState
+from gpufleet.detector.source import Source
+from gpufleet.detector.straggler import Candidate, StragglerResult
+
+
+@dataclass
+class Evaluation:
+    t: float
+    snapshot: Snapshot
+    straggler: StragglerResult
+    pue: dict[str, PueState] = field(default_factory=dict)
+    candidates: list[tuple[str, Candidate]] = field(default_factory=list)
+    duration: float = 0.0
+
+
+def summarize(kind: str, c: Candidate) -> str:
+    ev = c.evidence
+    if kind == "straggler":
+        devs = sorted(((k, v) for k, v in ev.items() if ":" not in k and k != "gpus"), key=lambda kv: -abs(kv[1]))[:3]
+        dev = ", ".join(f"{k} {v:+.1f} sigma" for k, v in devs)
+        who = f"GPU {c.gpu} on {c.node}" if c.gpu is not None else f"{int(ev.get('gpus', 0))} GPUs of {c.node}"
+        job = f" in job {c.job}" if c.job else ""
+        return f"{who}{job} lag their peers ({dev}); likely cause: {c.cause}"
+    if kind == "throttling":
+        fr = max((v for k, v in ev.items() if k.startswith("thr_")), default=0.0)
+        who = f"GPU {c.gpu} on {c.node}" if c.gpu is not None else f"{int(ev.get('gpus', 0))} GPUs of {c.node}"
+        return f"{who} throttled ({c.cause}) {fr:.0%} of the window"
+    if kind == "network":
+        what = ", ".join(k for k in ev if ":" not in k)
+        to = f" (serves GPU {c.gpu})" if c.gpu is not None else ""
+        return f"NIC {c.nic} on {c.node}{to}: {what}"
+    return (f"site {c.site}: PUE {ev.get('pue', float('nan')):.3f} vs expected {ev.get('expected', float('nan')):.3f}"
+            f" (+{ev.get('magnitude', 0.0):.3f} since {time.strftime('%Y-%m-%d %H:%M', time.gmtime(ev.get('onset', 0)))} UTC)")
+
+
+class Detector:
+    def __init__(self, cfg: DetectorConfig, source: Source, tracker: Tracker | None = None) -> None:
+        self.cfg = cfg
+        self.source = source
+        site_qs: tuple[Query, ...] = tuple(q for s in cfg.sites for q in s.queries) if cfg.sites else site_queries()
+        self.queries: tuple[Query, ...] = queries(cfg.profile) + site_qs
+        self.naming = NodeNaming(cfg.node_label, cfg.strip_port)
+        self.tracker = tracker or Tracker(cfg.findings.open_after, cfg.findings.close_after,
+                                          cfg.findings.stale_after, summarize)
+        self.pue: dict[str, PueMonitor] = {}
+        self.last: Evaluation | None = None
+
+    def evaluate(self, t: float) -> Evaluation:
+        started = time.perf_counter()
+        cfg = self.cfg
+        snap = collect(self.source, self.queries, t, cfg.window_seconds, profile=cfg.profile, naming=self.naming,
+                       coverage=cfg.coverage)
+        nets = network.find(snap.nic, snap.gpu, cfg.network)
+        nic_flags = {(c.node, c.gpu): c.score for c in nets if c.gpu is not None}
+        st = straggler.score(snap.gpu, cfg.straggler, nic_flags)
+        cands: list[tuple[str, Candidate]] = [("straggler", c) for c in st.candidates]
+        cands += [("throttling", c) for c in throttling.find(snap.gpu, cfg.throttling)]
+        cands += [("network", c) for c in nets]
+        pue_states: dict[str, PueState] = {}
+        for site, vals in sorted(snap.site.items()):
+            mon = self.pue.setdefault(site, PueMonitor(cfg.pue))
+            state = mon.update(t, vals.get("facility_power", np.nan), vals.get("it_power", np.nan),
+                               vals.get("outdoor_temperature"))
+            if state is None:
+                continue
+            pue_states[site] = state
+            if state.drifting and state.expected is not None:
+                ev = {"pue": state.pue, "expected": state.expected, "magnitude": state.magnitude or 0.0,
+                      "onset": state.onset or t, "cusum": state.cusum}
+                cands.append(("pue_drift", Candidate("", None, None, site, "", 10.0 * (state.magnitude or 0.0)
+                                                     / max(cfg.pue.min_drift, 1e-9), ev)))
+        gpus_ok = {(n, g) for n, g, v in zip(snap.gpu.nodes, snap.gpu.gpus, snap.gpu.valid, strict=True) if v}
+        nodes_ok = {n for n, _ in gpus_ok}
+        nics_ok = {(n, f"{d}/{p}") for n, d, p in zip(snap.nic.nodes, snap.nic.devices, snap.nic.ports, strict=True)}
+        sites_ok = set(pue_states)
+
+        def observed(k: Key) -> bool:
+            kind, node, gpu, nic, site, _ = k
+            if kind == "pue_drift":
+                return site in sites_ok
+            if kind == "network":
+                return (node, nic) in nics_ok
+            return (node, gpu) in gpus_ok if gpu else node in nodes_ok
+
+        self.tracker.update(t, cands, observed)
+        result = Evaluation(t, snap, st, pue_states, cands, time.perf_counter() - started)
+        self.last = result
+        return result

@@ -1,0 +1,115 @@
+"""The detector's /metrics: a prometheus-client collector over the last evaluation, and the HTTP server.
+
+Series (names, labels and help from :mod:`gpufleet.agent.catalog`, group
+``detector``): per-GPU straggler score and per-feature robust z-score, one
+``gpufleet_detector_finding`` per active finding (value = score; labels kind,
+cause, node, gpu, job_id, site; "" when not applicable) with its start time,
+each site's PUE and expected PUE, and the detector's health (last successful
+evaluation, evaluation duration, evaluations by result, query errors, missing
+inputs). The HTTP(S) server is the agent's (TLS and basic auth from an
+exporter-toolkit web config).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+from gpufleet.agent.catalog import spec
+from gpufleet.detector.engine import Detector
+from prometheus_client.core import CollectorRegistry, Metric
+from prometheus_client.exposition import choose_encoder
+
+
+class Health:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.last_success: float | None = None
+        self.duration: float | None = None
+        self.results = {"success": 0, "failure": 0}
+        self.last_error = ""
+
+
+class DetectorCollector:
+    def __init__(self, detector: Detector, health: Health) -> None:
+        self.detector = detector
+        self.health = health
+
+    def collect(self) -> Iterator[Metric]:
+        det, h = self.detector, self.health
+        ev = det.last
+        score = spec("gpufleet_detector_straggler_score").family()
+        dev = spec("gpufleet_detector_feature_deviation").family()
+        if ev is not None:
+            g, st = ev.snapshot.gpu, ev.straggler
+            for i in np.flatnonzero(st.scored):
+                labels = [g.nodes[i], g.gpus[i], g.jobs[i] or ""]
+                score.add_metric(labels, float(st.score[i]))
+                for f, z in st.z.items():
+                    if np.isfinite(z[i]):
+                        dev.add_metric([*labels, f], float(z[i]))
+        yield score
+        yield dev
+        finding = spec("gpufleet_detector_finding").family()
+        start = spec("gpufleet_detector_finding_start_timestamp_seconds").family()
+        for f in list(det.tracker.active.values()):
+            labels = [f.kind, f.cause or "", f.node or "", f.gpu or "", f.job or "", f.site or ""]
+            finding.add_metric(labels, f.score)
+            start.add_metric(labels, f.start)
+        yield finding
+        yield start
+        pue = spec("gpufleet_detector_site_pue").family()
+        exp = spec("gpufleet_detector_site_pue_expected").family()
+        if ev is not None:
+            for site, s in sorted(ev.pue.items()):
+                pue.add_metric([site], s.pue)
+                if s.expected is not None:
+                    exp.add_metric([site], s.expected)
+        yield pue
+        yield exp
+        with h.lock:
+            last = spec("gpufleet_detector_last_success_timestamp_seconds").family()
+            if h.last_success is not None:
+                last.add_metric([], h.last_success)
+            yield last
+            dur = spec("gpufleet_detector_evaluation_duration_seconds").family()
+            if h.duration is not None:
+                dur.add_metric([], h.duration)
+            yield dur
+            evals = spec("gpufleet_detector_evaluations_total").family()
+            for result, n in sorted(h.results.items()):
+                evals.add_metric([result], n)
+            yield evals
+        errs = spec("gpufleet_detector_query_errors_total").family()
+        errs.add_metric([], det.source.query_errors)
+        yield errs
+        missing = spec("gpufleet_detector_missing_inputs").family()
+        if ev is not None:
+            for m in sorted(ev.snapshot.missing):
+                missing.add_metric([m], 1.0)
+        yield missing
+
+
+class Exposer:
+    """What the agent's MetricsServer serves."""
+
+    def __init__(self, registry: CollectorRegistry, health: Health) -> None:
+        self.registry = registry
+        self.h = health
+
+    def exposition(self, accept: str | None = None) -> tuple[bytes, str]:
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type
+
+    def health(self) -> str:
+        with self.h.lock:
+            if self.h.last_success is None and self.h.results["failure"]:
+                return f"evaluations failing: {self.h.last_error}"
+            return "OK"
+
+
+def registry_for(detector: Detector, health: Health) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(DetectorCollector(detector, health))  # type: ignore[arg-type]
+    return reg

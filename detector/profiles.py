@@ -1,0 +1,185 @@
+"""Metric profiles: which series the detector reads, in one place.
+
+A profile is a list of :class:`Query` objects. Each names a feature the
+detector uses (``sm_clock``, ``tensor``, ``nic_xmit_wait``, ...), the metric it
+comes from, label matchers, the windowed operation, a scale to base units and
+how several series of one entity combine (e.g. the reasons of a throttling
+class, the links of a GPU). Both sources evaluate the same :class:`Query`: the
+Prometheus source as PromQL (``avg_over_time(m{...}[300s])``), the recording
+source in memory with the same semantics.
+
+Profiles: ``gpufleet`` (the agent's metrics from :mod:`gpufleet.agent.catalog`)
+and ``dcgm`` (NVIDIA dcgm-exporter, node_exporter's infiniband collector and
+ipmi_exporter, as deployed today).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from gpufleet.agent import catalog
+
+Op = Literal["avg", "max", "min", "last", "count", "rate", "increase"]
+Entity = Literal["gpu", "nic", "node", "site", "nicmap"]
+Agg = Literal["max", "min", "sum", "mean"]
+PROFILES = ("gpufleet", "dcgm")
+
+#: PromQL function per operation.
+PROMQL_FUNC: dict[str, str] = {
+    "avg": "avg_over_time",
+    "max": "max_over_time",
+    "min": "min_over_time",
+    "last": "last_over_time",
+    "count": "count_over_time",
+    "rate": "rate",
+    "increase": "increase",
+}
+
+
+@dataclass(frozen=True)
+class Query:
+    feature: str
+    metric: str
+    op: Op
+    entity: Entity = "gpu"
+    #: (label, op, value) with op "=" or "=~" (regex, fully anchored as in PromQL).
+    matchers: tuple[tuple[str, str, str], ...] = ()
+    scale: float = 1.0
+    agg: Agg = "max"
+    #: For configured sites: every matching series is summed into this site.
+    site: str = ""
+
+    def promql(self, window: float) -> str:
+        sel = ",".join(f'{k}{op}"{v}"' for k, op, v in self.matchers)
+        body = f"{self.metric}{{{sel}}}" if sel else self.metric
+        return f"{PROMQL_FUNC[self.op]}({body}[{format_window(window)}])"
+
+
+def format_window(window: float) -> str:
+    ms = round(window * 1000)
+    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
+
+
+def _q(feature: str, metric: str, op: Op, entity: Entity = "gpu", matchers: tuple[tuple[str, str, str], ...] = (),
+       scale: float = 1.0, agg: Agg = "max", check: bool = True) -> Query:
+    if check:
+        catalog.spec(metric)  # every gpufleet name must be in the catalog
+    return Query(feature, metric, op, entity, matchers, scale, agg)
+
+
+def _eq(label: str, value: str) -> tuple[tuple[str, str, str], ...]:
+    return ((label, "=", value),)
+
+
+def _re(label: str, value: str) -> tuple[tuple[str, str, str], ...]:
+    return ((label, "=~", value),)
+
+
+# Features every evaluation uses. Ratios are 0..1, clocks Hz, power W, temperature degrees C.
+GPUFLEET: tuple[Query, ...] = (
+    _q("util", "gpufleet_gpu_utilization_ratio", "avg"),
+    _q("samples", "gpufleet_gpu_utilization_ratio", "count"),
+    _q("@job", "gpufleet_gpu_job_info", "count"),
+    _q("@model", "gpufleet_gpu_info", "last"),
+    _q("sm_clock", "gpufleet_gpu_clock_hertz", "avg", matchers=_eq("clock", "sm")),
+    _q("mem_clock", "gpufleet_gpu_clock_hertz", "avg", matchers=_eq("clock", "memory")),
+    _q("power", "gpufleet_gpu_power_watts", "avg"),
+    _q("temp", "gpufleet_gpu_temperature_celsius", "avg", matchers=_eq("sensor", "gpu")),
+    _q("mem_temp", "gpufleet_gpu_temperature_celsius", "avg", matchers=_eq("sensor", "memory")),
+    _q("tensor", "gpufleet_gpu_tensor_active_ratio", "avg"),
+    _q("sm_active", "gpufleet_gpu_sm_active_ratio", "avg"),
+    _q("dram", "gpufleet_gpu_dram_active_ratio", "avg"),
+    _q("thr_thermal", "gpufleet_gpu_clock_event_active", "avg",
+       matchers=_re("reason", "sw_thermal_slowdown|hw_thermal_slowdown")),
+    _q("thr_power", "gpufleet_gpu_clock_event_active", "avg", matchers=_eq("reason", "sw_power_cap")),
+    _q("thr_brake", "gpufleet_gpu_clock_event_active", "avg", matchers=_eq("reason", "hw_power_brake_slowdown")),
+    _q("thr_hw", "gpufleet_gpu_clock_event_active", "avg", matchers=_eq("reason", "hw_slowdown")),
+    # NVML's cumulative throttle time of the counted reasons: rate() is the throttled fraction of the window.
+    _q("thr_thermal", "gpufleet_gpu_clock_event_seconds_total", "rate",
+       matchers=_re("reason", "sw_thermal_slowdown|hw_thermal_slowdown")),
+    _q("thr_power", "gpufleet_gpu_clock_event_seconds_total", "rate", matchers=_eq("reason", "sw_power_cap")),
+    _q("thr_brake", "gpufleet_gpu_clock_event_seconds_total", "rate",
+       matchers=_eq("reason", "hw_power_brake_slowdown")),
+    _q("power_limit", "gpufleet_gpu_power_limit_watts", "last"),
+    _q("pcie_replay", "gpufleet_gpu_pcie_replay_total", "increase"),
+    _q("pcie_gen", "gpufleet_gpu_pcie_link_generation", "last"),
+    _q("pcie_gen_max", "gpufleet_gpu_pcie_link_generation_max", "last"),
+    _q("pcie_width", "gpufleet_gpu_pcie_link_width", "last"),
+    _q("pcie_width_max", "gpufleet_gpu_pcie_link_width_max", "last"),
+    _q("nvlink_down", "gpufleet_gpu_nvlink_up", "min", agg="min"),
+    _q("nvlink_bw", "gpufleet_gpu_nvlink_throughput_bytes_per_second", "avg", agg="sum"),
+    _q("ecc", "gpufleet_gpu_ecc_errors_total", "increase", matchers=_eq("counter", "volatile"), agg="sum"),
+    _q("remap_pending", "gpufleet_gpu_row_remap_pending", "last"),
+    _q("xid", "gpufleet_gpu_xid_errors_total", "increase", agg="sum"),
+    _q("nic_tx", "gpufleet_ib_port_transmit_bytes_total", "rate", "nic"),
+    _q("nic_xmit_wait", "gpufleet_ib_port_transmit_wait_total", "rate", "nic"),
+    _q("nic_symbol_errors", "gpufleet_ib_port_errors_total", "increase", "nic", _eq("error", "symbol_error")),
+    _q("nic_link_downed", "gpufleet_ib_port_errors_total", "increase", "nic", _eq("error", "link_downed")),
+    _q("nic_link_recovery", "gpufleet_ib_port_errors_total", "increase", "nic", _eq("error", "link_error_recovery")),
+    _q("nic_rate", "gpufleet_ib_port_rate_bytes_per_second", "min", "nic", agg="min"),
+    _q("nic_ecn", "gpufleet_ib_hw_counters_total", "rate", "nic",
+       _re("counter", "np_ecn_marked_roce_packets|rp_cnp_handled|np_cnp_sent"), agg="sum"),
+    _q("@nicmap", "gpufleet_nic_gpu_info", "last", "nicmap"),
+    _q("host_cpu", "gpufleet_host_cpu_utilization_ratio", "avg", "node"),
+)
+
+#: dcgm-exporter reports MHz, percent (GPU_UTIL), mJ (energy) and microseconds (violation counters).
+DCGM: tuple[Query, ...] = (
+    _q("util", "DCGM_FI_DEV_GPU_UTIL", "avg", scale=0.01, check=False),
+    _q("samples", "DCGM_FI_DEV_GPU_UTIL", "count", check=False),
+    _q("@job", "DCGM_FI_DEV_GPU_UTIL", "count", check=False),
+    _q("@model", "DCGM_FI_DEV_GPU_UTIL", "last", check=False),
+    _q("sm_clock", "DCGM_FI_DEV_SM_CLOCK", "avg", scale=1e6, check=False),
+    _q("mem_clock", "DCGM_FI_DEV_MEM_CLOCK", "avg", scale=1e6, check=False),
+    _q("power", "DCGM_FI_DEV_POWER_USAGE", "avg", check=False),
+    _q("temp", "DCGM_FI_DEV_GPU_TEMP", "avg", check=False),
+    _q("mem_temp", "DCGM_FI_DEV_MEMORY_TEMP", "avg", check=False),
+    _q("tensor", "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "avg", check=False),
+    _q("sm_active", "DCGM_FI_PROF_GR_ENGINE_ACTIVE", "avg", check=False),
+    _q("dram", "DCGM_FI_PROF_DRAM_ACTIVE", "avg", check=False),
+    _q("thr_thermal", "DCGM_FI_DEV_THERMAL_VIOLATION", "rate", scale=1e-6, check=False),
+    _q("thr_power", "DCGM_FI_DEV_POWER_VIOLATION", "rate", scale=1e-6, check=False),
+    _q("@mask", "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "last", check=False),
+    _q("@mask", "DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "last", check=False),
+    _q("pcie_replay", "DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "increase", check=False),
+    _q("xid", "DCGM_FI_DEV_XID_ERRORS", "max", check=False),
+    _q("nvlink_bw", "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "avg", check=False),
+    _q("nic_tx", "node_infiniband_port_data_transmitted_bytes_total", "rate", "nic", check=False),
+    _q("nic_xmit_wait", "node_infiniband_port_transmit_wait_total", "rate", "nic", check=False),
+    _q("nic_symbol_errors", "node_infiniband_symbol_error_total", "increase", "nic", check=False),
+    _q("nic_link_downed", "node_infiniband_link_downed_total", "increase", "nic", check=False),
+    _q("nic_link_recovery", "node_infiniband_link_error_recovery_total", "increase", "nic", check=False),
+    _q("nic_rate", "node_infiniband_rate_bytes_per_second", "min", "nic", agg="min", check=False),
+    _q("node_power", "ipmi_dcmi_power_consumption_watts", "avg", "node", check=False),
+)
+
+#: Site metrics used when no [[sites]] are configured (the simulator and DCIM bridges export these).
+SITE_DEFAULTS = {
+    "facility_power": "gpufleet_site_facility_power_watts",
+    "it_power": "gpufleet_site_it_power_watts",
+    "outdoor_temperature": "gpufleet_site_outdoor_temperature_celsius",
+}
+
+#: Label carrying the training job id, per profile (first present wins).
+JOB_LABELS = {"gpufleet": ("job_id",), "dcgm": ("hpc_job", "pod")}
+MODEL_LABELS = {"gpufleet": ("name",), "dcgm": ("modelName",)}
+#: dcgm-exporter's throttle / clock-event reason bits.
+MASK_BITS = {"thr_power": 0x4, "thr_hw": 0x8, "thr_thermal": 0x20 | 0x40, "thr_brake": 0x80}
+
+
+def queries(profile: str) -> tuple[Query, ...]:
+    if profile == "gpufleet":
+        return GPUFLEET
+    if profile == "dcgm":
+        return DCGM
+    raise ValueError(f"unknown profile {profile!r}; profiles: {', '.join(PROFILES)}")
+
+
+def site_queries() -> tuple[Query, ...]:
+    return tuple(_q(f, m, "avg", "site", agg="sum") for f, m in SITE_DEFAULTS.items())
+
+
+def sample_names(profile: str) -> set[str]:
+    """The sample names (as in OpenMetrics text, counters with ``_total``) a profile reads, incl. site metrics."""
+    return {q.metric for q in queries(profile)} | set(SITE_DEFAULTS.values())

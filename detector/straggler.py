@@ -1,0 +1,251 @@
+"""Straggler scoring: robust z-scores within peer groups, an IsolationForest, a combined score, a cause.
+
+Peers are the GPUs of one job; GPUs without a job are compared within their
+model. Only busy GPUs with fresh data and a stable job over the whole window
+are scored: idle GPUs, GPUs of jobs starting or ending and GPUs with gaps in
+their data are never stragglers.
+
+In a synchronous job every healthy rank waits for the slowest one: all ranks
+show high utilization, the healthy ones' tensor activity and power fall, and
+the straggler looks *busier* (higher tensor/SM activity) or runs slower clocks.
+A GPU starved by its host shows the opposite (lower utilization and activity
+than its peers). The robust score is therefore directional:
+``max(-z(sm_clock), -z(mem_clock), z(tensor), z(sm_active), -z(util))``.
+
+An IsolationForest, fitted per evaluation over the peer-normalized feature
+vectors of all scored GPUs, says how isolated each GPU is (``iso`` in 0..1);
+the combined score is ``robust * (0.75 + 0.5 * iso)``, so a deviation that is
+also unusual in the joint feature space scores up to 25 % higher and one that
+is common scores up to 25 % lower. The forest is fitted only when it can change
+a decision, i.e. some GPU's robust score is within 25 % of the threshold
+(``iso`` is 0.5, neutral, otherwise), which keeps most evaluations cheap.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+from gpufleet.detector.features import GpuFrame
+from gpufleet.detector.robust import grouped_robust_z
+from sklearn.ensemble import IsolationForest
+
+FloatArray = np.ndarray
+
+#: feature -> (absolute floor, relative floor, direction in the robust score: +1 higher is worse, -1 lower, 0 none)
+FEATURES: dict[str, tuple[float, float, int]] = {
+    "sm_clock": (0.0, 0.01, -1),
+    "mem_clock": (0.0, 0.01, -1),
+    "tensor": (0.02, 0.0, +1),
+    "sm_active": (0.02, 0.0, +1),
+    "util": (0.03, 0.0, -1),
+    "power": (0.0, 0.04, 0),
+    "temp": (2.0, 0.0, 0),
+    "dram": (0.03, 0.0, 0),
+    "nvlink_bw": (0.0, 0.1, 0),
+    "power_limit": (1.0, 0.01, 0),
+}
+
+
+@dataclass
+class StragglerParams:
+    threshold: float = 4.0
+    busy_util: float = 0.5
+    min_peers: int = 4
+    compare_jobless: bool = True
+    throttle_fraction: float = 0.1
+    cause_z: float = 3.0
+    node_fraction: float = 0.75
+    isolation_forest: bool = True
+    seed: int = 0
+
+
+@dataclass
+class Candidate:
+    node: str
+    gpu: str | None
+    job: str | None
+    site: str
+    cause: str
+    score: float
+    evidence: dict[str, float] = field(default_factory=dict)
+    nic: str = ""  # "device/port" for network findings
+
+
+@dataclass
+class StragglerResult:
+    scored: FloatArray  # bool per GPU of the frame
+    score: FloatArray  # combined score (NaN when not scored)
+    z: dict[str, FloatArray]
+    candidates: list[Candidate]
+
+
+def _groups(frame: GpuFrame, eligible: FloatArray, p: StragglerParams) -> FloatArray:
+    names: list[str | None] = []
+    for i in range(len(frame)):
+        if not eligible[i]:
+            names.append(None)
+        elif frame.jobs[i]:
+            names.append(f"job:{frame.jobs[i]}")
+        elif p.compare_jobless:
+            names.append(f"model:{frame.models[i]}")
+        else:
+            names.append(None)
+    counts: dict[str, int] = defaultdict(int)
+    for n in names:
+        if n is not None:
+            counts[n] += 1
+    ids: dict[str, int] = {}
+    out = np.full(len(frame), -1, dtype=np.int64)
+    for i, n in enumerate(names):
+        if n is not None and counts[n] >= p.min_peers:
+            out[i] = ids.setdefault(n, len(ids))
+    return out
+
+
+def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], float] | None = None) -> StragglerResult:
+    n = len(frame)
+    util = frame.get("util")
+    active = np.nan_to_num(util, nan=0.0) >= p.busy_util
+    eligible = frame.valid.astype(bool) & ~frame.churn.astype(bool) & active
+    groups = _groups(frame, eligible, p)
+    scored = groups >= 0
+    z: dict[str, FloatArray] = {}
+    robust = np.zeros(n)
+    for f, (af, rf, direction) in FEATURES.items():
+        x = frame.get(f)
+        if not np.isfinite(x[scored]).any():
+            continue
+        zf = grouped_robust_z(np.where(scored, x, np.nan), groups, af, rf)
+        z[f] = zf
+        if direction:
+            robust = np.fmax(robust, np.nan_to_num(direction * zf, nan=0.0))
+    # iso = 0.5 is neutral (factor 1). The forest moves a score by at most 25 %, so it can only change a
+    # decision when some GPU's robust score is in [threshold / 1.25, threshold / 0.75): only then is it fitted.
+    # Throttle evidence: a GPU held down by a clock-event reason for most of the window whose clock is also
+    # below its peers' slows its job even when the deviation alone is modest.
+    if "sm_clock" in z:
+        thr = np.fmax.reduce([np.nan_to_num(frame.get(f), nan=0.0) for f in ("thr_thermal", "thr_power",
+                                                                                "thr_brake", "thr_hw")])
+        boost = (thr >= 0.5) & (np.nan_to_num(z["sm_clock"], nan=0.0) <= -p.cause_z / 2)
+        robust = np.where(boost, np.fmax(robust, -np.nan_to_num(z["sm_clock"], nan=0.0) + p.threshold / 2), robust)
+    iso = np.full(n, 0.5)
+    r_scored = robust[scored]
+    undecided = (r_scored * 1.25 >= p.threshold) & (r_scored * 0.75 < p.threshold)
+    if p.isolation_forest and z and scored.sum() >= 16 and undecided.any():
+        mat = np.column_stack([np.clip(np.nan_to_num(z[f][scored], nan=0.0), -50, 50) for f in z])
+        forest = IsolationForest(n_estimators=50, max_samples=min(256, mat.shape[0]), random_state=p.seed)
+        forest.fit(mat)
+        iso[scored] = np.clip((-forest.score_samples(mat) - 0.45) / 0.25, 0.0, 1.0)
+    combined = np.where(scored, robust * (0.75 + 0.5 * iso), np.nan)
+    flags = nic_flags or {}
+    hit = np.nan_to_num(combined, nan=0.0) >= p.threshold
+    cands = [_candidate(frame, int(i), combined[i], z, p, flags) for i in np.flatnonzero(hit)]
+    cands += _link_stragglers(frame, scored & ~hit, p, flags, z)
+    return StragglerResult(scored, combined, z, _collapse_nodes(frame, groups, cands, p))
+
+
+def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
+                     nic_flags: dict[tuple[str, str], float], z: dict[str, FloatArray]) -> list[Candidate]:
+    """Ranks of a job slowed by their links: the GPU computes normally, the job's collectives wait for it.
+
+    A degraded, flapping or congested NIC (from the network detector), an NVLink link down, or a PCIe link
+    trained below its maximum (GPUDirect traffic bound by PCIe) makes the rank a straggler even though its
+    own activity does not stand out. Without link state (dcgm), NVLink bandwidth far below the peers' and
+    PCIe replays stand in for a link down and a degraded PCIe link.
+    """
+    nvl_z = z.get("nvlink_bw", np.full(len(frame), np.nan))
+    replays = frame.get("pcie_replay")
+    out: list[Candidate] = []
+    nvl = frame.get("nvlink_down")
+    gen, gen_max = frame.get("pcie_gen"), frame.get("pcie_gen_max")
+    width, width_max = frame.get("pcie_width"), frame.get("pcie_width_max")
+    # Without the maximum link generation/width, the fleet's usual (median) link of busy GPUs is the reference.
+    busy = np.asarray(idx, dtype=bool) | np.isfinite(frame.get("util"))
+    gen_max = np.where(np.isfinite(gen_max), gen_max, np.nanmedian(gen[busy]) if np.isfinite(gen[busy]).any() else np.nan)
+    width_max = np.where(np.isfinite(width_max), width_max,
+                         np.nanmedian(width[busy]) if np.isfinite(width[busy]).any() else np.nan)
+    for i in np.flatnonzero(idx):
+        if not frame.jobs[i]:
+            continue
+        key = (frame.nodes[i], frame.gpus[i])
+        ev: dict[str, float] = {}
+        if key in nic_flags:
+            cause, sc = "network", nic_flags[key]
+        elif np.isfinite(nvl[i]) and nvl[i] < 1:
+            cause, sc, ev = "network", p.threshold + 2.0, {"value:nvlink_up_min": float(nvl[i])}
+        elif np.isfinite(nvl_z[i]) and nvl_z[i] <= -2 * p.threshold:
+            cause, sc, ev = "network", float(-nvl_z[i]) / 2, {"nvlink_bw": float(nvl_z[i])}
+        elif (np.isfinite(gen[i]) and np.isfinite(gen_max[i]) and gen[i] < gen_max[i]) or (
+                np.isfinite(width[i]) and np.isfinite(width_max[i]) and width[i] < width_max[i]):
+            cause, sc = "pcie", p.threshold + 2.0
+            ev = {"value:pcie_gen": float(gen[i]), "value:pcie_width": float(width[i])}
+        elif np.isfinite(replays[i]) and replays[i] >= 1 and not np.isfinite(gen[i]):
+            cause, sc, ev = "pcie", p.threshold + 1.0, {"value:pcie_replay": float(replays[i])}
+        else:
+            continue
+        out.append(Candidate(frame.nodes[i], frame.gpus[i], frame.jobs[i], frame.sites[i], cause, float(sc), ev))
+    return out
+
+
+def _candidate(frame: GpuFrame, i: int, s: float, z: dict[str, FloatArray], p: StragglerParams,
+               nic_flags: dict[tuple[str, str], float]) -> Candidate:
+    ev = {f: float(z[f][i]) for f in z if np.isfinite(z[f][i])}
+
+    def val(f: str) -> float:
+        v = frame.get(f)[i]
+        return float(v) if np.isfinite(v) else 0.0
+
+    def zf(f: str) -> float:
+        return ev.get(f, 0.0)
+
+    key = (frame.nodes[i], frame.gpus[i])
+    t = p.throttle_fraction
+    if val("thr_thermal") >= t:
+        cause = "thermal"
+    elif val("thr_brake") >= t or val("thr_power") >= t or zf("power_limit") <= -p.cause_z:
+        cause = "power"
+    elif val("thr_hw") >= t:
+        cause = "clock"
+    elif key in nic_flags:
+        cause = "network"
+    elif (val("pcie_gen") and val("pcie_gen_max") and val("pcie_gen") < val("pcie_gen_max")) or (
+            val("pcie_width") and val("pcie_width_max") and val("pcie_width") < val("pcie_width_max")):
+        cause = "pcie"
+    elif val("remap_pending") > 0 or val("ecc") > 0 or zf("mem_clock") <= -p.cause_z:
+        cause = "memory"
+    elif zf("temp") >= p.cause_z and zf("sm_clock") <= -p.cause_z:
+        cause = "thermal"
+    elif zf("sm_clock") <= -p.cause_z:
+        cause = "clock"
+    elif zf("util") <= -p.cause_z or zf("tensor") <= -p.cause_z:
+        cause = "host"
+    else:
+        cause = "unknown"
+    for f in ("thr_thermal", "thr_power", "thr_brake", "thr_hw", "pcie_gen", "pcie_width"):
+        if val(f):
+            ev[f"value:{f}"] = val(f)
+    return Candidate(frame.nodes[i], frame.gpus[i], frame.jobs[i], frame.sites[i], cause, float(s), ev)
+
+
+def _collapse_nodes(frame: GpuFrame, groups: FloatArray, cands: list[Candidate],
+                    p: StragglerParams) -> list[Candidate]:
+    """A node whose GPUs of one job mostly straggle for one cause is one node-level finding (gpu None)."""
+    per_node_job: dict[tuple[str, str | None], int] = defaultdict(int)
+    for i in np.flatnonzero(groups >= 0):
+        per_node_job[(frame.nodes[i], frame.jobs[i])] += 1
+    by: dict[tuple[str, str | None, str], list[Candidate]] = defaultdict(list)
+    for c in cands:
+        by[(c.node, c.job, c.cause)].append(c)
+    out: list[Candidate] = []
+    for (node, job, cause), cs in by.items():
+        total = per_node_job.get((node, job), 0)
+        if len(cs) >= 2 and total and len(cs) >= p.node_fraction * total:
+            best = max(cs, key=lambda c: c.score)
+            ev = dict(best.evidence)
+            ev["gpus"] = float(len(cs))
+            out.append(Candidate(node, None, job, best.site, cause, best.score, ev))
+        else:
+            out.extend(cs)
+    return out

@@ -1,0 +1,73 @@
+"""Sustained throttling: clock-event reasons active for most of the window, per GPU and node-wide.
+
+Reasons map to causes: thermal (software/hardware thermal slowdown), power
+(software power cap, hardware power brake), clock (hardware slowdown). A GPU is
+a candidate when a reason was active for at least ``min_fraction`` of the
+window; when at least ``node_fraction`` of a node's GPUs throttle for the same
+cause, the node gets one node-wide candidate (gpu None) instead.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+from gpufleet.detector.features import GpuFrame
+from gpufleet.detector.straggler import Candidate
+
+REASONS = (("thr_thermal", "thermal"), ("thr_brake", "power"), ("thr_power", "power"), ("thr_hw", "clock"))
+
+
+@dataclass
+class ThrottleParams:
+    min_fraction: float = 0.3
+    node_fraction: float = 0.75
+    #: Power-cap throttling of a busy GPU is normal at full load; report it only when the GPU's SM clock is
+    #: this fraction below the median of the GPUs of its node that do not power-cap.
+    power_cap_clock_drop: float = 0.05
+
+
+def find(frame: GpuFrame, p: ThrottleParams) -> list[Candidate]:
+    valid = frame.valid.astype(bool)
+    clock = frame.get("sm_clock")
+    node_gpus: dict[str, int] = defaultdict(int)
+    for j in np.flatnonzero(valid):
+        node_gpus[frame.nodes[j]] += 1
+    cands: list[Candidate] = []
+    for ii in np.flatnonzero(valid):
+        i = int(ii)
+        best: tuple[float, str, str] | None = None
+        for feat, cause in REASONS:
+            v = frame.get(feat)[i]
+            if np.isfinite(v) and v >= p.min_fraction and (best is None or v > best[0]):
+                if feat == "thr_power" and not _clock_low(frame, i, clock, p):
+                    continue
+                best = (float(v), cause, feat)
+        if best is not None:
+            frac, cause, feat = best
+            cands.append(Candidate(frame.nodes[i], frame.gpus[i], frame.jobs[i], frame.sites[i], cause,
+                                   10.0 * frac, {feat: frac}))
+    by: dict[tuple[str, str], list[Candidate]] = defaultdict(list)
+    for c in cands:
+        by[(c.node, c.cause)].append(c)
+    out: list[Candidate] = []
+    for (node, cause), cs in by.items():
+        if len(cs) >= 2 and len(cs) >= p.node_fraction * node_gpus[node]:
+            jobs = {c.job for c in cs}
+            best_c = max(cs, key=lambda c: c.score)
+            out.append(Candidate(node, None, jobs.pop() if len(jobs) == 1 else None, best_c.site, cause,
+                                 best_c.score, {**best_c.evidence, "gpus": float(len(cs))}))
+        else:
+            out.extend(cs)
+    return out
+
+
+def _clock_low(frame: GpuFrame, i: int, clock: np.ndarray, p: ThrottleParams) -> bool:
+    if not np.isfinite(clock[i]):
+        return True
+    same = [j for j in range(len(frame)) if frame.nodes[j] == frame.nodes[i] and j != i]
+    ref = [clock[j] for j in same if np.isfinite(clock[j]) and not (frame.get("thr_power")[j] >= p.min_fraction)]
+    if not ref:
+        return True
+    return bool(clock[i] < (1.0 - p.power_cap_clock_drop) * float(np.median(ref)))

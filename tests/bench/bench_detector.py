@@ -1,0 +1,118 @@
+"""Detector benchmarks: one evaluation over N GPUs from in-memory features, and replay throughput.
+
+Run: ``.venv/bin/python tests/bench/bench_detector.py [--gpus 10000 100000] [--repeat 3]``.
+Evaluation = the full Detector.evaluate (feature frames from query results, straggler robust z + IsolationForest,
+throttling, network, findings) over a fleet of 8-GPU nodes in 256-GPU jobs with one straggler per job; the
+source answers every query from memory, so the figure excludes Prometheus' own query time.
+Replay = parse a synthetic OpenMetrics recording and replay it (samples per second of wall time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gpufleet.detector.cli import replay
+from gpufleet.detector.config import parse
+from gpufleet.detector.engine import Detector
+from gpufleet.detector.profiles import Query, queries
+from gpufleet.detector.source import Result
+
+BASE = {"util": 0.97, "samples": 20, "sm_clock": 1.98e9, "mem_clock": 2.6e9, "power": 600.0, "temp": 62.0,
+        "mem_temp": 55.0, "tensor": 0.55, "sm_active": 0.8, "dram": 0.4, "thr_thermal": 0.0, "thr_power": 0.0,
+        "thr_brake": 0.0, "thr_hw": 0.0, "pcie_replay": 0.0, "pcie_gen": 5, "pcie_gen_max": 5, "pcie_width": 16,
+        "pcie_width_max": 16, "nvlink_down": 1.0, "ecc": 0.0, "remap_pending": 0.0, "xid": 0.0, "@job": 20,
+        "@model": 1, "nic_tx": 2e10, "nic_xmit_wait": 1e6, "nic_symbol_errors": 0.0, "nic_link_downed": 0.0,
+        "nic_link_recovery": 0.0, "nic_rate": 5e10, "nic_ecn": 10.0, "@nicmap": 1, "host_cpu": 0.3}
+NOISE = {"sm_clock": 5e6, "power": 10.0, "temp": 2.0, "tensor": 0.02, "sm_active": 0.02, "util": 0.01,
+         "nic_xmit_wait": 2e5, "nic_tx": 1e8}
+
+
+class MemorySource:
+    """Answers each query with one series per GPU (or NIC) from arrays built up front."""
+
+    def __init__(self, n_gpus: int, seed: int = 0) -> None:
+        self.query_errors = 0
+        rng = np.random.default_rng(seed)
+        self.results: dict[Query, Result] = {}
+        nodes = [f"node-{i:05d}:9445" for i in range(n_gpus // 8)]
+        stragglers = set(range(5, n_gpus, 256))
+        for q in queries("gpufleet"):
+            if q.entity == "node":
+                self.results[q] = [({"instance": n, "site": "dc1"}, BASE[q.feature]) for n in nodes]
+                continue
+            vals = BASE[q.feature] + (rng.normal(0, NOISE[q.feature], n_gpus) if q.feature in NOISE else np.zeros(n_gpus))
+            res: Result = []
+            for g in range(n_gpus):
+                labels = {"instance": nodes[g // 8], "site": "dc1", "job": "gpufleet-agent"}
+                if q.entity in ("nic", "nicmap"):
+                    labels |= {"device": f"mlx5_{g % 8}", "port": "1"}
+                if q.entity != "nic":
+                    labels["gpu"] = str(g % 8)
+                if q.feature == "@job":
+                    labels["job_id"] = f"job-{g // 256}"
+                v = float(vals[g])
+                if g in stragglers and q.feature == "sm_clock":
+                    v = 1.4e9
+                if g in stragglers and q.feature == "tensor":
+                    v = 0.75
+                res.append((labels, v))
+            self.results[q] = res
+
+    def query(self, query: Query, t: float, window: float) -> Result:
+        return self.results.get(query, [])
+
+
+def bench_eval(n: int, repeat: int) -> None:
+    src = MemorySource(n)
+    cfg = parse({"findings": {"open_after": 1}})
+    det = Detector(cfg, src)
+    walls, cpus = [], []
+    for i in range(repeat):
+        c0, w0 = time.process_time(), time.perf_counter()
+        ev = det.evaluate(1_700_000_000.0 + 60 * i)
+        walls.append(time.perf_counter() - w0)
+        cpus.append(time.process_time() - c0)
+    found = sum(1 for kind, _ in ev.candidates if kind == "straggler")
+    print(f"evaluate {n:>7} GPUs: median wall {statistics.median(walls):.3f} s, cpu {statistics.median(cpus):.3f} s "
+          f"over {repeat} runs; straggler candidates {found} (planted {len(range(5, n, 256))})")
+
+
+def bench_replay() -> None:
+    from test_detector_core import Fault, Synth, synth
+
+    with tempfile.TemporaryDirectory() as d:
+        rec = synth(Path(d) / "r.om", Synth(nodes=8, seconds=3600.0, faults=[Fault("clock", 2, 5, 1800.0)]))
+        cfg = parse({"detector": {"window_seconds": 120.0, "interval_seconds": 15.0}})
+        w0 = time.perf_counter()
+        det, findings = replay([str(rec)], cfg, 15.0)
+        wall = time.perf_counter() - w0
+        samples = det.source.samples  # type: ignore[attr-defined]
+        print(f"replay: {samples} samples ({os.path.getsize(rec) / 1e6:.1f} MB), 64 GPUs x 1 h at 15 s, "
+              f"evaluated every 15 s: {wall:.2f} s wall = {samples / wall:,.0f} samples/s; findings {len(findings)}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gpus", type=int, nargs="+", default=[10_000, 100_000])
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    print(f"cpus available: {len(os.sched_getaffinity(0))}")
+    for n in args.gpus:
+        bench_eval(n, args.repeat)
+    bench_replay()
+    print(f"max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,326 @@
+"""Detector core: robust statistics, straggler scoring and causes, findings hysteresis, replay JSON.
+
+Recordings here are small synthetic OpenMetrics files (CONVENTIONS.md labels) written by :func:`synth`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gpufleet.detector import robust
+from gpufleet.detector.cli import main as cli_main
+from gpufleet.detector.cli import replay
+from gpufleet.detector.config import DetectorConfig, parse
+from gpufleet.detector.findings import Tracker
+from gpufleet.detector.straggler import Candidate
+
+STEP = 15.0
+T0 = 1_700_000_000.0
+
+
+@dataclass
+class Fault:
+    kind: str  # "clock", "thermal", "power", "host", "pcie", "link"
+    node: int
+    gpu: int
+    onset: float  # seconds after T0
+    end: float | None = None
+
+
+@dataclass
+class Synth:
+    nodes: int = 4
+    gpus: int = 8
+    seconds: float = 1800.0
+    faults: list[Fault] = field(default_factory=list)
+    idle_nodes: tuple[int, ...] = ()
+    gap: tuple[int, float, float] | None = None  # node, start, end without scrapes
+    dcgm: bool = False
+    seed: int = 0
+    job_start: float = 0.0
+
+
+def synth(path: Path, s: Synth) -> Path:
+    """Write a synthetic fleet recording: one synchronous job over all non-idle nodes."""
+    rng = np.random.default_rng(s.seed)
+    times = T0 + np.arange(0.0, s.seconds + 1e-9, STEP)
+    fams: dict[str, tuple[str, dict[str, list[str]]]] = {}
+
+    def add(name: str, typ: str, labels: dict[str, str], value: float, t: float) -> None:
+        fam = name.removesuffix("_total") if typ == "counter" else name
+        lab = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        series = f"{name}{{{lab}}}"
+        fams.setdefault(fam, (typ, {}))[1].setdefault(series, []).append(f"{series} {value:.6g} {t:.3f}")
+
+    base_clock = 1980.0 + rng.normal(0, 5, (s.nodes, s.gpus))
+    energy = np.zeros((s.nodes, s.gpus))
+    replay_ctr = np.zeros((s.nodes, s.gpus))
+    xmit = np.zeros((s.nodes, s.gpus))
+    txb = np.zeros((s.nodes, s.gpus))
+    for t in times:
+        rel = t - T0
+        active = {(f.node, f.gpu, f.kind) for f in s.faults if rel >= f.onset and (f.end is None or rel < f.end)}
+        slow = any(k in ("clock", "thermal", "power", "host", "pcie") for _, _, k in active)
+        for n in range(s.nodes):
+            inst = f"node-{n:03d}:9445"
+            if s.gap and s.gap[0] == n and s.gap[1] <= rel < s.gap[2]:
+                continue
+            common = {"instance": inst, "job": "gpufleet-agent", "site": "dc1"}
+            for g in range(s.gpus):
+                idle = n in s.idle_nodes or rel < s.job_start
+                mine = {k for nn, gg, k in active if nn == n and (gg == g or gg < 0)}
+                clock = base_clock[n, g] + rng.normal(0, 3)
+                util = 0.97 + rng.normal(0, 0.01)
+                tensor = (0.62 if not slow else 0.45) + rng.normal(0, 0.015)
+                power = (620 if not slow else 520) + rng.normal(0, 8)
+                temp = 62 + rng.normal(0, 1.5)
+                thermal = power_cap = 0.0
+                gen = 5
+                if "clock" in mine:
+                    clock, tensor, power = 1300 + rng.normal(0, 3), 0.74 + rng.normal(0, 0.01), 480 + rng.normal(0, 5)
+                if "thermal" in mine:
+                    clock, tensor, temp, thermal = 1500 + rng.normal(0, 20), 0.72, 89 + rng.normal(0, 0.5), 1.0
+                if "power" in mine:
+                    clock, tensor, power_cap = 1450 + rng.normal(0, 10), 0.73, 1.0
+                if "host" in mine:
+                    util, tensor, power = 0.55 + rng.normal(0, 0.02), 0.30 + rng.normal(0, 0.01), 400.0
+                if "pcie" in mine:
+                    clock, tensor, gen = base_clock[n, g], 0.73, 3
+                    replay_ctr[n, g] += 50
+                if idle:
+                    util, tensor, power, clock, temp = 0.0, 0.0, 70.0, 345.0, 35.0
+                energy[n, g] += power * STEP
+                txb[n, g] += 2e10 * STEP * (0 if idle else 1)
+                xmit[n, g] += (5e8 if "link" in mine else 1e6 * (1 + rng.random())) * STEP
+                lg = {**common, "gpu": str(g)}
+                if s.dcgm:
+                    dl = {"gpu": str(g), "UUID": f"GPU-{n}-{g}", "device": f"nvidia{g}", "modelName": "NVIDIA H100",
+                          "Hostname": f"node-{n:03d}", **common}
+                    if not idle:
+                        dl["hpc_job"] = "job-a"
+                    add("DCGM_FI_DEV_GPU_UTIL", "gauge", dl, round(util * 100), t)
+                    add("DCGM_FI_DEV_SM_CLOCK", "gauge", dl, round(clock), t)
+                    add("DCGM_FI_DEV_POWER_USAGE", "gauge", dl, power, t)
+                    add("DCGM_FI_DEV_GPU_TEMP", "gauge", dl, round(temp), t)
+                    add("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "gauge", dl, tensor, t)
+                    mask = (0x20 if thermal else 0) | (0x4 if power_cap else 0)
+                    add("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "gauge", dl, mask, t)
+                    add("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "gauge", dl, energy[n, g] * 1000, t)
+                    continue
+                add("gpufleet_gpu_utilization_ratio", "gauge", lg, util, t)
+                add("gpufleet_gpu_clock_hertz", "gauge", {**lg, "clock": "sm"}, clock * 1e6, t)
+                add("gpufleet_gpu_power_watts", "gauge", lg, power, t)
+                add("gpufleet_gpu_temperature_celsius", "gauge", {**lg, "sensor": "gpu"}, temp, t)
+                add("gpufleet_gpu_tensor_active_ratio", "gauge", lg, tensor, t)
+                add("gpufleet_gpu_energy_joules_total", "counter", lg, energy[n, g], t)
+                add("gpufleet_gpu_pcie_link_generation", "gauge", lg, gen, t)
+                add("gpufleet_gpu_pcie_link_generation_max", "gauge", lg, 5, t)
+                add("gpufleet_gpu_pcie_replay_total", "counter", lg, replay_ctr[n, g], t)
+                for reason, v in (("sw_thermal_slowdown", thermal), ("sw_power_cap", power_cap),
+                                  ("hw_slowdown", 0.0)):
+                    add("gpufleet_gpu_clock_event_active", "gauge", {**lg, "reason": reason}, v, t)
+                if not idle:
+                    add("gpufleet_gpu_job_info", "gauge", {**lg, "job_id": "job-a"}, 1, t)
+                nl = {**common, "device": f"mlx5_{g}", "port": "1"}
+                add("gpufleet_ib_port_transmit_bytes_total", "counter", nl, txb[n, g], t)
+                add("gpufleet_ib_port_transmit_wait_total", "counter", nl, xmit[n, g], t)
+                add("gpufleet_ib_port_rate_bytes_per_second", "gauge", nl, 5e10, t)
+                add("gpufleet_nic_gpu_info", "gauge", {**nl, "gpu": str(g), "pci_bus_id": "x",
+                                                       "common_ancestor": "y"}, 1, t)
+    lines: list[str] = []
+    for fam, (typ, samples) in fams.items():
+        lines.append(f"# TYPE {fam} {typ}")
+        for series_lines in samples.values():
+            lines.extend(series_lines)
+    lines.append("# EOF")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def fast_cfg(**over: object) -> DetectorConfig:
+    data: dict[str, dict[str, object]] = {"detector": {"window_seconds": 120.0, "interval_seconds": 60.0},
+                                          "findings": {"open_after": 2, "close_after": 2}}
+    for k, v in over.items():
+        sec, key = k.split("__")
+        data.setdefault(sec, {})[key] = v
+    return parse(data)
+
+
+# ---------------------------------------------------------------- robust statistics
+
+def test_robust_z_uses_median_and_mad_and_ignores_one_outlier() -> None:
+    x = np.array([10.0, 11.0, 9.0, 10.0, 10.5, 9.5, 100.0])
+    z = robust.robust_z(x)
+    assert abs(z[0]) < 0.1
+    assert z[-1] > 50  # a mean/std z-score would be ~2.3 here
+    med, mad = robust.median_mad(x)
+    assert med == 10.0 and mad == 0.5
+
+
+def test_robust_z_floor_keeps_flat_groups_calm() -> None:
+    x = np.array([1980.0] * 15 + [1981.0])
+    assert robust.robust_z(x)[-1] > 1e6  # MAD is 0: without a floor one MHz explodes
+    assert robust.robust_z(x, rel_floor=0.02)[-1] < 0.05
+
+
+def test_grouped_robust_z_is_per_group_and_nan_for_ungrouped() -> None:
+    x = np.array([1.0, 1.1, 0.9, 1.0, 100.0, 101.0, 99.0, 100.0, 5.0])
+    g = np.array([0, 0, 0, 0, 1, 1, 1, 1, -1])
+    z = robust.grouped_robust_z(x, g)
+    assert np.all(np.abs(z[:8]) < 2) and np.isnan(z[8])
+
+
+# ---------------------------------------------------------------- findings hysteresis
+
+def _c(score: float = 9.0, cause: str = "thermal") -> Candidate:
+    return Candidate("node-001", "3", "job-a", "dc1", cause, score)
+
+
+def test_findings_open_after_consecutive_and_close_after_clear() -> None:
+    tr = Tracker(open_after=3, close_after=2)
+    seen = lambda k: True  # noqa: E731
+    for t in (0, 60):
+        tr.update(t, [("straggler", _c())], seen)
+    assert not tr.active
+    tr.update(120, [], seen)  # one clear evaluation resets the run: no flapping open
+    for t in (180, 240):
+        tr.update(t, [("straggler", _c())], seen)
+    assert not tr.active
+    tr.update(300, [("straggler", _c())], seen)
+    (f,) = tr.active.values()
+    assert f.start == 180 and f.end is None
+    tr.update(360, [], seen)
+    tr.update(420, [("straggler", _c())], seen)  # a single clear evaluation does not close it
+    assert tr.active
+    tr.update(480, [], seen)
+    tr.update(540, [], seen)
+    assert not tr.active and tr.closed[0].end == 480
+
+
+def test_missing_data_neither_opens_nor_closes() -> None:
+    tr = Tracker(open_after=2, close_after=2, stale_after=5)
+    unseen = lambda k: False  # noqa: E731
+    tr.update(0, [("straggler", _c())], lambda k: True)
+    tr.update(60, [], unseen)  # data gap: the pending run is kept, not reset, and nothing opens
+    assert not tr.active
+    tr.update(120, [("straggler", _c())], lambda k: True)
+    assert tr.active
+    for t in (180, 240, 300, 360):
+        tr.update(t, [], unseen)
+    assert tr.active  # stale, but not yet stale_after evaluations
+    tr.update(420, [], unseen)
+    assert not tr.active and tr.closed[0].end == 120
+
+
+# ---------------------------------------------------------------- straggler on synthetic peer groups
+
+@pytest.mark.parametrize(("kind", "cause"), [("clock", "clock"), ("thermal", "thermal"), ("power", "power"),
+                                             ("host", "host"), ("pcie", "pcie")])
+def test_straggler_found_with_cause(tmp_path: Path, kind: str, cause: str) -> None:
+    rec = synth(tmp_path / "r.om", Synth(faults=[Fault(kind, 2, 5, 900.0)]))
+    _, findings = replay([str(rec)], fast_cfg())
+    strag = [f for f in findings if f.kind == "straggler"]
+    assert len(strag) == 1, [f.to_json() for f in findings]
+    f = strag[0]
+    assert (f.node, f.gpu, f.job, f.site, f.cause) == ("node-002", "5", "job-a", "dc1", cause)
+    assert 900 <= f.start - T0 <= 900 + 4 * STEP + 120
+    # healthy waiting peers have *lower* tensor activity; they are never flagged
+    assert all(f.gpu == "5" for f in findings if f.kind == "straggler")
+
+
+def test_healthy_fleet_with_idle_node_and_job_start_has_no_findings(tmp_path: Path) -> None:
+    rec = synth(tmp_path / "r.om", Synth(idle_nodes=(3,), job_start=600.0, seed=3))
+    _, findings = replay([str(rec)], fast_cfg())
+    assert findings == []
+
+
+def test_scrape_gap_is_not_a_straggler(tmp_path: Path) -> None:
+    rec = synth(tmp_path / "r.om", Synth(gap=(1, 600.0, 900.0), seed=4))
+    _, findings = replay([str(rec)], fast_cfg())
+    assert findings == []
+
+
+def test_throttling_and_network_findings(tmp_path: Path) -> None:
+    rec = synth(tmp_path / "r.om", Synth(faults=[Fault("thermal", 1, 2, 600.0), Fault("link", 3, 4, 600.0)]))
+    _, findings = replay([str(rec)], fast_cfg())
+    kinds = {(f.kind, f.node, f.gpu, f.cause) for f in findings}
+    assert ("throttling", "node-001", "2", "thermal") in kinds
+    assert ("network", "node-003", "4", "network") in kinds
+
+
+def test_dcgm_profile_finds_the_straggler(tmp_path: Path) -> None:
+    rec = synth(tmp_path / "r.om", Synth(faults=[Fault("thermal", 2, 5, 900.0)], dcgm=True))
+    _, findings = replay([str(rec)], fast_cfg(detector__profile="dcgm"))
+    strag = [f for f in findings if f.kind == "straggler"]
+    assert [(f.node, f.gpu, f.job, f.cause) for f in strag] == [("node-002", "5", "job-a", "thermal")]
+
+
+# ---------------------------------------------------------------- replay CLI
+
+REPLAY_KEYS = {"kind": str, "cause": (str, type(None)), "node": (str, type(None)), "gpu": (str, type(None)),
+               "job": (str, type(None)), "site": (str, type(None)), "start": (int, float),
+               "end": (int, float, type(None)), "score": (int, float), "summary": str}
+
+
+def test_replay_json_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rec = synth(tmp_path / "r.om", Synth(faults=[Fault("clock", 0, 1, 600.0, end=1200.0)]))
+    cfg = tmp_path / "d.toml"
+    cfg.write_text('[detector]\nwindow_seconds = 120\n[findings]\nopen_after = 2\nclose_after = 2\n')
+    assert cli_main(["replay", str(rec), "--config", str(cfg), "--step", "60", "--format", "json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert lines, "no findings printed"
+    for obj in lines:
+        assert set(obj) == set(REPLAY_KEYS)
+        for k, typ in REPLAY_KEYS.items():
+            assert isinstance(obj[k], typ), (k, obj[k])
+    strag = [o for o in lines if o["kind"] == "straggler"]
+    assert strag[0]["node"] == "node-000" and strag[0]["gpu"] == "1" and strag[0]["cause"] == "clock"
+    assert strag[0]["end"] is not None and 1200 <= strag[0]["end"] - T0 <= 1200 + 240
+
+
+def test_replay_entry_point_reports_missing_inputs(tmp_path: Path) -> None:
+    rec = synth(tmp_path / "r.om", Synth(seconds=600.0))
+    out = subprocess.run([sys.executable, "-m", "gpufleet.detector.cli", "replay", str(rec), "--step", "60",
+                          "--format", "json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "gpufleet_gpu_dram_active_ratio" in out.stderr  # the synthetic fleet has no DRAM activity
+    assert "gpufleet_gpu_utilization_ratio" not in out.stderr
+
+
+@pytest.mark.parametrize(("text", "msg"), [
+    ("[detector]\nprofile = 'nvidia'\n", "profile must be one of"),
+    ("[detector]\nwindow_seconds = 'five'\n", "window_seconds: expected float"),
+    ("[detectr]\n", "unknown section [detectr]"),
+    ("[findings]\nopen_afterr = 2\n", "unknown key 'open_afterr'"),
+    ("[detector\n", "invalid TOML"),
+    ("[prometheus]\nurl = 'localhost:9090'\n", "must start with http"),
+    ("[[sites]]\nname = 'a'\n", "facility_power is required"),
+])
+def test_bad_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, msg: str) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(text)
+    rec = synth(tmp_path / "r.om", Synth(nodes=1, seconds=300.0))
+    assert cli_main(["replay", str(rec), "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and "bad.toml" in err
+
+
+def test_bad_recording_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.om"
+    series = 'gpufleet_gpu_power_watts{gpu="0",instance="n:9445"}'
+    for body in (f"{series} notanumber 1\n", f"{series} 1 1\n{series} 2\n", f"{series} 1 1\n{series} x 2\n"):
+        bad.write_text(f"# TYPE gpufleet_gpu_power_watts gauge\n{body}# EOF\n")
+        assert cli_main(["replay", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert "not valid OpenMetrics" in err or "without a timestamp" in err, err
+    bad.write_text("# TYPE other gauge\nother 1 1\n# EOF\n")
+    assert cli_main(["replay", str(bad)]) == 2
+    assert "no samples of the profile's metrics" in capsys.readouterr().err
+    assert cli_main(["replay", str(tmp_path / "nope.om")]) == 2
+    assert "cannot read" in capsys.readouterr().err
