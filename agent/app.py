@@ -61,7 +61,7 @@ class Agent:
         if name == "gpu":
             from gpufleet.agent.collectors.gpu import GpuCollector
 
-            return GpuCollector(self.backend)
+            return GpuCollector(self.backend, slow_interval=self.cfg.gpu_slow_interval)
         if name == "xid":
             from gpufleet.agent.collectors.xid import XidCollector
 

@@ -25,6 +25,7 @@ from gpufleet.agent import __version__, catalog
 from gpufleet.agent.collectors import Collector
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.samples import Sample
 
 log = logging.getLogger("gpufleet.agent.registry")
 
@@ -166,6 +167,34 @@ def _merge(families: Iterable[Metric]) -> list[Metric]:
     return list(by_name.values())
 
 
+class StickySample(Sample):
+    """A Sample a collector reuses, unchanged, across scrapes (e.g. cached slow-changing readings).
+
+    The text encoder caches the rendered line of each one it saw in its previous run by identity,
+    so a reused sample costs a dictionary lookup instead of a rendering. Never mutate one.
+    """
+
+    __slots__ = ()
+
+
+class FrozenLabels(dict[str, str]):
+    """A label set a collector builds once and reuses for one sample name, with its rendered
+    ``name{labels} `` text prefix attached (the encoder then skips the prefix lookup). Never mutate one."""
+
+    __slots__ = ("last", "name", "prefix")
+
+    def __init__(self, name: str, items: Iterable[tuple[str, str]]) -> None:
+        super().__init__(items)
+        self.name = name
+        self.prefix = _prefix(name, self)
+        #: The collector's last sample with this label set (it reuses it while the value is unchanged).
+        self.last: Sample | None = None
+
+
+#: id(sample) -> (sample, rendered line) of the StickySamples of the previous encode_text run.
+_STICKY: dict[int, tuple[Sample, str]] = {}
+_STICKY_LOCK = threading.Lock()
+
 _PROM_TYPES = {"counter": "counter", "gauge": "gauge", "histogram": "histogram", "summary": "summary",
                "unknown": "untyped", "info": "gauge", "stateset": "gauge", "gaugehistogram": "histogram"}
 #: Rendered ``name{labels} `` prefixes by (sample name, label items): label sets repeat scrape after scrape.
@@ -201,6 +230,10 @@ def encode_text(families: Sequence[Metric]) -> bytes:
     the catalog (valid legacy names, so no escaping checks) and rendered label sets are
     cached across scrapes.
     """
+    with _STICKY_LOCK:
+        sticky = dict(_STICKY)
+    float_memo = _FLOATS.get
+    seen: dict[int, tuple[Sample, str]] = {}
     out: list[str] = []
     append = out.append
     get = _PREFIXES.get
@@ -217,19 +250,42 @@ def encode_text(families: Sequence[Metric]) -> bytes:
         created: list[str] = []
         created_name = fam.name + "_created"
         for s in fam.samples:
+            if type(s) is StickySample:
+                hit = sticky.get(id(s))
+                if hit is not None and hit[0] is s:  # the very object rendered last time
+                    seen[id(s)] = hit
+                    append(hit[1])
+                    continue
             sname, labels, v = s.name, s.labels, s.value
-            p = get((sname, tuple(labels.items()))) or _prefix(sname, labels)
-            # Fast path: a finite float below 1e6 prints as repr() in Go's format too.
-            line = p + (repr(v) if type(v) is float and -1e308 < v < 1e6 else _float(v))
-            if s.timestamp is not None:
-                line += f" {int(float(s.timestamp) * 1000):d}"
-            if sname == created_name:
-                created.append(line + "\n")
+            if type(labels) is FrozenLabels and labels.name == sname:
+                p = labels.prefix
             else:
-                append(line + "\n")
+                p = get((sname, tuple(labels.items()))) or _prefix(sname, labels)
+            # Fast paths: a finite float below 1e6 prints as repr() in Go's format too, and so does an
+            # int in that range once made a float ("3.0"); larger values need Go's exponent form.
+            tv = type(v)
+            if tv is float and -1e308 < v < 1e6:
+                txt = repr(v)
+            elif tv is int and -_EXACT < v < _EXACT:
+                txt = f"{v}.0" if v < 1_000_000 else _big_int(v)
+            else:
+                txt = float_memo(v) or _float_memo(v)
+            if s.timestamp is not None:
+                txt += f" {int(float(s.timestamp) * 1000):d}"
+            if sname == created_name:
+                created.append(p + txt + "\n")
+            elif type(s) is StickySample and s.timestamp is None:
+                line = p + txt + "\n"
+                seen[id(s)] = (s, line)
+                append(line)
+            else:
+                append(p + txt + "\n")
         if created:
             append(f"# HELP {fam.name}_created {doc}\n# TYPE {fam.name}_created gauge\n")
             out.extend(created)
+    with _STICKY_LOCK:  # keep only what this run saw: the cache never outgrows one exposition
+        _STICKY.clear()
+        _STICKY.update(seen)
     return "".join(out).encode("utf-8")
 
 
@@ -250,7 +306,30 @@ def _float(v: float) -> str:
     return s
 
 
+def _big_int(v: float) -> str:
+    """``_float(v)`` for an int in [1e6, 1e15): its digits are exactly float(v)'s shortest repr."""
+    digits = str(int(v))
+    mantissa = digits.rstrip("0")
+    exp = len(digits) - 1
+    return f"{mantissa[0]}.{mantissa[1:]}e+{exp:02d}" if len(mantissa) > 1 else f"{mantissa}e+{exp:02d}"
+
+
+#: Formatted large values (clocks in Hz, memory sizes, ...) repeat from scrape to scrape.
+_FLOATS: dict[float, str] = {}
+
+
+def _float_memo(v: float) -> str:
+    txt = _float(v)
+    if v == v:  # NaN never equals itself: not cacheable (and never hit)
+        if len(_FLOATS) >= 4096:
+            _FLOATS.clear()
+        _FLOATS[v] = txt
+    return txt
+
+
 _INF, _NINF = float("inf"), float("-inf")
+#: Integers below this magnitude are exact as floats and repr() without an exponent ("-123.0").
+_EXACT = 10**15
 
 
 class _Families:

@@ -181,8 +181,13 @@ def _serve(cfg: DetectorConfig, once: bool) -> int:
                 health.last_success = time.time()
                 health.duration = ev.duration
                 health.results["success"] += 1
-        except (SourceError, ValueError, ArithmeticError) as e:
+        except SourceError as e:
             log.warning("evaluation failed: %s", e)
+            with health.lock:
+                health.results["failure"] += 1
+                health.last_error = str(e)
+        except Exception as e:  # a daemon keeps running; the failure is counted and logged with its traceback
+            log.exception("evaluation failed")
             with health.lock:
                 health.results["failure"] += 1
                 health.last_error = str(e)

@@ -1,12 +1,14 @@
 """The detector's quality harness: labelled fleet-simulator recordings in, precision/recall/latency out.
 
-Run ``.venv/bin/python -m gpufleet.detector.quality [--quick] [--jobs N] [--out DIR]``.
+Run ``.venv/bin/python -m gpufleet.detector.quality [--quick] [--seeds N] [--jobs N] [--out DIR]``.
 
 For every fault type of the simulator's catalogue, every severity (marginal 0.2,
 moderate 0.5, obvious 1.0) and every seed, it generates the built-in scenario
 of that fault (``gpufleet.agent.sim``; 8 nodes x 8 GPUs in two jobs, fault at
-30 min) with the ``core`` series in both profiles, replays each recording
-through the detector as if live (evaluation every scrape interval) and matches
+30 min, 75 minutes long) in both profiles (the simulator's ``core`` series set,
+``full`` for nvlink_down whose per-link state only ``full`` has), replays each
+recording through the detector as if live (one evaluation per scrape interval,
+the settings in :data:`QUALITY_CONFIG`) and matches
 the findings with the ground truth (``labels.json``): a finding is true when
 its (kind, cause) is among the fault's expected findings, its node (and GPU,
 when the fault names one; site for site faults) match and it opened at or after
@@ -62,6 +64,7 @@ class Run:
     seed: int
     hours: float
     kind: str  # "fault" or "control"
+    series: str = "core"  # the simulator's series set: "core" (detector inputs, fast) or "full"
 
 
 @dataclass
@@ -132,12 +135,13 @@ def execute(run: Run, workdir: str) -> list[Outcome]:
         for f in sc.faults:
             f.severity = SEVERITIES[run.severity]
     d = Path(workdir) / f"{run.scenario}-{run.severity}-{run.seed}"
-    res = record(Simulator(sc, seed=run.seed), d, PROFILES, series="core")
+    res = record(Simulator(sc, seed=run.seed), d, PROFILES, series=run.series)
     labels = json.loads(res.labels.read_text())
     outs = []
     for profile in PROFILES:
         t0 = time.perf_counter()
-        _, findings = replay([str(res.files[profile])], _config(profile))
+        # evaluate once per scrape interval of the recording
+        _, findings = replay([str(res.files[profile])], _config(profile), float(labels["step"]))
         outs.append(score_run(run, profile, labels, findings, time.perf_counter() - t0))
     for p in res.files.values():
         p.unlink()
@@ -146,10 +150,11 @@ def execute(run: Run, workdir: str) -> list[Outcome]:
 
 def plan(quick: bool, seeds: int) -> list[Run]:
     sev = ("moderate", "obvious") if quick else tuple(SEVERITIES)
-    runs = [Run(s, v, seed, 1.25, "fault") for s in FAULT_SCENARIOS for v in sev for seed in range(1, seeds + 1)]
-    runs += [Run("healthy", "-", seed, 3.0 if quick else 6.0, "control") for seed in range(1, seeds + 1)]
-    runs += [Run("heatwave", "-", 1, 12.0 if quick else 48.0, "control")]
+    # Long control runs first, then every fault type and severity per seed, so partial results cover them all.
+    runs = [Run("heatwave", "-", 1, 12.0 if quick else 48.0, "control")]
     runs += [Run("pue_drift", "-", seed, 14.0 if quick else 24.0, "control") for seed in range(1, seeds + 1)]
+    runs += [Run("healthy", "-", seed, 3.0 if quick else 6.0, "control") for seed in range(1, seeds + 1)]
+    runs += [Run(s, v, seed, 1.25, "fault") for seed in range(1, seeds + 1) for s in FAULT_SCENARIOS for v in sev]
     return runs
 
 
@@ -240,34 +245,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="parallel worker processes")
     ap.add_argument("--only", nargs="*", help="only these scenarios")
     ap.add_argument("--out", default="quality-results", help="directory for quality.json")
+    ap.add_argument("--series", choices=("auto", "core", "full"), default="auto",
+                    help="simulator series set: core (detector inputs; fast), full (every modelled series) or "
+                         "auto (core, but full for nvlink_down: per-link NVLink state is only in full)")
     args = ap.parse_args(argv)
     seeds = args.seeds or (1 if args.quick else 3)
     runs = plan(args.quick, seeds)
     if args.only:
         runs = [r for r in runs if r.scenario in args.only]
+    for r in runs:
+        r.series = args.series if args.series != "auto" else ("full" if r.scenario == "nvlink_down" else "core")
     outs: list[Outcome] = []
     started = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {}
+
+    def done(i: int, res: list[Outcome]) -> None:
+        nonlocal summary
+        outs.extend(res)
+        _progress(i, len(runs), res)
+        summary = summarize(outs)  # written after every run, so an interrupted run still leaves figures
+        summary["wall_seconds"] = round(time.perf_counter() - started, 1)
+        summary["config"] = QUALITY_CONFIG
+        summary["completed_runs"] = f"{i}/{len(runs)}"
+        (out / "quality.json").write_text(json.dumps(
+            {"summary": summary, "runs": [{"scenario": o.run.scenario, "severity": o.run.severity,
+                                           "seed": o.run.seed, "profile": o.profile, "detected": o.detected,
+                                           "false_findings": o.false_findings, "replay_seconds": round(o.seconds, 2)}
+                                          for o in outs]}, indent=1))
+        (out / "quality.md").write_text(markdown(summary))
+
     with tempfile.TemporaryDirectory(prefix="gpufleet-quality-") as work:
         if args.jobs > 1:
             with ProcessPoolExecutor(args.jobs) as pool:
                 for i, res in enumerate(pool.map(execute, runs, [work] * len(runs)), 1):
-                    outs.extend(res)
-                    _progress(i, len(runs), res)
+                    done(i, res)
         else:
             for i, run in enumerate(runs, 1):
-                res = execute(run, work)
-                outs.extend(res)
-                _progress(i, len(runs), res)
-    summary = summarize(outs)
-    summary["wall_seconds"] = round(time.perf_counter() - started, 1)
-    summary["config"] = QUALITY_CONFIG
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "quality.json").write_text(json.dumps(
-        {"summary": summary, "runs": [{"scenario": o.run.scenario, "severity": o.run.severity, "seed": o.run.seed,
-                                       "profile": o.profile, "detected": o.detected,
-                                       "false_findings": o.false_findings, "replay_seconds": round(o.seconds, 2)}
-                                      for o in outs]}, indent=1))
+                done(i, execute(run, work))
     sys.stdout.write(markdown(summary))
     sys.stdout.write(f"\n{len(runs)} runs x {len(PROFILES)} profiles in {summary['wall_seconds']} s; "
                      f"details in {out / 'quality.json'}\n")

@@ -90,8 +90,43 @@ def _peers(det: Detector, src: RecordingSource, f: Finding) -> tuple[list[tuple[
     return mine, peers
 
 
+def _site_series(det: Detector, src: RecordingSource, site: str, feature: str) -> Series | None:
+    for q in det.queries:
+        if q.feature != feature or q.entity != "site":
+            continue
+        found = [s for s in src._matching(q) if (q.site or s.labels.get("site")) == site]
+        if found:
+            return found[0]
+    return None
+
+
+def pue_plot(det: Detector, f: Finding) -> list[str]:
+    """Observed PUE (red) against the model's expected PUE (blue) around a drift."""
+    src = det.source
+    if not isinstance(src, RecordingSource) or f.site is None:
+        return []
+    fac = _site_series(det, src, f.site, "facility_power")
+    it = _site_series(det, src, f.site, "it_power")
+    temp = _site_series(det, src, f.site, "outdoor_temperature")
+    mon = det.pue.get(f.site)
+    if fac is None or it is None:
+        return [_svg("PUE", np.array([]), None, None, None, None, [])]
+    t_hi = (f.end if f.end is not None else f.last_seen) + 3600
+    sel = (fac.ts >= f.start - 6 * 3600) & (fac.ts <= t_hi)
+    t = fac.ts[sel]
+    it_v = np.interp(t, it.ts, it.values)
+    pue = fac.values[sel] / np.where(it_v > 0, it_v, np.nan)
+    exp = None
+    if mon is not None and mon.coef is not None:
+        tv = np.interp(t, temp.ts, temp.values) if temp is not None else np.full(len(t), np.nan)
+        exp = np.array([mon.expected(float(a), float(b)) or np.nan for a, b in zip(it_v, tv, strict=True)])
+    return [_svg("PUE (red) and expected PUE (blue)", t, pue, exp, None, None, [f.start])]
+
+
 def finding_plots(det: Detector, f: Finding) -> list[str]:
     src = det.source
+    if f.kind == "pue_drift":
+        return pue_plot(det, f)
     if not isinstance(src, RecordingSource) or f.node is None:
         return []
     t_lo = f.start - 1800

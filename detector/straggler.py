@@ -37,8 +37,8 @@ FloatArray = np.ndarray
 FEATURES: dict[str, tuple[float, float, int]] = {
     "sm_clock": (0.0, 0.01, -1),
     "mem_clock": (0.0, 0.01, -1),
-    "tensor": (0.02, 0.0, +1),
-    "sm_active": (0.02, 0.0, +1),
+    "tensor": (0.03, 0.0, +1),
+    "sm_active": (0.03, 0.0, +1),
     "util": (0.03, 0.0, -1),
     "power": (0.0, 0.04, 0),
     "temp": (2.0, 0.0, 0),
@@ -152,10 +152,10 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
 
     A degraded, flapping or congested NIC (from the network detector), an NVLink link down, or a PCIe link
     trained below its maximum (GPUDirect traffic bound by PCIe) makes the rank a straggler even though its
-    own activity does not stand out. Without link state (dcgm), NVLink bandwidth far below the peers' and
-    PCIe replays stand in for a link down and a degraded PCIe link.
+    own activity does not stand out. Without PCIe link state (dcgm), PCIe replays stand in for a degraded
+    PCIe link. (NVLink bandwidth is exported as a deviation but not used: in a synchronous job every rank's
+    NVLink traffic follows the slowest link, so it does not single out the rank with a link down.)
     """
-    nvl_z = z.get("nvlink_bw", np.full(len(frame), np.nan))
     replays = frame.get("pcie_replay")
     out: list[Candidate] = []
     nvl = frame.get("nvlink_down")
@@ -175,8 +175,6 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
             cause, sc = "network", nic_flags[key]
         elif np.isfinite(nvl[i]) and nvl[i] < 1:
             cause, sc, ev = "network", p.threshold + 2.0, {"value:nvlink_up_min": float(nvl[i])}
-        elif np.isfinite(nvl_z[i]) and nvl_z[i] <= -2 * p.threshold:
-            cause, sc, ev = "network", float(-nvl_z[i]) / 2, {"nvlink_bw": float(nvl_z[i])}
         elif (np.isfinite(gen[i]) and np.isfinite(gen_max[i]) and gen[i] < gen_max[i]) or (
                 np.isfinite(width[i]) and np.isfinite(width_max[i]) and width[i] < width_max[i]):
             cause, sc = "pcie", p.threshold + 2.0

@@ -127,6 +127,9 @@ def test_subcommand_flags_and_textfile(tmp_path: Path) -> None:
         ([], {}, "listen_address = ':1'\n", "must be inside a [section]"),
         ([], {}, "[web\n", "invalid TOML"),
         ([], {}, "[web]\nlisten_address = 9445\n", "expected a string"),
+        (["--collector.gpu.slow-interval=-5"], {}, None, "--collector.gpu.slow-interval"),
+        ([], {"GPUFLEET_COLLECTOR_GPU_SLOW_INTERVAL": "often"}, None, "GPUFLEET_COLLECTOR_GPU_SLOW_INTERVAL"),
+        ([], {}, "[collector.gpu]\nslow_interval = 'x'\n", "[collector.gpu] slow_interval"),
         (["textfile"], {}, None, "needs --directory"),
         (["textfile", "--directory=/nonexistent/dir"], {}, None, "does not exist"),
     ],
@@ -138,6 +141,20 @@ def test_bad_input_is_a_usage_error(tmp_path: Path, argv: list[str], env: dict[s
     with pytest.raises(cli.UsageError) as e:
         resolve(argv, env)
     assert needle in str(e.value)
+
+
+def test_gpu_slow_interval_flag_environment_and_file(tmp_path: Path) -> None:
+    assert resolve([]).config.gpu_slow_interval == 10.0
+    assert resolve(["--collector.gpu.slow-interval=0"]).config.gpu_slow_interval == 0.0
+    env = {"GPUFLEET_COLLECTOR_GPU_SLOW_INTERVAL": "30"}
+    assert resolve([], env).config.gpu_slow_interval == 30.0
+    f = write_toml(tmp_path / "a.toml", "[collector.gpu]\nslow_interval = 2.5\n")
+    assert resolve([f"--config.file={f}"]).config.gpu_slow_interval == 2.5
+    assert resolve([f"--config.file={f}"], env).config.gpu_slow_interval == 30.0  # env beats the file
+    # --collector.gpu still toggles the collector, and is not taken for the interval flag.
+    s = resolve(["--no-collector.gpu", "--collector.gpu.slow-interval", "5"]).config
+    assert not s.enabled("gpu") and s.gpu_slow_interval == 5.0
+    assert "--collector.gpu.slow-interval" in cli.build_parser().format_help()
 
 
 def test_missing_config_file(tmp_path: Path) -> None:

@@ -13,12 +13,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gpufleet.detector import robust
+from gpufleet.detector import robust, straggler
 from gpufleet.detector.cli import main as cli_main
 from gpufleet.detector.cli import replay
 from gpufleet.detector.config import DetectorConfig, parse
+from gpufleet.detector.features import GpuFrame
 from gpufleet.detector.findings import Tracker
-from gpufleet.detector.straggler import Candidate
+from gpufleet.detector.profiles import Query
+from gpufleet.detector.source import SourceError
+from gpufleet.detector.source_prometheus import PrometheusSource
+from gpufleet.detector.straggler import Candidate, StragglerParams
 
 STEP = 15.0
 T0 = 1_700_000_000.0
@@ -324,3 +328,80 @@ def test_bad_recording_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFi
     assert "no samples of the profile's metrics" in capsys.readouterr().err
     assert cli_main(["replay", str(tmp_path / "nope.om")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- scoring on a hand-built peer group
+
+def _frame(n: int = 16) -> GpuFrame:
+    rng = np.random.default_rng(1)
+    vals = {"util": 0.97 + rng.normal(0, 0.005, n), "samples": np.full(n, 8.0),
+            "sm_clock": 1.98e9 + rng.normal(0, 2e6, n), "tensor": 0.45 + rng.normal(0, 0.01, n),
+            "power": 520 + rng.normal(0, 5, n), "temp": 60 + rng.normal(0, 1, n)}
+    vals["util"][3] = 0.90  # the lowest utilization in the job: a healthy rank, not the straggler
+    vals["util"][7], vals["tensor"][7], vals["power"][7] = 0.99, 0.78, 640  # busier than its waiting peers
+    return GpuFrame([f"n{i // 8}" for i in range(n)], [str(i % 8) for i in range(n)], ["dc1"] * n, ["j"] * n,
+                    ["H100"] * n, vals, np.ones(n, dtype=bool), np.zeros(n, dtype=bool))
+
+
+def test_the_straggler_is_the_busier_gpu_not_the_least_utilized() -> None:
+    res = straggler.score(_frame(), StragglerParams())
+    assert [(c.node, c.gpu) for c in res.candidates] == [("n0", "7")]
+    assert res.score[7] > 4 > res.score[3]
+
+
+def test_idle_and_churning_gpus_are_not_scored() -> None:
+    f = _frame()
+    f.values["util"][7] = 0.0  # idle
+    f.churn[5] = True  # its job started within the window
+    res = straggler.score(f, StragglerParams())
+    assert not res.scored[7] and not res.scored[5] and res.candidates == []
+
+
+class _Resp:
+    def __init__(self, status: int, body: object) -> None:
+        self.status_code, self._body, self.text = status, body, str(body)
+
+    def json(self) -> object:
+        if isinstance(self._body, Exception):
+            raise self._body
+        return self._body
+
+
+class _Session:
+    def __init__(self, resp: _Resp) -> None:
+        self.resp, self.headers, self.auth, self.verify = resp, {}, None, True
+        self.calls: list[dict[str, str]] = []
+
+    def post(self, url: str, data: dict[str, str], timeout: float) -> _Resp:
+        self.calls.append(data)
+        return self.resp
+
+
+def test_prometheus_source_with_a_mock_transport() -> None:
+    ok = {"status": "success", "data": {"resultType": "vector", "result": [
+        {"metric": {"__name__": "x", "gpu": "0", "instance": "n:9445"}, "value": [1.0, "1500"]},
+        {"metric": {"gpu": "1", "instance": "n:9445"}, "value": [1.0, "NaN"]}]}}
+    sess = _Session(_Resp(200, ok))
+    src = PrometheusSource("http://prom:9090/", session=sess)  # type: ignore[arg-type]
+    q = Query("sm_clock", "DCGM_FI_DEV_SM_CLOCK", "avg", scale=1e6)
+    assert src.query(q, 100.0, 300.0) == [({"gpu": "0", "instance": "n:9445"}, 1.5e9)]
+    assert sess.calls[0] == {"query": "avg_over_time(DCGM_FI_DEV_SM_CLOCK[300s])", "time": "100.000"}
+    for bad in (_Resp(503, ValueError("not json")), _Resp(200, {"status": "success", "data": {"resultType": "matrix"}}),
+                _Resp(200, {"status": "success", "data": {"resultType": "vector", "result": [{"metric": {}}]}})):
+        src.session = _Session(bad)  # type: ignore[assignment]
+        with pytest.raises(SourceError):
+            src.query(q, 100.0, 300.0)
+    assert src.query_errors == 3
+
+
+def test_site_selectors_from_config() -> None:
+    cfg = parse({"sites": [{"name": "dc1",
+                            "facility_power": {"metric": "bms_power_watts", "labels": {"meter": "main"}},
+                            "it_power": {"metric": "ipmi_dcmi_power_consumption_watts", "labels": {"site": "dc1"}}}],
+                 "pue": {"knots_celsius": [10, 20]}})
+    (site,) = cfg.sites
+    assert [(q.feature, q.metric, q.matchers, q.site) for q in site.queries] == [
+        ("facility_power", "bms_power_watts", (("meter", "=", "main"),), "dc1"),
+        ("it_power", "ipmi_dcmi_power_consumption_watts", (("site", "=", "dc1"),), "dc1")]
+    assert site.queries[1].promql(300) == 'avg_over_time(ipmi_dcmi_power_consumption_watts{site="dc1"}[300s])'
+    assert cfg.pue.knots_celsius == (10.0, 20.0)

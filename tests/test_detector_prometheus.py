@@ -108,3 +108,34 @@ def test_serve_exports_findings_and_health(backfilled: tuple[Path, str], tmp_pat
         # the recording is years old: nothing is fresh now, so nothing is reported
         assert "gpufleet_detector_finding{" not in body
         assert 'gpufleet_detector_missing_inputs{metric="gpufleet_gpu_utilization_ratio"} 1.0' in body
+
+
+def test_serve_counts_failures_when_prometheus_is_down(tmp_path: Path) -> None:
+    port = free_port()
+    cfg = tmp_path / "d.toml"
+    cfg.write_text(f'[detector]\ninterval_seconds = 0.3\nlisten = "127.0.0.1:{port}"\n'
+                   f'[prometheus]\nurl = "http://127.0.0.1:{free_port()}"\ntimeout_seconds = 1\n')
+    with running([sys.executable, "-m", "gpufleet.detector.cli", "serve", "--config", str(cfg)],
+                 log=tmp_path / "serve.log") as proc:
+        wait_http(f"http://127.0.0.1:{port}/metrics", timeout=30)
+        body = ""
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            body = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+            if re.search(r'^gpufleet_detector_evaluations_total\{result="failure"\} [1-9]', body, re.M):
+                break
+            time.sleep(0.2)
+        assert re.search(r'^gpufleet_detector_evaluations_total\{result="failure"\} [1-9]', body, re.M), body
+        assert re.search(r"^gpufleet_detector_query_errors_total [1-9]", body, re.M)
+        assert not re.search(r"^gpufleet_detector_last_success_timestamp_seconds ", body, re.M)
+        assert "gpufleet_detector_finding{" not in body
+        assert "evaluations failing" in requests.get(f"http://127.0.0.1:{port}/health", timeout=5).text
+        assert proc.poll() is None  # the daemon keeps running
+
+
+def test_serve_rejects_bad_config(tmp_path: Path) -> None:
+    cfg = tmp_path / "d.toml"
+    cfg.write_text('[detector]\nlisten = "127.0.0.1:notaport"\n')
+    out = subprocess.run([sys.executable, "-m", "gpufleet.detector.cli", "serve", "--config", str(cfg)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "error" in out.stderr

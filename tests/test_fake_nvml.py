@@ -519,3 +519,77 @@ def test_event_wait_does_not_block_other_calls(fake: FakeNvml, src: StaticSource
     t.join()
     assert not errors
     pynvml.nvmlEventSetFree(es)
+
+
+# ------------------------------------------------------------------ XID waits are signalled, not polled
+
+
+class _CountingSim:
+    """Wraps a SimSource and counts poll_xid calls."""
+
+    def __init__(self) -> None:
+        from gpufleet.agent.nvml.sources import SimSource
+
+        self.sim = SimSource(2)
+        self.polls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sim, name)
+
+    def poll_xid(self) -> list[XidEvent]:
+        self.polls += 1
+        return self.sim.poll_xid()
+
+
+def test_xid_wait_is_woken_by_the_source_without_polling() -> None:
+    src = _CountingSim()
+    with FakeNvml(src) as fake:
+        pynvml.nvmlInit()
+        try:
+            es = pynvml.nvmlEventSetCreate()
+            pynvml.nvmlDeviceRegisterEvents(pynvml.nvmlDeviceGetHandleByIndex(1),
+                                            pynvml.nvmlEventTypeXidCriticalError, es)
+            t0 = time.monotonic()
+            with pytest.raises(pynvml.NVMLError_Timeout):
+                pynvml.nvmlEventSetWait_v2(es, 400)
+            assert time.monotonic() - t0 >= 0.39
+            assert src.polls <= 1  # one look at the source, then asleep (polling every 20 ms would be ~20)
+
+            timer = threading.Timer(0.2, src.sim.inject_xid, (1, 79))
+            timer.start()
+            t0 = time.monotonic()
+            data = pynvml.nvmlEventSetWait_v2(es, 5000)
+            waited = time.monotonic() - t0
+            timer.join()
+            assert 0.15 <= waited < 1.0
+            assert (data.eventData, pynvml.nvmlDeviceGetIndex(data.device)) == (79, 1)
+            assert src.polls <= 3
+
+            # nvmlShutdown wakes a blocked waiter at once (the XID thread stops promptly)
+            result: list[BaseException] = []
+
+            def waiter() -> None:
+                try:
+                    pynvml.nvmlEventSetWait_v2(es, 10_000)
+                except BaseException as e:
+                    result.append(e)
+
+            t = threading.Thread(target=waiter)
+            t.start()
+            time.sleep(0.1)
+        finally:
+            pynvml.nvmlShutdown()
+        t.join(timeout=2.0)
+        assert not t.is_alive()
+        assert isinstance(result[0], pynvml.NVMLError_Uninitialized)
+        assert fake.last_exception is None
+
+
+def test_cpu_accounting_counts_time_inside_the_fake(fake: FakeNvml, src: StaticSource) -> None:
+    assert fake.cpu_seconds == 0.0
+    pynvml.nvmlDeviceGetPowerUsage(h(0))
+    assert fake.cpu_seconds == 0.0  # off unless a benchmark turns it on
+    fake.cpu_accounting = True
+    for _ in range(200):
+        pynvml.nvmlDeviceGetFieldValues(h(0), [82, 74, 76])
+    assert fake.cpu_seconds > 0.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -452,3 +453,172 @@ def test_node_totals_sum_the_gpus(host: tuple[FakeHost, FakeNvml, NvmlBackend, G
         sum(s.power_mw for s in src.samples) / 1000)  # type: ignore[misc]
     assert value(got, "gpufleet_node_gpu_energy_joules_total") == pytest.approx(
         sum(s.energy_mj for s in src.samples) / 1000)  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------- tiered reads (slow interval)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def slow_clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    from gpufleet.agent.nvml import reader
+
+    clock = _Clock()
+    monkeypatch.setattr(reader, "slow_clock", clock)
+    return clock
+
+
+def _tiered(interval: float) -> Iterator[tuple[FakeHost, FakeNvml, NvmlBackend, GpuCollector]]:
+    src = FakeHost()
+    fake = FakeNvml(src).install()
+    backend = NvmlBackend()
+    assert backend.start(), backend.init_error
+    try:
+        yield src, fake, backend, GpuCollector(backend, slow_interval=interval)
+    finally:
+        backend.close()
+        fake.uninstall()
+
+
+@pytest.fixture
+def tiered() -> Iterator[tuple[FakeHost, FakeNvml, NvmlBackend, GpuCollector]]:
+    yield from _tiered(10.0)
+
+
+@pytest.fixture
+def untiered() -> Iterator[tuple[FakeHost, FakeNvml, NvmlBackend, GpuCollector]]:
+    yield from _tiered(0.0)
+
+
+def _bump_slow(src: FakeHost) -> None:
+    """Change one counter of every slow group on GPU 0 (and GPU 1's retired pages)."""
+    s0 = src.samples[0]
+    assert s0.ecc is not None and s0.nvlink
+    s0.ecc["volatile_corrected"] += 5
+    s0.nvlink[2].crc_flit = (s0.nvlink[2].crc_flit or 0) + 7
+    s0.nvlink[1].up = False
+    s0.remapped_rows_correctable = 9
+    src.samples[1].retired_pages_single_bit = 6
+
+
+def test_slow_groups_change_after_the_interval_not_before(
+    tiered: tuple[FakeHost, FakeNvml, NvmlBackend, GpuCollector], slow_clock: _Clock,
+) -> None:
+    src, _, _, collector = tiered
+    first = scrape(collector)
+    _bump_slow(src)
+    src.samples[0].power_mw = 600_000  # a fast reading changes too
+    slow_clock.t += 9.0
+    src.advance(9.0)
+    cached = scrape(collector)
+    # Fast groups are read on every scrape ...
+    assert value(cached, "gpufleet_gpu_power_watts", gpu="0") == 600.0
+    # ... the slow ones are served from the cache until the interval is over.
+    for key in (("gpufleet_gpu_ecc_errors_total", {"gpu": "0", "error": "corrected", "counter": "volatile"}),
+                ("gpufleet_gpu_nvlink_errors_total", {"gpu": "0", "link": "2", "error": "crc_flit"}),
+                ("gpufleet_gpu_nvlink_up", {"gpu": "0", "link": "1"}),
+                ("gpufleet_gpu_remapped_rows", {"gpu": "0", "cause": "correctable"}),
+                ("gpufleet_gpu_retired_pages", {"gpu": "1", "cause": "single_bit"})):
+        name, labels = key
+        assert value(cached, name, **labels) == value(first, name, **labels), key
+    slow_clock.t += 1.0
+    src.advance(1.0)
+    fresh = scrape(collector)
+    assert value(fresh, "gpufleet_gpu_ecc_errors_total", gpu="0", error="corrected", counter="volatile") == 3 + 5
+    assert value(fresh, "gpufleet_gpu_nvlink_errors_total", gpu="0", link="2", error="crc_flit") == 2 + 7
+    assert value(fresh, "gpufleet_gpu_nvlink_up", gpu="0", link="1") == 0
+    assert value(fresh, "gpufleet_gpu_remapped_rows", gpu="0", cause="correctable") == 9
+    assert value(fresh, "gpufleet_gpu_retired_pages", gpu="1", cause="single_bit") == 6
+    # Everything else matches the source exactly, as without tiering.
+    assert_series_equal(fresh, expected_series(src, dt=1.0))
+
+
+def test_interval_zero_reads_the_slow_groups_every_scrape(
+    untiered: tuple[FakeHost, FakeNvml, NvmlBackend, GpuCollector], slow_clock: _Clock,
+) -> None:
+    src, _, _, collector = untiered
+    scrape(collector)
+    _bump_slow(src)
+    src.advance(1.0)  # the slow clock does not move at all
+    got = scrape(collector)
+    assert_series_equal(got, expected_series(src, dt=1.0))
+    assert value(got, "gpufleet_gpu_nvlink_errors_total", gpu="0", link="2", error="crc_flit") == 9
+
+
+def test_slow_tier_makes_far_fewer_nvml_calls(
+    tiered: tuple[FakeHost, FakeNvml, NvmlBackend, GpuCollector], slow_clock: _Clock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, _, _, collector = tiered
+    scrape(collector)
+    calls: list[str] = []
+    entry: Any = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetNvLinkErrorCounter")  # the fake's entry point
+    real = entry._impl
+
+    def counting(*args: Any) -> Any:
+        calls.append("x")
+        return real(*args)
+
+    monkeypatch.setattr(entry, "_impl", counting)
+    scrape(collector)
+    assert calls == []  # served from the cache
+    slow_clock.t += 10.0
+    scrape(collector)
+    assert len(calls) == 2 * 4 * 4  # 2 NVLink GPUs x 4 links x 4 counters
+
+
+def test_lost_gpu_drops_its_slow_cache(
+    tiered: tuple[FakeHost, FakeNvml, NvmlBackend, GpuCollector], slow_clock: _Clock,
+) -> None:
+    src, _, _, collector = tiered
+    scrape(collector)
+    src.samples[0].lost = True
+    scrape(collector)
+    src.samples[0].lost = False
+    _bump_slow(src)
+    src.advance(1.0)
+    slow_clock.t += 1.0  # well inside the interval: but the GPU came back, so it is read afresh
+    got = scrape(collector)
+    assert value(got, "gpufleet_gpu_ecc_errors_total", gpu="0", error="corrected", counter="volatile") == 8
+    assert value(got, "gpufleet_gpu_nvlink_up", gpu="0", link="1") == 0
+
+
+def test_failed_slow_read_is_retried_on_the_next_scrape(
+    tiered: tuple[FakeHost, FakeNvml, NvmlBackend, GpuCollector], slow_clock: _Clock,
+) -> None:
+    _, fake, _, collector = tiered
+    fake.inject_error(pynvml.NVML_ERROR_UNKNOWN, function="nvmlDeviceGetTotalEccErrors", gpu=0)
+    got = scrape(collector)
+    assert not pick(got, "gpufleet_gpu_ecc_errors_total", gpu="0")
+    fake.clear_errors()
+    slow_clock.t += 1.0
+    got = scrape(collector)  # not cached for 10 s: the ECC counters are back at once
+    assert value(got, "gpufleet_gpu_ecc_errors_total", gpu="0", error="corrected", counter="volatile") == 3
+
+
+def test_node_energy_never_decreases_while_a_gpu_is_lost(
+    host: tuple[FakeHost, FakeNvml, NvmlBackend, GpuCollector],
+) -> None:
+    src, _, _, collector = host
+    seen = [value(scrape(collector), "gpufleet_node_gpu_energy_joules_total")]
+    for step in range(4):
+        if step == 1:
+            src.samples[1].lost = True
+        if step == 3:
+            src.samples[1].lost = False
+        for s in src.samples:
+            assert s.energy_mj is not None
+            s.energy_mj += 1_000  # 1 J per GPU per step
+        src.advance(1.0)
+        got = scrape(collector)
+        seen.append(value(got, "gpufleet_node_gpu_energy_joules_total"))
+    assert all(b > a for a, b in itertools.pairwise(seen)), seen
+    # While lost, GPU 1 counts with its last known energy; once back, with its current one.
+    assert seen[-1] == pytest.approx(sum(s.energy_mj or 0 for s in src.samples) / 1000)

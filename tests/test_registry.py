@@ -183,6 +183,36 @@ def test_fast_text_encoder_matches_prometheus_client() -> None:
         assert encode_text(fams) == generate_latest(_Fixed(fams))
 
 
+def test_fast_encoder_paths_for_ints_reused_samples_and_label_sets() -> None:
+    import random
+
+    from gpufleet.agent.registry import FrozenLabels, StickySample, encode_text
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.samples import Sample
+
+    rnd = random.Random(7)
+    ints = [0, 1, -1, 999_999, 1_000_000, 1_980_000_000, 85_520_809_984, 10**15 - 1, 10**15, 10**16, 2**63,
+            -5_000_000, -(10**15) + 1, *(rnd.randrange(10**6, 10**15) for _ in range(300))]
+    g = GaugeMetricFamily("gpufleet_test_ints", "ints", labels=["i"])
+    for i, v in enumerate(ints):
+        g.add_metric([str(i)], v)
+    floats = GaugeMetricFamily("gpufleet_test_floats", "floats", labels=["i"])
+    for i, v in enumerate([1e6, 1.5e9, 123456789.25, 1e15, 7e30, -2e9, 1e6]):  # 1e6 twice: the memo
+        floats.add_metric([str(i)], v)
+    c = CounterMetricFamily("gpufleet_test_reused", "reused samples", labels=["gpu", "link"])
+    sticky = [StickySample("gpufleet_test_reused_total", {"gpu": "0", "link": str(k)}, float(k)) for k in range(3)]
+    frozen = FrozenLabels("gpufleet_test_reused_total", (("link", "9"), ("gpu", "1")))
+    wrong = FrozenLabels("gpufleet_test_other", (("gpu", "2"), ("link", "0")))  # made for another name
+    for step in range(3):  # reused objects, then a changed value in a new StickySample
+        if step == 2:
+            sticky[1] = StickySample("gpufleet_test_reused_total", {"gpu": "0", "link": "1"}, 41.0)
+        c.samples = [*sticky, Sample("gpufleet_test_reused_total", frozen, 2.0**40 + step),
+                     Sample("gpufleet_test_reused_total", wrong, 3)]
+        fams = [g, floats, c]
+        assert encode_text(fams) == generate_latest(_Fixed(fams))
+    assert b'gpufleet_test_reused_total{gpu="0",link="1"} 41.0' in encode_text([c])
+
+
 def test_text_encoding_is_shared_by_concurrent_scrapes() -> None:
     gpu = FakeGpu(delay=0.2)
     ac = AgentCollector([gpu, FakeHost()])

@@ -180,6 +180,37 @@ def test_sim_sysfs_tree() -> None:
     assert not root.exists()
 
 
+def test_sim_sysfs_is_written_lazily_on_sampling_and_only_changed_files() -> None:
+    import threading
+
+    now = [T0]
+    sim = SimSource(2, clock=lambda: now[0], sysfs=True)
+    try:
+        assert not [t for t in threading.enumerate() if t.name == "sim-sysfs"]  # no writer thread
+        assert sim.sysfs_root is not None
+        port = Path(sim.sysfs_root) / "class" / "infiniband" / "mlx5_0" / "ports" / "1"
+        data, zero = port / "counters" / "port_xmit_data", port / "counters" / "symbol_error"
+        start, zero_stat = int(data.read_text()), zero.stat()
+        sim.sample(0)
+        now[0] = T0 + 30
+        assert int(data.read_text()) == start  # time moved on, but nobody sampled: nothing written
+        now[0] = T0 + 30.5
+        sim.sample(0)
+        grown = int(data.read_text())
+        assert grown > start
+        now[0] = T0 + 31.0  # within a second of the last rewrite: not again
+        sim.sample(1)
+        assert int(data.read_text()) == grown
+        now[0] = T0 + 32.0
+        sim.sample(1)
+        assert int(data.read_text()) > grown
+        after = zero.stat()  # a counter that stayed 0 was never rewritten
+        assert (after.st_ino, after.st_mtime_ns) == (zero_stat.st_ino, zero_stat.st_mtime_ns)
+        assert zero.read_text() == "0\n" and data.read_text().endswith("\n")
+    finally:
+        sim.close()
+
+
 # ------------------------------------------------------------------ live snapshots
 
 

@@ -22,6 +22,7 @@ from .. import catalog
 from ..nvml.backend import Device, NvmlBackend
 from ..nvml.model import ARCHITECTURES, CLOCK_EVENT_BITS
 from ..nvml.reader import Reading, read_gpu
+from ..registry import FrozenLabels, StickySample
 
 #: A metric family being filled (GaugeMetricFamily or CounterMetricFamily).
 Fam = Any
@@ -45,6 +46,10 @@ _THRESHOLDS = (("slowdown", "temp_slowdown"), ("shutdown", "temp_shutdown"), ("g
 _CLOCKS = (("sm", "clock_sm_mhz", "max_clock_sm"), ("memory", "clock_memory_mhz", "max_clock_memory"),
            ("graphics", "clock_graphics_mhz", "max_clock_graphics"))
 _NVLINK_ERRORS = tuple(catalog.NVLINK_ERRORS)
+#: Families fed by the reader's slow tier (see nvml.reader).
+_SLOW_NAMES = ("gpufleet_gpu_ecc_errors_total", "gpufleet_gpu_remapped_rows", "gpufleet_gpu_row_remap_pending",
+               "gpufleet_gpu_row_remap_failure", "gpufleet_gpu_retired_pages", "gpufleet_gpu_retired_pages_pending",
+               "gpufleet_gpu_nvlink_up", "gpufleet_gpu_nvlink_errors_total")
 _GPM_RATIOS = (("gpufleet_gpu_sm_active_ratio", "sm_active_pct"),
                ("gpufleet_gpu_sm_occupancy_ratio", "sm_occupancy_pct"),
                ("gpufleet_gpu_tensor_active_ratio", "tensor_active_pct"),
@@ -64,6 +69,10 @@ class GpuCollector:
         self.slow_interval = slow_interval
         #: Last known cumulative energy (J) per GPU (by UUID), so the node total never drops while a GPU is lost.
         self._energy: dict[str, float] = {}
+        #: Per GPU label: (reader slow_token, slow-tier family name -> samples) of the last slow read.
+        self._slow_samples: dict[str, tuple[object, dict[str, list[Sample]]]] = {}
+        #: Per GPU label: NVLink (tx, rx) label dicts, one pair per link (never mutated).
+        self._link_labels: dict[str, list[tuple[FrozenLabels, FrozenLabels]]] = {}
 
     def describe(self) -> Iterable[Metric]:
         return [s.family() for s in _SPECS]
@@ -106,13 +115,13 @@ class GpuCollector:
                 _add(clock_max, [g, label], dev.fact(fact), MHZ)
             if s.power_mw is not None:
                 watts = s.power_mw / PER_MILLI
-                f["gpufleet_gpu_power_watts"].add_metric(gl, watts)
+                _put(f["gpufleet_gpu_power_watts"], gl, watts)
                 total_w += watts
                 n_w += 1
             _div(f["gpufleet_gpu_power_limit_watts"], gl, s.power_limit_mw, PER_MILLI)
             if s.energy_mj is not None:
                 joules = s.energy_mj / PER_MILLI
-                f["gpufleet_gpu_energy_joules_total"].add_metric(gl, joules)
+                _put(f["gpufleet_gpu_energy_joules_total"], gl, joules)
                 total_j += joules
                 n_j += 1
                 last_energy[key] = joules
@@ -125,7 +134,7 @@ class GpuCollector:
             if s.fan_speed_pct:
                 fan = f["gpufleet_gpu_fan_speed_ratio"]
                 for i, pct in enumerate(s.fan_speed_pct):
-                    fan.add_metric([g, str(i)], pct / PER_PCT)
+                    _put(fan, [g, str(i)], pct / PER_PCT)
             _add(f["gpufleet_gpu_memory_used_bytes"], gl, s.memory_used_bytes)
             _add(f["gpufleet_gpu_memory_total_bytes"], gl, r.memory_total_bytes)
             _add(f["gpufleet_gpu_memory_reserved_bytes"], gl, s.memory_reserved_bytes)
@@ -134,19 +143,14 @@ class GpuCollector:
                 active = f["gpufleet_gpu_clock_event_active"]
                 mask = s.clocks_event_reasons
                 for reason, bit in _REASONS:
-                    active.add_metric([g, reason], 1 if mask & bit else 0)
+                    _put(active, [g, reason], 1 if mask & bit else 0)
             if s.clocks_event_ns:
                 secs = f["gpufleet_gpu_clock_event_seconds_total"]
                 for reason, ns in s.clocks_event_ns.items():
-                    secs.add_metric([g, reason], ns / PER_NS)
-            if s.ecc:
-                ecc = f["gpufleet_gpu_ecc_errors_total"]
-                for key, n in s.ecc.items():
-                    counter, _, error = key.partition("_")
-                    ecc.add_metric([g, error, counter], n)
-            self._memory_health(f, g, r)
+                    _put(secs, [g, reason], ns / PER_NS)
+            self._slow(f, g, r)
             self._pcie(f, dev, r)
-            self._nvlink(f, g, r)
+            self._nvlink_bytes(f, g, r)
             self._gpm(f, g, r)
         for gone in [k for k in last_energy if k not in present]:  # GPUs no longer enumerated
             del last_energy[gone]
@@ -175,7 +179,30 @@ class GpuCollector:
                 facts.get("pci_bus_id") or "", facts.get("vbios_version") or "",
                 ARCHITECTURES.get(arch, str(arch)) if arch is not None else "",
             ], 1)
-            up.add_metric([dev.label], 0 if r.lost or r.sample is None else 1)
+            _put(up, [dev.label], 0 if r.lost or r.sample is None else 1)
+
+    def _slow(self, f: dict[str, Fam], g: str, r: Reading) -> None:
+        """The slow tier's series (ECC, row remapping, retired pages, NVLink state and errors).
+
+        While the reader serves them from its cache (same ``slow_token``), the very same samples
+        are reused (StickySample: the encoder reuses their rendered lines too)."""
+        cached = self._slow_samples.get(g)
+        if cached is None or cached[0] is not r.slow_token or r.slow_token is None:
+            tmp: dict[str, Fam] = {name: catalog.spec(name).family() for name in _SLOW_NAMES}
+            s = r.sample
+            assert s is not None
+            if s.ecc:
+                ecc = tmp["gpufleet_gpu_ecc_errors_total"]
+                for key, n in s.ecc.items():
+                    counter, _, error = key.partition("_")
+                    ecc.add_metric([g, error, counter], n)
+            self._memory_health(tmp, g, r)
+            self._nvlink_health(tmp, g, r)
+            cached = (r.slow_token, {name: [StickySample(*x) for x in fam.samples]
+                                     for name, fam in tmp.items() if fam.samples})
+            self._slow_samples[g] = cached
+        for name, samples in cached[1].items():
+            f[name].samples.extend(samples)
 
     @staticmethod
     def _memory_health(f: dict[str, Fam], g: str, r: Reading) -> None:
@@ -214,16 +241,13 @@ class GpuCollector:
             _add(thr, [g, "rx"], s.pcie_rx_kbps, KB)
 
     @staticmethod
-    def _nvlink(f: dict[str, Fam], g: str, r: Reading) -> None:
+    def _nvlink_health(f: dict[str, Fam], g: str, r: Reading) -> None:
         s = r.sample
         assert s is not None
         if not s.nvlink:
             return
-        # The largest group (7 series per link, 18 links per H100): samples are appended directly.
-        up_fam, bytes_fam, errs_fam = (f["gpufleet_gpu_nvlink_up"], f["gpufleet_gpu_nvlink_bytes_total"],
-                                       f["gpufleet_gpu_nvlink_errors_total"])
+        up_fam, errs_fam = f["gpufleet_gpu_nvlink_up"], f["gpufleet_gpu_nvlink_errors_total"]
         up, up_name = up_fam.samples.append, up_fam.name
-        nbytes, bytes_name = bytes_fam.samples.append, bytes_fam.name + "_total"
         errs, errs_name = errs_fam.samples.append, errs_fam.name + "_total"
         ups = r.nvlink_up
         for i, (link, ls) in enumerate(zip(r.nvlink_links, s.nvlink, strict=False)):
@@ -231,14 +255,32 @@ class GpuCollector:
             state = ups[i] if i < len(ups) else None
             if state is not None:
                 up(Sample(up_name, {"gpu": g, "link": lk}, 1 if state else 0))
-            if ls.tx_kib is not None:
-                nbytes(Sample(bytes_name, {"gpu": g, "link": lk, "direction": "tx"}, ls.tx_kib * KIB))
-            if ls.rx_kib is not None:
-                nbytes(Sample(bytes_name, {"gpu": g, "link": lk, "direction": "rx"}, ls.rx_kib * KIB))
             for name in _NVLINK_ERRORS:
                 v = getattr(ls, name)
                 if v is not None:
                     errs(Sample(errs_name, {"gpu": g, "link": lk, "error": name}, v))
+
+    def _nvlink_bytes(self, f: dict[str, Fam], g: str, r: Reading) -> None:
+        """NVLink data counters: the largest per-scrape group (2 series per link, 18 links per H100).
+        Samples are built directly, with label dicts kept across scrapes."""
+        s = r.sample
+        assert s is not None
+        if not s.nvlink:
+            return
+        fam = f["gpufleet_gpu_nvlink_bytes_total"]
+        add, name = fam.samples.append, fam.name + "_total"
+        labels = self._link_labels.get(g)
+        if labels is None or len(labels) != len(r.nvlink_links):
+            labels = self._link_labels[g] = [
+                (FrozenLabels(name, (("gpu", g), ("link", str(link)), ("direction", "tx"))),
+                 FrozenLabels(name, (("gpu", g), ("link", str(link)), ("direction", "rx"))))
+                for link in r.nvlink_links]
+        new = _new
+        for (tx_labels, rx_labels), ls in zip(labels, s.nvlink, strict=False):
+            if ls.tx_kib is not None:
+                add(new(Sample, (name, tx_labels, ls.tx_kib * KIB, None, None, None)))
+            if ls.rx_kib is not None:
+                add(new(Sample, (name, rx_labels, ls.rx_kib * KIB, None, None, None)))
 
     @staticmethod
     def _gpm(f: dict[str, Fam], g: str, r: Reading) -> None:
@@ -261,16 +303,46 @@ class GpuCollector:
             yield fam
 
 
+#: family name -> (sample name, label names), for _put.
+_FAMILY_LABELS: dict[str, tuple[str, tuple[str, ...]]] = {
+    fam.name: (spec.name, spec.labels) for spec in _SPECS for fam in (spec.family(),)
+}
+#: (family name, *label values) -> FrozenLabels: GPU label sets repeat every scrape.
+_LABEL_SETS: dict[tuple[str, ...], FrozenLabels] = {}
+_new = tuple.__new__
+
+
+def _put(fam: Fam, labels: list[str], value: float) -> None:
+    """``fam.add_metric(labels, value)`` with the label set built once (a FrozenLabels) and reused, and
+    the previous sample reused while the value is unchanged (most gauges: limits, states, flags), so the
+    encoder can reuse its rendered line."""
+    key = (fam.name, *labels)
+    lbl = _LABEL_SETS.get(key)
+    if lbl is None:
+        sname, names = _FAMILY_LABELS[fam.name]
+        if len(_LABEL_SETS) >= 100_000:
+            _LABEL_SETS.clear()
+        lbl = _LABEL_SETS[key] = FrozenLabels(sname, zip(names, labels, strict=True))
+    last = lbl.last
+    # Equal and of the same type prints the same, except 0.0 / -0.0 (equal, printed differently).
+    if last is not None and last.value == value and type(last.value) is type(value) and (
+            value or type(value) is int):
+        fam.samples.append(last)
+        return
+    sample = lbl.last = _new(StickySample, (lbl.name, lbl, value, None, None, None))
+    fam.samples.append(sample)
+
+
 def _add(fam: Fam, labels: list[str], value: float | None, scale: float = 1) -> None:
     if value is not None:
-        fam.add_metric(labels, value * scale if scale != 1 else value)
+        _put(fam, labels, value * scale if scale != 1 else value)
 
 
 def _div(fam: Fam, labels: list[str], value: float | None, divisor: float) -> None:
     if value is not None:
-        fam.add_metric(labels, value / divisor)
+        _put(fam, labels, value / divisor)
 
 
 def _add_bool(fam: Fam, labels: list[str], value: bool | None) -> None:
     if value is not None:
-        fam.add_metric(labels, 1 if value else 0)
+        _put(fam, labels, 1 if value else 0)

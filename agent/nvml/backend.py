@@ -127,6 +127,11 @@ class NvmlBackend:
         #: Total of every counted error (cheap "did anything fail since" check for the reader's caches).
         self.error_total = 0
 
+    @property
+    def fake(self) -> Any:
+        """The installed :class:`~gpufleet.agent.nvml.fake.FakeNvml` with ``--nvml.fake``, else None."""
+        return self._fake
+
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> bool:

@@ -89,6 +89,13 @@ _FIELD_CLOCK_EVENT: dict[int, str] = {
     pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN: "hw_power_brake_slowdown",
 }
 
+_FI_NVLINK_TX: int = pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX
+_FI_NVLINK_RX: int = pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX
+_FI_MEMORY_TEMP: int = pynvml.NVML_FI_DEV_MEMORY_TEMP
+_FI_NVLINK_LINK_COUNT: int = pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT
+_ULL: int = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+_UI: int = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+
 _NVLINK_ERROR_COUNTER: dict[int, str] = {
     pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT: "crc_flit",
     pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA: "crc_data",
@@ -222,16 +229,67 @@ class _EventSet:
 
 
 class _Entry:
-    """One exported "C function": callable, and accepts ``restype``/``argtypes`` like a ctypes function."""
+    """One exported "C function": callable, and accepts ``restype``/``argtypes`` like a ctypes function.
+
+    The implementation, its normalized name and whether it needs ``nvmlInit`` are bound once
+    (pynvml caches the entry point), so a call costs one lock and one Python call.
+    """
 
     def __init__(self, fake: FakeNvml, name: str) -> None:
         self.__name__ = name
         self._fake = fake
+        self._impl = fake._impl[name]
+        self._normed = fake._normed[name]
+        self._needs_init = name not in _NO_INIT
         self.restype: Any = ctypes.c_int
         self.argtypes: Any = None
 
     def __call__(self, *args: Any) -> Any:
-        return self._fake._call(self.__name__, args)
+        fake = self._fake
+        if fake.cpu_accounting:
+            t0 = time.thread_time()
+            try:
+                return self._dispatch(fake, args)
+            finally:
+                fake.cpu_seconds += time.thread_time() - t0
+        return self._dispatch(fake, args)
+
+    def _dispatch(self, fake: FakeNvml, args: tuple[Any, ...]) -> Any:
+        with fake._lock:
+            try:
+                if self._needs_init and fake._refcount == 0:
+                    return UNINITIALIZED
+                if fake._rules:
+                    code = fake._system_rule(self._normed)
+                    if code is not None:
+                        return code
+                return self._impl(*args)
+            except Exception as e:  # a broken source must not take the agent down
+                fake.last_exception = e
+                return UNKNOWN
+
+
+class _UnlockedEntry(_Entry):
+    """nvmlErrorString (no init, no rules) and nvmlEventSetWait_v2 (blocks: takes the lock itself)."""
+
+    def _dispatch(self, fake: FakeNvml, args: tuple[Any, ...]) -> Any:
+        try:
+            if self.__name__ == "nvmlErrorString":
+                return self._impl(*args)
+            if fake._refcount == 0:
+                return UNINITIALIZED
+            if fake._rules:
+                with fake._lock:
+                    code = fake._system_rule(self._normed)
+                if code is not None:
+                    return code
+            return self._impl(*args)
+        except Exception as e:
+            fake.last_exception = e
+            return UNKNOWN
+
+
+_UNLOCKED = frozenset({"nvmlErrorString", "nvmlEventSetWait_v2"})
 
 
 class _FakeLib:
@@ -239,11 +297,17 @@ class _FakeLib:
 
     def __init__(self, fake: FakeNvml) -> None:
         self._fake = fake
+        self._entries: dict[str, _Entry] = {}
 
     def __getattr__(self, name: str) -> _Entry:
-        if name.startswith("_") or name not in self._fake.entry_points():
+        entry = self._entries.get(name)
+        if entry is not None:
+            return entry
+        if name.startswith("_") or name not in self._fake._impl:
             raise AttributeError(name)
-        return _Entry(self._fake, name)
+        entry = (_UnlockedEntry if name in _UNLOCKED else _Entry)(self._fake, name)
+        self._entries[name] = entry
+        return entry
 
 
 class FakeNvml:
@@ -273,6 +337,18 @@ class FakeNvml:
             name[3:]: getattr(self, name) for name in dir(type(self)) if name.startswith("_c_nvml")
         }
         self._normed = {name: _norm(name) for name in self._impl}
+        #: Benchmarks: when True, every entry point adds its thread CPU time to ``cpu_seconds`` (the time a
+        #: real host spends inside libnvidia-ml, which this fake and its source stand in for).
+        self.cpu_accounting = False
+        self.cpu_seconds = 0.0
+        self._devs: dict[int, _Dev] = {}
+        #: Signalled when the source has new XID events (sources with ``add_xid_listener``) or on shutdown.
+        self._xid_cond = threading.Condition(self._lock)
+        self._xid_pushed = False
+        listen = getattr(source, "add_xid_listener", None)
+        self._xid_push = callable(listen)
+        if callable(listen):
+            listen(self._on_xid)
 
     # ------------------------------------------------------------------ public API
 
@@ -342,32 +418,8 @@ class FakeNvml:
 
     # ------------------------------------------------------------------ dispatch
 
-    def _call(self, name: str, args: tuple[Any, ...]) -> Any:
-        impl = self._impl[name]
-        if name == "nvmlEventSetWait_v2":  # blocks: takes the lock in small steps itself
-            return self._guarded(name, impl, args)
-        with self._lock:
-            return self._guarded(name, impl, args)
-
-    def _guarded(self, name: str, impl: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        try:
-            if name == "nvmlErrorString":
-                return impl(*args)
-            if name not in _NO_INIT and self._refcount == 0:
-                return UNINITIALIZED
-            code = self._system_rule(name)
-            if code is not None:
-                return code
-            return impl(*args)
-        except Exception as e:  # a broken source must not take the agent down
-            self.last_exception = e
-            return UNKNOWN
-
-    def _system_rule(self, name: str) -> int | None:
-        """A rule naming this call and no device (device calls are checked in :meth:`_dev`)."""
-        if not self._rules:
-            return None
-        n = self._normed[name]
+    def _system_rule(self, n: str) -> int | None:
+        """A rule naming this call (normalized name ``n``) and no device (device calls: :meth:`_dev`)."""
         for r in self._rules:
             if r.function == n and r.gpu is None and r.field is None:
                 return r.code
@@ -396,13 +448,17 @@ class FakeNvml:
         if off <= 0 or off % 0x100 or off // 0x100 > len(inventory):
             return INVALID_ARGUMENT
         index = off // 0x100 - 1
-        code = self._device_rule(name, index)
-        if code is not None:
-            return code
+        if self._rules:
+            code = self._device_rule(name, index)
+            if code is not None:
+                return code
         sample = self.source.sample(index)
         if sample.lost:
             return GPU_IS_LOST
-        return _Dev(index, inventory[index], sample)
+        d = self._devs.get(index)
+        if d is None or d.sample is not sample or d.inv is not inventory[index]:
+            d = self._devs[index] = _Dev(index, inventory[index], sample)
+        return d
 
     # ------------------------------------------------------------------ init / system
 
@@ -423,6 +479,8 @@ class FakeNvml:
         if self._refcount == 0:
             self._gpm.clear()
             self._sets.clear()
+            self._devs.clear()
+            self._xid_cond.notify_all()  # blocked waits return UNINITIALIZED now
         return SUCCESS
 
     def _c_nvmlErrorString(self, code: Any) -> bytes:
@@ -666,29 +724,30 @@ class FakeNvml:
 
     def _field(self, d: _Dev, fid: int, scope: int) -> tuple[int, int, int | None]:
         """(nvmlReturn, valueType, value) of one field id."""
-        s, ull, ui = d.sample, pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
-        if fid == pynvml.NVML_FI_DEV_MEMORY_TEMP:
-            v = s.temperature_memory_c
-            return (NOT_SUPPORTED, ui, None) if v is None else (SUCCESS, ui, v)
-        if fid in _FIELD_CLOCK_EVENT:
-            ns = s.clocks_event_ns
-            if ns is None or _FIELD_CLOCK_EVENT[fid] not in ns:
-                return NOT_SUPPORTED, ull, None
-            return SUCCESS, ull, ns[_FIELD_CLOCK_EVENT[fid]]
-        if fid == pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT:
-            return (NOT_SUPPORTED, ui, None) if d.inv.nvlink_count == 0 else (SUCCESS, ui, d.inv.nvlink_count)
-        if fid in (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX):
-            if d.inv.nvlink_count == 0:
-                return NOT_SUPPORTED, ull, None
-            if not 0 <= scope < d.inv.nvlink_count:
-                return INVALID_ARGUMENT, ull, None
+        s = d.sample
+        if fid in (_FI_NVLINK_TX, _FI_NVLINK_RX):  # most of the request: one TX and one RX per link
+            count = d.inv.nvlink_count
+            if count == 0:
+                return NOT_SUPPORTED, _ULL, None
+            if not 0 <= scope < count:
+                return INVALID_ARGUMENT, _ULL, None
             links = s.nvlink
             if links is None or scope >= len(links):
-                return NOT_SUPPORTED, ull, None
-            tx = fid == pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX
-            v = links[scope].tx_kib if tx else links[scope].rx_kib
-            return (NOT_SUPPORTED, ull, None) if v is None else (SUCCESS, ull, v)
-        return NOT_SUPPORTED, ull, None
+                return NOT_SUPPORTED, _ULL, None
+            v = links[scope].tx_kib if fid == _FI_NVLINK_TX else links[scope].rx_kib
+            return (NOT_SUPPORTED, _ULL, None) if v is None else (SUCCESS, _ULL, v)
+        if fid == _FI_MEMORY_TEMP:
+            t = s.temperature_memory_c
+            return (NOT_SUPPORTED, _UI, None) if t is None else (SUCCESS, _UI, t)
+        reason = _FIELD_CLOCK_EVENT.get(fid)
+        if reason is not None:
+            ns = s.clocks_event_ns
+            if ns is None or reason not in ns:
+                return NOT_SUPPORTED, _ULL, None
+            return SUCCESS, _ULL, ns[reason]
+        if fid == _FI_NVLINK_LINK_COUNT:
+            return (NOT_SUPPORTED, _UI, None) if d.inv.nvlink_count == 0 else (SUCCESS, _UI, d.inv.nvlink_count)
+        return NOT_SUPPORTED, _ULL, None
 
     def _c_nvmlDeviceGetFieldValues(self, handle: Any, count: Any, values: Any) -> int:
         d = self._dev("nvmlDeviceGetFieldValues", handle)
@@ -699,20 +758,25 @@ class FakeNvml:
         if n < 0 or n > len(arr):
             return INVALID_ARGUMENT
         ts = int(d.sample.timestamp * 1e6)
+        rules = [r for r in self._rules if r.field is not None and r.gpu in (None, d.index)]
+        field = self._field
         for i in range(n):
             fv = arr[i]
-            ret, vtype, value = self._field(d, int(fv.fieldId), int(fv.scopeId))
-            for r in self._rules:
-                if r.field == fv.fieldId and r.gpu in (None, d.index):
+            fid = fv.fieldId
+            ret, vtype, value = field(d, fid, fv.scopeId)
+            for r in rules:
+                if r.field == fid:
                     ret, value = r.code, None
                     break
             fv.timestamp, fv.latencyUsec, fv.valueType, fv.nvmlReturn = ts, 0, vtype, ret
-            fv.value.ullVal = 0
             if ret == SUCCESS and value is not None:
-                if vtype == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT:
+                if vtype == _UI:
+                    fv.value.ullVal = 0
                     fv.value.uiVal = int(value)
                 else:
                     fv.value.ullVal = int(value)
+            else:
+                fv.value.ullVal = 0
         return SUCCESS
 
     # ------------------------------------------------------------------ memory health
@@ -958,18 +1022,28 @@ class FakeNvml:
                 if ev.gpu in es.devices:
                     es.queue.append(ev)
 
+    def _on_xid(self) -> None:
+        """The source's XID listener: wake the waiters (called by the source's thread)."""
+        with self._xid_cond:
+            self._xid_pushed = True
+            self._xid_cond.notify_all()
+
     def _c_nvmlEventSetWait_v2(self, event_set: Any, data: Any, timeout_ms: Any) -> int:
+        """Sources that signal new events (``add_xid_listener``) are waited on, others polled every 20 ms."""
         addr = _addr(event_set) or 0
         deadline = time.monotonic() + max(0, _int(timeout_ms)) / 1000.0
+        pump = True
         while True:
-            with self._lock:
+            with self._xid_cond:
                 if self._refcount == 0:
                     return UNINITIALIZED
                 es = self._sets.get(addr)
                 if es is None:
                     return INVALID_ARGUMENT
-                if not es.queue:
+                if not es.queue and (pump or self._xid_pushed or not self._xid_push):
+                    self._xid_pushed = False
                     self._pump_events()
+                pump = False
                 if es.queue:
                     ev = es.queue.pop(0)
                     out = _target(data)
@@ -979,7 +1053,11 @@ class FakeNvml:
                     out.gpuInstanceId = 0xFFFFFFFF
                     out.computeInstanceId = 0xFFFFFFFF
                     return SUCCESS
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return TIMEOUT
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return TIMEOUT
+                if self._xid_push:
+                    if not self._xid_pushed:
+                        self._xid_cond.wait(left)  # releases the fake's lock while waiting
+                    continue
             time.sleep(min(_POLL_STEP_S, left))

@@ -26,6 +26,7 @@ NVLink TX/RX of every link) come from one ``nvmlDeviceGetFieldValues`` call.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -60,7 +61,10 @@ GPM_METRICS: tuple[tuple[int, str], ...] = (
     (21, "pcie_rx_mibps"),  # NVML_GPM_METRIC_PCIE_RX_PER_SEC
 )
 
+#: The slow tier's clock (tests replace it).
+slow_clock = time.monotonic
 _PSTATE_UNKNOWN = 32
+_SUCCESS = pynvml.NVML_SUCCESS
 _TOO_OLD = frozenset({pynvml.NVML_ERROR_FUNCTION_NOT_FOUND, pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH})
 _VALUE_ATTR = {
     pynvml.NVML_VALUE_TYPE_DOUBLE: "dVal",
@@ -88,6 +92,7 @@ SLOW_FIELDS: tuple[str, ...] = (
     "ecc", "remapped_rows_correctable", "remapped_rows_uncorrectable", "row_remap_pending", "row_remap_failure",
     "retired_pages_single_bit", "retired_pages_double_bit", "retired_pages_pending",
 )
+_NVLINK_ERROR_COUNTERS = tuple((name, ctypes.c_uint(counter)) for name, counter in _NVLINK_ERRORS)
 _BLANK: dict[str, Any] = {f.name: None for f in fields(GpuSample)}
 _READINGS = tuple(k for k in _BLANK if k not in ("timestamp", "lost", "gpm"))
 
@@ -119,6 +124,9 @@ class Reading:
     nvlink_links: tuple[int, ...] = ()
     nvlink_up: list[bool | None] = field(default_factory=list)
     gpm: GpmRates | None = None
+    #: Identifies the slow-tier read this reading's slow fields come from: the same object as the previous
+    #: reading's when they were served from cache (consumers may reuse what they derived from them).
+    slow_token: object = None
 
 
 class ReaderState:
@@ -133,7 +141,7 @@ class ReaderState:
         self.gpm_broken = False
         self.gpm_pcie_ok: bool | None = None
         self.last_rates: GpmRates | None = None
-        self.field_request: list[Any] = []
+        self.field_request: Any = None
         self.field_links: tuple[int, ...] | None = None
         #: The driver lacks a newer entry point: use the older one (fewer fields).
         self.legacy_memory = False
@@ -144,12 +152,14 @@ class ReaderState:
         self.slow: dict[str, Any] = {}
         self.slow_links_key: tuple[int, ...] = ()
         self.slow_links: list[tuple[bool | None, int | None, int | None, int | None, int | None]] = []
+        self.slow_token: object = None
 
     def invalidate_slow(self) -> None:
         """Forget the slow tier cache: the next reading re-reads every slow group."""
         self.slow_at = None
         self.slow = {}
         self.slow_links = []
+        self.slow_token = None
 
     def close(self) -> None:
         for buf in self.buffers:
@@ -284,29 +294,57 @@ def _performance(b: NvmlBackend, h: Any, state: ReaderState, s: GpuSample) -> No
     s.clocks_event_reasons = b.call(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons, h)
 
 
-def _field_request(dev: Device, state: ReaderState) -> list[Any]:
+class _FieldValue(ctypes.Structure):
+    """nvmlFieldValue_t with pynvml's layout but without its per-attribute Python hooks (_PrintableStructure):
+    the reader fills the request once per device and reads 40+ results per GPU per scrape."""
+
+    _fields_ = list(pynvml.c_nvmlFieldValue_t._fields_)
+
+
+assert ctypes.sizeof(_FieldValue) == ctypes.sizeof(pynvml.c_nvmlFieldValue_t)
+
+
+def _field_request(dev: Device, state: ReaderState) -> Any:
+    """The device's request (a ctypes array of _FieldValue with the ids set), built once per link set."""
     links = dev.nvlinks or ()
-    if state.field_links != links or not state.field_request:
-        req: list[Any] = [(FI_MEMORY_TEMP, 0)]
+    if state.field_links != links or state.field_request is None:
+        req: list[tuple[int, int]] = [(FI_MEMORY_TEMP, 0)]
         req += [(fid, 0) for fid in FI_CLOCK_EVENT_NS.values()]
         for link in links:
             req += [(FI_NVLINK_TX_KIB, link), (FI_NVLINK_RX_KIB, link)]
-        state.field_request = req
+        arr = (_FieldValue * len(req))()
+        for fv, (fid, scope) in zip(arr, req, strict=True):
+            fv.fieldId, fv.scopeId = fid, scope
+        state.field_request = arr
         state.field_links = links
     return state.field_request
 
 
+def _get_field_values(b: NvmlBackend, handle: Any, arr: Any) -> bool:
+    """One nvmlDeviceGetFieldValues call on the prepared array; False (counted) when the call failed."""
+    try:
+        fn = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetFieldValues")
+    except pynvml.NVMLError as e:
+        b.failed("nvmlDeviceGetFieldValues", e.value)
+        return False
+    ret = fn(handle, ctypes.c_int32(len(arr)), ctypes.byref(arr))
+    if ret != _SUCCESS:
+        b.failed("nvmlDeviceGetFieldValues", ret)
+        return False
+    return True
+
+
 def _fields(b: NvmlBackend, dev: Device, state: ReaderState, s: GpuSample) -> None:
-    req = _field_request(dev, state)
-    values = b.call(pynvml.nvmlDeviceGetFieldValues, dev.handle, req)
-    if values is None:
+    values = _field_request(dev, state)
+    if not _get_field_values(b, dev.handle, values):
         return
     out: list[int | float | None] = []
     lost = False
+    value_attr = _VALUE_ATTR
     for fv in values:
         ret = fv.nvmlReturn
-        if ret == pynvml.NVML_SUCCESS:
-            out.append(getattr(fv.value, _VALUE_ATTR.get(fv.valueType, "ullVal")))
+        if ret == _SUCCESS:
+            out.append(getattr(fv.value, value_attr.get(fv.valueType, "ullVal")))
             continue
         b.count_error("nvmlDeviceGetFieldValues", ret)
         lost = lost or ret == pynvml.NVML_ERROR_GPU_IS_LOST
@@ -361,12 +399,13 @@ def _pcie_throughput(b: NvmlBackend, h: Any, s: GpuSample) -> None:
 
 def _slow_tier(b: NvmlBackend, dev: Device, state: ReaderState, s: GpuSample, r: Reading, interval: float) -> None:
     """ECC, row remapping, retired pages and NVLink state/errors: from cache when fresh, else read and cache."""
-    now = time.monotonic()
+    now = slow_clock()
     links = dev.nvlinks or ()
     if (interval > 0 and state.slow_at is not None and now - state.slow_at < interval
             and state.slow_links_key == links):
         s.__dict__.update(state.slow)
         _apply_links(dev, state, s, r)
+        r.slow_token = state.slow_token
         return
     errors_before = b.error_total
     _ecc(b, dev.handle, s)
@@ -382,6 +421,7 @@ def _slow_tier(b: NvmlBackend, dev: Device, state: ReaderState, s: GpuSample, r:
     ] if links else []
     # A read in which a call failed is not trusted for a whole interval: read again next time.
     state.slow_at = now if b.error_total == errors_before else None
+    state.slow_token = r.slow_token = object()
 
 
 def _apply_links(dev: Device, state: ReaderState, s: GpuSample, r: Reading) -> None:
@@ -414,15 +454,38 @@ def _nvlink(b: NvmlBackend, dev: Device, s: GpuSample, r: Reading) -> None:
     h = dev.handle
     samples = s.nvlink if s.nvlink and len(s.nvlink) == len(links) else [
         NvLinkSample(up=True, tx_kib=None, rx_kib=None) for _ in links]
-    state_fn = pynvml.nvmlDeviceGetNvLinkState
-    err_fn = pynvml.nvmlDeviceGetNvLinkErrorCounter
+    # 5 calls per link, 18 links per H100: the C entry points are called directly (what pynvml's
+    # wrappers do, minus their per-call argument objects and exceptions).
+    try:
+        state_fn = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetNvLinkState")
+        err_fn = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetNvLinkErrorCounter")
+    except pynvml.NVMLError as e:
+        b.failed("nvmlDeviceGetNvLinkState", e.value)
+        for ls in samples:
+            ls.up, ls.crc_flit, ls.crc_data, ls.replay, ls.recovery = False, None, None, None, None
+        s.nvlink = samples
+        r.nvlink_up = [None] * len(links)
+        return
+    active, count = ctypes.c_uint(), ctypes.c_ulonglong()
+    active_ref, count_ref = ctypes.byref(active), ctypes.byref(count)
     ups: list[bool | None] = []
     for link, ls in zip(links, samples, strict=True):
-        up = b.call(state_fn, h, link)
-        ups.append(None if up is None else bool(up))
+        c_link = ctypes.c_uint(link)
+        ret = state_fn(h, c_link, active_ref)
+        if ret == _SUCCESS:
+            up: bool | None = bool(active.value)
+        else:
+            b.failed("nvmlDeviceGetNvLinkState", ret)
+            up = None
+        ups.append(up)
         ls.up = bool(up)
-        for name, counter in _NVLINK_ERRORS:
-            setattr(ls, name, b.call(err_fn, h, link, counter))
+        for name, counter in _NVLINK_ERROR_COUNTERS:
+            ret = err_fn(h, c_link, counter, count_ref)
+            if ret == _SUCCESS:
+                setattr(ls, name, count.value)
+            else:
+                b.failed("nvmlDeviceGetNvLinkErrorCounter", ret)
+                setattr(ls, name, None)
     s.nvlink = samples
     r.nvlink_up = ups
 

@@ -182,6 +182,7 @@ class SimSource:
         self._start = clock()
         self._lock = threading.RLock()
         self._xid: list[XidEvent] = []
+        self._xid_listeners: list[Callable[[], None]] = []
         self._cache: dict[int, GpuSample] = {}
         self.lost: set[int] = set()
         self._params = []
@@ -308,13 +309,15 @@ class SimSource:
 
     def sample(self, index: int) -> GpuSample:
         """GPU ``index`` now (time quantized to 10 ms, so one scrape's many calls share a sample;
-        callers must not mutate it)."""
+        callers must not mutate it). Also brings the fake sysfs tree up to date (at most once a second)."""
         now = math.floor(self._clock() / QUANTUM_S) * QUANTUM_S
         hit = self._cache.get(index)
         if hit is None or hit.timestamp != now:
             with self._lock:
                 hit = self._build(index, now)
                 self._cache[index] = hit
+            if self._sysfs is not None:
+                self._sysfs.maybe_refresh(now)
         lost = index in self.lost
         return hit if hit.lost == lost else replace(hit, lost=lost)
 
@@ -385,6 +388,14 @@ class SimSource:
             raise ValueError(f"no GPU {gpu} (the host has {len(self._inv)})")
         with self._lock:
             self._xid.append(XidEvent(gpu=gpu, xid=xid, timestamp=self._clock()))
+            listeners = list(self._xid_listeners)
+        for wake in listeners:  # outside our lock: a listener may take its own lock and call poll_xid
+            wake()
+
+    def add_xid_listener(self, wake: Callable[[], None]) -> None:
+        """Call ``wake()`` whenever an XID event is queued (the fake NVML waits on it instead of polling)."""
+        with self._lock:
+            self._xid_listeners.append(wake)
 
     def elapsed(self) -> float:
         return max(0.0, self._clock() - self._start)
@@ -419,18 +430,25 @@ class _SimSysfs:
     """A fake sysfs root next to a SimSource: ``class/infiniband`` (one ConnectX-7 port per GPU,
     up to 8) with counters that follow the job, and a ``devices/pci0000:xx`` tree in which each NIC
     sits behind the same PCIe switch as its GPU, linked from ``bus/pci/devices``.
+
+    No thread: the counters are rewritten lazily when the simulator is sampled (an agent scrape
+    reads the GPUs before the NICs) and its time moved on, at most once per ``REFRESH_S``, and only
+    the files whose value changed. (An agent with the gpu collector off sees frozen IB counters.)
     """
+
+    REFRESH_S = 1.0
 
     def __init__(self, sim: SimSource) -> None:
         self.sim = sim
         self.root = tempfile.mkdtemp(prefix="gpufleet-sim-sysfs-")
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.root, True)
-        self._stop = threading.Event()
         self._nics: list[tuple[str, int]] = []  # (device name, gpu index)
+        self._written: dict[Path, int] = {}
+        self._refreshing = threading.Lock()
+        self._refreshed_at = -math.inf
+        self._closed = False
         self._build()
         self.refresh()
-        self._thread = threading.Thread(target=self._loop, name="sim-sysfs", daemon=True)
-        self._thread.start()
 
     def _build(self) -> None:
         root = Path(self.root)
@@ -494,27 +512,56 @@ class _SimSysfs:
         hw.update(np_ecn_marked_roce_packets=ecn, np_cnp_sent=ecn, rp_cnp_handled=ecn)
         return counters, hw
 
+    def maybe_refresh(self, now: float) -> None:
+        """Rewrite the counters if ``now`` (simulator time) is REFRESH_S past the last rewrite."""
+        if now - self._refreshed_at < self.REFRESH_S or self._closed:
+            return
+        if not self._refreshing.acquire(blocking=False):
+            return  # another thread is at it (or this is the refresh's own sampling)
+        try:
+            self._refreshed_at = now
+            with contextlib.suppress(OSError):
+                self.refresh()
+        finally:
+            self._refreshing.release()
+
     def refresh(self) -> None:
         base = Path(self.root) / "class" / "infiniband"
         elapsed = self.sim.elapsed()
+        written = self._written
         for name, gpu in self._nics:
             counters, hw = self._counters(gpu, elapsed)
             for sub, values in (("counters", counters), ("hw_counters", hw)):
                 d = base / name / "ports" / "1" / sub
                 for fname, v in values.items():
-                    tmp = d / f".{fname}.tmp"
-                    tmp.write_text(f"{v}\n")
-                    os.replace(tmp, d / fname)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(1.0):
-            with contextlib.suppress(OSError):
-                self.refresh()
+                    path = d / fname
+                    old = written.get(path)
+                    if old == v:
+                        continue
+                    _write_counter(path, v, grew=old is not None and v > old)
+                    written[path] = v
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
-        self._cleanup()
+        with self._refreshing:
+            self._closed = True
+            self._cleanup()
+
+
+def _write_counter(path: Path, value: int, *, grew: bool) -> None:
+    """Write ``value`` as a sysfs counter file. A grown counter's text is at least as long as before,
+    so it is overwritten in place (one pwrite, no truncate: ext4 flushes on truncate and on rename
+    over a file, milliseconds each); anything else is written to a temporary file and renamed."""
+    data = f"{value}\n".encode()
+    if grew:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, 0)
+        finally:
+            os.close(fd)
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 # ------------------------------------------------------------------ live snapshot file

@@ -310,18 +310,32 @@ class OmWriter:
         wide = scaled * (10 ** np.maximum(shift, 0))
         lengths = np.array([len(x) for x in prefixes])
         wts = self.ts.shape[1]
+        present = ok.any(axis=0)
+        first = np.where(present, ok.argmax(axis=0), self.n_ticks)
         for plen in np.unique(lengths):
-            idx = np.flatnonzero(lengths == plen)
+            # series with samples, ordered by their first tick so a chunk spans a short tick window
+            idx = np.flatnonzero((lengths == plen) & present)
+            idx = idx[np.argsort(first[idx], kind="stable")]
             line = int(plen) + width + 1 + wts + 1
-            step = max(1, self.CHUNK_BYTES // max(self.n_ticks * line, 1))
-            pre = np.frombuffer(b"".join(prefixes[i] for i in idx), np.uint8).reshape(len(idx), int(plen))
-            for lo in range(0, len(idx), step):
-                cols = idx[lo:lo + step]
-                buf = np.empty((len(cols), self.n_ticks, line), np.uint8)
-                buf[:, :, :plen] = pre[lo:lo + step, None, :]
-                digits = _digits(wide[:, cols].T, ndig)
+            pre_all = np.frombuffer(b"".join(prefixes[i] for i in idx), np.uint8).reshape(len(idx), int(plen))
+            lo = 0
+            while lo < len(idx):
+                hi = lo + 1
+                t0 = int(first[idx[lo]])
+                t1 = self.n_ticks - int(ok[::-1, idx[lo]].argmax())
+                while hi < len(idx):  # grow the chunk while the buffer stays small
+                    n0 = min(t0, int(first[idx[hi]]))
+                    n1 = max(t1, self.n_ticks - int(ok[::-1, idx[hi]].argmax()))
+                    if (hi + 1 - lo) * (n1 - n0) * line > self.CHUNK_BYTES:
+                        break
+                    t0, t1, hi = n0, n1, hi + 1
+                cols = idx[lo:hi]
+                nt = t1 - t0
+                buf = np.empty((len(cols), nt, line), np.uint8)
+                buf[:, :, :plen] = pre_all[lo:hi, None, :]
+                digits = _digits(wide[t0:t1, cols].T, ndig)
                 if mixed:
-                    point = ni[:, cols].T.astype(np.int8)[:, :, None]
+                    point = ni[t0:t1, cols].T.astype(np.int8)[:, :, None]
                     j = np.arange(width, dtype=np.int8)[None, None, :]
                     val = buf[:, :, plen:plen + width]
                     val[:, :, :ndig] = digits
@@ -331,11 +345,12 @@ class OmWriter:
                     buf[:, :, plen:plen + width] = digits
                 c = int(plen) + width
                 buf[:, :, c] = ord(" ")
-                buf[:, :, c + 1:c + 1 + wts] = self.ts[None, :, :]
+                buf[:, :, c + 1:c + 1 + wts] = self.ts[None, t0:t1, :]
                 buf[:, :, -1] = ord("\n")
-                rows = ok[:, cols].T.reshape(-1)
+                rows = ok[t0:t1, cols].T.reshape(-1)
                 self.samples += int(rows.sum())
                 self._write_rows(buf.reshape(-1, line), rows)
+                lo = hi
         return True
 
     def _write_rows(self, rows: np.ndarray, keep: np.ndarray) -> None:
