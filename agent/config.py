@@ -28,8 +28,8 @@ class AgentConfig:
     cache_seconds: float = 0.0
     #: --collector.gpu.slow-interval: slow-changing GPU health groups (NVLink link state and error counters,
     #: ECC counters, remapped rows, retired pages) are re-read at most this often and served from cache in
-    #: between; 0 reads them on every scrape.
-    gpu_slow_interval: float = 10.0
+    #: between; 0 reads them on every scrape. 30 s: dcgm-exporter's default collection interval.
+    gpu_slow_interval: float = 30.0
     textfile_directory: str | None = None  # textfile mode: node_exporter's textfile-collector directory
     textfile_interval: float = 15.0  # seconds between textfile writes (0 = once)
 

@@ -15,6 +15,7 @@ many seconds. ``describe()`` never touches hardware.
 from __future__ import annotations
 
 import logging
+import operator
 import platform
 import threading
 import time
@@ -191,9 +192,46 @@ class FrozenLabels(dict[str, str]):
         self.last: Sample | None = None
 
 
+class SeriesCache:
+    """Builds a collector's samples so that repeated series cost little: each (family, label values)
+    gets its FrozenLabels once, and the previous sample is reused while the value is unchanged (gauges
+    that hold still, counters that did not move), so the encoder reuses its rendered line too."""
+
+    def __init__(self, specs: Iterable[catalog.MetricSpec], max_series: int = 100_000) -> None:
+        #: family name -> (sample name, label names)
+        families = {fam.name: (spec.name, spec.labels) for spec in specs for fam in (spec.family(),)}
+        sets: dict[tuple[str, ...], FrozenLabels] = {}
+        get, new, sticky = sets.get, _new, StickySample
+
+        def put(fam: Metric, labels: Sequence[str], value: float) -> None:
+            key = (fam.name, *labels)
+            lbl = get(key)
+            if lbl is None:
+                sname, names = families[fam.name]
+                if len(sets) >= max_series:
+                    sets.clear()
+                lbl = sets[key] = FrozenLabels(sname, zip(names, labels, strict=True))
+            last = lbl.last
+            if last is not None:
+                v = last[2]
+                # Equal and of the same type prints the same, except 0.0 / -0.0 (equal, printed differently).
+                if v == value and type(v) is type(value) and (value or type(value) is int):
+                    fam.samples.append(last)
+                    return
+            sample = lbl.last = new(sticky, (lbl.name, lbl, value, None, None, None))
+            fam.samples.append(sample)
+
+        #: ``fam.add_metric(labels, value)`` (label values in the spec's order), via the cache.
+        self.put = put
+
+
+_new = tuple.__new__
 #: id(sample) -> (sample, rendered line) of the StickySamples of the previous encode_text run.
 _STICKY: dict[int, tuple[Sample, str]] = {}
 _STICKY_LOCK = threading.Lock()
+#: (family name, type) -> (samples, rendered block) of the families of the previous run made only of
+#: StickySamples: a family with the very same samples again is copied as a whole.
+_BLOCKS: dict[tuple[str, str], tuple[list[Sample], str]] = {}
 
 _PROM_TYPES = {"counter": "counter", "gauge": "gauge", "histogram": "histogram", "summary": "summary",
                "unknown": "untyped", "info": "gauge", "stateset": "gauge", "gaugehistogram": "histogram"}
@@ -232,6 +270,8 @@ def encode_text(families: Sequence[Metric]) -> bytes:
     """
     with _STICKY_LOCK:
         sticky = dict(_STICKY)
+        blocks = dict(_BLOCKS)
+    new_blocks: dict[tuple[str, str], tuple[list[Sample], str]] = {}
     float_memo = _FLOATS.get
     seen: dict[int, tuple[Sample, str]] = {}
     out: list[str] = []
@@ -241,6 +281,15 @@ def encode_text(families: Sequence[Metric]) -> bytes:
         name, mtype = fam.name, fam.type
         if mtype not in ("counter", "gauge"):  # OpenMetrics-only families: use the reference encoder
             return generate_latest(_Families(families))
+        samples = fam.samples
+        key = (name, mtype)
+        block = blocks.get(key)
+        if block is not None and len(block[0]) == len(samples) and all(map(operator.is_, block[0], samples)):
+            append(block[1])  # the very samples of last time: the very same text
+            new_blocks[key] = block
+            continue
+        start = len(out)
+        whole = True  # only StickySamples without timestamps: the block may be reused as a whole
         if mtype == "counter":
             name += "_total"
         doc = fam.documentation
@@ -249,13 +298,15 @@ def encode_text(families: Sequence[Metric]) -> bytes:
         append(f"# HELP {name} {doc}\n# TYPE {name} {_PROM_TYPES[mtype]}\n")
         created: list[str] = []
         created_name = fam.name + "_created"
-        for s in fam.samples:
+        for s in samples:
             if type(s) is StickySample:
                 hit = sticky.get(id(s))
                 if hit is not None and hit[0] is s:  # the very object rendered last time
                     seen[id(s)] = hit
                     append(hit[1])
                     continue
+            else:
+                whole = False
             sname, labels, v = s.name, s.labels, s.value
             if type(labels) is FrozenLabels and labels.name == sname:
                 p = labels.prefix
@@ -274,18 +325,24 @@ def encode_text(families: Sequence[Metric]) -> bytes:
                 txt += f" {int(float(s.timestamp) * 1000):d}"
             if sname == created_name:
                 created.append(p + txt + "\n")
+                whole = False
             elif type(s) is StickySample and s.timestamp is None:
                 line = p + txt + "\n"
                 seen[id(s)] = (s, line)
                 append(line)
             else:
+                whole = False
                 append(p + txt + "\n")
         if created:
             append(f"# HELP {fam.name}_created {doc}\n# TYPE {fam.name}_created gauge\n")
             out.extend(created)
-    with _STICKY_LOCK:  # keep only what this run saw: the cache never outgrows one exposition
+        if whole:
+            new_blocks[key] = (list(samples), "".join(out[start:]))
+    with _STICKY_LOCK:  # keep only what this run saw: the caches never outgrow one exposition
         _STICKY.clear()
         _STICKY.update(seen)
+        _BLOCKS.clear()
+        _BLOCKS.update(new_blocks)
     return "".join(out).encode("utf-8")
 
 

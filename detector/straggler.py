@@ -124,10 +124,11 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
     # iso = 0.5 is neutral (factor 1). The forest moves a score by at most 25 %, so it can only change a
     # decision when some GPU's robust score is in [threshold / 1.25, threshold / 0.75): only then is it fitted.
     # Throttle evidence: a GPU held down by a clock-event reason for most of the window whose clock is also
-    # below its peers' slows its job even when the deviation alone is modest.
+    # below its peers' slows its job even when the deviation alone is modest. Software power capping is left
+    # out: at full load (and more so in hot weather) it is normal and comes and goes.
     if "sm_clock" in z:
-        thr = np.fmax.reduce([np.nan_to_num(frame.get(f), nan=0.0) for f in ("thr_thermal", "thr_power",
-                                                                                "thr_brake", "thr_hw")])
+        thr = np.fmax.reduce([np.nan_to_num(frame.get(f), nan=0.0) for f in ("thr_thermal", "thr_brake",
+                                                                                "thr_hw")])
         boost = (thr >= 0.5) & (np.nan_to_num(z["sm_clock"], nan=0.0) <= -p.cause_z / 2)
         robust = np.where(boost, np.fmax(robust, -np.nan_to_num(z["sm_clock"], nan=0.0) + p.threshold / 2), robust)
     iso = np.full(n, 0.5)

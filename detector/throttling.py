@@ -24,7 +24,7 @@ class ThrottleParams:
     min_fraction: float = 0.3
     node_fraction: float = 0.75
     #: Power-cap throttling of a busy GPU is normal at full load; report it only when the GPU's SM clock is
-    #: this fraction below the median of the GPUs of its node that do not power-cap.
+    #: this fraction below the median of busy GPUs that do not power-cap (its node's, else its model's).
     power_cap_clock_drop: float = 0.05
 
 
@@ -64,10 +64,16 @@ def find(frame: GpuFrame, p: ThrottleParams) -> list[Candidate]:
 
 
 def _clock_low(frame: GpuFrame, i: int, clock: np.ndarray, p: ThrottleParams) -> bool:
+    """Is a power-capping GPU clocked clearly below GPUs that do not cap (same node, else same model, busy)?"""
     if not np.isfinite(clock[i]):
-        return True
-    same = [j for j in range(len(frame)) if frame.nodes[j] == frame.nodes[i] and j != i]
-    ref = [clock[j] for j in same if np.isfinite(clock[j]) and not (frame.get("thr_power")[j] >= p.min_fraction)]
-    if not ref:
-        return True
+        return False
+    capping = np.nan_to_num(frame.get("thr_power"), nan=0.0) >= p.min_fraction
+    busy = np.nan_to_num(frame.get("util"), nan=0.0) >= 0.5
+    ok = np.isfinite(clock) & ~capping & busy
+    same_node = np.array([n == frame.nodes[i] for n in frame.nodes]) & ok
+    ref = clock[same_node]
+    if ref.size == 0:
+        ref = clock[ok & np.array([m == frame.models[i] for m in frame.models])]
+    if ref.size == 0:
+        return False  # everyone caps: the fleet runs at its power limit, which is not a fault
     return bool(clock[i] < (1.0 - p.power_cap_clock_drop) * float(np.median(ref)))

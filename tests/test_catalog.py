@@ -52,3 +52,12 @@ def test_family_builds_the_right_type() -> None:
     assert [s.name for s in fam.samples] == ["gpufleet_gpu_energy_joules_total"]
     g = catalog.spec("gpufleet_gpu_power_watts").family()
     assert g.type == "gauge"
+
+
+def test_readme_metric_reference_matches_the_catalog() -> None:
+    from support import REPO
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert catalog.readme_section() in readme, (
+        "README's metric reference is stale: run python -m gpufleet.agent.catalog --readme README.md"
+    )

@@ -144,13 +144,13 @@ def test_bad_input_is_a_usage_error(tmp_path: Path, argv: list[str], env: dict[s
 
 
 def test_gpu_slow_interval_flag_environment_and_file(tmp_path: Path) -> None:
-    assert resolve([]).config.gpu_slow_interval == 10.0
+    assert resolve([]).config.gpu_slow_interval == 30.0  # dcgm-exporter's default collection interval
     assert resolve(["--collector.gpu.slow-interval=0"]).config.gpu_slow_interval == 0.0
-    env = {"GPUFLEET_COLLECTOR_GPU_SLOW_INTERVAL": "30"}
-    assert resolve([], env).config.gpu_slow_interval == 30.0
+    env = {"GPUFLEET_COLLECTOR_GPU_SLOW_INTERVAL": "45"}
+    assert resolve([], env).config.gpu_slow_interval == 45.0
     f = write_toml(tmp_path / "a.toml", "[collector.gpu]\nslow_interval = 2.5\n")
     assert resolve([f"--config.file={f}"]).config.gpu_slow_interval == 2.5
-    assert resolve([f"--config.file={f}"], env).config.gpu_slow_interval == 30.0  # env beats the file
+    assert resolve([f"--config.file={f}"], env).config.gpu_slow_interval == 45.0  # env beats the file
     # --collector.gpu still toggles the collector, and is not taken for the interval flag.
     s = resolve(["--no-collector.gpu", "--collector.gpu.slow-interval", "5"]).config
     assert not s.enabled("gpu") and s.gpu_slow_interval == 5.0
@@ -235,3 +235,21 @@ def test_record_is_wired_with_global_settings(tmp_path: Path) -> None:
     assert len(lines) == 3 and '"gpufleet-trace"' in lines[0]
     r = run("record", "--bogus-option", env={"GPUFLEET_NVML_FAKE": "sim:1"})
     assert r.returncode == 2
+
+
+def test_packaged_agent_toml_shows_the_default_slow_interval() -> None:
+    path = Path(__file__).resolve().parent.parent / "packaging" / "agent.toml"
+    assert resolve([f"--config.file={path}"]).config.gpu_slow_interval == resolve([]).config.gpu_slow_interval == 30
+
+
+def test_tune_gc_freezes_startup_objects_and_raises_the_young_threshold() -> None:
+    import gc
+
+    before = gc.get_threshold()
+    try:
+        cli.tune_gc()
+        assert gc.get_freeze_count() > 0
+        assert gc.get_threshold() == (cli.GC_GEN0_THRESHOLD, *before[1:])
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)

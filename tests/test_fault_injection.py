@@ -65,7 +65,8 @@ FUNCTIONS: dict[str, tuple[int, tuple[object, ...]]] = {
     "nvmlDeviceGetPcieReplayCounter": (SXM, ("gpufleet_gpu_pcie_replay_total",)),
     "nvmlDeviceGetPcieThroughput": (PCIE, ("gpufleet_gpu_pcie_throughput_bytes_per_second",)),
     "nvmlDeviceGetNvLinkState": (SXM, NVLINK),
-    "nvmlDeviceGetNvLinkErrorCounter": (SXM, ("gpufleet_gpu_nvlink_errors_total",)),
+    # only data CRC: state, replay, recovery and flit CRC come from link-scoped field values (test_nvlink_fields)
+    "nvmlDeviceGetNvLinkErrorCounter": (SXM, (("gpufleet_gpu_nvlink_errors_total", {"error": "crc_data"}),)),
     "nvmlGpmQueryDeviceSupport": (SXM, GPM),
     "nvmlGpmSampleGet": (SXM, GPM),
     # identity: the GPU keeps a gpufleet_gpu_info series (with what could be read)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -558,20 +559,24 @@ def test_slow_tier_makes_far_fewer_nvml_calls(
 ) -> None:
     _, _, _, collector = tiered
     scrape(collector)
-    calls: list[str] = []
-    entry: Any = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetNvLinkErrorCounter")  # the fake's entry point
-    real = entry._impl
+    calls: Counter[str] = Counter()
+    for name in ("nvmlDeviceGetNvLinkErrorCounter", "nvmlDeviceGetNvLinkState", "nvmlDeviceGetFieldValues"):
+        entry: Any = pynvml._nvmlGetFunctionPointer(name)  # the fake's entry point
 
-    def counting(*args: Any) -> Any:
-        calls.append("x")
-        return real(*args)
+        def counting(*args: Any, _real: Any = entry._impl, _name: str = name) -> Any:
+            calls[_name] += 1
+            return _real(*args)
 
-    monkeypatch.setattr(entry, "_impl", counting)
+        monkeypatch.setattr(entry, "_impl", counting)
     scrape(collector)
-    assert calls == []  # served from the cache
+    # served from the cache: only the per-scrape field request (one per GPU)
+    assert calls == {"nvmlDeviceGetFieldValues": 3}
+    calls.clear()
     slow_clock.t += 10.0
     scrape(collector)
-    assert len(calls) == 2 * 4 * 4  # 2 NVLink GPUs x 4 links x 4 counters
+    # state, replay, recovery and flit CRC of every link in one more field request per NVLink GPU;
+    # data CRC (no scoped field) per link: 2 NVLink GPUs x 4 links
+    assert calls == {"nvmlDeviceGetFieldValues": 3 + 2, "nvmlDeviceGetNvLinkErrorCounter": 2 * 4}
 
 
 def test_lost_gpu_drops_its_slow_cache(

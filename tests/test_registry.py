@@ -273,3 +273,26 @@ def test_health_reports_nvml_down() -> None:
     assert agent.health() == "nvml: down (nvmlInit: DRIVER_NOT_LOADED)"
     assert b"gpufleet_host_cpus 4.0" in agent.text()
     agent.close()
+
+
+def test_fast_encoder_reuses_a_family_of_the_very_same_samples_only() -> None:
+    from gpufleet.agent.registry import StickySample, encode_text
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    samples = [StickySample("gpufleet_test_block_total", {"gpu": str(k)}, float(k)) for k in range(4)]
+    c = CounterMetricFamily("gpufleet_test_block", "a block", labels=["gpu"])
+    g = GaugeMetricFamily("gpufleet_test_block_gauge", "after it", labels=["gpu"])
+    g.samples = [StickySample("gpufleet_test_block_gauge", {"gpu": "0"}, 1.0)]
+    steps = [
+        lambda s: s,  # the same objects: copied as a whole
+        lambda s: s,
+        lambda s: [s[0], StickySample("gpufleet_test_block_total", {"gpu": "1"}, 7.0), *s[2:]],  # one changed
+        lambda s: [s[1], s[0], *s[2:]],  # same samples, other order
+        lambda s: s[:3],  # one gone
+        lambda s: [*s, StickySample("gpufleet_test_block_total", {"gpu": "9"}, -0.0)],  # one more
+    ]
+    for change in steps:
+        samples = change(samples)
+        c.samples = list(samples)
+        fams = [c, g]
+        assert encode_text(fams) == generate_latest(_Fixed(fams))

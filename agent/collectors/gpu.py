@@ -22,7 +22,7 @@ from .. import catalog
 from ..nvml.backend import Device, NvmlBackend
 from ..nvml.model import ARCHITECTURES, CLOCK_EVENT_BITS
 from ..nvml.reader import Reading, read_gpu
-from ..registry import FrozenLabels, StickySample
+from ..registry import FrozenLabels, SeriesCache
 
 #: A metric family being filled (GaugeMetricFamily or CounterMetricFamily).
 Fam = Any
@@ -57,7 +57,7 @@ _GPM_RATIOS = (("gpufleet_gpu_sm_active_ratio", "sm_active_pct"),
 
 
 #: Default of --collector.gpu.slow-interval (seconds between reads of the slow tier; see nvml.reader).
-DEFAULT_SLOW_INTERVAL = 10.0
+DEFAULT_SLOW_INTERVAL = 30.0
 
 
 class GpuCollector:
@@ -188,18 +188,18 @@ class GpuCollector:
         are reused (StickySample: the encoder reuses their rendered lines too)."""
         cached = self._slow_samples.get(g)
         if cached is None or cached[0] is not r.slow_token or r.slow_token is None:
-            tmp: dict[str, Fam] = {name: catalog.spec(name).family() for name in _SLOW_NAMES}
+            # Re-read: counters and flags that did not change keep their very sample (see _put).
+            tmp: dict[str, Fam] = {name: _Samples(f[name].name) for name in _SLOW_NAMES}
             s = r.sample
             assert s is not None
             if s.ecc:
                 ecc = tmp["gpufleet_gpu_ecc_errors_total"]
                 for key, n in s.ecc.items():
                     counter, _, error = key.partition("_")
-                    ecc.add_metric([g, error, counter], n)
+                    _put(ecc, [g, error, counter], n)
             self._memory_health(tmp, g, r)
             self._nvlink_health(tmp, g, r)
-            cached = (r.slow_token, {name: [StickySample(*x) for x in fam.samples]
-                                     for name, fam in tmp.items() if fam.samples})
+            cached = (r.slow_token, {name: fam.samples for name, fam in tmp.items() if fam.samples})
             self._slow_samples[g] = cached
         for name, samples in cached[1].items():
             f[name].samples.extend(samples)
@@ -247,18 +247,16 @@ class GpuCollector:
         if not s.nvlink:
             return
         up_fam, errs_fam = f["gpufleet_gpu_nvlink_up"], f["gpufleet_gpu_nvlink_errors_total"]
-        up, up_name = up_fam.samples.append, up_fam.name
-        errs, errs_name = errs_fam.samples.append, errs_fam.name + "_total"
         ups = r.nvlink_up
         for i, (link, ls) in enumerate(zip(r.nvlink_links, s.nvlink, strict=False)):
             lk = str(link)
             state = ups[i] if i < len(ups) else None
             if state is not None:
-                up(Sample(up_name, {"gpu": g, "link": lk}, 1 if state else 0))
+                _put(up_fam, [g, lk], 1 if state else 0)
             for name in _NVLINK_ERRORS:
                 v = getattr(ls, name)
                 if v is not None:
-                    errs(Sample(errs_name, {"gpu": g, "link": lk, "error": name}, v))
+                    _put(errs_fam, [g, lk, name], v)
 
     def _nvlink_bytes(self, f: dict[str, Fam], g: str, r: Reading) -> None:
         """NVLink data counters: the largest per-scrape group (2 series per link, 18 links per H100).
@@ -303,34 +301,19 @@ class GpuCollector:
             yield fam
 
 
-#: family name -> (sample name, label names), for _put.
-_FAMILY_LABELS: dict[str, tuple[str, tuple[str, ...]]] = {
-    fam.name: (spec.name, spec.labels) for spec in _SPECS for fam in (spec.family(),)
-}
-#: (family name, *label values) -> FrozenLabels: GPU label sets repeat every scrape.
-_LABEL_SETS: dict[tuple[str, ...], FrozenLabels] = {}
+class _Samples:
+    """Just a family's name and a sample list: what _put fills (the slow tier's per-GPU sample lists)."""
+
+    __slots__ = ("name", "samples")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.samples: list[Sample] = []
+
+
+#: Label sets built once and unchanged samples reused (the GPU label sets repeat every scrape).
+_put = SeriesCache(_SPECS).put
 _new = tuple.__new__
-
-
-def _put(fam: Fam, labels: list[str], value: float) -> None:
-    """``fam.add_metric(labels, value)`` with the label set built once (a FrozenLabels) and reused, and
-    the previous sample reused while the value is unchanged (most gauges: limits, states, flags), so the
-    encoder can reuse its rendered line."""
-    key = (fam.name, *labels)
-    lbl = _LABEL_SETS.get(key)
-    if lbl is None:
-        sname, names = _FAMILY_LABELS[fam.name]
-        if len(_LABEL_SETS) >= 100_000:
-            _LABEL_SETS.clear()
-        lbl = _LABEL_SETS[key] = FrozenLabels(sname, zip(names, labels, strict=True))
-    last = lbl.last
-    # Equal and of the same type prints the same, except 0.0 / -0.0 (equal, printed differently).
-    if last is not None and last.value == value and type(last.value) is type(value) and (
-            value or type(value) is int):
-        fam.samples.append(last)
-        return
-    sample = lbl.last = _new(StickySample, (lbl.name, lbl, value, None, None, None))
-    fam.samples.append(sample)
 
 
 def _add(fam: Fam, labels: list[str], value: float | None, scale: float = 1) -> None:

@@ -18,13 +18,13 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import cast
 
 import psutil
 from gpufleet.agent import catalog
+from gpufleet.agent.registry import SeriesCache
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.samples import Sample
 
 log = logging.getLogger(__name__)
 
@@ -140,11 +140,6 @@ def parse_state(raw: bytes | None) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _appender(fam: Family) -> tuple[Callable[[Sample], None], str]:
-    """Fast path for the hot loops: append samples to a counter family directly (no label zip)."""
-    return fam.samples.append, fam.name + "_total"
-
-
 def _listdir(path: str) -> list[str]:
     try:
         return sorted(os.listdir(path))
@@ -166,6 +161,8 @@ class NicCollector:
         self.ib_root = os.path.join(sysfs_path, INFINIBAND_CLASS)
         self._specs = {s.name: s for s in catalog.by_group("nic")}
         self._info_cache: dict[str, tuple[int, list[str]]] = {}
+        #: Label sets built once; unchanged values (most error counters) keep their sample.
+        self._put = SeriesCache(self._specs.values()).put
 
     def describe(self) -> Iterable[Metric]:
         return [s.family() for s in self._specs.values()]
@@ -217,22 +214,23 @@ class NicCollector:
 
     def _collect_port(self, fams: dict[str, Family], device: str, port: str, pfd: int, info: list[str]) -> None:
         where = f"{self.ib_root}/{device}/ports/{port}"
-        labels = [device, port]
+        put = self._put
+        labels = (device, port)
         hca_type, board_id, fw_ver = info
         link_layer = _text(read_raw("link_layer", pfd))
-        fams[_INFO].add_metric([device, port, link_layer, hca_type, board_id, fw_ver], 1.0)
+        put(fams[_INFO], (device, port, link_layer, hca_type, board_id, fw_ver), 1.0)
 
         raw = read_raw("rate", pfd)
         rate = parse_rate(raw)
         if rate is not None:
-            fams[_RATE].add_metric(labels, rate)
+            put(fams[_RATE], labels, rate)
         elif raw is not None:
             log.debug("%s/rate: not a port rate: %r", where, raw[:40])
         for fname, metric in (("state", _STATE), ("phys_state", _PHYS)):
             raw = read_raw(fname, pfd)
             value = parse_state(raw)
             if value is not None:
-                fams[metric].add_metric(labels, float(value))
+                put(fams[metric], labels, float(value))
             elif raw is not None:
                 log.debug("%s/%s: not a port state: %r", where, fname, raw[:40])
 
@@ -245,12 +243,12 @@ class NicCollector:
             for fname, metric, mult in _PORT_COUNTERS:
                 count = found.get(fname)
                 if count is not None:
-                    fams[metric].add_metric(labels, float(count * mult))
-            append, sample_name = _appender(fams[_ERRORS])
+                    put(fams[metric], labels, float(count * mult))
+            errors = fams[_ERRORS]
             for fname in catalog.IB_PORT_ERRORS:
                 count = found.get(fname)
                 if count is not None:
-                    append(Sample(sample_name, {"device": device, "port": port, "error": fname}, float(count)))
+                    put(errors, (device, port, fname), float(count))
 
         hfd = open_dir("hw_counters", pfd)
         if hfd is not None:
@@ -259,9 +257,9 @@ class NicCollector:
                 hw = read_counters(hfd, names, where + "/hw_counters")
             finally:
                 os.close(hfd)
-            append, sample_name = _appender(fams[_HW])
+            hw_fam = fams[_HW]
             for fname, count in hw:
-                append(Sample(sample_name, {"device": device, "port": port, "counter": fname}, float(count)))
+                put(hw_fam, (device, port, fname), float(count))
 
     # ------------------------------------------------------------------ Ethernet (psutil)
     def _collect_net(self, fams: dict[str, Family]) -> None:
@@ -280,6 +278,6 @@ class NicCollector:
                 (_NET_ERRS, c.errout, c.errin),
                 (_NET_DROPS, c.dropout, c.dropin),
             ):
-                fams[metric].add_metric([iface, "transmit"], float(tx))
-                fams[metric].add_metric([iface, "receive"], float(rx))
+                self._put(fams[metric], (iface, "transmit"), float(tx))
+                self._put(fams[metric], (iface, "receive"), float(rx))
 

@@ -18,6 +18,9 @@ Behaviour mirrors NVML where it matters to a monitoring agent:
   ``NVML_ERROR_UNINITIALIZED``; init is reference counted;
 * ``driver_loaded = False`` makes ``nvmlInit`` fail with ``DRIVER_NOT_LOADED``;
 * a ``None`` field in the source's data means ``NVML_ERROR_NOT_SUPPORTED``;
+* ``nvmlDeviceGetFieldValues`` answers the link-scoped NVLink fields (GET_STATE,
+  ERROR_DL_REPLAY / _RECOVERY / _CRC, scopeId = link) from the same NvLinkSample as
+  nvmlDeviceGetNvLinkState / nvmlDeviceGetNvLinkErrorCounter (data CRC is per-call only);
 * a sample with ``lost=True`` makes every call for that device return
   ``NVML_ERROR_GPU_IS_LOST`` (handles can still be obtained, as an agent that
   started before the GPU fell off the bus already holds them);
@@ -95,6 +98,13 @@ _FI_MEMORY_TEMP: int = pynvml.NVML_FI_DEV_MEMORY_TEMP
 _FI_NVLINK_LINK_COUNT: int = pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT
 _ULL: int = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
 _UI: int = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+#: Link-scoped NVLink fields (scopeId = link), as DCGM reads them on Hopper: field id -> NvLinkSample attribute.
+_FI_NVLINK_SCOPED: dict[int, str] = {
+    pynvml.NVML_FI_DEV_NVLINK_GET_STATE: "up",
+    pynvml.NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY: "replay",
+    pynvml.NVML_FI_DEV_NVLINK_ERROR_DL_RECOVERY: "recovery",
+    pynvml.NVML_FI_DEV_NVLINK_ERROR_DL_CRC: "crc_flit",
+}
 
 _NVLINK_ERROR_COUNTER: dict[int, str] = {
     pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT: "crc_flit",
@@ -735,6 +745,21 @@ class FakeNvml:
             if links is None or scope >= len(links):
                 return NOT_SUPPORTED, _ULL, None
             v = links[scope].tx_kib if fid == _FI_NVLINK_TX else links[scope].rx_kib
+            return (NOT_SUPPORTED, _ULL, None) if v is None else (SUCCESS, _ULL, v)
+        attr = _FI_NVLINK_SCOPED.get(fid)
+        if attr is not None:  # the slow tier: link state and error counters, one entry per link
+            count = d.inv.nvlink_count
+            if count == 0:
+                return NOT_SUPPORTED, _ULL, None
+            if not 0 <= scope < count:
+                return INVALID_ARGUMENT, _ULL, None
+            links = s.nvlink
+            if links is None or scope >= len(links):
+                return NOT_SUPPORTED, _ULL, None
+            if attr == "up":
+                up = pynvml.NVML_FEATURE_ENABLED if links[scope].up else pynvml.NVML_FEATURE_DISABLED
+                return SUCCESS, _UI, up
+            v = getattr(links[scope], attr)
             return (NOT_SUPPORTED, _ULL, None) if v is None else (SUCCESS, _ULL, v)
         if fid == _FI_MEMORY_TEMP:
             t = s.temperature_memory_c

@@ -12,9 +12,14 @@ the previous GPM sample per device and computes the metrics between it and the
 current one, so the first reading of a device has no GPM rates.
 
 Tiered reads (as DCGM's per-field watch frequencies): the slow-changing health
-groups in :data:`SLOW_FIELDS` plus NVLink per-link state and error counters —
-about 100 of a Hopper GPU's ~120 calls — are re-read at most every
-``slow_interval`` seconds and served from the device's cache in between. They
+groups in :data:`SLOW_FIELDS` plus NVLink per-link state and error counters are
+re-read at most every ``slow_interval`` seconds and served from the device's
+cache in between. NVLink state, replay, recovery and flit CRC of every link come
+from one ``nvmlDeviceGetFieldValues`` call with link-scoped field ids (as DCGM
+reads them on Hopper), falling back per reading to nvmlDeviceGetNvLinkState /
+nvmlDeviceGetNvLinkErrorCounter where a driver answers NOT_SUPPORTED; data CRC
+has no scoped field and is read per link (not at all on a GPU where no link
+supported it on the first read). They
 are counters and flags alerted on with ``increase()`` over minutes, so a
 bounded staleness costs nothing. A slow read in which any call failed is not
 cached (retried on the next reading); a lost GPU or a new NVML session (new
@@ -27,19 +32,30 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import struct
+import sys
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import pynvml
 
-from .backend import Device, GpuLost, NvmlBackend
+from .backend import LOST_CODES, Device, GpuLost, NvmlBackend
 from .model import GpuSample, NvLinkSample
 
 #: Field ids read with nvmlDeviceGetFieldValues (values as in nvml.h).
 FI_MEMORY_TEMP = 82
 FI_NVLINK_TX_KIB = 138
 FI_NVLINK_RX_KIB = 139
+#: Link-scoped (scopeId = link) slow-tier fields, as DCGM reads them on Hopper: (NvLinkSample attribute, field id,
+#: the nvmlNvLinkErrorCounter_t to fall back to when the field answers NOT_SUPPORTED; None: nvmlDeviceGetNvLinkState).
+#: NVML_FI_DEV_NVLINK_ERROR_DL_CRC counts flit CRC errors; data CRC errors have no scoped field.
+FI_NVLINK_SCOPED: tuple[tuple[str, int, int | None], ...] = (
+    ("up", 165, None),  # NVML_FI_DEV_NVLINK_GET_STATE
+    ("replay", 161, pynvml.NVML_NVLINK_ERROR_DL_REPLAY),  # NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY
+    ("recovery", 162, pynvml.NVML_NVLINK_ERROR_DL_RECOVERY),  # NVML_FI_DEV_NVLINK_ERROR_DL_RECOVERY
+    ("crc_flit", 163, pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT),  # NVML_FI_DEV_NVLINK_ERROR_DL_CRC
+)
 #: Cumulative clock-event (throttle) time counters, ns, per catalog.CLOCK_EVENT_COUNTED_REASONS.
 FI_CLOCK_EVENT_NS: dict[str, int] = {
     "sw_power_cap": 74,
@@ -81,18 +97,14 @@ _ECC = (
     ("aggregate_corrected", pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_AGGREGATE_ECC),
     ("aggregate_uncorrected", pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_AGGREGATE_ECC),
 )
-_NVLINK_ERRORS = (
-    ("crc_flit", pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT),
-    ("crc_data", pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA),
-    ("replay", pynvml.NVML_NVLINK_ERROR_DL_REPLAY),
-    ("recovery", pynvml.NVML_NVLINK_ERROR_DL_RECOVERY),
-)
+_CRC_DATA = ctypes.c_uint(pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA)
+_NOT_SUPPORTED = pynvml.NVML_ERROR_NOT_SUPPORTED
+_NO_FIELDS = frozenset({_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND})
 #: GpuSample fields of the slow tier (see the module docstring); NVLink state/errors are slow too.
 SLOW_FIELDS: tuple[str, ...] = (
     "ecc", "remapped_rows_correctable", "remapped_rows_uncorrectable", "row_remap_pending", "row_remap_failure",
     "retired_pages_single_bit", "retired_pages_double_bit", "retired_pages_pending",
 )
-_NVLINK_ERROR_COUNTERS = tuple((name, ctypes.c_uint(counter)) for name, counter in _NVLINK_ERRORS)
 _BLANK: dict[str, Any] = {f.name: None for f in fields(GpuSample)}
 _READINGS = tuple(k for k in _BLANK if k not in ("timestamp", "lost", "gpm"))
 
@@ -124,8 +136,8 @@ class Reading:
     nvlink_links: tuple[int, ...] = ()
     nvlink_up: list[bool | None] = field(default_factory=list)
     gpm: GpmRates | None = None
-    #: Identifies the slow-tier read this reading's slow fields come from: the same object as the previous
-    #: reading's when they were served from cache (consumers may reuse what they derived from them).
+    #: Identifies the slow-tier values of this reading: the same object as the previous reading's when they
+    #: were served from cache or re-read unchanged (consumers may reuse what they derived from them).
     slow_token: object = None
 
 
@@ -143,6 +155,14 @@ class ReaderState:
         self.last_rates: GpmRates | None = None
         self.field_request: Any = None
         self.field_links: tuple[int, ...] | None = None
+        self.field_words: Any = None
+        self.nvlink_words: Any = None
+        #: The slow tier's NVLink request (FI_NVLINK_SCOPED for every link) and the links it was built for.
+        self.nvlink_request: Any = None
+        self.nvlink_links: tuple[int, ...] | None = None
+        #: Does the GPU count NVLink data CRC errors? None: not known yet; False: every link answered
+        #: NOT_SUPPORTED on the first read, so it is not asked again (until NVML is re-initialized).
+        self.crc_data: bool | None = None
         #: The driver lacks a newer entry point: use the older one (fewer fields).
         self.legacy_memory = False
         self.legacy_reasons = False
@@ -302,6 +322,64 @@ class _FieldValue(ctypes.Structure):
 
 
 assert ctypes.sizeof(_FieldValue) == ctypes.sizeof(pynvml.c_nvmlFieldValue_t)
+#: Results are read through a 64-bit word view of the request: valueType | nvmlReturn << 32, then the value.
+_STRIDE = ctypes.sizeof(_FieldValue) // 8
+_META = _FieldValue.valueType.offset // 8
+_VALUE = _FieldValue.value.offset // 8
+_WORDS_OK = (sys.byteorder == "little" and ctypes.sizeof(_FieldValue) % 8 == 0
+             and _FieldValue.nvmlReturn.offset == _FieldValue.valueType.offset + 4
+             and _FieldValue.value.offset % 8 == 0 and _FieldValue.valueType.offset % 8 == 0)
+_U64_TYPES = frozenset({pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG})
+
+
+def _words(arr: Any) -> Any:
+    """A 64-bit word view of a field-value request (None where the layout does not allow it)."""
+    return (ctypes.c_uint64 * (len(arr) * _STRIDE)).from_buffer(arr) if _WORDS_OK else None
+
+
+def _decode(vtype: int, raw: int) -> int | float:
+    """A field's value from the 8 bytes of its union (little-endian), by valueType."""
+    if vtype == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT:
+        return raw & 0xFFFF_FFFF
+    if vtype == pynvml.NVML_VALUE_TYPE_DOUBLE:
+        return float(struct.unpack("<d", raw.to_bytes(8, "little"))[0])
+    if vtype == pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG:
+        return raw - (1 << 64) if raw >> 63 else raw
+    if vtype == pynvml.NVML_VALUE_TYPE_SIGNED_INT:
+        raw &= 0xFFFF_FFFF
+        return raw - (1 << 32) if raw >> 31 else raw
+    if vtype == pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT:
+        return raw & 0xFFFF
+    return raw
+
+
+def _field_results(arr: Any, words: Any) -> tuple[list[int], list[int | float]]:
+    """(nvmlReturn, value) of every entry of a field-value request after the call (a value only
+    means something where its return is NVML_SUCCESS)."""
+    if words is None:
+        return ([int(fv.nvmlReturn) for fv in arr],
+                [getattr(fv.value, _VALUE_ATTR.get(fv.valueType, "ullVal")) for fv in arr])
+    w = words[:]
+    meta, raw = w[_META::_STRIDE], w[_VALUE::_STRIDE]
+    u64 = _U64_TYPES
+    return ([m >> 32 for m in meta],
+            [r if (m & 0xFFFF_FFFF) in u64 else _decode(m & 0xFFFF_FFFF, r) for m, r in zip(meta, raw, strict=True)])
+
+
+class _GpmMetric(ctypes.Structure):
+    """nvmlGpmMetric_t without pynvml's per-attribute hooks (8 metrics x 3 attributes per GPU per scrape)."""
+
+    _fields_ = list(pynvml.c_nvmlGpmMetric_t._fields_)
+
+
+class _GpmMetricsGet(ctypes.Structure):
+    """nvmlGpmMetricsGet_t with pynvml's layout, plain (see _GpmMetric)."""
+
+    _fields_ = [(name, _GpmMetric * pynvml.NVML_GPM_METRIC_MAX) if name == "metrics" else (name, kind)
+                for name, kind in pynvml.c_nvmlGpmMetricsGet_t._fields_]
+
+
+assert ctypes.sizeof(_GpmMetricsGet) == ctypes.sizeof(pynvml.c_nvmlGpmMetricsGet_t)
 
 
 def _field_request(dev: Device, state: ReaderState) -> Any:
@@ -316,6 +394,7 @@ def _field_request(dev: Device, state: ReaderState) -> Any:
         for fv, (fid, scope) in zip(arr, req, strict=True):
             fv.fieldId, fv.scopeId = fid, scope
         state.field_request = arr
+        state.field_words = _words(arr)
         state.field_links = links
     return state.field_request
 
@@ -338,19 +417,17 @@ def _fields(b: NvmlBackend, dev: Device, state: ReaderState, s: GpuSample) -> No
     values = _field_request(dev, state)
     if not _get_field_values(b, dev.handle, values):
         return
-    out: list[int | float | None] = []
-    lost = False
-    value_attr = _VALUE_ATTR
-    for fv in values:
-        ret = fv.nvmlReturn
-        if ret == _SUCCESS:
-            out.append(getattr(fv.value, value_attr.get(fv.valueType, "ullVal")))
-            continue
-        b.count_error("nvmlDeviceGetFieldValues", ret)
-        lost = lost or ret == pynvml.NVML_ERROR_GPU_IS_LOST
-        out.append(None)
-    if lost:
-        raise GpuLost("nvmlDeviceGetFieldValues")
+    rets, vals = _field_results(values, state.field_words)
+    out: list[int | float | None] = list(vals)
+    if any(rets):
+        lost = False
+        for i, ret in enumerate(rets):
+            if ret != _SUCCESS:
+                b.count_error("nvmlDeviceGetFieldValues", ret)
+                lost = lost or ret == pynvml.NVML_ERROR_GPU_IS_LOST
+                out[i] = None
+        if lost:
+            raise GpuLost("nvmlDeviceGetFieldValues")
     mem_t = out[0]
     s.temperature_memory_c = None if mem_t is None else int(mem_t)
     ns = {reason: int(v) for reason, v in zip(FI_CLOCK_EVENT_NS, out[1:6], strict=True) if v is not None}
@@ -410,18 +487,24 @@ def _slow_tier(b: NvmlBackend, dev: Device, state: ReaderState, s: GpuSample, r:
     errors_before = b.error_total
     _ecc(b, dev.handle, s)
     _remapping(b, dev.handle, s)
-    _nvlink(b, dev, s, r)
+    _nvlink(b, dev, state, s, r)
     d = s.__dict__
-    state.slow = {k: d[k] for k in SLOW_FIELDS}
-    state.slow_links_key = links
+    slow = {k: d[k] for k in SLOW_FIELDS}
     ups = r.nvlink_up
-    state.slow_links = [
+    slow_links = [
         (ups[i] if i < len(ups) else None, ls.crc_flit, ls.crc_data, ls.replay, ls.recovery)
         for i, ls in enumerate(s.nvlink or ())
     ] if links else []
+    # The same values as the previous read (the usual case for error counters): keep its token, so
+    # consumers keep what they derived from them.
+    same = (state.slow_token is not None and slow == state.slow and slow_links == state.slow_links
+            and links == state.slow_links_key)
+    state.slow, state.slow_links, state.slow_links_key = slow, slow_links, links
     # A read in which a call failed is not trusted for a whole interval: read again next time.
     state.slow_at = now if b.error_total == errors_before else None
-    state.slow_token = r.slow_token = object()
+    if not same:
+        state.slow_token = object()
+    r.slow_token = state.slow_token
 
 
 def _apply_links(dev: Device, state: ReaderState, s: GpuSample, r: Reading) -> None:
@@ -445,7 +528,33 @@ def _apply_links(dev: Device, state: ReaderState, s: GpuSample, r: Reading) -> N
     r.nvlink_up = ups
 
 
-def _nvlink(b: NvmlBackend, dev: Device, s: GpuSample, r: Reading) -> None:
+def _nvlink_request(dev: Device, state: ReaderState) -> Any:
+    """The slow tier's NVLink request: FI_NVLINK_SCOPED for every link, built once per link set."""
+    links = dev.nvlinks or ()
+    if state.nvlink_links != links or state.nvlink_request is None:
+        arr = (_FieldValue * (len(links) * len(FI_NVLINK_SCOPED)))()
+        fvs = iter(arr)
+        for link in links:
+            for _, fid, _ in FI_NVLINK_SCOPED:
+                fv = next(fvs)
+                fv.fieldId, fv.scopeId = fid, link
+        state.nvlink_request = arr
+        state.nvlink_words = _words(arr)
+        state.nvlink_links = links
+    return state.nvlink_request
+
+
+#: A link-scoped reading still to be made with the per-link call: (link position, link id, attribute, counter).
+_Legacy = tuple[int, int, str, int | None]
+
+
+def _nvlink(b: NvmlBackend, dev: Device, state: ReaderState, s: GpuSample, r: Reading) -> None:
+    """NVLink state and error counters of every link.
+
+    State, replay, recovery and flit CRC come from one nvmlDeviceGetFieldValues call (scopeId = link);
+    a field the driver answers NOT_SUPPORTED for (older drivers) is read with nvmlDeviceGetNvLinkState /
+    nvmlDeviceGetNvLinkErrorCounter instead. Data CRC has no scoped field: it is read per link, and not
+    asked again on a GPU where no link supported it on the first read."""
     links = dev.nvlinks or ()
     r.nvlink_links = links
     if not links:
@@ -454,40 +563,106 @@ def _nvlink(b: NvmlBackend, dev: Device, s: GpuSample, r: Reading) -> None:
     h = dev.handle
     samples = s.nvlink if s.nvlink and len(s.nvlink) == len(links) else [
         NvLinkSample(up=True, tx_kib=None, rx_kib=None) for _ in links]
-    # 5 calls per link, 18 links per H100: the C entry points are called directly (what pynvml's
-    # wrappers do, minus their per-call argument objects and exceptions).
-    try:
-        state_fn = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetNvLinkState")
-        err_fn = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetNvLinkErrorCounter")
-    except pynvml.NVMLError as e:
-        b.failed("nvmlDeviceGetNvLinkState", e.value)
-        for ls in samples:
-            ls.up, ls.crc_flit, ls.crc_data, ls.replay, ls.recovery = False, None, None, None, None
-        s.nvlink = samples
-        r.nvlink_up = [None] * len(links)
-        return
-    active, count = ctypes.c_uint(), ctypes.c_ulonglong()
-    active_ref, count_ref = ctypes.byref(active), ctypes.byref(count)
-    ups: list[bool | None] = []
-    for link, ls in zip(links, samples, strict=True):
-        c_link = ctypes.c_uint(link)
-        ret = state_fn(h, c_link, active_ref)
-        if ret == _SUCCESS:
-            up: bool | None = bool(active.value)
-        else:
-            b.failed("nvmlDeviceGetNvLinkState", ret)
-            up = None
-        ups.append(up)
+    for ls in samples:
+        ls.crc_flit = ls.crc_data = ls.replay = ls.recovery = None
+    ups: list[bool | None] = [None] * len(links)
+    legacy: list[_Legacy] = []
+    values = _nvlink_request(dev, state)
+    code = _field_values(h, values)
+    if code == _SUCCESS:
+        lost = False
+        rets, vals = _field_results(values, state.nvlink_words)
+        k = 0
+        for j, (link, ls) in enumerate(zip(links, samples, strict=True)):
+            for attr, _, counter in FI_NVLINK_SCOPED:
+                ret, v = rets[k], vals[k]
+                k += 1
+                if ret == _SUCCESS:
+                    if counter is None:
+                        ups[j] = v == pynvml.NVML_FEATURE_ENABLED
+                    else:
+                        setattr(ls, attr, int(v))
+                elif ret == _NOT_SUPPORTED:
+                    legacy.append((j, link, attr, counter))
+                else:
+                    b.count_error("nvmlDeviceGetFieldValues", ret)
+                    lost = lost or ret in LOST_CODES
+        if lost:
+            raise GpuLost("nvmlDeviceGetFieldValues")
+    elif code in _NO_FIELDS:  # a driver without these fields (or without nvmlDeviceGetFieldValues)
+        legacy = [(j, link, attr, counter) for j, link in enumerate(links) for attr, _, counter in FI_NVLINK_SCOPED]
+    else:
+        b.failed("nvmlDeviceGetFieldValues", code)
+    if legacy:
+        _nvlink_legacy(b, h, samples, ups, legacy)
+    if state.crc_data is not False:
+        _nvlink_crc_data(b, h, state, links, samples)
+    for ls, up in zip(samples, ups, strict=True):
         ls.up = bool(up)
-        for name, counter in _NVLINK_ERROR_COUNTERS:
-            ret = err_fn(h, c_link, counter, count_ref)
-            if ret == _SUCCESS:
-                setattr(ls, name, count.value)
-            else:
-                b.failed("nvmlDeviceGetNvLinkErrorCounter", ret)
-                setattr(ls, name, None)
     s.nvlink = samples
     r.nvlink_up = ups
+
+
+def _field_values(handle: Any, arr: Any) -> int:
+    """nvmlDeviceGetFieldValues on the prepared array: NVML's return code (not counted)."""
+    try:
+        fn = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetFieldValues")
+    except pynvml.NVMLError as e:
+        return int(e.value)
+    return int(fn(handle, ctypes.c_int32(len(arr)), ctypes.byref(arr)))
+
+
+def _nvlink_legacy(b: NvmlBackend, h: Any, samples: list[NvLinkSample], ups: list[bool | None],
+                   todo: list[_Legacy]) -> None:
+    """The per-link calls for the readings the scoped fields did not give."""
+    fns: dict[str, Any] = {}
+    out_state, out_count = ctypes.c_uint(), ctypes.c_ulonglong()
+    for j, link, attr, counter in todo:
+        name = "nvmlDeviceGetNvLinkState" if counter is None else "nvmlDeviceGetNvLinkErrorCounter"
+        fn: Any = fns.get(name)
+        if fn is None:
+            try:
+                fn = fns[name] = pynvml._nvmlGetFunctionPointer(name)
+            except pynvml.NVMLError as e:
+                b.failed(name, e.value)
+                fn = fns[name] = False
+        if fn is False:
+            continue
+        if counter is None:
+            ret = fn(h, ctypes.c_uint(link), ctypes.byref(out_state))
+            if ret == _SUCCESS:
+                ups[j] = out_state.value == pynvml.NVML_FEATURE_ENABLED
+        else:
+            ret = fn(h, ctypes.c_uint(link), ctypes.c_uint(counter), ctypes.byref(out_count))
+            if ret == _SUCCESS:
+                setattr(samples[j], attr, out_count.value)
+        if ret != _SUCCESS:
+            b.failed(name, ret)
+
+
+def _nvlink_crc_data(b: NvmlBackend, h: Any, state: ReaderState, links: tuple[int, ...],
+                     samples: list[NvLinkSample]) -> None:
+    try:
+        fn = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetNvLinkErrorCounter")
+    except pynvml.NVMLError as e:
+        b.failed("nvmlDeviceGetNvLinkErrorCounter", e.value)
+        return
+    count = ctypes.c_ulonglong()
+    count_ref = ctypes.byref(count)
+    supported = unsupported = 0
+    for link, ls in zip(links, samples, strict=True):
+        ret = fn(h, ctypes.c_uint(link), _CRC_DATA, count_ref)
+        if ret == _SUCCESS:
+            ls.crc_data = count.value
+            supported += 1
+        else:
+            unsupported += ret == _NOT_SUPPORTED
+            b.failed("nvmlDeviceGetNvLinkErrorCounter", ret)
+    if state.crc_data is None:
+        if supported:
+            state.crc_data = True
+        elif unsupported == len(links):
+            state.crc_data = False  # no link counts data CRC errors: stop asking
 
 
 def _gpm(b: NvmlBackend, dev: Device, state: ReaderState) -> GpmRates | None:
@@ -496,7 +671,7 @@ def _gpm(b: NvmlBackend, dev: Device, state: ReaderState) -> GpmRates | None:
     if not state.buffers:
         try:
             state.buffers = [pynvml.nvmlGpmSampleAlloc(), pynvml.nvmlGpmSampleAlloc()]
-            state.metrics_get = pynvml.c_nvmlGpmMetricsGet_t()
+            state.metrics_get = _GpmMetricsGet()
         except pynvml.NVMLError as e:
             b.count_error("nvmlGpmSampleAlloc", e.value)
             state.close()
@@ -538,18 +713,21 @@ def _gpm_metrics(b: NvmlBackend, state: ReaderState, prev: Any, cur: Any, interv
             mg.metrics[i].metricId = mid
     mg.sample1 = prev
     mg.sample2 = cur
-    try:
-        pynvml.nvmlGpmMetricsGet(mg)
+    try:  # what pynvml.nvmlGpmMetricsGet does, on the plain struct
+        ret = int(pynvml._nvmlGetFunctionPointer("nvmlGpmMetricsGet")(ctypes.byref(mg)))
     except pynvml.NVMLError as e:
-        if e.value == pynvml.NVML_ERROR_INVALID_ARGUMENT:
+        ret = int(e.value)
+    if ret != _SUCCESS:
+        if ret == pynvml.NVML_ERROR_INVALID_ARGUMENT:
             raise _NoNewInterval from None
-        b.failed("nvmlGpmMetricsGet", e.value)
+        b.failed("nvmlGpmMetricsGet", ret)
         state.gpm_pcie_ok = False
         return None
     rates = GpmRates(interval_s=interval)
     lost = False
+    metrics = mg.metrics
     for i, (_, attr) in enumerate(GPM_METRICS):
-        m = mg.metrics[i]
+        m = metrics[i]
         if m.nvmlReturn == pynvml.NVML_SUCCESS:
             setattr(rates, attr, float(m.value))
         else:

@@ -226,17 +226,27 @@ class OmWriter:
     def family(self, name: str, typ: str, help_text: str) -> None:
         self.out.write(f"# TYPE {name} {typ}\n# HELP {name} {_escape_help(help_text)}\n".encode())
 
-    def block(self, prefixes: list[bytes], values: np.ndarray, decimals: int, mask: np.ndarray | None = None) -> None:
-        """Series ``prefixes[i]`` (``name{labels} ``) with values ``values[:, i]`` at every tick where ``mask``."""
+    def block(self, prefixes: list[bytes], values: np.ndarray, decimals: int, mask: np.ndarray | None = None,
+              cols: np.ndarray | None = None) -> None:
+        """Series ``prefixes[i]`` (``name{labels} ``) with values ``values[:, i]`` (or ``values[:, cols[i]]``
+        when ``cols`` maps series to columns of a shared array) at every tick where ``mask[:, i]``."""
         if not prefixes:
             return
-        values = np.asarray(values, dtype=np.float64).reshape(self.n_ticks, len(prefixes))
-        ok = np.isfinite(values)
+        values = np.asarray(values, dtype=np.float64)
+        if cols is None:
+            values = values.reshape(self.n_ticks, len(prefixes))
+            src = np.arange(len(prefixes))
+        else:
+            values = values.reshape(self.n_ticks, -1)
+            src = np.asarray(cols, dtype=np.int64)
+        ok = np.isfinite(values) if cols is None else np.isfinite(values)[:, src]
         if mask is not None:
             ok &= np.asarray(mask, bool).reshape(self.n_ticks, len(prefixes))
-        scaled = np.rint(np.where(ok, np.abs(values), 0.0) * 10.0 ** decimals).astype(np.int64)
-        if self._fast(prefixes, scaled, decimals, ok, (values < 0) & ok):
+        if self._fast(prefixes, values, src, decimals, ok):
             return
+        if cols is not None:
+            values = values[:, src]
+        scaled = np.rint(np.where(ok, np.abs(values), 0.0) * 10.0 ** decimals).astype(np.int64)
         neg = (values < 0) & ok & (scaled > 0)
         top = int(scaled.max()) if scaled.size else 0
         ndig = max(len(str(top)), decimals + 1)
@@ -290,24 +300,24 @@ class OmWriter:
             self.samples += int(row_ok.sum())
             self.out.write(m[keep].tobytes())
 
-    def _fast(self, prefixes: list[bytes], scaled: np.ndarray, decimals: int, ok: np.ndarray,
-              neg: np.ndarray) -> bool:
+    def _fast(self, prefixes: list[bytes], values: np.ndarray, src: np.ndarray, decimals: int,
+              ok: np.ndarray) -> bool:
         """Fixed-width lines per prefix length: the value field keeps one width by printing more decimals
-        for shorter integer parts (``72.5000`` next to ``612.500``), so rows are copied whole.
-        Returns False (nothing written) when the block needs the general path."""
-        if neg.any() or bool((self.ts == ord(" ")).any()):
+        for shorter integer parts (``72.5000`` next to ``612.500``), so rows are copied whole. Work is done per
+        chunk of series over the ticks where they have samples. Returns False (nothing written) when the
+        block needs the general path (negative values, over 18 digits)."""
+        finite = np.isfinite(values)
+        if bool((values[finite] < 0).any()) or bool((self.ts == ord(" ")).any()):
             return False
-        nd = np.floor(np.log10(np.maximum(scaled, 1))).astype(np.int64) + 1  # digits of the scaled value
-        ni = np.maximum(nd - decimals, 1)  # integer digits as printed
-        big = int(ni.max()) if ni.size else 1
-        mixed = decimals > 0 or int(ni.min()) != big
+        scaled = np.rint(np.where(finite, np.abs(values), 0.0) * 10.0 ** decimals).astype(np.int64)
+        ni = np.maximum(np.floor(np.log10(np.maximum(scaled, 1))).astype(np.int64) + 1 - decimals, 1)
+        used = np.unique(src)
+        big = int(ni[:, used].max()) if ni.size else 1
+        mixed = decimals > 0 or int(ni[:, used].min()) != big
         width = big + 1 + max(decimals, 1) if mixed else big
         ndig = width - 1 if mixed else width
         if ndig > 18:
             return False
-        digits_total = ni + (width - 1 - ni) if mixed else ni
-        shift = (digits_total - ni) - decimals  # extra decimals of this sample
-        wide = scaled * (10 ** np.maximum(shift, 0))
         lengths = np.array([len(x) for x in prefixes])
         wts = self.ts.shape[1]
         present = ok.any(axis=0)
@@ -333,9 +343,11 @@ class OmWriter:
                 nt = t1 - t0
                 buf = np.empty((len(cols), nt, line), np.uint8)
                 buf[:, :, :plen] = pre_all[lo:hi, None, :]
-                digits = _digits(wide[t0:t1, cols].T, ndig)
+                ni_c = ni[t0:t1][:, src[cols]].T
+                shift = (width - 1 - ni_c - decimals) if mixed else np.zeros_like(ni_c)
+                digits = _digits(scaled[t0:t1][:, src[cols]].T * 10 ** np.maximum(shift, 0), ndig)
                 if mixed:
-                    point = ni[t0:t1, cols].T.astype(np.int8)[:, :, None]
+                    point = ni_c.astype(np.int8)[:, :, None]
                     j = np.arange(width, dtype=np.int8)[None, None, :]
                     val = buf[:, :, plen:plen + width]
                     val[:, :, :ndig] = digits
@@ -448,7 +460,7 @@ def _gpufleet(w: OmWriter, c: _Ctx) -> None:
         pre = [_prefix(jobs_fam, {"gpu": str(c.gpu_local[g]), "job_id": fr.job_ids[j], **target(int(c.gpu_node[g]))})
                for j, g in chunk]
         mask = (fr["gpu_job"][:, chunk[:, 1]] == chunk[:, 0][None, :]) & c.gpu_present[:, chunk[:, 1]]
-        w.block(pre, np.ones(mask.shape), 0, mask)
+        w.block(pre, np.ones((w.n_ticks, 1)), 0, mask, cols=np.zeros(len(chunk), np.int64))
     # ---- utilization, clocks, power, thermal
     gpu_metric("gpufleet_gpu_utilization_ratio", fr["util"] / 100.0, 2)
     if full:
@@ -702,7 +714,7 @@ def _dcgm(w: OmWriter, c: _Ctx) -> None:
     for name, (typ, help_text) in DCGM_FIELDS.items():
         arr, dec = values[name]
         w.family(name, typ, help_text)
-        w.block([_prefix(name, b) for b in base], np.asarray(arr)[:, gpus], dec, masks)
+        w.block([_prefix(name, b) for b in base], np.asarray(arr), dec, masks, cols=gpus)
     # node_exporter infiniband collector (rail and host NICs)
     ne = [{"device": f"mlx5_{int(f.nic_local[n])}", "port": "1", "instance": f"{c.nodes[int(f.nic_node[n])]}:9100",
            "job": "node", "site": c.site_of_node[int(f.nic_node[n])]} for n in range(f.n_nics)]
