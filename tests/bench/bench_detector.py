@@ -33,7 +33,8 @@ BASE = {"util": 0.97, "samples": 20, "sm_clock": 1.98e9, "mem_clock": 2.6e9, "po
         "thr_brake": 0.0, "thr_hw": 0.0, "pcie_replay": 0.0, "pcie_gen": 5, "pcie_gen_max": 5, "pcie_width": 16,
         "pcie_width_max": 16, "nvlink_down": 1.0, "ecc": 0.0, "remap_pending": 0.0, "xid": 0.0, "@job": 20,
         "@model": 1, "nic_tx": 2e10, "nic_xmit_wait": 1e6, "nic_symbol_errors": 0.0, "nic_link_downed": 0.0,
-        "nic_link_recovery": 0.0, "nic_rate": 5e10, "nic_ecn": 10.0, "@nicmap": 1, "host_cpu": 0.3}
+        "nic_link_recovery": 0.0, "nic_rate": 5e10, "nic_ecn": 10.0, "@nicmap": 1, "host_cpu": 0.3,
+        "power_limit": 700.0, "nvlink_bw": 5e10}
 NOISE = {"sm_clock": 5e6, "power": 10.0, "temp": 2.0, "tensor": 0.02, "sm_active": 0.02, "util": 0.01,
          "nic_xmit_wait": 2e5, "nic_tx": 1e8}
 
