@@ -39,6 +39,8 @@ from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
+from gpufleet.agent.argtypes import positive_float, positive_int
+
 from .collectors.xid import XidCollector
 from .nvml.backend import Device, NvmlBackend
 from .nvml.model import DriverInfo, GpmCounters, GpuInventory, GpuSample, XidEvent
@@ -54,26 +56,6 @@ IB_PORT_FILES = ("state", "phys_state", "rate", "link_layer")
 LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING, "error": logging.ERROR}
 
 
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not v > 0 or v != v or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return v
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gpufleet-agent record",
@@ -81,11 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--output", "-o", required=True, metavar="PATH",
                    help="trace file to write: .jsonl, or .jsonl.gz for gzip")
-    p.add_argument("--interval", type=_positive_float, default=1.0, metavar="SECONDS",
+    p.add_argument("--interval", type=positive_float, default=1.0, metavar="SECONDS",
                    help="seconds between samples (default: 1)")
     stop = p.add_mutually_exclusive_group()
-    stop.add_argument("--duration", type=_positive_float, metavar="SECONDS", help="record for this long")
-    stop.add_argument("--samples", type=_positive_int, metavar="N", help="record N sample lines")
+    stop.add_argument("--duration", type=positive_float, metavar="SECONDS", help="record for this long")
+    stop.add_argument("--samples", type=positive_int, metavar="N", help="record N sample lines")
     p.add_argument("--path.sysfs", dest="sysfs", default=None, metavar="DIR",
                    help="sysfs mount point; IB files come from DIR/class/infiniband (default: /sys, or the fake "
                         "source's tree with --nvml.fake)")

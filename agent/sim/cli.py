@@ -15,29 +15,11 @@ import sys
 import time
 from collections.abc import Sequence
 
+from gpufleet.agent.argtypes import non_negative_int, positive_float
+
 from .record import PROFILES, SERIES, iter_profiles, record
 from .scenario import Scenario, ScenarioError, builtin_names, describe, load_scenario, parse_time
 from .simulator import Simulator
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
-    return value
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError("must not be negative")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,9 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--out", required=True, metavar="DIR", help="output directory (created if missing)")
     gen.add_argument("--profile", choices=(*PROFILES, "both"), default="gpufleet",
                      help="metric names: gpufleet's own, dcgm-exporter + node_exporter + ipmi_exporter, or both")
-    gen.add_argument("--seed", type=_seed, help="random seed (default: the scenario's)")
-    gen.add_argument("--hours", type=_positive_float, help="override the scenario's duration")
-    gen.add_argument("--step", type=_positive_float, help="override the seconds between samples")
+    gen.add_argument("--seed", type=non_negative_int, help="random seed (default: the scenario's)")
+    gen.add_argument("--hours", type=positive_float, help="override the scenario's duration")
+    gen.add_argument("--step", type=positive_float, help="override the seconds between samples")
     gen.add_argument("--series", choices=SERIES, default="full",
                      help="full: every modelled series; core: detector inputs and fault signatures only")
     gen.add_argument("--start", metavar="TIME|now",

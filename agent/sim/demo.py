@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, TextIO
 
+from gpufleet.agent.argtypes import positive_float, positive_int
 from gpufleet.agent.catalog import spec
 from gpufleet.agent.config import DEFAULT_PORT
 from gpufleet.agent.sim.live import DEFAULT_TICK, LiveFleet, LiveFleetError
@@ -532,41 +533,21 @@ def rich_view(
 
 def _common(p: argparse.ArgumentParser, speed: float) -> None:
     p.add_argument("--scenario", default="demo", help="built-in scenario name or TOML file (default: demo)")
-    p.add_argument("--nodes", type=_positive_int, default=None, help="number of nodes (default: the scenario's)")
-    p.add_argument("--gpus-per-node", type=_positive_int, default=None,
+    p.add_argument("--nodes", type=positive_int, default=None, help="number of nodes (default: the scenario's)")
+    p.add_argument("--gpus-per-node", type=positive_int, default=None,
                    help="GPUs per node (default: the scenario's)")
     p.add_argument("--seed", type=int, default=1, help="random seed (default: 1)")
-    p.add_argument("--speed", type=_positive_float, default=speed,
+    p.add_argument("--speed", type=positive_float, default=speed,
                    help=f"simulated seconds per wall-clock second (default: {speed:g}; 1 = real time; counters "
                         "then grow speed times faster per wall-clock second)")
-    p.add_argument("--tick", type=_positive_float, default=DEFAULT_TICK,
+    p.add_argument("--tick", type=positive_float, default=DEFAULT_TICK,
                    help=f"wall-clock seconds between simulator steps (default: {DEFAULT_TICK:g})")
-    p.add_argument("--duration", type=_positive_float, default=None,
+    p.add_argument("--duration", type=positive_float, default=None,
                    help="exit after this many wall-clock seconds (default: run until Ctrl-C)")
     p.add_argument("--base-port", type=int, default=None,
                    help="serve node i on 127.0.0.1:BASE+i (default: free ports)")
     p.add_argument("--run-dir", default=None,
                    help="keep snapshots, sysfs trees, targets and agent logs here (default: a temporary directory)")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return v
 
 
 def register(subparsers: Any) -> None:
@@ -579,7 +560,7 @@ def register(subparsers: Any) -> None:
     _common(demo, DEMO_SPEED)
     demo.add_argument("--no-ui", action="store_true",
                       help="print plain log lines instead of the live view (automatic when stdout is not a TTY)")
-    demo.add_argument("--interval", type=_positive_float, default=None,
+    demo.add_argument("--interval", type=positive_float, default=None,
                       help="seconds between scrapes/refreshes (default: 1 with the live view, 5 with --no-ui)")
     demo.set_defaults(func=run_demo)
     serve = subparsers.add_parser(
