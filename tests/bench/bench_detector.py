@@ -1,6 +1,6 @@
 """Detector benchmarks: one evaluation over N GPUs from in-memory features, and replay throughput.
 
-Run: ``.venv/bin/python tests/bench/bench_detector.py [--gpus 10000 100000] [--repeat 3]``.
+Run: ``.venv/bin/python tests/bench/bench_detector.py [--gpus 10000 30000 100000] [--repeat 3]``.
 Evaluation = the full Detector.evaluate (feature frames from query results, straggler robust z + IsolationForest,
 throttling, network, findings) over a fleet of 8-GPU nodes in 256-GPU jobs with one straggler per job; the
 source answers every query from memory, so the figure excludes Prometheus' own query time.
@@ -85,8 +85,10 @@ def bench_eval(n: int, repeat: int) -> None:
         walls.append(time.perf_counter() - w0)
         cpus.append(time.process_time() - c0)
     found = sum(1 for kind, _ in ev.candidates if kind == "straggler")
-    print(f"evaluate {n:>7} GPUs: median wall {statistics.median(walls):.3f} s, cpu {statistics.median(cpus):.3f} s "
-          f"over {repeat} runs; straggler candidates {found} (planted {len(range(5, n, 256))})")
+    wall = statistics.median(walls)
+    print(f"evaluate {n:>7} GPUs: median wall {wall:.3f} s ({wall / n * 1e6:.1f} us/GPU), "
+          f"cpu {statistics.median(cpus):.3f} s over {repeat} runs; straggler candidates {found} "
+          f"(planted {len(range(5, n, 256))})")
 
 
 def bench_replay() -> None:
@@ -105,7 +107,7 @@ def bench_replay() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--gpus", type=int, nargs="+", default=[10_000, 100_000])
+    ap.add_argument("--gpus", type=int, nargs="+", default=[10_000, 30_000, 100_000])
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     print(f"cpus available: {len(os.sched_getaffinity(0))}")
