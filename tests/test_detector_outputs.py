@@ -91,6 +91,6 @@ def test_report_table_and_html(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "straggler" in table and "node-001" in table
     page = out.read_text()
     assert page.count("<svg") == 4  # clocks, activity, power, temperature of the one finding
-    assert "SM clock (MHz)" in page and "lag their peers" in page
+    assert "SM clock (MHz)" in page and "lags its peers" in page
     assert cli_main(["report", str(rec), "--config", str(cfg), "--step", "60", "--to", str(T0 + 300)]) == 0
     assert "findings (0)" in capsys.readouterr().out
