@@ -1,11 +1,12 @@
 """The detector's configuration: one TOML file, validated with clear errors.
 
-Example (every key optional; these are the defaults)::
+Example (every key optional; these are the defaults, the settings the quality harness measures with
+except its 4-hour PUE baseline)::
 
     [detector]
     profile = "gpufleet"          # or "dcgm"
-    interval_seconds = 60         # evaluation interval (serve) / default replay step
-    window_seconds = 300          # feature window: averages, maxima, rates over this
+    interval_seconds = 15         # evaluation interval (serve) / default replay step: one scrape interval
+    window_seconds = 120          # feature window: averages, maxima, rates over this
     listen = "127.0.0.1:9446"     # serve mode: /metrics
     web_config_file = ""          # serve mode: TLS / basic auth (exporter-toolkit format)
     node_label = "instance"       # node = this label with any ":port" removed
@@ -21,9 +22,9 @@ Example (every key optional; these are the defaults)::
     ca_file = ""
 
     [findings]
-    open_after = 3                # consecutive evaluations to open a finding
-    close_after = 3               # consecutive clear evaluations to close it
-    stale_after = 10              # evaluations without data before an open finding closes
+    open_after = 2                # consecutive evaluations to open a finding
+    close_after = 4               # consecutive clear evaluations to close it
+    stale_after = 20              # evaluations without data before an open finding closes
 
     [straggler]
     threshold = 4.0
@@ -80,9 +81,9 @@ class SiteConfig:
 
 @dataclass
 class FindingParams:
-    open_after: int = 3
-    close_after: int = 3
-    stale_after: int = 10
+    open_after: int = 2
+    close_after: int = 4
+    stale_after: int = 20
 
     def tracker(self) -> Tracker:
         return Tracker(self.open_after, self.close_after, self.stale_after)
@@ -91,8 +92,8 @@ class FindingParams:
 @dataclass
 class DetectorConfig:
     profile: str = "gpufleet"
-    interval_seconds: float = 60.0
-    window_seconds: float = 300.0
+    interval_seconds: float = 15.0
+    window_seconds: float = 120.0
     listen: str = "127.0.0.1:9446"
     web_config_file: str = ""
     node_label: str = "instance"
