@@ -145,6 +145,11 @@ DCGM: tuple[Query, ...] = (
     _q("pcie_replay", "DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "increase", check=False),
     _q("xid", "DCGM_FI_DEV_XID_ERRORS", "max", check=False),
     _q("nvlink_bw", "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "avg", check=False),
+    # Optional (enabled in dcgm-exporter's counters CSV): NVLink error counters of all links of a GPU.
+    _q("nvlink_crc_flit", "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "increase", check=False),
+    _q("nvlink_crc_data", "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL", "increase", check=False),
+    _q("nvlink_replay", "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL", "increase", check=False),
+    _q("nvlink_recovery", "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", "increase", check=False),
     _q("nic_tx", "node_infiniband_port_data_transmitted_bytes_total", "rate", "nic", check=False),
     _q("nic_xmit_wait", "node_infiniband_port_transmit_wait_total", "rate", "nic", check=False),
     _q("nic_symbol_errors", "node_infiniband_symbol_error_total", "increase", "nic", check=False),

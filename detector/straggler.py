@@ -27,7 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
-from gpufleet.detector.features import GpuFrame
+from gpufleet.detector.features import NVLINK_ERROR_FEATURES, GpuFrame
 from gpufleet.detector.robust import grouped_robust_z
 from sklearn.ensemble import IsolationForest
 
@@ -153,13 +153,16 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
 
     A degraded, flapping or congested NIC (from the network detector), an NVLink link down, or a PCIe link
     trained below its maximum (GPUDirect traffic bound by PCIe) makes the rank a straggler even though its
-    own activity does not stand out. Without PCIe link state (dcgm), PCIe replays stand in for a degraded
-    PCIe link. (NVLink bandwidth is exported as a deviation but not used: in a synchronous job every rank's
-    NVLink traffic follows the slowest link, so it does not single out the rank with a link down.)
+    own activity does not stand out. Without NVLink link state (dcgm), NVLink errors (CRC, replay,
+    recovery) rising on a GPU more than on the median rank of its job stand in for a link down; without
+    PCIe link state, PCIe replays stand in for a degraded PCIe link. (NVLink bandwidth is exported as a
+    deviation but not used: in a synchronous job every rank's NVLink traffic follows the slowest link, so
+    it does not single out the rank with a link down.)
     """
     replays = frame.get("pcie_replay")
     out: list[Candidate] = []
     nvl = frame.get("nvlink_down")
+    nvl_err = _nvlink_errors(frame, np.asarray(idx, dtype=bool))
     gen, gen_max = frame.get("pcie_gen"), frame.get("pcie_gen_max")
     width, width_max = frame.get("pcie_width"), frame.get("pcie_width_max")
     # Without the maximum link generation/width, the fleet's usual (median) link of busy GPUs is the reference.
@@ -176,6 +179,8 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
             cause, sc = "network", nic_flags[key]
         elif np.isfinite(nvl[i]) and nvl[i] < 1:
             cause, sc, ev = "network", p.threshold + 2.0, {"value:nvlink_up_min": float(nvl[i])}
+        elif not np.isfinite(nvl[i]) and nvl_err[i] >= 1:
+            cause, sc, ev = "network", p.threshold + 2.0, {"value:nvlink_errors": float(nvl_err[i])}
         elif (np.isfinite(gen[i]) and np.isfinite(gen_max[i]) and gen[i] < gen_max[i]) or (
                 np.isfinite(width[i]) and np.isfinite(width_max[i]) and width[i] < width_max[i]):
             cause, sc = "pcie", p.threshold + 2.0
@@ -185,6 +190,22 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
         else:
             continue
         out.append(Candidate(frame.nodes[i], frame.gpus[i], frame.jobs[i], frame.sites[i], cause, float(sc), ev))
+    return out
+
+
+def _nvlink_errors(frame: GpuFrame, idx: np.ndarray) -> FloatArray:
+    """Per GPU: NVLink errors of the window in excess of its job's median rank (NaN without error counters)."""
+    errs = np.column_stack([frame.get(f) for f in NVLINK_ERROR_FEATURES])
+    seen = np.isfinite(errs).any(axis=1)
+    total = np.where(seen, np.nansum(errs, axis=1), np.nan)
+    out = np.full(len(total), np.nan)
+    by_job: dict[str, list[int]] = {}
+    for i in np.flatnonzero(idx & seen):
+        job = frame.jobs[i]
+        if job:
+            by_job.setdefault(job, []).append(int(i))
+    for members in by_job.values():
+        out[members] = total[members] - float(np.median(total[members]))
     return out
 
 

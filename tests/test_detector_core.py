@@ -405,3 +405,38 @@ def test_site_selectors_from_config() -> None:
         ("it_power", "ipmi_dcmi_power_consumption_watts", (("site", "=", "dc1"),), "dc1")]
     assert site.queries[1].promql(300) == 'avg_over_time(ipmi_dcmi_power_consumption_watts{site="dc1"}[300s])'
     assert cfg.pue.knots_celsius == (10.0, 20.0)
+
+
+def _nvlink_frame(replays: dict[int, float] | None) -> GpuFrame:
+    f = _frame()
+    f.values["util"][7], f.values["tensor"][7], f.values["power"][7] = 0.97, 0.45, 520.0  # all ranks healthy
+    if replays is not None:  # dcgm's optional NVLink error counters (increase over the window)
+        f.values["nvlink_replay"] = np.zeros(16)
+        f.values["nvlink_recovery"] = np.zeros(16)
+        for i, v in replays.items():
+            f.values["nvlink_replay"][i] = v
+            f.values["nvlink_recovery"][i] = 1.0
+    return f
+
+
+def test_dcgm_nvlink_errors_on_one_rank_make_it_a_network_straggler() -> None:
+    res = straggler.score(_nvlink_frame({10: 40.0}), StragglerParams())
+    assert [(c.node, c.gpu, c.cause) for c in res.candidates] == [("n1", "2", "network")]
+    assert res.candidates[0].evidence == {"value:nvlink_errors": 41.0}
+    # without the counters, or with flat ones, or with errors on every rank alike: nothing
+    for frame in (_nvlink_frame(None), _nvlink_frame({}), _nvlink_frame(dict.fromkeys(range(16), 40.0))):
+        assert straggler.score(frame, StragglerParams()).candidates == []
+    idle = _nvlink_frame({10: 40.0})
+    idle.values["util"][10] = 0.0  # an idle GPU is not a straggler, whatever its links do
+    assert straggler.score(idle, StragglerParams()).candidates == []
+
+
+def test_dcgm_nvlink_error_fields_are_optional_and_reported_missing(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    rec = synth(tmp_path / "r.om", Synth(faults=[Fault("thermal", 2, 5, 900.0)], dcgm=True))
+    _, findings = replay([str(rec)], fast_cfg(detector__profile="dcgm"))
+    strag = [f for f in findings if f.kind == "straggler"]
+    assert [(f.node, f.gpu, f.cause) for f in strag] == [("node-002", "5", "thermal")]
+    err = capsys.readouterr().err
+    for field_name in ("CRC_FLIT", "CRC_DATA", "REPLAY", "RECOVERY"):
+        assert f"DCGM_FI_DEV_NVLINK_{field_name}_ERROR_COUNT_TOTAL" in err

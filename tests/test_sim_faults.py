@@ -156,6 +156,25 @@ def test_dcgm_profile_shows_the_straggler(tmp_path):
     assert clock[after].max() < 0.6 * peer[after].min()
 
 
+def test_dcgm_nvlink_error_counters_rise_on_the_faulty_gpu_only(tmp_path):
+    path, labels = make("nvlink_down", tmp_path, profile="dcgm", severity="moderate")
+    [fault] = labels["faults"]
+    names = {"DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL", "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL",
+             "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL"}
+    s = parse(path, names)
+    assert {n for n, _ in s} == names
+    onset = fault["onset"]
+    for name in ("DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL", "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL"):
+        ts, v = one(s, name, gpu=str(fault["gpu"]), Hostname=fault["node"], hpc_job="job-a")
+        assert not v[ts < onset].any(), f"{name} before the onset"
+        assert v[(ts >= onset) & (ts <= onset + STEP)].min() > 0, f"{name} not up at the onset"
+        assert np.all(np.diff(v) >= 0)
+    for (name, ls), samples in s.items():
+        labs = dict(ls)
+        if (labs["Hostname"], labs["gpu"]) != (fault["node"], str(fault["gpu"])):
+            assert not any(v for _, v in samples), f"{name} rises on healthy {labs['Hostname']} GPU {labs['gpu']}"
+
+
 def test_pue_drift_not_explained_by_weather(tmp_path):
     doc = {
         "name": "pue", "hours": 4, "step": 60,

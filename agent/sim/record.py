@@ -118,6 +118,7 @@ def run(sim: Simulator, progress: Callable[[int, int], None] | None = None) -> F
     a["remapped"] = np.zeros((n_ticks, g, 2), np.int32)
     a["pcie_replay"] = np.zeros((n_ticks, g), np.int64)
     a["nvl_bytes"] = np.zeros((n_ticks, g))
+    a["nvl_err"] = np.zeros((n_ticks, g, 4), np.int64)  # crc_flit, crc_data, replay, recovery (all links)
     a["lost"] = np.zeros((n_ticks, g), bool)
     a["nic_rate"] = np.zeros((n_ticks, n), np.float32)
     a["nic_state"] = np.zeros((n_ticks, n), np.int8)
@@ -163,6 +164,7 @@ def run(sim: Simulator, progress: Callable[[int, int], None] | None = None) -> F
         a["remapped"][k] = p.remapped
         a["pcie_replay"][k] = p.pcie_replay
         a["nvl_bytes"][k] = p.nvl_bytes.sum(axis=1)
+        a["nvl_err"][k] = p.nvlink_err.sum(axis=1)
         a["lost"][k] = p.lost
         a["nic_rate"][k] = p.nic_rate
         a["nic_state"][k] = p.nic_state
@@ -647,6 +649,10 @@ DCGM_FIELDS: dict[str, tuple[str, str]] = {
     "DCGM_FI_DEV_THERMAL_VIOLATION": ("unknown", "Throttling duration due to thermal constraints (in us)."),
     "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL": ("unknown", "Total number of NVLink bandwidth counters for all lanes."),
     "DCGM_FI_DEV_PCIE_REPLAY_COUNTER": ("unknown", "Total number of PCIe retries."),
+    "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL": ("unknown", "Total number of NVLink flow-control CRC errors."),
+    "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL": ("unknown", "Total number of NVLink data CRC errors."),
+    "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL": ("unknown", "Total number of NVLink retries."),
+    "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL": ("unknown", "Total number of NVLink recovery errors."),
     "DCGM_FI_DEV_PCIE_LINK_GEN": ("gauge", "PCIe current link generation."),
     "DCGM_FI_DEV_PCIE_LINK_WIDTH": ("gauge", "PCIe current link width."),
     "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": ("unknown", "Total number of single-bit volatile ECC errors."),
@@ -703,6 +709,10 @@ def _dcgm(w: OmWriter, c: _Ctx) -> None:
         "DCGM_FI_DEV_THERMAL_VIOLATION": (np.floor((fr["throttle"][:, :, 1] + fr["throttle"][:, :, 2]) * us), 0),
         "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL": (np.floor(fr["nvl_bytes"] / 1024.0), 0),
         "DCGM_FI_DEV_PCIE_REPLAY_COUNTER": (fr["pcie_replay"], 0),
+        "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL": (fr["nvl_err"][:, :, 0], 0),
+        "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL": (fr["nvl_err"][:, :, 1], 0),
+        "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL": (fr["nvl_err"][:, :, 2], 0),
+        "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL": (fr["nvl_err"][:, :, 3], 0),
         "DCGM_FI_DEV_PCIE_LINK_GEN": (fr["pcie_gen"], 0),
         "DCGM_FI_DEV_PCIE_LINK_WIDTH": (fr["pcie_width"], 0),
         "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": (fr["ecc"][:, :, 0], 0),
