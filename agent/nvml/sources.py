@@ -411,7 +411,8 @@ class SimSource:
 
 _IB_RATE = "400 Gb/sec (4X NDR)"
 _IB_WIRE_BYTES_S = 40e9  # per port during training, each direction
-_IB_COUNTERS = (
+#: The files of an mlx5 port's counters/ directory (the simulator writes the same set).
+IB_COUNTER_FILES = (
     "VL15_dropped", "excessive_buffer_overrun_errors", "link_downed", "link_error_recovery",
     "local_link_integrity_errors", "multicast_rcv_packets", "multicast_xmit_packets", "port_rcv_constraint_errors",
     "port_rcv_data", "port_rcv_errors", "port_rcv_packets", "port_rcv_remote_physical_errors",
@@ -501,7 +502,7 @@ class _SimSysfs:
         packets = data // 4096
         seed = self.sim._seed
         ecn = int(packets * 2e-4 * (1.0 + 0.5 * _u(seed, gpu, 30)))
-        counters = dict.fromkeys(_IB_COUNTERS, 0)
+        counters = dict.fromkeys(IB_COUNTER_FILES, 0)
         counters.update(
             port_xmit_data=data // 4, port_rcv_data=data // 4,  # 4-byte words
             port_xmit_packets=packets, port_rcv_packets=packets,

@@ -24,19 +24,12 @@ from typing import Any
 import numpy as np
 
 from ..nvml import model
+from ..nvml.sources import IB_COUNTER_FILES  # every port has these; unmodelled ones stay 0
 from .faults import FAULTS, Fault, fault_doc, severity_class
 from .fleet import GPU_MODELS, Fleet, Job, Node, Site, schedule_jobs
 from .physics import COUNTED, ECC_KEYS, NIC_ERRORS, NIC_HW, REBOOT_DOWNTIME_S, Heatwave, Physics
 from .scenario import Scenario, load_scenario
 
-#: Fields of counters/ every port has (values the simulator does not model stay 0).
-IB_COUNTER_FILES = (
-    "VL15_dropped", "excessive_buffer_overrun_errors", "link_downed", "link_error_recovery",
-    "local_link_integrity_errors", "multicast_rcv_packets", "multicast_xmit_packets", "port_rcv_constraint_errors",
-    "port_rcv_data", "port_rcv_errors", "port_rcv_packets", "port_rcv_remote_physical_errors",
-    "port_rcv_switch_relay_errors", "port_xmit_constraint_errors", "port_xmit_data", "port_xmit_discards",
-    "port_xmit_packets", "port_xmit_wait", "symbol_error", "unicast_rcv_packets", "unicast_xmit_packets",
-)
 IB_HW_COUNTER_FILES = (
     "duplicate_request", "implied_nak_seq_err", "lifespan", "local_ack_timeout_err", "np_cnp_sent",
     "np_ecn_marked_roce_packets", "out_of_buffer", "out_of_sequence", "packet_seq_err", "req_cqe_error",
