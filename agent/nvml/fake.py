@@ -238,6 +238,29 @@ class _EventSet:
     queue: list[XidEvent] = field(default_factory=list)
 
 
+#: Entry points that read one value of the device into their single out-parameter: C name -> the value
+#: (None = NOT_SUPPORTED, as for every entry point).
+_SCALAR_ENTRY_POINTS: dict[str, Callable[[_Dev], Any]] = {
+    "nvmlDeviceGetIndex": lambda d: d.index,
+    "nvmlDeviceGetArchitecture": lambda d: d.inv.architecture,
+    "nvmlDeviceGetMinorNumber": lambda d: d.inv.minor_number,
+    "nvmlDeviceGetPowerUsage": lambda d: d.sample.power_mw,
+    "nvmlDeviceGetEnforcedPowerLimit": lambda d: d.sample.power_limit_mw,
+    "nvmlDeviceGetPowerManagementDefaultLimit": lambda d: d.inv.power_limit_default_mw,
+    "nvmlDeviceGetTotalEnergyConsumption": lambda d: d.sample.energy_mj,
+    "nvmlDeviceGetNumFans": lambda d: d.inv.fan_count,
+    "nvmlDeviceGetPerformanceState": lambda d: d.sample.pstate,
+    "nvmlDeviceGetCurrentClocksEventReasons": lambda d: d.sample.clocks_event_reasons,
+    "nvmlDeviceGetCurrentClocksThrottleReasons": lambda d: d.sample.clocks_event_reasons,
+    "nvmlDeviceGetCurrPcieLinkGeneration": lambda d: d.sample.pcie_gen,
+    "nvmlDeviceGetCurrPcieLinkWidth": lambda d: d.sample.pcie_width,
+    "nvmlDeviceGetMaxPcieLinkGeneration": lambda d: d.inv.pcie_max_gen,
+    "nvmlDeviceGetMaxPcieLinkWidth": lambda d: d.inv.pcie_max_width,
+    "nvmlDeviceGetPcieReplayCounter": lambda d: d.sample.pcie_replay_counter,
+    "nvmlDeviceGetSupportedEventTypes": lambda d: _SUPPORTED_EVENTS,
+}
+
+
 class _Entry:
     """One exported "C function": callable, and accepts ``restype``/``argtypes`` like a ctypes function.
 
@@ -346,6 +369,7 @@ class FakeNvml:
         self._impl: dict[str, Callable[..., int]] = {
             name[3:]: getattr(self, name) for name in dir(type(self)) if name.startswith("_c_nvml")
         }
+        self._impl.update({name: self._scalar_entry(name, get) for name, get in _SCALAR_ENTRY_POINTS.items()})
         self._normed = {name: _norm(name) for name in self._impl}
         #: Benchmarks: when True, every entry point adds its thread CPU time to ``cpu_seconds`` (the time a
         #: real host spends inside libnvidia-ml, which this fake and its source stand in for).
@@ -472,6 +496,15 @@ class FakeNvml:
 
     # ------------------------------------------------------------------ init / system
 
+    def _scalar_entry(self, name: str, get: Callable[[_Dev], Any]) -> Callable[[Any, Any], int]:
+        """The C entry point ``name`` that writes ``get(device)`` into its out-parameter."""
+
+        def entry(handle: Any, out: Any) -> int:
+            d = self._dev(name, handle)
+            return d if isinstance(d, int) else _set(out, get(d))
+
+        return entry
+
     def _c_nvmlInitWithFlags(self, flags: Any = 0) -> int:
         if not self.driver_loaded:
             return DRIVER_NOT_LOADED
@@ -524,10 +557,6 @@ class FakeNvml:
         _set_pointer(out, self.handle_address(i))
         return SUCCESS
 
-    def _c_nvmlDeviceGetIndex(self, handle: Any, out: Any) -> int:
-        d = self._dev("nvmlDeviceGetIndex", handle)
-        return d if isinstance(d, int) else _set(out, d.index)
-
     def _c_nvmlDeviceGetUUID(self, handle: Any, buf: Any, length: Any) -> int:
         d = self._dev("nvmlDeviceGetUUID", handle)
         return d if isinstance(d, int) else _write_str(buf, length, d.inv.uuid)
@@ -564,14 +593,6 @@ class FakeNvml:
         info.pciDeviceId = _PCI_DEVICE_ID
         info.pciSubSystemId = _PCI_SUBSYSTEM_ID
         return SUCCESS
-
-    def _c_nvmlDeviceGetArchitecture(self, handle: Any, out: Any) -> int:
-        d = self._dev("nvmlDeviceGetArchitecture", handle)
-        return d if isinstance(d, int) else _set(out, d.inv.architecture)
-
-    def _c_nvmlDeviceGetMinorNumber(self, handle: Any, out: Any) -> int:
-        d = self._dev("nvmlDeviceGetMinorNumber", handle)
-        return d if isinstance(d, int) else _set(out, d.inv.minor_number)
 
     def _c_nvmlDeviceGetCudaComputeCapability(self, handle: Any, major: Any, minor: Any) -> int:
         d = self._dev("nvmlDeviceGetCudaComputeCapability", handle)
@@ -619,18 +640,6 @@ class FakeNvml:
         }
         return _set(out, values[c]) if c in values else INVALID_ARGUMENT
 
-    def _c_nvmlDeviceGetPowerUsage(self, handle: Any, out: Any) -> int:
-        d = self._dev("nvmlDeviceGetPowerUsage", handle)
-        return d if isinstance(d, int) else _set(out, d.sample.power_mw)
-
-    def _c_nvmlDeviceGetEnforcedPowerLimit(self, handle: Any, out: Any) -> int:
-        d = self._dev("nvmlDeviceGetEnforcedPowerLimit", handle)
-        return d if isinstance(d, int) else _set(out, d.sample.power_limit_mw)
-
-    def _c_nvmlDeviceGetPowerManagementDefaultLimit(self, handle: Any, out: Any) -> int:
-        d = self._dev("nvmlDeviceGetPowerManagementDefaultLimit", handle)
-        return d if isinstance(d, int) else _set(out, d.inv.power_limit_default_mw)
-
     def _c_nvmlDeviceGetPowerManagementLimitConstraints(self, handle: Any, lo: Any, hi: Any) -> int:
         d = self._dev("nvmlDeviceGetPowerManagementLimitConstraints", handle)
         if isinstance(d, int):
@@ -639,10 +648,6 @@ class FakeNvml:
             return NOT_SUPPORTED
         _set(lo, d.inv.power_limit_min_mw)
         return _set(hi, d.inv.power_limit_max_mw)
-
-    def _c_nvmlDeviceGetTotalEnergyConsumption(self, handle: Any, out: Any) -> int:
-        d = self._dev("nvmlDeviceGetTotalEnergyConsumption", handle)
-        return d if isinstance(d, int) else _set(out, d.sample.energy_mj)
 
     def _c_nvmlDeviceGetTemperature(self, handle: Any, sensor: Any, out: Any) -> int:
         d = self._dev("nvmlDeviceGetTemperature", handle)
@@ -666,10 +671,6 @@ class FakeNvml:
         if t in values:
             return _set(out, values[t])
         return NOT_SUPPORTED if 0 <= t < pynvml.NVML_TEMPERATURE_THRESHOLD_COUNT else INVALID_ARGUMENT
-
-    def _c_nvmlDeviceGetNumFans(self, handle: Any, out: Any) -> int:
-        d = self._dev("nvmlDeviceGetNumFans", handle)
-        return d if isinstance(d, int) else _set(out, d.inv.fan_count)
 
     def _c_nvmlDeviceGetFanSpeed_v2(self, handle: Any, fan: Any, out: Any) -> int:
         d = self._dev("nvmlDeviceGetFanSpeed_v2", handle)
@@ -717,18 +718,6 @@ class FakeNvml:
         m = _target(out)
         m.total, m.used, m.free = total, used + reserved, free  # v1 counts reserved memory as used
         return SUCCESS
-
-    def _c_nvmlDeviceGetPerformanceState(self, handle: Any, out: Any) -> int:
-        d = self._dev("nvmlDeviceGetPerformanceState", handle)
-        return d if isinstance(d, int) else _set(out, d.sample.pstate)
-
-    def _c_nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any, out: Any) -> int:
-        d = self._dev("nvmlDeviceGetCurrentClocksEventReasons", handle)
-        return d if isinstance(d, int) else _set(out, d.sample.clocks_event_reasons)
-
-    def _c_nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: Any, out: Any) -> int:
-        d = self._dev("nvmlDeviceGetCurrentClocksThrottleReasons", handle)
-        return d if isinstance(d, int) else _set(out, d.sample.clocks_event_reasons)
 
     # ------------------------------------------------------------------ field values
 
@@ -875,26 +864,6 @@ class FakeNvml:
 
     # ------------------------------------------------------------------ PCIe / NVLink
 
-    def _c_nvmlDeviceGetCurrPcieLinkGeneration(self, handle: Any, out: Any) -> int:
-        d = self._dev("nvmlDeviceGetCurrPcieLinkGeneration", handle)
-        return d if isinstance(d, int) else _set(out, d.sample.pcie_gen)
-
-    def _c_nvmlDeviceGetCurrPcieLinkWidth(self, handle: Any, out: Any) -> int:
-        d = self._dev("nvmlDeviceGetCurrPcieLinkWidth", handle)
-        return d if isinstance(d, int) else _set(out, d.sample.pcie_width)
-
-    def _c_nvmlDeviceGetMaxPcieLinkGeneration(self, handle: Any, out: Any) -> int:
-        d = self._dev("nvmlDeviceGetMaxPcieLinkGeneration", handle)
-        return d if isinstance(d, int) else _set(out, d.inv.pcie_max_gen)
-
-    def _c_nvmlDeviceGetMaxPcieLinkWidth(self, handle: Any, out: Any) -> int:
-        d = self._dev("nvmlDeviceGetMaxPcieLinkWidth", handle)
-        return d if isinstance(d, int) else _set(out, d.inv.pcie_max_width)
-
-    def _c_nvmlDeviceGetPcieReplayCounter(self, handle: Any, out: Any) -> int:
-        d = self._dev("nvmlDeviceGetPcieReplayCounter", handle)
-        return d if isinstance(d, int) else _set(out, d.sample.pcie_replay_counter)
-
     def _c_nvmlDeviceGetPcieThroughput(self, handle: Any, counter: Any, out: Any) -> int:
         d = self._dev("nvmlDeviceGetPcieThroughput", handle)
         if isinstance(d, int):
@@ -1009,10 +978,6 @@ class FakeNvml:
         return INVALID_ARGUMENT if dt <= 0 else SUCCESS
 
     # ------------------------------------------------------------------ events (XID)
-
-    def _c_nvmlDeviceGetSupportedEventTypes(self, handle: Any, out: Any) -> int:
-        d = self._dev("nvmlDeviceGetSupportedEventTypes", handle)
-        return d if isinstance(d, int) else _set(out, _SUPPORTED_EVENTS)
 
     def _c_nvmlEventSetCreate(self, out: Any) -> int:
         addr = self._set_base + next(self._ids) * 0x40
