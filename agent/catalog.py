@@ -20,9 +20,11 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+if TYPE_CHECKING:  # the families are built only where prometheus-client is installed (agent, detector)
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 
 MetricType = Literal["gauge", "counter"]
 
@@ -55,6 +57,8 @@ class MetricSpec:
 
     def family(self, labels: Sequence[str] | None = None) -> GaugeMetricFamily | CounterMetricFamily:
         """A new, empty prometheus-client metric family for this spec."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         names = list(self.labels if labels is None else labels)
         if self.type == "counter":
             # prometheus-client strips the _total suffix and adds it back on exposition.
@@ -131,7 +135,8 @@ SPECS: tuple[MetricSpec, ...] = (
                "1 if NVML is initialized and answering, 0 if it failed (driver not loaded, library missing).",
                (), "exporter"),
     MetricSpec("gpufleet_nvml_errors_total", _C, "",
-               "NVML calls that returned an error other than NOT_SUPPORTED, by function and NVML error name.",
+               "NVML calls that returned an error other than NOT_SUPPORTED, by function and NVML error name; "
+               "error=IMPLAUSIBLE_VALUE: a reading outside physical bounds, dropped (no series) instead of exported.",
                ("function", "error"), "exporter"),
     # ---------------------------------------------------------------- gpu identity
     MetricSpec("gpufleet_driver_info", _G, "", "NVIDIA driver, NVML and CUDA driver versions; value is 1.",
@@ -237,6 +242,10 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("gpufleet_gpu_job_info", _G, "",
                "Job running on the GPU (dcgm-exporter mapping directory); value is 1. Join on gpu. The label is job_id because Prometheus owns `job`.",
                ("gpu", "job_id"), "jobs"),
+    MetricSpec("gpufleet_gpu_job_mapping_skipped_files", _G, "",
+               "Files of the job mapping directory skipped on this scrape: not a regular file, unreadable, too "
+               "large, or not a list of job ids (invalid UTF-8, control characters). Absent without the directory.",
+               (), "jobs"),
     # ---------------------------------------------------------------- NIC: InfiniBand / RoCE
     MetricSpec("gpufleet_ib_port_info", _G, "", "InfiniBand/RoCE port identity; value is 1.",
                ("device", "port", "link_layer", "hca_type", "board_id", "fw_ver"), "nic"),

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from gpufleet.agent import __version__
+from gpufleet.agent import __version__, sdnotify
 from gpufleet.agent.config import COLLECTORS, AgentConfig
 
 PROG = "gpufleet-agent"
@@ -77,13 +77,18 @@ class UsageError(Exception):
 def _str(v: Any) -> str:
     if not isinstance(v, str):
         raise ValueError(f"expected a string, got {v!r}")
+    if "\0" in v:
+        raise ValueError(f"a NUL character is not allowed, got {v!r}")
     return v
 
 
 def _float(v: Any) -> float:
-    if isinstance(v, bool):
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
         raise ValueError(f"expected a number, got {v!r}")
-    f = float(v)
+    try:
+        f = float(v)
+    except OverflowError:
+        raise ValueError(f"number out of range: {v!r}") from None
     if not math.isfinite(f) or f < 0:
         raise ValueError(f"expected a non-negative number, got {v!r}")
     return f
@@ -143,7 +148,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("--log.level", "log_level", ("log", "level"), metavar="LEVEL",
            help="debug, info, warn or error (default info)"),
     Option("--nvml.fake", "nvml_fake", ("nvml", "fake"), metavar="SPEC",
-           help="serve a fake NVML instead of the driver: sim, sim:N, trace:PATH, live:PATH"),
+           help="serve a fake NVML instead of the driver: sim, sim:N, sim:PATH[:N] (an nvidia-smi -q -x capture), trace:PATH, live:PATH"),
     Option("--scrape.cache-seconds", "cache_seconds", ("scrape", "cache_seconds"), _float, metavar="S",
            help="reuse a hardware read for scrapes arriving within S seconds of it (default 0)"),
     Option("--config.file", "config_file", ("", ""), metavar="FILE", help="TOML config file"),
@@ -205,6 +210,8 @@ def _load_toml(path: str) -> dict[str, dict[str, Any]]:
         raise UsageError(f"cannot read config file {path}: {e.strerror or e}") from e
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"config file {path}: invalid TOML: {e}") from e
+    except UnicodeDecodeError as e:
+        raise UsageError(f"config file {path}: not UTF-8 text (byte {e.start}: {e.reason})") from e
     # Flatten nested tables: {"collector": {"jobs": {...}}} -> "collector.jobs".
     flat: dict[str, dict[str, Any]] = {}
 
@@ -396,16 +403,46 @@ def serve(cfg: AgentConfig) -> int:
         thread = server.serve_in_thread()
         log.info("listening on %s://%s%s (version %s)", server.scheme, cfg.listen_address,
                  cfg.telemetry_path, __version__)
-        while not stop.wait(1.0):
-            if not thread.is_alive():
-                log.error("HTTP server stopped unexpectedly")
-                return 1
+        where = f"listening on {server.scheme}://{cfg.listen_address}{cfg.telemetry_path}"
+        sdnotify.ready(f"{where}; {agent.health()}")
+        watchdog = _watchdog(lambda: None if thread.is_alive() else "HTTP server thread stopped",
+                             agent.collector.reading_for, "a hardware read")
+        shown = agent.health()
+        try:
+            while not stop.wait(1.0):
+                if not thread.is_alive():
+                    log.error("HTTP server stopped unexpectedly")
+                    return 1
+                if agent.health() != shown:
+                    shown = agent.health()
+                    sdnotify.status(f"{where}; {shown}")
+        finally:
+            sdnotify.stopping()
+            watchdog.stop()
         server.shutdown()
         server.server_close()
     finally:
         agent.close()
     log.info("stopped")
     return 0
+
+
+def _watchdog(alive: Callable[[], str | None], busy_for: Callable[[], float], what: str) -> sdnotify.Watchdog:
+    """Start systemd's watchdog pings (when ``WatchdogSec=`` is set): they stop when ``alive()``
+    gives a reason or when ``busy_for()`` (seconds the work in progress has run) reaches the
+    watchdog timeout, so systemd restarts an agent wedged in, say, an NVML call that never returns.
+    An idle agent that nobody scrapes keeps pinging."""
+    wd = sdnotify.Watchdog(lambda: None)
+    limit = wd.timeout
+
+    def check() -> str | None:
+        busy = busy_for()
+        if limit is not None and busy >= limit:
+            return f"{what} has been running for {busy:.0f} s (watchdog {limit:g} s)"
+        return alive()
+
+    wd.check = check
+    return wd.start()
 
 
 def once(cfg: AgentConfig) -> int:
@@ -441,25 +478,42 @@ def textfile(cfg: AgentConfig) -> int:
     assert cfg.textfile_directory is not None
     stop = _stop_event() if cfg.textfile_interval > 0 else threading.Event()
     agent = _build_agent(cfg)
+    # When the write in progress (hardware read + file write) started: the watchdog stops if one wedges.
+    busy: list[float | None] = [None]
+    watchdog = sdnotify.Watchdog(lambda: None, timeout=0)  # disabled unless a daemon (--interval > 0)
     try:
         agent.start(listen_xid=cfg.textfile_interval > 0)
         if cfg.textfile_interval > 0:
             tune_gc()
+            watchdog = _watchdog(lambda: None, lambda: 0.0 if busy[0] is None else time.monotonic() - busy[0],
+                                 "writing the textfile")
+        shown = ""
         while True:
-            started = time.monotonic()
+            started = busy[0] = time.monotonic()
             try:
                 path = write_textfile(cfg.textfile_directory, agent.text())
                 log.debug("wrote %s", path)
+                state = f"wrote {path}"
             except OSError as e:
-                print(f"{PROG}: cannot write {cfg.textfile_directory}/{TEXTFILE_NAME}: {e.strerror or e}",
-                      file=sys.stderr)
+                state = f"cannot write {cfg.textfile_directory}/{TEXTFILE_NAME}: {e.strerror or e}"
+                print(f"{PROG}: {state}", file=sys.stderr)
                 if cfg.textfile_interval <= 0:
                     return 1
+            busy[0] = None
             if cfg.textfile_interval <= 0:
                 return 0
+            if not shown:
+                sdnotify.ready(state)  # ready once the first write was attempted
+            elif state.split()[0] != shown.split()[0]:
+                sdnotify.status(state)
+            shown = state
+            watchdog.tick()
             if stop.wait(max(0.0, cfg.textfile_interval - (time.monotonic() - started))):
                 return 0
     finally:
+        if cfg.textfile_interval > 0:
+            sdnotify.stopping()
+        watchdog.stop()
         agent.close()
 
 
@@ -472,11 +526,40 @@ def record(argv: list[str]) -> int:
     return int(record_main(argv))
 
 
+def _takes_value(flag: str) -> bool:
+    """Does ``flag`` (a whole flag or an unambiguous prefix of one, as argparse accepts) take a value?"""
+    valued = [o.flag for o in (*OPTIONS, *TEXTFILE_OPTIONS)]
+    if flag in valued:
+        return True
+    every = [*valued, "--help", "--version", *(f"--{p}collector.{c}" for c in COLLECTORS for p in ("", "no-"))]
+    if flag in every:
+        return False
+    candidates = [f for f in every if f.startswith(flag)]
+    return len(candidates) == 1 and candidates[0] in valued
+
+
+def _record_index(args: Sequence[str]) -> int | None:
+    """Where the ``record`` mode word is in ``args``, or None: the first positional argument decides
+    the mode, and a flag's value (``--config.file record``) is never taken for one."""
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--":
+            return None
+        if a.startswith("-") and a != "-":
+            if "=" not in a and _takes_value(a):
+                i += 1  # the next argument is this flag's value
+            i += 1
+            continue
+        return i if a == "record" else None
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        if "record" in args:
-            i = args.index("record")
+        i = _record_index(args)
+        if i is not None:
             settings = resolve(args[:i])
             setup_logging(settings.config.log_level)
             cfg = settings.config

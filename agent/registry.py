@@ -74,6 +74,8 @@ class AgentCollector:
         self._last_done = 0.0
         #: Hardware reads performed (scrapes that shared a read or hit the cache do not count).
         self.reads = 0
+        #: ``time.monotonic()`` when the hardware read in progress started; None between reads.
+        self.reading_since: float | None = None
         self._build = self._build_info()
 
     @staticmethod
@@ -81,6 +83,12 @@ class AgentCollector:
         fam = GaugeMetricFamily(_BUILD.name, _BUILD.help, labels=list(_BUILD.labels))
         fam.add_metric([__version__, platform.python_version(), _binding_version()], 1.0)
         return fam
+
+    def reading_for(self) -> float:
+        """Seconds the hardware read in progress has been running; 0 when none is (a wedged read,
+        e.g. an NVML call that never returns, grows without bound: the watchdog checks this)."""
+        since = self.reading_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
 
     def describe(self) -> Iterator[Metric]:
         yield _BUILD.family()
@@ -115,9 +123,11 @@ class AgentCollector:
         if not owner:
             flight.done.wait()
             return flight
+        self.reading_since = time.monotonic()
         try:
             flight.metrics = self._read_all()
         finally:
+            self.reading_since = None
             with self._lock:
                 self._flight = None
                 self._last = flight

@@ -21,19 +21,31 @@ Supported: ``cert_file``/``key_file`` (or inline ``cert``/``key``), ``client_ca_
 ``prefer_server_cipher_suites``, ``http_server_config.headers`` and ``basic_auth_users``.
 Anything else is rejected with a clear error rather than silently ignored.
 Relative file paths are resolved against the directory of the config file, as
-the exporter-toolkit does.
+the exporter-toolkit does. Inline ``cert``/``key`` PEMs are kept in memory and
+handed to OpenSSL through an anonymous memory file (``memfd``), never written to
+disk.
+
+Basic auth resists the usual attacks: an unknown user costs one bcrypt check of
+the same cost as the configured users' hashes (so timing does not reveal which
+names exist); at most one bcrypt check runs at a time in the process (as in the
+exporter-toolkit), so a password spray burns at most one core; and successful
+checks are remembered (keyed by user and a SHA-256 of the password, so a wrong
+password never matches), so real scrapes rarely pay for bcrypt at all.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hashlib
 import os
+import re
 import ssl
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,22 +79,71 @@ _TLS_KEYS = {
 _TLS_KEYS_UNSUPPORTED = {"cipher_suites", "curve_preferences", "client_allowed_sans", "client_ca"}
 _TOP_KEYS = {"tls_server_config", "http_server_config", "basic_auth_users"}
 _HTTP_KEYS = {"headers", "http2"}
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_HEADER_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
 
-#: How long a successful bcrypt verification is remembered (so bcrypt's deliberate
-#: cost is paid once per credential and period, not on every scrape).
+#: How long a successful bcrypt verification is remembered after its last use (so bcrypt's
+#: deliberate cost is paid once per credential, not on every scrape).
 AUTH_CACHE_SECONDS = 60.0
-_DUMMY_HASH = bcrypt.hashpw(b"gpufleet-dummy", bcrypt.gensalt(rounds=4))
+#: Process-wide bound on concurrent bcrypt checks (the exporter-toolkit serializes them too).
+_BCRYPT_SLOTS = threading.BoundedSemaphore(1)
+_COST = re.compile(rb"\$2[aby]\$(\d\d)\$")
+
+
+def _cost(h: bytes) -> int:
+    m = _COST.match(h)
+    return int(m.group(1)) if m else 10
+
+
+def dummy_hash(users: dict[str, bytes]) -> bytes:
+    """A hash to check unknown users against, as costly as the most costly configured hash."""
+    cost = max((_cost(h) for h in users.values()), default=10)
+    return bcrypt.hashpw(b"gpufleet-dummy", bcrypt.gensalt(rounds=min(31, max(4, cost))))
+
+
+@contextlib.contextmanager
+def _pem_path(pem: str | None, file: Path | None) -> Iterator[str]:
+    """A path OpenSSL can read ``file`` or an inline PEM from, without the PEM touching a disk.
+
+    Linux: an anonymous memory file (memfd), read through /proc/self/fd and closed at once.
+    Elsewhere: a 0600 file in a private temporary directory, removed as soon as it is loaded.
+    """
+    if pem is None:
+        assert file is not None
+        yield str(file)
+        return
+    data = pem.encode()
+    memfd_create = getattr(os, "memfd_create", None)
+    if memfd_create is not None and os.path.isdir("/proc/self/fd"):
+        fd = memfd_create("gpufleet-tls", getattr(os, "MFD_CLOEXEC", 0))
+        try:
+            os.write(fd, data)
+            yield f"/proc/self/fd/{fd}"
+        finally:
+            os.close(fd)
+        return
+    with tempfile.TemporaryDirectory(prefix="gpufleet-tls-") as d:
+        name = os.path.join(d, "pem")
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        yield name
 
 
 @dataclass
 class TlsConfig:
-    cert_file: Path
-    key_file: Path
+    cert_file: Path | None
+    key_file: Path | None
     client_ca_file: Path | None = None
     client_auth_type: str = "NoClientCert"
     min_version: str = "TLS12"
     max_version: str | None = None
     prefer_server_cipher_suites: bool = True
+    #: inline PEMs (``cert``/``key``), used instead of cert_file/key_file; kept in memory only
+    cert: str | None = field(default=None, repr=False)
+    key: str | None = field(default=None, repr=False)
 
     def ssl_context(self) -> ssl.SSLContext:
         """A server-side SSLContext; raises WebConfigError when the files do not load."""
@@ -93,7 +154,8 @@ class TlsConfig:
         if self.prefer_server_cipher_suites:
             ctx.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
         try:
-            ctx.load_cert_chain(str(self.cert_file), str(self.key_file))
+            with _pem_path(self.cert, self.cert_file) as cert, _pem_path(self.key, self.key_file) as key:
+                ctx.load_cert_chain(cert, key)
         except (ssl.SSLError, OSError) as e:
             raise WebConfigError(f"tls_server_config: cannot load cert_file/key_file: {e}") from e
         ctx.verify_mode = _CLIENT_AUTH[self.client_auth_type]
@@ -111,8 +173,14 @@ class WebConfig:
     #: user -> bcrypt hash
     users: dict[str, bytes] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)
+    #: what unknown users are checked against: as costly as the costliest configured hash
+    dummy_hash: bytes = field(default=b"", repr=False)
     _ok: dict[tuple[str, bytes], float] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.users and not self.dummy_hash:
+            self.dummy_hash = dummy_hash(self.users)
 
     @property
     def auth_required(self) -> bool:
@@ -121,11 +189,29 @@ class WebConfig:
     def ssl_context(self) -> ssl.SSLContext | None:
         return self.tls.ssl_context() if self.tls else None
 
+    def cached_authorization(self, header: str | None) -> bool:
+        """Whether ``header`` is authorized without a bcrypt check: no users are configured, or
+        these exact credentials were verified recently (each use extends the period)."""
+        if not self.users:
+            return True
+        creds = parse_basic_auth(header)
+        return creds is not None and self._cached(_cache_key(*creds), time.monotonic())
+
+    def _cached(self, key: tuple[str, bytes], now: float) -> bool:
+        with self._lock:
+            expiry = self._ok.get(key)
+            if expiry is None or expiry <= now:
+                return False
+            self._ok[key] = now + AUTH_CACHE_SECONDS
+            return True
+
     def check_authorization(self, header: str | None) -> bool:
         """Whether an HTTP ``Authorization`` header value carries valid basic-auth credentials.
 
-        Always true when no users are configured. Unknown users still cost one bcrypt
-        check so response time does not reveal which user names exist.
+        Always true when no users are configured. Cached credentials answer at once, without
+        waiting for bcrypt. Otherwise one bcrypt check runs, at most one at a time in the
+        process; unknown users are checked against a dummy hash of the same cost, so response
+        time does not reveal which user names exist.
         """
         if not self.users:
             return True
@@ -133,24 +219,27 @@ class WebConfig:
         if creds is None:
             return False
         user, password = creds
-        key = (user, hashlib.sha256(password.encode("utf-8", "surrogateescape")).digest())
-        now = time.monotonic()
-        with self._lock:
-            expiry = self._ok.get(key)
-            if expiry is not None and expiry > now:
-                return True
+        key = _cache_key(user, password)
+        if self._cached(key, time.monotonic()):
+            return True
         stored = self.users.get(user)
-        try:
-            ok = bcrypt.checkpw(password.encode("utf-8", "surrogateescape"), stored or _DUMMY_HASH)
-        except ValueError:
-            ok = False
+        with _BCRYPT_SLOTS:
+            try:
+                ok = bcrypt.checkpw(password.encode("utf-8", "surrogateescape"), stored or self.dummy_hash)
+            except ValueError:
+                ok = False
         ok = ok and stored is not None
         if ok:
+            now = time.monotonic()
             with self._lock:
                 if len(self._ok) > 1024:
                     self._ok = {k: v for k, v in self._ok.items() if v > now}
                 self._ok[key] = now + AUTH_CACHE_SECONDS
         return ok
+
+
+def _cache_key(user: str, password: str) -> tuple[str, bytes]:
+    return user, hashlib.sha256(password.encode("utf-8", "surrogateescape")).digest()
 
 
 def parse_basic_auth(header: str | None) -> tuple[str, str] | None:
@@ -205,23 +294,12 @@ def _file(base: Path, d: dict[str, Any], key: str, where: str) -> Path | None:
     return p
 
 
-def _inline_pem(text: str, tmpdir: list[str]) -> Path:
-    """Write an inline PEM (``cert``/``key``) to a private temporary file for ssl.load_cert_chain."""
-    if not tmpdir:
-        tmpdir.append(tempfile.mkdtemp(prefix="gpufleet-tls-"))
-    fd, name = tempfile.mkstemp(dir=tmpdir[0], suffix=".pem")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    return Path(name)
-
-
 def _parse_tls(base: Path, raw: Any) -> TlsConfig | None:
     where = "tls_server_config"
     d = _mapping(raw, where)
     if not d:
         return None
     _check_keys(d, _TLS_KEYS, where, _TLS_KEYS_UNSUPPORTED)
-    tmp: list[str] = []
     cert = _file(base, d, "cert_file", where)
     key = _file(base, d, "key_file", where)
     inline_cert, inline_key = _string(d, "cert", where), _string(d, "key", where)
@@ -229,9 +307,7 @@ def _parse_tls(base: Path, raw: Any) -> TlsConfig | None:
         raise WebConfigError(f"{where}: set cert_file or cert, not both")
     if key and inline_key:
         raise WebConfigError(f"{where}: set key_file or key, not both")
-    cert = cert or (_inline_pem(inline_cert, tmp) if inline_cert else None)
-    key = key or (_inline_pem(inline_key, tmp) if inline_key else None)
-    if cert is None or key is None:
+    if (cert is None and inline_cert is None) or (key is None and inline_key is None):
         raise WebConfigError(f"{where}: both cert_file (or cert) and key_file (or key) are required")
     auth = _string(d, "client_auth_type", where) or "NoClientCert"
     if auth in _CLIENT_AUTH_UNSUPPORTED:
@@ -255,7 +331,8 @@ def _parse_tls(base: Path, raw: Any) -> TlsConfig | None:
     prefer = d.get("prefer_server_cipher_suites", True)
     if not isinstance(prefer, bool):
         raise WebConfigError(f"{where}.prefer_server_cipher_suites: expected true or false")
-    tls = TlsConfig(cert, key, ca, auth, versions["min_version"] or "TLS12", versions["max_version"], prefer)
+    tls = TlsConfig(cert, key, ca, auth, versions["min_version"] or "TLS12", versions["max_version"], prefer,
+                    cert=inline_cert, key=inline_key)
     tls.ssl_context()  # load the files now so a bad key/cert pair fails at start-up
     return tls
 
@@ -286,7 +363,8 @@ def _parse_http(raw: Any) -> dict[str, str]:
     headers = _mapping(d.get("headers"), f"{where}.headers")
     out: dict[str, str] = {}
     for k, v in headers.items():
-        if not isinstance(k, str) or not isinstance(v, str) or any(c in k + v for c in "\r\n"):
+        if (not isinstance(k, str) or not isinstance(v, str) or not _HEADER_NAME.fullmatch(k)
+                or not _HEADER_VALUE.fullmatch(v)):
             raise WebConfigError(f"{where}.headers: invalid header {k!r}")
         out[k] = v
     return out

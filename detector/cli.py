@@ -77,8 +77,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _load(path: str) -> DetectorConfig:
+    try:
+        return load(path)
+    except UnicodeDecodeError as e:  # tomllib decodes the file itself
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+
+
 def _config(path: str | None, profile: str | None) -> DetectorConfig:
-    cfg = load(path) if path else DetectorConfig()
+    cfg = _load(path) if path else DetectorConfig()
     if profile:
         cfg.profile = profile
     return cfg
@@ -142,9 +149,11 @@ def _table(findings: Sequence[Finding]) -> None:
 
 
 def _serve(cfg: DetectorConfig, once: bool) -> int:
+    from gpufleet.agent import sdnotify
     from gpufleet.agent.server import MetricsServer
     from gpufleet.agent.webconfig import load_web_config
     from gpufleet.detector.exporter import Exposer, Health, registry_for
+    from gpufleet.detector.liveness import Liveness
     from gpufleet.detector.source_prometheus import PrometheusSource
 
     headers: dict[str, str] = {}
@@ -158,7 +167,8 @@ def _serve(cfg: DetectorConfig, once: bool) -> int:
         raise ConfigError(f"cannot read credentials file: {e}") from e
     src = PrometheusSource(cfg.prometheus_url, timeout=cfg.timeout_seconds, headers=headers, auth=auth,
                            verify=cfg.ca_file or True)
-    det = Detector(cfg, src)
+    live = Liveness()  # the evaluation loop's progress, for systemd's watchdog
+    det = Detector(cfg, live.track(src))
     health = Health()
     if once:
         det.evaluate(time.time())
@@ -167,14 +177,26 @@ def _serve(cfg: DetectorConfig, once: bool) -> int:
         return 0
     server = MetricsServer(cfg.listen, Exposer(registry_for(det, health), health),
                            load_web_config(cfg.web_config_file or None), title="gpufleet detector")
-    server.serve_in_thread()
+    thread = server.serve_in_thread()
     log.info("serving /metrics on %s://%s, evaluating every %ss against %s", server.scheme, cfg.listen,
              cfg.interval_seconds, cfg.prometheus_url)
+    sdnotify.ready(f"serving on {server.scheme}://{cfg.listen}; evaluating against {cfg.prometheus_url}")
+    watchdog = live.watchdog(thread)
+    if watchdog.timeout is not None and cfg.timeout_seconds >= watchdog.timeout:
+        log.warning("[prometheus] timeout_seconds (%g) is not below the systemd watchdog (%g s): one slow "
+                    "query restarts the detector; raise WatchdogSec", cfg.timeout_seconds, watchdog.timeout)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+
+    def on_signal(*_: object) -> None:
+        sdnotify.stopping()
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     while not stop.is_set():
         started = time.time()
+        failures = health.results["failure"]
+        live.begin()
         try:
             ev = det.evaluate(started)
             with health.lock:
@@ -191,7 +213,12 @@ def _serve(cfg: DetectorConfig, once: bool) -> int:
             with health.lock:
                 health.results["failure"] += 1
                 health.last_error = str(e)
+        live.end()
+        watchdog.tick()
+        last = f"failed: {health.last_error}" if health.results["failure"] > failures else "ok"
+        sdnotify.status(f"last evaluation {last}; {len(det.tracker.active)} findings open")
         stop.wait(max(0.0, cfg.interval_seconds - (time.time() - started)))
+    watchdog.stop()
     server.shutdown()
     return 0
 
@@ -201,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "serve":
-            return _serve(load(args.config), args.once)
+            return _serve(_load(args.config), args.once)
         cfg = _config(args.config, args.profile)
         progress = sys.stderr.isatty() if args.progress is None else args.progress
         det, findings = replay(args.files, cfg, args.step, progress)

@@ -14,8 +14,9 @@ than two samples in the window give no rate.
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,7 @@ FloatArray = np.ndarray
 
 
 class RecordingError(ValueError):
-    """A recording could not be read."""
+    """A recording could not be read; the message names the file and, where known, the line."""
 
 
 @dataclass
@@ -57,10 +58,6 @@ class RecordingSource:
                     _load_file(fd, wanted, raw, str(path))
             except OSError as e:
                 raise RecordingError(f"cannot read {path}: {e.strerror or e}") from e
-            except (ValueError, TypeError) as e:
-                if isinstance(e, RecordingError):
-                    raise
-                raise RecordingError(f"{path}: not valid OpenMetrics: {e}") from e
         series: dict[str, list[Series]] = {}
         for name, by_labels in raw.items():
             out = series.setdefault(name, [])
@@ -132,49 +129,94 @@ def _load_file(fd: Iterable[str], wanted: set[str] | None, raw: RawSeries, path:
     (anything else on such a line is an error). This is several times faster than parsing every label set.
     """
     meta: list[str] = []
+    meta_lines: list[int] = []  # the file's line number of each meta entry
     order: list[str] = []
+    order_lines: list[int] = []
     starts = tuple(wanted) if wanted is not None else ("",)
     points: dict[str, tuple[list[float], list[float]]] = {}
     prev = ""
-    for line in fd:
-        if not line.startswith(starts):  # cheap rejection of unwanted metrics (exact check below)
-            if line.startswith("#") or not line.strip():
+    eof = False
+    lineno = 0
+    try:
+        for line in fd:
+            lineno += 1
+            if eof:
+                raise RecordingError(f"{path}:{lineno}: data after the '# EOF' line (invalid OpenMetrics)")
+            if not line.startswith(starts):  # cheap rejection of unwanted metrics (exact check below)
+                if line.startswith("#") or not line.strip():
+                    meta.append(line)
+                    meta_lines.append(lineno)
+                    eof = line.rstrip("\r\n") == "# EOF"
+                elif line[0] not in _NAME_START:
+                    raise RecordingError(f"{path}:{lineno}: not valid OpenMetrics: not a comment or a sample: "
+                                         f"{_clip(line.strip())}")
+                continue
+            if line.startswith("#"):
                 meta.append(line)
-            continue
-        if line.startswith("#"):
+                meta_lines.append(lineno)
+                eof = line.rstrip("\r\n") == "# EOF"
+                continue
+            end = len(line)
+            for sep in ("{", " "):
+                j = line.find(sep)
+                if 0 <= j < end:
+                    end = j
+            if wanted is not None and line[:end] not in wanted:
+                continue
+            brace = line.rfind("}")
+            prefix = line[: brace + 1] if brace >= 0 else line[:end]
+            if prefix == prev:
+                rest = line[len(prefix):].split()
+                if len(rest) != 2:
+                    raise RecordingError(f"{path}:{lineno}: sample without a timestamp or with extra fields: "
+                                         f"{_clip(line.strip())}")
+                try:
+                    t, v = float(rest[1]), float(rest[0])
+                except ValueError:
+                    raise RecordingError(f"{path}:{lineno}: not valid OpenMetrics: bad value or timestamp in "
+                                         f"{_clip(line.strip())}") from None
+                if not math.isfinite(t):
+                    raise RecordingError(f"{path}:{lineno}: timestamp {rest[1][:40]!r} is not a finite number")
+                ts, vs = points[prefix]
+                ts.append(t)
+                vs.append(v)
+                continue
+            if prefix in points:
+                raise RecordingError(f"{path}:{lineno}: samples of {_clip(prefix)} are not contiguous "
+                                     "(invalid OpenMetrics)")
+            points[prefix] = ([], [])
+            order.append(prefix)
+            order_lines.append(lineno)
             meta.append(line)
-            continue
-        end = len(line)
-        for sep in ("{", " "):
-            j = line.find(sep)
-            if 0 <= j < end:
-                end = j
-        if wanted is not None and line[:end] not in wanted:
-            continue
-        brace = line.rfind("}")
-        prefix = line[: brace + 1] if brace >= 0 else line[:end]
-        if prefix == prev:
-            rest = line[len(prefix):].split()
-            if len(rest) != 2:
-                raise RecordingError(f"{path}: sample without a timestamp or with extra fields: {line.strip()!r}")
-            ts, vs = points[prefix]
-            ts.append(float(rest[1]))
-            vs.append(float(rest[0]))
-            continue
-        if prefix in points:
-            raise RecordingError(f"{path}: samples of {prefix} are not contiguous (invalid OpenMetrics)")
-        points[prefix] = ([], [])
-        order.append(prefix)
-        meta.append(line)
-        prev = prefix
-    parsed = [s for family in text_fd_to_metric_families(iter(meta)) for s in family.samples]  # type: ignore[no-untyped-call]
+            meta_lines.append(lineno)
+            prev = prefix
+    except UnicodeDecodeError as e:
+        raise RecordingError(f"{path}:{_first_bad_utf8_line(path)}: not UTF-8 text ({e.reason}); "
+                             "the file is corrupt") from None
+    at = [0]  # the line the parser read last
+
+    def fed() -> Iterator[str]:
+        for i, text in enumerate(meta):
+            at[0] = meta_lines[i]
+            yield text
+        at[0] = lineno
+
+    try:
+        families = text_fd_to_metric_families(fed())  # type: ignore[no-untyped-call]
+        parsed = [s for family in families for s in family.samples]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        what = ("truncated (no '# EOF' line at the end)" if "Missing # EOF" in str(e)
+                else f"not valid OpenMetrics: {_clip(str(e))}")
+        raise RecordingError(f"{path}:{at[0]}: {what}") from None
     if len(parsed) != len(order):
         raise RecordingError(f"{path}: parser returned {len(parsed)} series for {len(order)} series lines")
-    for sample, prefix in zip(parsed, order, strict=True):
+    for sample, prefix, where in zip(parsed, order, order_lines, strict=True):
         if sample.name.endswith("_created") or (wanted is not None and sample.name not in wanted):
             continue
         if sample.timestamp is None:
-            raise RecordingError(f"{path}: sample {sample.name} has no timestamp")
+            raise RecordingError(f"{path}:{where}: sample {sample.name} has no timestamp")
+        if not math.isfinite(float(sample.timestamp)):
+            raise RecordingError(f"{path}:{where}: sample {sample.name}: the timestamp is not a finite number")
         key = tuple(sorted(sample.labels.items()))
         more_t, more_v = points[prefix]
         ts, vs = raw.setdefault(sample.name, {}).setdefault(key, ([], []))
@@ -182,6 +224,28 @@ def _load_file(fd: Iterable[str], wanted: set[str] | None, raw: RawSeries, path:
         vs.append(float(sample.value))
         ts.extend(more_t)
         vs.extend(more_v)
+
+
+#: Characters that may start a metric name, so a sample line.
+_NAME_START = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_:")
+
+
+def _first_bad_utf8_line(path: str) -> int:
+    """The number of the first line of ``path`` that is not UTF-8 (0 when it cannot be found)."""
+    try:
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, start=1):
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    return n
+    except OSError:
+        pass
+    return 0
+
+
+def _clip(text: str, n: int = 120) -> str:
+    return repr(text if len(text) <= n else text[:n] + "...")
 
 
 def window_op(op: str, ts: FloatArray, vs: FloatArray, t: FloatArray, window: float) -> FloatArray:

@@ -5,7 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
+  python3 -m venv .venv || {
+    rm -rf .venv
+    echo "demo.sh: cannot create .venv with python3 -m venv (Debian/Ubuntu: apt-get install python3-venv)" >&2
+    exit 1
+  }
 fi
+echo "==> installing gpufleet[all] into .venv"
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[all]'
 exec .venv/bin/gpufleet-sim demo "$@"

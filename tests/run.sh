@@ -8,6 +8,9 @@ cd "$(dirname "$0")/.."
 need=()
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 command -v amtool >/dev/null 2>&1 || need+=(prometheus-alertmanager)
+command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
+command -v curl >/dev/null 2>&1 || need+=(curl)
+command -v openssl >/dev/null 2>&1 || need+=(openssl)
 if ((${#need[@]})); then
   sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"
@@ -18,7 +21,11 @@ fi
 
 if [ ! -x .venv/bin/python ]; then
   echo "==> creating .venv"
-  python3 -m venv .venv
+  python3 -m venv .venv || {
+    rm -rf .venv
+    echo "run.sh: cannot create .venv with python3 -m venv (Debian/Ubuntu: apt-get install python3-venv)" >&2
+    exit 1
+  }
 fi
 echo "==> installing gpufleet[dev] into .venv"
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'

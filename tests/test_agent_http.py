@@ -202,3 +202,47 @@ def test_port_in_use_fails_clearly(tmp_path: Path) -> None:
                            capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "cannot listen" in r.stderr
 
+
+
+@pytest.mark.parametrize("host", ["bad_host!", "a..b"])  # neither is looked up in DNS
+def test_unresolvable_listen_host_is_a_usage_error(host: str) -> None:
+    r = subprocess.run([AGENT, "--nvml.fake=sim", f"--web.listen-address={host}:9445"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and "invalid listen address" in r.stderr and host in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_inline_tls_key_is_never_written_to_disk(tmp_path: Path, ca: trustme.CA) -> None:
+    cert = ca.issue_cert("127.0.0.1")
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.crt"))
+
+    def indent(pem: bytes) -> str:
+        return "\n".join("    " + line for line in pem.decode().splitlines())
+
+    (tmp_path / "web.yml").write_text(
+        f"tls_server_config:\n  cert: |\n{indent(cert.cert_chain_pems[0].bytes())}\n"
+        f"  key: |\n{indent(cert.private_key_pem.bytes())}\n")
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    ca_file = str(tmp_path / "ca.crt")
+    port = free_port()
+    argv = [AGENT, "--nvml.fake=sim", f"--web.listen-address=127.0.0.1:{port}", "--no-collector.host",
+            f"--web.config.file={tmp_path / 'web.yml'}"]
+    with running(argv, env={"TMPDIR": str(tmpdir)}, log=tmp_path / "agent.log") as proc:
+        try:
+            wait_http(f"https://127.0.0.1:{port}/health", timeout=30, verify=ca_file)
+        except TimeoutError:
+            raise AssertionError((tmp_path / "agent.log").read_text()) from None
+        assert requests.get(f"https://127.0.0.1:{port}/metrics", verify=ca_file, timeout=10).status_code == 200
+        assert key_files(tmpdir) == []
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    assert key_files(tmpdir) == []
+
+
+def key_files(d: Path) -> list[Path]:
+    """Files under ``d`` holding a private key, or named like the old copies (the simulator's fake
+    sysfs tree also lives in $TMPDIR)."""
+    return [p for p in d.rglob("*") if p.name.startswith("gpufleet-tls")
+            or (p.is_file() and b"PRIVATE KEY" in p.read_bytes())]

@@ -317,6 +317,38 @@ def expected_series_without(src: FakeHost, got_power_gpus: tuple[str, ...]) -> S
     return exp
 
 
+def test_implausible_readings_are_dropped_and_counted(
+    host: tuple[FakeHost, FakeNvml, NvmlBackend, GpuCollector],
+) -> None:
+    """Garbage from the driver (0xFFFFFFFF, a wrapped negative, 4 MW) is no data, counted as IMPLAUSIBLE_VALUE."""
+    src, _, _, collector = host
+    s = src.samples[0]
+    s.power_mw = 0xFFFFFFFF  # 4.29 MW
+    s.clock_sm_mhz = 0xFFFFFFFF  # a negative clock read as unsigned: 4.29e15 Hz
+    s.temperature_gpu_c = 250
+    s.utilization_gpu_pct = 101
+    src.samples[1].fan_speed_pct = [33, 0xFFFF]
+    got = scrape(collector)
+    assert not pick(got, "gpufleet_gpu_power_watts", gpu="0")
+    assert not pick(got, "gpufleet_gpu_clock_hertz", gpu="0", clock="sm")
+    assert pick(got, "gpufleet_gpu_clock_hertz", gpu="0", clock="memory")  # only the bad reading goes
+    assert not pick(got, "gpufleet_gpu_temperature_celsius", gpu="0", sensor="gpu")
+    assert not pick(got, "gpufleet_gpu_utilization_ratio", gpu="0")
+    assert not pick(got, "gpufleet_gpu_fan_speed_ratio", gpu="1")
+    assert value(got, "gpufleet_gpu_up", gpu="0") == 1
+    # the node total holds the plausible GPUs only
+    assert value(got, "gpufleet_node_gpu_power_watts") == pytest.approx(
+        sum(x.power_mw for x in src.samples[1:]) / 1000)  # type: ignore[misc]
+    assert max(v for (n, _), v in got.items() if n == "gpufleet_gpu_clock_hertz") <= 10e9
+    errors = pick(got, "gpufleet_nvml_errors_total", error="IMPLAUSIBLE_VALUE")
+    by_function = {dict(k)["function"]: v for k, v in errors.items()}
+    assert by_function == {"nvmlDeviceGetPowerUsage": 1, "nvmlDeviceGetClockInfo": 1,
+                           "nvmlDeviceGetTemperature": 1, "nvmlDeviceGetUtilizationRates": 1,
+                           "nvmlDeviceGetFanSpeed_v2": 1}
+    s.power_mw = 650_000  # the driver recovers: the reading is back
+    assert value(scrape(collector), "gpufleet_gpu_power_watts", gpu="0") == 650.0
+
+
 def test_gpm_is_computed_between_samples(host: tuple[FakeHost, FakeNvml, NvmlBackend, GpuCollector]) -> None:
     src, _, _, collector = host
     assert not pick(scrape(collector), "gpufleet_gpu_sm_active_ratio"), "first scrape has no GPM interval"

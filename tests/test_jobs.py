@@ -17,6 +17,8 @@ def scrape(collector: JobsCollector) -> set[tuple[str, str]]:
     registry.register(collector)
     out = set()
     for fam in text_string_to_metric_families(generate_latest(registry).decode()):
+        if fam.name == "gpufleet_gpu_job_mapping_skipped_files":
+            continue
         for s in fam.samples:
             assert s.name == "gpufleet_gpu_job_info"
             assert set(s.labels) == {"gpu", "job_id"}
@@ -81,12 +83,26 @@ def test_mapping_follows_the_directory(mapping_dir: Path) -> None:
     assert ("3", "slurm-2000") in got
 
 
-def test_missing_or_bad_directory_gives_nothing(tmp_path: Path) -> None:
-    assert list(JobsCollector(str(tmp_path / "missing")).collect()) == []
-    f = tmp_path / "a-file"
-    f.write_text("0\n")
-    assert list(JobsCollector(str(f)).collect()) == []
+def skipped(collector: JobsCollector) -> float | None:
+    for fam in collector.collect():
+        if fam.name == "gpufleet_gpu_job_mapping_skipped_files":
+            return float(fam.samples[0].value)
+    return None
+
+
+def test_missing_directory_gives_nothing_and_empty_directory_no_jobs(tmp_path: Path) -> None:
+    assert list(JobsCollector(str(tmp_path / "missing")).collect()) == []  # no scheduler here: no data, success
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert list(JobsCollector(str(empty)).collect()) == []
-    assert [m.name for m in JobsCollector(str(tmp_path / "missing")).describe()] == ["gpufleet_gpu_job_info"]
+    assert [(m.name, m.samples[0].value) for m in JobsCollector(str(empty)).collect()] == [
+        ("gpufleet_gpu_job_mapping_skipped_files", 0)]
+    assert [m.name for m in JobsCollector(str(tmp_path / "missing")).describe()] == [
+        "gpufleet_gpu_job_info", "gpufleet_gpu_job_mapping_skipped_files"]
+
+
+def test_skipped_files_are_counted(mapping_dir: Path) -> None:
+    assert skipped(JobsCollector(str(mapping_dir))) == 0
+    (mapping_dir / "4").write_text("x" * (jobs_mod.MAX_FILE_BYTES + 1))
+    (mapping_dir / "5").mkdir()
+    (mapping_dir / "README").write_text("not a GPU index: ignored, not counted\n")
+    assert skipped(JobsCollector(str(mapping_dir))) == 2

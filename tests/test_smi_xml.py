@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pynvml
 import pytest
+from gpufleet.agent.nvml import hardware
 from gpufleet.agent.nvml.smi_xml import SmiXmlError, builtin_host, load_smi_xml, parse_smi_xml
 from support import FIXTURES, REPO
 
@@ -119,3 +121,91 @@ def test_bad_documents_are_rejected_clearly(text: str, message: str) -> None:
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(SmiXmlError, match="cannot read"):
         load_smi_xml(tmp_path / "nope.xml")
+
+
+# ------------------------------------------------------------------ product knowledge (hardware.py)
+
+
+def test_every_nvml_architecture_is_known_by_name() -> None:
+    defined = {k: v for k, v in vars(pynvml).items() if k.startswith("NVML_DEVICE_ARCH_")}
+    assert "NVML_DEVICE_ARCH_BLACKWELL" in defined
+    for const, value in defined.items():
+        if const == "NVML_DEVICE_ARCH_UNKNOWN":
+            assert value == hardware.ARCH_UNKNOWN and value not in hardware.ARCHITECTURES
+            assert hardware.architecture_label(value) == ""
+            continue
+        label = const.removeprefix("NVML_DEVICE_ARCH_").lower()
+        assert hardware.ARCHITECTURES.get(value) == label, const
+        assert hardware.architecture_id(label.title()) == value
+    assert 0 not in hardware.ARCHITECTURES and hardware.architecture_label(0) == ""
+
+
+@pytest.mark.parametrize(
+    ("smi", "arch"),
+    [("Ada Lovelace", "ADA"), ("Hopper", "HOPPER"), ("Blackwell", "BLACKWELL"), ("Turing", "TURING"),
+     ("Ampere", "AMPERE"), ("Volta", "VOLTA"), ("Pascal", "PASCAL"), ("Maxwell", "MAXWELL"), ("Kepler", "KEPLER"),
+     ("Feynman", "UNKNOWN"), (None, "UNKNOWN")],
+)
+def test_nvidia_smi_architecture_names(smi: str | None, arch: str) -> None:
+    assert hardware.architecture_id(smi) == getattr(pynvml, f"NVML_DEVICE_ARCH_{arch}")
+
+
+@pytest.mark.parametrize(
+    ("name", "arch", "cc", "links"),
+    [
+        ("Tesla K80", "KEPLER", (3, 7), 0),
+        ("Tesla K40m", "KEPLER", (3, 5), 0),
+        ("Tesla M60", "MAXWELL", (5, 2), 0),
+        ("Tesla P100-SXM2-16GB", "PASCAL", (6, 0), 4),
+        ("Tesla P40", "PASCAL", (6, 1), 0),
+        ("Tesla V100-SXM2-32GB", "VOLTA", (7, 0), 6),
+        ("Tesla V100-PCIE-16GB", "VOLTA", (7, 0), 0),
+        ("Tesla T4", "TURING", (7, 5), 0),
+        ("NVIDIA A100-SXM4-80GB", "AMPERE", (8, 0), 12),
+        ("NVIDIA A100 80GB PCIe", "AMPERE", (8, 0), 0),
+        ("NVIDIA A30", "AMPERE", (8, 0), 0),
+        ("NVIDIA A10G", "AMPERE", (8, 6), 0),
+        ("NVIDIA A40", "AMPERE", (8, 6), 0),
+        ("NVIDIA RTX A6000", "AMPERE", (8, 6), 0),
+        ("NVIDIA L40S", "ADA", (8, 9), 0),
+        ("NVIDIA L4", "ADA", (8, 9), 0),
+        ("NVIDIA H100 80GB HBM3", "HOPPER", (9, 0), 18),
+        ("NVIDIA H100 PCIe", "HOPPER", (9, 0), 0),
+        ("NVIDIA H100 NVL", "HOPPER", (9, 0), 0),
+        ("NVIDIA H200", "HOPPER", (9, 0), 18),
+        ("NVIDIA H200 NVL", "HOPPER", (9, 0), 0),
+        ("NVIDIA H800", "HOPPER", (9, 0), 8),
+        ("NVIDIA GH200 480GB", "HOPPER", (9, 0), 18),
+        ("NVIDIA B200", "BLACKWELL", (10, 0), 18),
+        ("NVIDIA GB200", "BLACKWELL", (10, 0), 18),
+        ("NVIDIA GB300", "BLACKWELL", (10, 3), 18),
+        ("NVIDIA RTX PRO 6000 Blackwell Server Edition", "BLACKWELL", (12, 0), 0),
+        ("NVIDIA GeForce RTX 5090", "BLACKWELL", (12, 0), 0),
+        ("NVIDIA Blackwell X9", "BLACKWELL", None, 0),  # a part not in the table: no compute capability
+        ("NVIDIA Rubin X", "RUBIN", None, 0),
+    ],
+)
+def test_compute_capability_and_nvlinks_per_product(
+    name: str, arch: str, cc: tuple[int, int] | None, links: int
+) -> None:
+    arch_id = getattr(pynvml, f"NVML_DEVICE_ARCH_{arch}")
+    assert hardware.compute_capability(arch_id, name) == cc
+    assert hardware.nvlink_count(name) == links
+    assert hardware.gpm_supported(arch_id, name) == (arch in ("HOPPER", "BLACKWELL", "RUBIN") and "GeForce" not in name)
+
+
+def test_unknown_architecture_is_not_zero_and_has_no_compute_capability() -> None:
+    g = parse_smi_xml(MINIMAL.replace("Ampere", "Feynman").replace("A100-SXM4-80GB", "X1")).gpus[0]
+    assert g.architecture == hardware.ARCH_UNKNOWN != 0
+    assert g.cuda_compute_capability is None and not g.gpm_supported and g.nvlink_count == 0
+    # The A100 SXM4 of the same document has its 12 NVLinks and compute capability 8.0.
+    a100 = parse_smi_xml(MINIMAL).gpus[0]
+    assert (a100.nvlink_count, a100.cuda_compute_capability) == (12, (8, 0))
+
+
+def test_two_gpus_at_one_pci_address_are_rejected() -> None:
+    gpu = re.search(r"<gpu id=.*</gpu>", MINIMAL, flags=re.S)
+    assert gpu is not None
+    twice = MINIMAL.replace(gpu.group(0), gpu.group(0) + gpu.group(0).replace("GPU-abc", "GPU-def"))
+    with pytest.raises(SmiXmlError, match=re.escape("two GPUs with PCI bus id 00000000:07:00.0")):
+        parse_smi_xml(twice)

@@ -11,7 +11,7 @@ import pytest
 from gpufleet.agent.nvml.fake import FakeNvml
 from gpufleet.agent.nvml.model import GpuSample, Snapshot, XidEvent, write_snapshot
 from gpufleet.agent.nvml.smi_xml import builtin_host
-from gpufleet.agent.nvml.sources import LiveSource, SimSource, source_from_spec
+from gpufleet.agent.nvml.sources import LiveSource, SimSource, SourceUnavailable, source_from_spec
 
 T0 = 1_700_000_000.0
 
@@ -223,7 +223,9 @@ def _snapshot(n: int = 2, power: int = 400_000, xid: list[XidEvent] | None = Non
 def test_live_source_rereads_and_survives_bad_files(tmp_path: Path) -> None:
     path = tmp_path / "node.json"
     src = LiveSource(path, min_check_s=0)
-    assert src.inventory() == [] and src.last_error is not None and "does not exist" in src.last_error
+    assert not src.usable and src.last_error is not None and "does not exist" in src.last_error
+    with pytest.raises(SourceUnavailable, match="does not exist"):  # nothing to serve: never "0 GPUs"
+        src.inventory()
     write_snapshot(path, _snapshot(power=400_000))
     assert len(src.inventory()) == 2 and src.last_error is None
     assert src.sample(1).power_mw == 400_001
@@ -234,8 +236,10 @@ def test_live_source_rereads_and_survives_bad_files(tmp_path: Path) -> None:
     assert src.last_error is not None and "cannot use snapshot" in src.last_error
     path.write_text('{"format": "other"}')
     assert src.sample(0).power_mw == 500_000
-    path.unlink()
-    assert src.sample(0).power_mw == 500_000 and src.last_error is not None
+    path.unlink()  # gone at runtime: the source fails (the agent reports NVML down), it does not serve stale data
+    with pytest.raises(SourceUnavailable, match="does not exist"):
+        src.sample(0)
+    assert src.poll_xid() == []
     write_snapshot(path, _snapshot(power=600_000))
     assert src.sample(0).power_mw == 600_000 and src.last_error is None
     with pytest.raises(IndexError):

@@ -20,7 +20,8 @@ from prometheus_client.samples import Sample
 
 from .. import catalog
 from ..nvml.backend import Device, NvmlBackend
-from ..nvml.model import ARCHITECTURES, CLOCK_EVENT_BITS
+from ..nvml.hardware import architecture_label
+from ..nvml.model import CLOCK_EVENT_BITS
 from ..nvml.reader import Reading, read_gpu
 from ..registry import FrozenLabels, SeriesCache
 
@@ -173,11 +174,10 @@ class GpuCollector:
         info, up = f["gpufleet_gpu_info"], f["gpufleet_gpu_up"]
         for dev, r in zip(devices, readings, strict=True):
             facts = dev.facts
-            arch = facts.get("architecture")
             info.add_metric([
                 dev.label, facts.get("uuid") or "", facts.get("name") or "", facts.get("serial") or "",
                 facts.get("pci_bus_id") or "", facts.get("vbios_version") or "",
-                ARCHITECTURES.get(arch, str(arch)) if arch is not None else "",
+                architecture_label(facts.get("architecture")),  # "" (no label) when unknown
             ], 1)
             _put(up, [dev.label], 0 if r.lost or r.sample is None else 1)
 

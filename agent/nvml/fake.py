@@ -48,6 +48,7 @@ from typing import Any
 
 import pynvml
 
+from .hardware import ARCH_UNKNOWN
 from .model import DeviceSource, GpmCounters, GpuInventory, GpuSample, XidEvent
 
 SUCCESS: int = pynvml.NVML_SUCCESS
@@ -242,7 +243,8 @@ class _EventSet:
 #: (None = NOT_SUPPORTED, as for every entry point).
 _SCALAR_ENTRY_POINTS: dict[str, Callable[[_Dev], Any]] = {
     "nvmlDeviceGetIndex": lambda d: d.index,
-    "nvmlDeviceGetArchitecture": lambda d: d.inv.architecture,
+    # 0 is no NVML id: older traces and snapshots wrote it for "unknown", which NVML answers as ARCH_UNKNOWN.
+    "nvmlDeviceGetArchitecture": lambda d: d.inv.architecture or ARCH_UNKNOWN,
     "nvmlDeviceGetMinorNumber": lambda d: d.inv.minor_number,
     "nvmlDeviceGetPowerUsage": lambda d: d.sample.power_mw,
     "nvmlDeviceGetEnforcedPowerLimit": lambda d: d.sample.power_limit_mw,
@@ -598,8 +600,11 @@ class FakeNvml:
         d = self._dev("nvmlDeviceGetCudaComputeCapability", handle)
         if isinstance(d, int):
             return d
-        _set(major, d.inv.cuda_compute_capability[0])
-        return _set(minor, d.inv.cuda_compute_capability[1])
+        cc = d.inv.cuda_compute_capability
+        if cc is None or cc == (0, 0):  # not known (older traces wrote (0, 0) for it)
+            return NOT_SUPPORTED
+        _set(major, cc[0])
+        return _set(minor, cc[1])
 
     # ------------------------------------------------------------------ readings
 

@@ -43,13 +43,6 @@ CLOCK_EVENT_BITS: dict[str, int] = {
     "display_clock_setting": 0x100,
 }
 
-#: NVML device architecture ids (nvmlDeviceArchitecture_t).
-ARCHITECTURES: dict[int, str] = {
-    2: "kepler", 3: "maxwell", 4: "pascal", 5: "volta", 6: "turing", 7: "ampere", 8: "ada", 9: "hopper",
-    10: "blackwell",
-}
-
-
 @dataclass
 class DriverInfo:
     driver_version: str = "580.105.08"
@@ -67,8 +60,8 @@ class GpuInventory:
     serial: str | None = None
     pci_bus_id: str = "00000000:18:00.0"  # NVML form: domain(8):bus:device.function
     vbios_version: str | None = None
-    architecture: int = 9  # Hopper
-    cuda_compute_capability: tuple[int, int] = (9, 0)
+    architecture: int = 9  # Hopper (NVML ids: hardware.ARCHITECTURES; hardware.ARCH_UNKNOWN when unknown)
+    cuda_compute_capability: tuple[int, int] | None = (9, 0)  # None: not known (NOT_SUPPORTED)
     minor_number: int = 0
     memory_total_bytes: int = 85520809984
     power_limit_default_mw: int | None = 700000
@@ -204,7 +197,8 @@ def _from_dict(cls: type[T], data: dict[str, Any]) -> T:
 
 def inventory_from_dict(data: dict[str, Any]) -> GpuInventory:
     inv = _from_dict(GpuInventory, data)
-    inv.cuda_compute_capability = tuple(inv.cuda_compute_capability)  # type: ignore[assignment]
+    cc = inv.cuda_compute_capability
+    inv.cuda_compute_capability = None if cc is None else (int(cc[0]), int(cc[1]))
     return inv
 
 

@@ -40,8 +40,9 @@ from typing import Any
 
 import pynvml
 
-from .backend import LOST_CODES, Device, GpuLost, NvmlBackend
+from .backend import ERROR_NAMES, LOST_CODES, Device, GpuLost, NvmlBackend
 from .model import GpuSample, NvLinkSample
+from .plausible import BOUNDS
 
 #: Field ids read with nvmlDeviceGetFieldValues (values as in nvml.h).
 FI_MEMORY_TEMP = 82
@@ -106,6 +107,32 @@ SLOW_FIELDS: tuple[str, ...] = (
     "retired_pages_single_bit", "retired_pages_double_bit", "retired_pages_pending",
 )
 _BLANK: dict[str, Any] = {f.name: None for f in fields(GpuSample)}
+#: Pseudo return code counted as ``gpufleet_nvml_errors_total{function, error="IMPLAUSIBLE_VALUE"}`` when a call
+#: answered SUCCESS with a value outside physical bounds (plausible.BOUNDS): the value is dropped, never exported.
+IMPLAUSIBLE_VALUE = -1
+ERROR_NAMES.setdefault(IMPLAUSIBLE_VALUE, "IMPLAUSIBLE_VALUE")
+#: The every-scrape readings checked against plausible.BOUNDS: (GpuSample field, low, high, NVML function).
+_CHECKED: tuple[tuple[str, float, float, str], ...] = tuple(
+    (attr, *BOUNDS[attr], fn) for attr, fn in (
+        ("utilization_gpu_pct", "nvmlDeviceGetUtilizationRates"),
+        ("utilization_memory_pct", "nvmlDeviceGetUtilizationRates"),
+        ("clock_sm_mhz", "nvmlDeviceGetClockInfo"),
+        ("clock_memory_mhz", "nvmlDeviceGetClockInfo"),
+        ("clock_graphics_mhz", "nvmlDeviceGetClockInfo"),
+        ("power_mw", "nvmlDeviceGetPowerUsage"),
+        ("power_limit_mw", "nvmlDeviceGetEnforcedPowerLimit"),
+        ("temperature_gpu_c", "nvmlDeviceGetTemperature"),
+        ("temperature_memory_c", "nvmlDeviceGetFieldValues"),
+        ("memory_used_bytes", "nvmlDeviceGetMemoryInfo"),
+        ("memory_reserved_bytes", "nvmlDeviceGetMemoryInfo"),
+        ("pstate", "nvmlDeviceGetPerformanceState"),
+        ("pcie_gen", "nvmlDeviceGetCurrPcieLinkGeneration"),
+        ("pcie_width", "nvmlDeviceGetCurrPcieLinkWidth"),
+        ("pcie_tx_kbps", "nvmlDeviceGetPcieThroughput"),
+        ("pcie_rx_kbps", "nvmlDeviceGetPcieThroughput"),
+    )
+)
+_GPM_CHECKED: tuple[tuple[str, float, float], ...] = tuple((attr, *BOUNDS[attr]) for _, attr in GPM_METRICS)
 _READINGS = tuple(k for k in _BLANK if k not in ("timestamp", "lost", "gpm"))
 
 
@@ -236,10 +263,40 @@ def read_gpu(b: NvmlBackend, dev: Device, *, pcie_always: bool = False, slow_int
         return Reading(index=dev.index, lost=True)
     dev.lost = False
     s.gpm = None
+    _drop_implausible(b, s, r)
     if r.gpm is not None or any(s.__dict__[k] not in (None, []) for k in _READINGS):
         r.sample = s
     # else: not one reading answered (every call failed): the GPU is unreachable, sample stays None
     return r
+
+
+def _drop_implausible(b: NvmlBackend, s: GpuSample, r: Reading) -> None:
+    """Replace readings outside physical bounds (a 1e30 mW power draw, a 0xFFFFFFFF MHz clock) by None
+    (no series), counting each as an IMPLAUSIBLE_VALUE error of the function that returned it."""
+    d = s.__dict__
+    for attr, lo, hi, fn in _CHECKED:
+        v = d[attr]
+        if v is not None and not lo <= v <= hi:
+            d[attr] = None
+            b.count_error(fn, IMPLAUSIBLE_VALUE)
+    fans = s.fan_speed_pct
+    if fans:
+        lo, hi = BOUNDS["fan_speed_pct"]
+        if not all(lo <= x <= hi for x in fans):
+            s.fan_speed_pct = None  # positional: one bad fan loses the list, as one unanswered fan does
+            b.count_error("nvmlDeviceGetFanSpeed_v2", IMPLAUSIBLE_VALUE)
+    total = r.memory_total_bytes
+    if total is not None and not 0 <= total <= BOUNDS["memory_total_bytes"][1]:
+        r.memory_total_bytes = None
+        b.count_error("nvmlDeviceGetMemoryInfo", IMPLAUSIBLE_VALUE)
+    gpm = r.gpm
+    if gpm is not None:
+        g = gpm.__dict__
+        for attr, lo, hi in _GPM_CHECKED:
+            v = g[attr]
+            if v is not None and not lo <= v <= hi:  # also false for NaN
+                g[attr] = None
+                b.count_error("nvmlGpmMetricsGet", IMPLAUSIBLE_VALUE)
 
 
 # ---------------------------------------------------------------------- groups

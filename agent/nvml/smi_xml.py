@@ -18,16 +18,15 @@ reading to anchor it, so it stays ``None`` in that case.
 
 from __future__ import annotations
 
+import os
 import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-from .model import ARCHITECTURES, CLOCK_EVENT_BITS, DriverInfo, GpuInventory, GpuSample
+from . import hardware
+from .model import CLOCK_EVENT_BITS, DriverInfo, GpuInventory, GpuSample
 
-_ARCH_IDS = {name: arch for arch, name in ARCHITECTURES.items()}
-# CUDA compute capability of each architecture's data-center part (nvidia-smi -q does not print it).
-_COMPUTE_CAPABILITY = {5: (7, 0), 6: (7, 5), 7: (8, 0), 8: (8, 9), 9: (9, 0), 10: (10, 0)}
 _NUMBER = re.compile(r"^\s*([-+]?\d+(?:\.\d+)?)\s*([A-Za-z/%]*)\s*$")
 _BYTES = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 # nvidia-smi's clocks_event_reasons element suffix -> CLOCK_EVENT_BITS key
@@ -153,8 +152,8 @@ def _inventory(index: int, gpu: ET.Element) -> GpuInventory:
     uuid = _text(gpu, "uuid")
     if uuid is None:
         raise SmiXmlError(f"GPU {index} has no <uuid>")
-    arch_name = (_text(gpu, "product_architecture") or "").lower()
-    arch = _ARCH_IDS.get(arch_name, 0)
+    # nvidia-smi -q prints neither the compute capability nor the NVLinks: product knowledge fills them in.
+    arch = hardware.architecture_id(_text(gpu, "product_architecture"))
     name = _text(gpu, "product_name") or "Unknown"
     slowdown, shutdown, gpu_max, mem_max = _thresholds(gpu)
     fans = gpu.findall("fan_speed")
@@ -171,7 +170,7 @@ def _inventory(index: int, gpu: ET.Element) -> GpuInventory:
         pci_bus_id=_bus_id(gpu),
         vbios_version=_text(gpu, "vbios_version"),
         architecture=arch,
-        cuda_compute_capability=_COMPUTE_CAPABILITY.get(arch, (0, 0)),
+        cuda_compute_capability=hardware.compute_capability(arch, name),
         minor_number=index if minor is None else minor,
         memory_total_bytes=total,
         power_limit_default_mw=_power(gpu, "default_power_limit"),
@@ -186,11 +185,10 @@ def _inventory(index: int, gpu: ET.Element) -> GpuInventory:
         max_clock_graphics_mhz=_int(gpu, "max_clocks/graphics_clock"),
         pcie_max_gen=_int(gpu, "pci/pci_gpu_link_info/pcie_gen/max_link_gen"),
         pcie_max_width=None if width is None else round(width[0]),
-        # nvidia-smi -q does not list NVLinks: SXM boards (no "PCIe" in the name) of Hopper+ have 18.
-        nvlink_count=18 if arch >= 9 and "pcie" not in name.lower() else 0,
+        nvlink_count=hardware.nvlink_count(name),
         fan_count=sum(1 for f in fans if (f.text or "").strip() not in ("", "N/A")),
         ecc_supported=_text(gpu, "ecc_mode/current_ecc") is not None,
-        gpm_supported=arch >= 9,
+        gpm_supported=hardware.gpm_supported(arch, name),
         row_remap_supported=_text(gpu, "remapped_rows/remapped_row_corr") is not None,
         retired_pages_supported=_text(gpu, "retired_pages/multiple_single_bit_retirement/retired_count") is not None,
     )
@@ -280,13 +278,14 @@ def parse_smi_xml(text: str | bytes) -> SmiHost:
     gpus = [_inventory(i, g) for i, g in enumerate(gpus_el)]
     seen: set[str] = set()
     for g in gpus:
-        if g.uuid in seen:
-            raise SmiXmlError(f"duplicate GPU uuid {g.uuid}")
-        seen.add(g.uuid)
+        for key in (g.uuid, g.pci_bus_id):
+            if key in seen:
+                raise SmiXmlError(f"two GPUs with {'uuid' if key == g.uuid else 'PCI bus id'} {key}")
+            seen.add(key)
     return SmiHost(driver=driver, gpus=gpus, samples=[_sample(g) for g in gpus_el])
 
 
-def load_smi_xml(path: str | Path) -> SmiHost:
+def load_smi_xml(path: str | os.PathLike[str]) -> SmiHost:
     """Read and parse an ``nvidia-smi -q -x`` file."""
     try:
         data = Path(path).read_bytes()

@@ -6,6 +6,9 @@ Specs:
   (default 8) running a data-parallel training job. The inventory comes from the
   packaged ``nvidia-smi -q -x`` capture (agent/nvml/data); beyond 8 GPUs extra
   devices are synthesized with unique UUIDs and PCI bus ids.
+* ``sim:PATH`` / ``sim:PATH:N`` — the same simulated host built from any
+  ``nvidia-smi -q -x`` capture (PATH is not all digits), with as many GPUs as the
+  capture has, or N: what the agent would export on that hardware.
 * ``trace:PATH`` — :class:`~gpufleet.agent.nvml.trace.TraceSource`: replay a
   recorded trace in a loop, starting at the first read; ``trace:PATH@N`` freezes
   it at sample line N (0-based) for deterministic output.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -28,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from . import plausible
 from .model import (
     CLOCK_EVENT_BITS,
     DeviceSource,
@@ -39,10 +44,10 @@ from .model import (
     Snapshot,
     XidEvent,
 )
-from .smi_xml import builtin_host
+from .smi_xml import SmiHost, SmiXmlError, builtin_host, load_smi_xml
 from .trace import TraceSource
 
-__all__ = ["LiveSource", "SimSource", "TraceSource", "source_from_spec"]
+__all__ = ["LiveSource", "SimSource", "SourceUnavailable", "TraceSource", "source_from_spec"]
 
 _MASK = (1 << 64) - 1
 
@@ -82,6 +87,10 @@ THERMAL_TAU_S = 40.0
 NVLINK_TRAIN_BYTES_S = 150e9  # per GPU, each direction, during training (all-reduce traffic)
 QUANTUM_S = 0.01  # sample() resolution
 KB = 1024  # NVML reports PCIe throughput in KB/s; the model takes KB = 1024 bytes
+H100_LIMIT_W = 700.0  # the board the model is tuned on; other boards' power scales by their limit
+H100_MEMORY = 85520809984
+H100_MAX_SM_MHZ = 1980
+H100_MIN_CAPPED_SM_MHZ = 1110  # the lowest SM clock when power-capped, scaled to other boards' max clock
 
 
 @dataclass
@@ -129,28 +138,45 @@ class _GpuParams:
     energy0_mj: float
     base: GpuSample  # the captured idle readings (reserved memory, replay counter, clock-event counters)
     memory_used: int
+    board: float = 1.0  # the board's power limit / H100_LIMIT_W
     noise_seed: int = 0
     initial: _Integrals = field(default_factory=_Integrals)
     cache: _Integrals = field(default_factory=_Integrals)
 
 
 def _synth_inventory(base: list[GpuInventory], n: int, seed: int) -> list[GpuInventory]:
+    # Copy k of the captured GPUs goes to PCI domain (captured domain + k * span), span past the
+    # largest captured domain, so every copy's bus id is new whatever domains the capture uses.
+    span = 1 + max(int(b.pci_bus_id.split(":", 1)[0], 16) for b in base)
     out = []
     for i in range(n):
         b = base[i % len(base)]
         if i < len(base):
             out.append(replace(b, index=i))
             continue
-        dom = i // len(base)
-        bus = b.pci_bus_id.split(":", 1)[1]
+        dom_s, bus = b.pci_bus_id.split(":", 1)
+        dom = int(dom_s, 16) + (i // len(base)) * span
+        if dom > 0xFFFFFFFF:
+            raise ValueError(f"{n} GPUs do not fit in PCI domains past the capture's (up to {span - 1:#x})")
         u = uuid.UUID(int=(_mix(seed, i, 1) << 64) | _mix(seed, i, 2), version=4)
         serial = None if b.serial is None else f"{int(b.serial) + i}" if b.serial.isdigit() else f"{b.serial}-{i}"
         out.append(replace(b, index=i, uuid=f"GPU-{u}", pci_bus_id=f"{dom:08X}:{bus}", minor_number=i, serial=serial))
     return out
 
 
+def _limit_w(base: GpuSample, inv: GpuInventory) -> float:
+    """The enforced power limit in W: the captured one, else the board's default, else the H100's."""
+    return (base.power_limit_mw or inv.power_limit_default_mw or H100_LIMIT_W * 1000) / 1000.0
+
+
 class SimSource:
-    """A simulated H100 host running a training job; a pure function of (seed, time since start).
+    """A simulated host running a training job; a pure function of (seed, time since start).
+
+    The GPUs are those of an ``nvidia-smi -q -x`` capture (``capture``: a path or a parsed
+    :class:`SmiHost`; default the packaged 8x H100 one), repeated or cut to ``gpus``
+    (default: as many as the capture has). Board limits (power limit, max clocks, memory
+    size) and what the board does not report (e.g. memory temperature on GDDR boards) come
+    from the capture; the job's power draw scales with the board's power limit.
 
     ``clock`` is the time source (unix seconds); the model starts at the first
     reading of the clock. Every reading is constant within a 1 s slot, and every
@@ -166,15 +192,23 @@ class SimSource:
 
     def __init__(
         self,
-        gpus: int = 8,
+        gpus: int | None = None,
         *,
+        capture: str | os.PathLike[str] | SmiHost | None = None,
         seed: int = 0,
         clock: Callable[[], float] = time.time,
         sysfs: bool = False,
     ) -> None:
+        if capture is None:
+            host = builtin_host()
+        elif isinstance(capture, SmiHost):
+            host = capture
+        else:
+            host = load_smi_xml(capture)
+        if gpus is None:
+            gpus = len(host.gpus)
         if not 1 <= gpus <= 4096:
             raise ValueError(f"the simulated host needs 1..4096 GPUs, got {gpus}")
-        host = builtin_host()
         self._driver = host.driver
         self._inv = _synth_inventory(host.gpus, gpus, seed)
         self._seed = seed
@@ -190,15 +224,18 @@ class SimSource:
             base = host.samples[i % len(host.samples)]
             weights = [1.0 + 0.05 * _sym(seed, i, 10, j) for j in range(inv.nvlink_count)]
             total = sum(weights) or 1.0
+            # The model is tuned on a 700 W, 80 GB H100; other boards scale by their limit and size.
+            board = _limit_w(base, inv) / H100_LIMIT_W
             p = _GpuParams(
                 idle_w=(base.power_mw or 68000) / 1000.0,
                 efficiency=1.0 + 0.03 * _sym(seed, i, 3),
-                r_thermal=0.055 * (1.0 + 0.08 * _sym(seed, i, 4)),
+                r_thermal=0.055 * (1.0 + 0.08 * _sym(seed, i, 4)) / board,
                 ambient=25.0 + 2.0 * _sym(seed, i, 5),
                 link_weights=[w / total for w in weights],
                 energy0_mj=3.0e9 * (1.0 + 0.2 * _sym(seed, i, 6)),
                 base=base,
-                memory_used=int((71.5 + 1.5 * _u(seed, i, 7)) * 2**30),
+                memory_used=int((71.5 + 1.5 * _u(seed, i, 7)) * 2**30) * inv.memory_total_bytes // H100_MEMORY,
+                board=board,
                 noise_seed=_mix(seed, i, 8),
             )
             p.initial = _Integrals(
@@ -240,14 +277,14 @@ class SimSource:
             nvl = NVLINK_TRAIN_BYTES_S * (0.9 + 0.2 * _u(seed, k, 21))
         # Power follows tensor/SM/DRAM activity; the kernel mix varies from step to step by +-8 %.
         mix = 0.92 + 0.16 * _u(n, k, 10)
-        demand = p.idle_w + 860.0 * p.efficiency * mix * (0.55 * tensor + 0.30 * sm + 0.25 * dram)
-        limit_w = (p.base.power_limit_mw or inv.power_limit_default_mw or 700000) / 1000.0
-        max_clock = inv.max_clock_sm_mhz or 1980
+        demand = p.idle_w + 860.0 * p.board * p.efficiency * mix * (0.55 * tensor + 0.30 * sm + 0.25 * dram)
+        limit_w = _limit_w(p.base, inv)
+        max_clock = inv.max_clock_sm_mhz or H100_MAX_SM_MHZ
         capped = demand > limit_w
         if capped:
             power = limit_w * (0.985 + 0.012 * _u(n, k, 9))
             ratio = (limit_w - p.idle_w) / (demand - p.idle_w)
-            clock = max(15 * math.floor(max_clock * ratio / 15), 1110)
+            clock = max(15 * math.floor(max_clock * ratio / 15), H100_MIN_CAPPED_SM_MHZ * max_clock // H100_MAX_SM_MHZ)
         else:
             power, clock = demand, max_clock
         return _SlotState(
@@ -345,7 +382,8 @@ class SimSource:
             power_limit_mw=p.base.power_limit_mw or inv.power_limit_default_mw,
             energy_mj=int(acc.energy_mj),
             temperature_gpu_c=round(temp),
-            temperature_memory_c=round(temp + 5.0 + 8.0 * s.dram),
+            # HBM has a sensor; GDDR boards (T4, L40S...) report N/A in the capture and NOT_SUPPORTED here.
+            temperature_memory_c=None if p.base.temperature_memory_c is None else round(temp + 5.0 + 8.0 * s.dram),
             fan_speed_pct=None,
             memory_used_bytes=p.memory_used,
             memory_reserved_bytes=p.base.memory_reserved_bytes,
@@ -429,8 +467,10 @@ _IB_HW_COUNTERS = (
 
 class _SimSysfs:
     """A fake sysfs root next to a SimSource: ``class/infiniband`` (one ConnectX-7 port per GPU,
-    up to 8) with counters that follow the job, and a ``devices/pci0000:xx`` tree in which each NIC
-    sits behind the same PCIe switch as its GPU, linked from ``bus/pci/devices``.
+    up to 8) with counters that follow the job, and a ``devices/pci<domain>:xx`` tree in which each NIC
+    sits behind the same PCIe switch as its GPU, linked from ``bus/pci/devices``. The GPUs keep their
+    captured addresses; the bridges and NICs take free bus numbers of each GPU's domain
+    (:func:`_bridge_buses`), so any layout works: adjacent buses, GPUs sharing a bus, many domains.
 
     No thread: the counters are rewritten lazily when the simulator is sampled (an agent scrape
     reads the GPUs before the NICs) and its time moved on, at most once per ``REFRESH_S``, and only
@@ -455,17 +495,19 @@ class _SimSysfs:
         root = Path(self.root)
         bus_dir = root / "bus" / "pci" / "devices"
         bus_dir.mkdir(parents=True)
-        for inv in self.sim.inventory()[:8]:
+        gpus = self.sim.inventory()[:8]
+        for inv, buses in zip(gpus, _bridge_buses([g.pci_bus_id for g in gpus]), strict=True):
+            if buses is None:
+                continue  # the GPU's PCI domain has no free bus numbers left for its switch and NIC
             dom_s, bus_s, devfn = inv.pci_bus_id.split(":")
-            dom, bus = int(dom_s, 16) & 0xFFFF, int(bus_s, 16)
-            if not 3 <= bus <= 0xFE:
-                continue  # no room for the root port / switch buses in this toy layout
-            rp = f"{dom:04x}:{bus - 3:02x}:01.0"  # root port, then a PCIe switch up/down port
-            up = f"{dom:04x}:{bus - 2:02x}:00.0"
-            down_gpu, down_nic = f"{dom:04x}:{bus - 1:02x}:00.0", f"{dom:04x}:{bus - 1:02x}:01.0"
+            dom, bus = int(dom_s, 16), int(bus_s, 16)
+            host_bus, up_bus, down_bus, nic_bus = buses
+            rp = f"{dom:04x}:{host_bus:02x}:01.0"  # root port, then a PCIe switch up/down port
+            up = f"{dom:04x}:{up_bus:02x}:00.0"
+            down_gpu, down_nic = f"{dom:04x}:{down_bus:02x}:00.0", f"{dom:04x}:{down_bus:02x}:01.0"
             gpu = f"{dom:04x}:{bus:02x}:{devfn.lower()}"
-            nic = f"{dom:04x}:{bus + 1:02x}:00.0"
-            sw = Path("devices") / f"pci{dom:04x}:{bus - 3:02x}" / rp / up
+            nic = f"{dom:04x}:{nic_bus:02x}:00.0"
+            sw = Path("devices") / f"pci{dom:04x}:{host_bus:02x}" / rp / up
             paths = {gpu: sw / down_gpu / gpu, nic: sw / down_nic / nic}
             for addr, rel in paths.items():
                 (root / rel).mkdir(parents=True)
@@ -548,6 +590,35 @@ class _SimSysfs:
             self._cleanup()
 
 
+def _bridge_buses(bus_ids: list[str]) -> list[tuple[int, int, int, int] | None]:
+    """For each GPU (NVML bus id), the buses of its root complex, switch upstream port, switch
+    downstream ports and NIC: ``bus - 3``, ``bus - 2``, ``bus - 1`` and ``bus + 1`` where those are
+    free, otherwise the next free bus numbers of its PCI domain, so that no two devices share an
+    address whatever the layout (adjacent buses, several GPUs on one bus, several domains).
+    None where the domain has no four free buses left."""
+    used: dict[int, set[int]] = {}
+    parsed = []
+    for b in bus_ids:
+        dom_s, bus_s, _ = b.split(":")
+        dom, bus = int(dom_s, 16), int(bus_s, 16)
+        used.setdefault(dom, set()).add(bus)
+        parsed.append((dom, bus))
+    out: list[tuple[int, int, int, int] | None] = []
+    for dom, bus in parsed:
+        taken = used[dom]
+        free = [n for n in range(256) if n not in taken]
+        if len(free) < 4:
+            out.append(None)
+            continue
+        picked: list[int] = []
+        for want in (bus - 3, bus - 2, bus - 1, bus + 1):
+            n = want if 0 <= want <= 0xFF and want not in taken else next(n for n in free if n not in taken)
+            taken.add(n)
+            picked.append(n)
+        out.append((picked[0], picked[1], picked[2], picked[3]))
+    return out
+
+
 def _write_counter(path: Path, value: int, *, grew: bool) -> None:
     """Write ``value`` as a sysfs counter file. A grown counter's text is at least as long as before,
     so it is overwritten in place (one pwrite, no truncate: ext4 flushes on truncate and on rename
@@ -568,11 +639,18 @@ def _write_counter(path: Path, value: int, *, grew: bool) -> None:
 # ------------------------------------------------------------------ live snapshot file
 
 
+class SourceUnavailable(RuntimeError):
+    """The source has nothing to serve (its file is gone); the fake NVML answers its calls with an error."""
+
+
 class LiveSource:
     """Serve the Snapshot file at ``path``, re-read whenever its mtime/size/inode changes.
 
-    A missing, unreadable or corrupt file keeps the last good state (no GPUs
-    before the first good read) and sets ``last_error``; a good read clears it.
+    A corrupt file (torn write, bad JSON, impossible readings: see :mod:`.plausible`) keeps the last
+    good state and sets ``last_error``; a good read clears it. While the file is missing or unreadable,
+    or before the first good read, every call raises :class:`SourceUnavailable` (through the fake NVML:
+    an NVML error, so the agent reports ``gpufleet_nvml_up 0``, never a host with 0 GPUs).
+    ``source_from_spec("live:PATH")`` refuses a file that is not usable at start.
     XID events in the snapshot are delivered once each (by gpu, xid, timestamp).
     """
 
@@ -586,9 +664,15 @@ class LiveSource:
         self._checked = -math.inf
         self._stamp: tuple[int, int, int] | None = None
         self._snap: Snapshot | None = None
+        self._gone = False  # the file is missing or unreadable: nothing to serve
         self._seen: set[tuple[int, int, float]] = set()
         self._lock = threading.RLock()
         self._refresh()
+
+    @property
+    def usable(self) -> bool:
+        """Is there a snapshot to serve (the file is readable and was good at least once)?"""
+        return self._snap is not None and not self._gone
 
     def _refresh(self) -> Snapshot | None:
         with self._lock:
@@ -601,35 +685,45 @@ class LiveSource:
                 stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
                 if stamp == self._stamp and self.last_error is None:
                     return self._snap
-                snap = Snapshot.from_json(self.path.read_text(encoding="utf-8"))
-                if len(snap.samples) != len(snap.gpus):
-                    raise ValueError(f"{len(snap.samples)} samples for {len(snap.gpus)} GPUs")
+                text = self.path.read_text(encoding="utf-8")
             except FileNotFoundError:
                 self.last_error = f"{self.path}: snapshot file does not exist"
+                self._gone = True
                 return self._snap
-            except (OSError, ValueError, KeyError, TypeError) as e:
+            except (OSError, ValueError) as e:  # ValueError: not UTF-8
+                self.last_error = f"{self.path}: cannot read snapshot: {getattr(e, 'strerror', None) or e}"
+                self._gone = True
+                return self._snap
+            self._gone = False
+            try:
+                snap = _parse_snapshot(text)
+            except (ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError) as e:
                 self.last_error = f"{self.path}: cannot use snapshot: {e}"
                 return self._snap
             self._stamp, self._snap, self.last_error = stamp, snap, None
             return snap
 
-    def driver(self) -> DriverInfo:
+    def _current(self) -> Snapshot:
         snap = self._refresh()
-        return snap.driver if snap is not None else DriverInfo()
+        if snap is None or self._gone:
+            raise SourceUnavailable(self.last_error or f"{self.path}: no snapshot")
+        return snap
+
+    def driver(self) -> DriverInfo:
+        return self._current().driver
 
     def inventory(self) -> list[GpuInventory]:
-        snap = self._refresh()
-        return snap.gpus if snap is not None else []
+        return self._current().gpus
 
     def sample(self, index: int) -> GpuSample:
-        snap = self._refresh()
-        if snap is None or not 0 <= index < len(snap.samples):
+        snap = self._current()
+        if not 0 <= index < len(snap.samples):
             raise IndexError(f"no GPU {index} in {self.path}")
         return snap.samples[index]
 
     def poll_xid(self) -> list[XidEvent]:
         snap = self._refresh()
-        if snap is None:
+        if snap is None or self._gone:
             return []
         with self._lock:
             out = []
@@ -644,27 +738,63 @@ class LiveSource:
             return out
 
 
+def _parse_snapshot(text: str) -> Snapshot:
+    """A snapshot whose every value has the right type and is a possible reading; ValueError otherwise."""
+    snap = Snapshot.from_json(text)
+    if len(snap.samples) != len(snap.gpus):
+        raise ValueError(f"{len(snap.samples)} samples for {len(snap.gpus)} GPUs")
+    plausible.check(snap.driver, "driver")
+    for name, items in (("gpus", snap.gpus), ("samples", snap.samples), ("xid", snap.xid)):
+        for i, item in enumerate(items):
+            plausible.check(item, f"{name}[{i}]")
+    for i, x in enumerate(snap.xid):
+        if x.gpu >= len(snap.gpus):
+            raise ValueError(f"xid[{i}].gpu: no GPU {x.gpu} (the snapshot lists {len(snap.gpus)})")
+    return snap
+
+
 # ------------------------------------------------------------------ spec parsing
+
+
+_SIM_FORMS = "sim, sim:N, sim:PATH or sim:PATH:N; N: a number of GPUs, PATH: an nvidia-smi -q -x capture"
+
+
+def _sim_from_spec(spec: str, arg: str) -> SimSource:
+    """``sim:N``, ``sim:PATH`` or ``sim:PATH:N``: an all-digits argument is N; ``PATH:N`` is split
+    at its last colon unless the whole argument names an existing file."""
+    path, n = arg, None
+    head, colon, tail = arg.rpartition(":")
+    if re.fullmatch(r"[-+]?\d+", arg.strip()):
+        path, n = "", int(arg)
+    elif colon and re.fullmatch(r"\d+", tail) and not os.path.exists(arg):
+        path, n = head, int(tail)
+    if n is not None and not 1 <= n <= 4096:
+        raise ValueError(f"--nvml.fake={spec!r}: the number of GPUs must be 1..4096")
+    if n is not None and not path:
+        return SimSource(n, sysfs=True)
+    if not path:
+        raise ValueError(f"--nvml.fake={spec!r}: expected {_SIM_FORMS}")
+    try:
+        return SimSource(n, capture=load_smi_xml(path), sysfs=True)
+    except SmiXmlError as e:
+        raise ValueError(f"--nvml.fake={spec!r}: {e} (expected {_SIM_FORMS})") from None
+    except ValueError as e:
+        raise ValueError(f"--nvml.fake={spec!r}: {e}") from None
 
 
 def source_from_spec(spec: str) -> DeviceSource:
     """Build the source named by ``--nvml.fake`` (see the module docstring); ValueError on a bad spec."""
     kind, sep, arg = spec.strip().partition(":")
     if kind == "sim":
-        if not sep:
-            return SimSource(sysfs=True)
-        try:
-            n = int(arg)
-        except ValueError:
-            raise ValueError(f"--nvml.fake={spec!r}: expected sim:N with N a number of GPUs (1..4096)") from None
-        if not 1 <= n <= 4096:
-            raise ValueError(f"--nvml.fake={spec!r}: the number of GPUs must be 1..4096")
-        return SimSource(n, sysfs=True)
+        return _sim_from_spec(spec, arg) if sep else SimSource(sysfs=True)
     if kind in ("trace", "live"):
         if not arg:
             raise ValueError(f"--nvml.fake={spec!r}: expected {kind}:PATH")
         if kind == "live":
-            return LiveSource(arg)
+            live = LiveSource(arg)
+            if not live.usable:
+                raise ValueError(f"--nvml.fake={spec!r}: {live.last_error}")
+            return live
         pin = None
         path, at, line = arg.rpartition("@")
         if at and line.isdigit() and not os.path.exists(arg):

@@ -51,11 +51,13 @@ import tempfile
 import threading
 import time
 import weakref
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
+from . import plausible
 from .model import (
     DriverInfo,
     GpmCounters,
@@ -181,7 +183,7 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
         with _open_text(path, "r") as f:
             for lineno, text in enumerate(f, start=1):
                 yield lineno, text
-    except (OSError, EOFError, UnicodeDecodeError, gzip.BadGzipFile) as e:
+    except (OSError, EOFError, UnicodeDecodeError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
         where = f"{path}:{lineno + 1}" if lineno else str(path)
         raise TraceError(f"{where}: cannot read ({e}); the file is corrupt or truncated") from e
 
@@ -191,6 +193,8 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
     p = Path(path)
     header: Trace | None = None
     last_t = -math.inf
+    ib_files: set[str] = set()
+    ib_dirs: set[str] = set()
     for lineno, text in _lines(p):
         if not text.strip():
             continue
@@ -199,6 +203,8 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
             raise TraceError(f"{where}: not valid JSON ({e.msg}); the file is corrupt or truncated") from e
+        except (ValueError, RecursionError) as e:  # an integer of thousands of digits, nesting too deep
+            raise TraceError(f"{where}: not a usable JSON line ({type(e).__name__}: {str(e)[:80]})") from e
         if not isinstance(obj, dict):
             raise TraceError(f"{where}: expected a JSON object")
         try:
@@ -208,12 +214,21 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
             rec = _record(obj, len(header.gpus))
         except TraceError:
             raise
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError) as e:
             what = "header" if header is None else "sample line"
-            raise TraceError(f"{where}: bad {what}: {e!r}") from e
+            detail = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+            raise TraceError(f"{where}: bad {what}: {detail}") from e
         if not rec.t > last_t:
             raise TraceError(f"{where}: time {rec.t} does not increase (previous {last_t})")
         last_t = rec.t
+        for k in rec.ib or ():
+            if k not in ib_files:
+                parts = k.split("/")
+                parents = {"/".join(parts[:i]) for i in range(1, len(parts))}
+                if k in ib_dirs or parents & ib_files:
+                    raise TraceError(f"{where}: IB path {k[:80]!r} is both a file and a directory")
+                ib_files.add(k)
+                ib_dirs |= parents
         header.records.append(rec)
     if header is None:
         raise TraceError(f"{p}: empty file, not a gpufleet trace")
@@ -225,35 +240,66 @@ def _header(obj: dict[str, Any], where: str) -> Trace:
         raise TraceError(f"{where}: not a gpufleet trace (header 'format' is {obj.get('format')!r})")
     if obj.get("version") != VERSION:
         raise TraceError(f"{where}: unsupported trace version {obj.get('version')!r} (this reader knows {VERSION})")
-    interval = float(obj["interval_s"])
+    interval = _number(obj["interval_s"], "interval_s")
     if not interval > 0 or not math.isfinite(interval):
         raise TraceError(f"{where}: interval_s must be positive")
-    gpus = [inventory_from_dict(g) for g in obj["gpus"]]
+    gpus = [inventory_from_dict(g) for g in _objects(obj["gpus"], "gpus")]
     if not gpus:
         raise TraceError(f"{where}: the header lists no GPUs")
+    if not isinstance(obj["driver"], dict):
+        raise ValueError("driver: expected an object")
+    driver = driver_from_dict(obj["driver"])
+    for i, inv in enumerate(gpus):
+        plausible.check(inv, f"gpus[{i}]")
+    plausible.check(driver, "driver")
     return Trace(
         hostname=str(obj.get("hostname", "")),
         interval_s=interval,
-        driver=driver_from_dict(obj["driver"]),
+        driver=driver,
         gpus=gpus,
         records=[],
     )
 
 
+def _number(v: Any, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{what}: expected a number, got {type(v).__name__}")
+    return float(v)
+
+
+def _objects(v: Any, what: str) -> list[dict[str, Any]]:
+    """``v`` if it is a list of JSON objects, else ValueError."""
+    if not isinstance(v, list) or not all(isinstance(x, dict) for x in v):
+        raise ValueError(f"{what}: expected a list of objects")
+    return v
+
+
+def _ib_path_ok(k: str) -> bool:
+    """A relative path below class/infiniband: no empty, '.' or '..' parts, no NUL."""
+    parts = k.split("/")
+    return bool(k) and "\0" not in k and all(p not in ("", ".", "..") for p in parts)
+
+
 def _record(obj: dict[str, Any], ngpus: int) -> TraceRecord:
-    t = float(obj["t"])
+    t = _number(obj["t"], "t")
     if not math.isfinite(t):
         raise ValueError("t is not finite")
-    samples = [sample_from_dict(s) for s in obj["samples"]]
+    samples = [sample_from_dict(s) for s in _objects(obj["samples"], "samples")]
     if len(samples) != ngpus:
         raise ValueError(f"{len(samples)} samples, the header lists {ngpus} GPUs")
-    xid = [xid_from_dict(x) for x in obj.get("xid") or []]
+    for i, s in enumerate(samples):
+        plausible.check(s, f"samples[{i}]")
+    xid = [xid_from_dict(x) for x in _objects(obj.get("xid") or [], "xid")]
+    for i, x in enumerate(xid):
+        plausible.check(x, f"xid[{i}]")
+        if x.gpu >= ngpus:
+            raise ValueError(f"xid[{i}].gpu: no GPU {x.gpu} (the header lists {ngpus})")
     ib = obj.get("ib")
     if ib is not None and not (isinstance(ib, dict) and all(isinstance(v, str) for v in ib.values())):
         raise ValueError("'ib' must map paths to file contents (strings)")
     for k in ib or {}:
-        if k.startswith("/") or ".." in Path(k).parts:
-            raise ValueError(f"IB path {k!r} leaves class/infiniband")
+        if not _ib_path_ok(k):
+            raise ValueError(f"IB path {k[:80]!r} leaves class/infiniband (not a relative path of named parts)")
     return TraceRecord(t=t, samples=samples, xid=xid, ib=ib)
 
 
@@ -399,7 +445,11 @@ class TraceSource:
             self._ib_last = self._ib_full(n - 1)
             self.sysfs_root = tempfile.mkdtemp(prefix="gpufleet-trace-sysfs-")
             self._cleanup = weakref.finalize(self, shutil.rmtree, self.sysfs_root, True)
-            self.refresh_sysfs()
+            try:
+                self.refresh_sysfs()
+            except (OSError, ValueError) as e:  # e.g. "a" and "a/b" both listed as files
+                self._cleanup()
+                raise TraceError(f"the trace's IB files cannot form a sysfs tree: {e}") from e
             if background:
                 self._thread = threading.Thread(target=self._sysfs_loop, name="trace-sysfs", daemon=True)
                 self._thread.start()
@@ -516,7 +566,7 @@ class TraceSource:
     def _sysfs_loop(self) -> None:
         step = min(self.trace.interval_s, 1.0)
         while not self._stop.wait(step):
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, ValueError):
                 self.refresh_sysfs()
 
     def close(self) -> None:

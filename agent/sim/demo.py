@@ -24,6 +24,7 @@ import signal
 import statistics
 import sys
 import time
+import tomllib
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -36,6 +37,7 @@ from gpufleet.agent.argtypes import positive_float, positive_int
 from gpufleet.agent.catalog import spec
 from gpufleet.agent.config import DEFAULT_PORT
 from gpufleet.agent.sim.live import DEFAULT_TICK, LiveFleet, LiveFleetError
+from gpufleet.agent.sim.scenario import ScenarioError
 from prometheus_client.parser import text_string_to_metric_families
 
 # Metric names, checked against the catalog at import (KeyError if one is renamed).
@@ -60,6 +62,9 @@ THROTTLE_REASONS = {
 }
 #: The demo runs accelerated so the demo scenario's fault (60 simulated seconds in) shows within 20 s.
 DEMO_SPEED = 3.0
+#: The fewest GPUs a demo fleet may have: the detector compares a GPU with its job's peers only in
+#: groups of at least 4 GPUs (its default straggler ``min_peers``).
+DEMO_MIN_GPUS = 4
 #: A GPU whose SM clock is below this fraction of its peers' median is called out.
 SLOW_CLOCK_FRACTION = 0.9
 
@@ -589,10 +594,68 @@ def _sigterm_exits() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
-def _fleet(args: argparse.Namespace) -> LiveFleet:
+def fit_scenario(
+    name: str, nodes: int | None, gpus_per_node: int | None, min_gpus: int = DEMO_MIN_GPUS,
+) -> tuple[Any, list[str]]:
+    """The scenario to serve, and a note per fault that had to move.
+
+    A built-in scenario resized with ``--nodes``/``--gpus-per-node`` keeps its faults: one placed
+    on a node or GPU the smaller fleet lacks moves to the last node or GPU (the demo's straggler,
+    node-002 GPU 5, is on node-001 with ``--nodes 2``); the default size is unchanged. A scenario
+    file is loaded as given. Raises ``ScenarioError`` (one line) for an impossible size or a
+    fleet of fewer than ``min_gpus`` GPUs.
+    """
+    from gpufleet.agent.sim.scenario import builtin_names, builtin_text, load_scenario, parse_scenario
+
+    if name not in builtin_names() or (nodes is None and gpus_per_node is None):
+        scenario = load_scenario(name, nodes=nodes, gpus_per_node=gpus_per_node)
+        return _check_size(scenario, min_gpus), []
+    data = tomllib.loads(builtin_text(name))
+    sites = data.get("sites", [])
+    if nodes is not None:
+        if len(sites) != 1:
+            raise ScenarioError(f"built-in scenario {name!r}: --nodes needs a single-site scenario")
+        sites[0]["nodes"] = nodes
+    if gpus_per_node is not None:
+        for site in sites:
+            site["gpus_per_node"] = gpus_per_node
+    source = f"built-in scenario {name!r}"
+    bare = {k: v for k, v in data.items() if k not in ("faults", "reboots")}
+    size = _check_size(parse_scenario(bare, source), min_gpus)
+    names, gpn = size.node_names, size.sites[0].gpus_per_node
+    notes = []
+    for f in [*data.get("faults", []), *data.get("reboots", [])]:
+        node, gpu = f.get("node"), f.get("gpu")
+        if isinstance(node, str) and node not in names:
+            f["node"] = names[-1]
+        if isinstance(gpu, int) and gpu >= gpn:
+            f["gpu"] = gpn - 1
+        if (f.get("node"), f.get("gpu")) != (node, gpu):
+            notes.append(f"{f.get('kind', 'reboot')} moved from {_where(node, gpu)} to "
+                         f"{_where(f.get('node'), f.get('gpu'))}: this fleet has {len(names)} node(s) x {gpn} GPUs")
+    return parse_scenario(data, source), notes
+
+
+def _where(node: Any, gpu: Any) -> str:
+    return f"{node}" if gpu is None else f"{node} GPU {gpu}"
+
+
+def _check_size(scenario: Any, min_gpus: int) -> Any:
+    gpus = len(scenario.node_names) * scenario.sites[0].gpus_per_node
+    if gpus < min_gpus:
+        raise ScenarioError(
+            f"the demo needs at least {min_gpus} GPUs in all (--nodes x --gpus-per-node) so the detector has "
+            f"peers to compare a GPU with; this fleet has {gpus}"
+        )
+    return scenario
+
+
+def _fleet(args: argparse.Namespace, out: TextIO, min_gpus: int) -> LiveFleet:
+    scenario, notes = fit_scenario(args.scenario, args.nodes, args.gpus_per_node, min_gpus)
+    for note in notes:
+        print(f"note: {note}", file=out)
     return LiveFleet(
-        args.scenario, args.seed, nodes=args.nodes, gpus_per_node=args.gpus_per_node, speed=args.speed,
-        tick=args.tick, run_dir=args.run_dir, base_port=args.base_port,
+        scenario, args.seed, speed=args.speed, tick=args.tick, run_dir=args.run_dir, base_port=args.base_port,
     )
 
 
@@ -605,10 +668,10 @@ def _print_targets(fleet: LiveFleet, out: TextIO) -> None:
     out.flush()
 
 
-def _run_fleet(args: argparse.Namespace, body: Callable[[LiveFleet], None]) -> int:
+def _run_fleet(args: argparse.Namespace, body: Callable[[LiveFleet], None], min_gpus: int = 1) -> int:
     err = sys.stderr
     try:
-        with _sigterm_exits(), _fleet(args) as fleet:
+        with _sigterm_exits(), _fleet(args, sys.stdout, min_gpus) as fleet:
             body(fleet)
     except KeyboardInterrupt:
         return 130
@@ -648,6 +711,9 @@ def run_demo(args: argparse.Namespace) -> int:
     def body(fleet: LiveFleet) -> None:
         out = sys.stdout
         _print_targets(fleet, out)
+        if not ui:
+            print(f"[+Ns] = simulated seconds since the scenario started, at x{fleet.speed:g} ({fleet.speed:g} "
+                  f"simulated seconds per wall-clock second); a block of lines every {interval:g} s", file=out)
         t0 = fleet.simulator_start
         sim_scrape = scrape_every * fleet.speed
         detector = DetectorBridge(fleet, window_s=max(30.0, 10 * sim_scrape), interval_s=sim_scrape)
@@ -683,7 +749,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 for v, a in zip(views, fleet.agents, strict=True):
                     if not a.running():
                         code = a.proc.returncode if a.proc else None
-                        v.error = f"agent exited (code {code}); see {a.log}"
+                        v.error = f"agent exited (code {code}); see {fleet.kept_log(a)}"
                 t = fleet.sim_time
                 detector.feed(views, t)
                 findings[:] = detector.evaluate(t)
@@ -698,7 +764,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 if last:
                     break
                 time.sleep(max(0.0, min(started + scrape_every, end) - time.monotonic()))
-    return _run_fleet(args, body)
+    return _run_fleet(args, body, DEMO_MIN_GPUS)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,6 +18,9 @@ Run directory layout (a temporary directory unless ``run_dir`` is given)::
     RUN/nodes/<node>/job-mapping/    one file per GPU index holding its job id
     RUN/logs/<node>.log              the agent's stdout and stderr
 
+A temporary run directory is removed on stop; the log of an agent that failed is copied out of
+it first (:meth:`LiveFleet.kept_log`), so the path an error message names stays readable.
+
 Lifecycle is bounded: :meth:`LiveFleet.stop` (also on ``with`` exit and at interpreter
 exit) stops the ticker and every agent (SIGTERM, then SIGKILL after a grace period). On
 Linux each agent also gets ``PR_SET_PDEATHSIG`` so it dies with the process that started
@@ -236,6 +239,7 @@ class LiveFleet:
         self._site = site
         self.run_dir = Path()
         self.agents: list[AgentProcess] = []
+        self._kept_logs: dict[str, Path] = {}
         #: Held while the simulator steps and writes; hold it to read the simulator consistently.
         self.lock = threading.Lock()
         self._stop = threading.Event()
@@ -373,7 +377,7 @@ class LiveFleet:
                     code = a.proc.returncode if a.proc else None
                     raise LiveFleetError(
                         f"the agent for {a.node} on {a.address} exited (code {code}) before serving; "
-                        f"its log ({a.log}):\n{a.log_tail()}"
+                        f"its log ({self.kept_log(a)}):\n{a.log_tail()}"
                     )
                 if _http_ok(a.url):
                     pending.remove(a)
@@ -417,7 +421,26 @@ class LiveFleet:
             if not a.running():
                 code = a.proc.returncode if a.proc else None
                 raise LiveFleetError(f"the agent for {a.node} on {a.address} exited (code {code}); its log "
-                                     f"({a.log}):\n{a.log_tail()}")
+                                     f"({self.kept_log(a)}):\n{a.log_tail()}")
+
+    def kept_log(self, a: AgentProcess) -> Path:
+        """Where a failed agent's log stays after the fleet stops (to name in error messages).
+
+        A ``run_dir`` given by the caller is kept as it is. The temporary run directory is removed
+        on stop, so the log is first copied to a directory of its own that nothing removes
+        (``$TMPDIR/gpufleet-agent-log-*/<node>.log``), once per agent.
+        """
+        if not self._own_run_dir:
+            return a.log
+        kept = self._kept_logs.get(a.node)
+        if kept is None:
+            kept = Path(tempfile.mkdtemp(prefix="gpufleet-agent-log-")) / a.log.name
+            try:
+                shutil.copyfile(a.log, kept)
+            except OSError as e:
+                kept.write_text(f"(the agent's log {a.log} could not be read: {e.strerror or e})\n")
+            self._kept_logs[a.node] = kept
+        return kept
 
     # ------------------------------------------------------------------ ticking
     def _run(self) -> None:
