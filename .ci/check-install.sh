@@ -88,7 +88,7 @@ wheel=$(ls "$work"/dist/gpufleet-*.whl)
 sdist=$(ls "$work"/dist/gpufleet-*.tar.gz)
 top=$(basename "$sdist" .tar.gz)
 tar tzf "$sdist" >"$work/sdist.txt"
-for f in pyproject.toml README.md MANIFEST.in agent/nvml/data/h100-8gpu-idle.xml agent/sim/scenarios/demo.toml \
+for f in pyproject.toml README.md MANIFEST.in agent/fake/data/h100-8gpu-idle.xml agent/sim/scenarios/demo.toml \
   dashboards/json/gpufleet-overview.json alerts/__init__.py alerts/gpufleet.rules.yml alerts/alertmanager.yml \
   alerts/runbook.md alerts/tests/gpu.test.yml packaging/demo.sh packaging/web-config.yml packaging/agent.toml \
   packaging/systemd/gpufleet-agent.service tests/run.sh tests/conftest.py tests/support.py \
@@ -96,7 +96,7 @@ for f in pyproject.toml README.md MANIFEST.in agent/nvml/data/h100-8gpu-idle.xml
   grep -qxF "$top/$f" "$work/sdist.txt" || fail "the sdist lacks $f"
 done
 "$py" -m zipfile -l "$wheel" | awk 'NR > 1 {print $1}' >"$work/wheel.txt"
-for f in gpufleet/agent/nvml/data/h100-8gpu-idle.xml gpufleet/agent/nvml/data/NOTICE.md \
+for f in gpufleet/agent/fake/data/h100-8gpu-idle.xml gpufleet/agent/fake/data/NOTICE.md \
   gpufleet/agent/sim/scenarios/demo.toml gpufleet/dashboards/overview.dashboard.py \
   gpufleet/dashboards/json/gpufleet-overview.json gpufleet/alerts/gpufleet.rules.yml \
   gpufleet/alerts/alertmanager.yml gpufleet/alerts/runbook.md gpufleet/alerts/tests/gpu.test.yml; do

@@ -16,11 +16,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+
 from gpufleet.agent.collectors import Collector
 from gpufleet.agent.config import COLLECTORS, AgentConfig
 from gpufleet.agent.registry import AgentCollector, new_registry
-from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
 
 log = logging.getLogger("gpufleet.agent")
 

@@ -59,8 +59,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from gpufleet.agent import __version__, sdnotify
+from gpufleet.agent import __version__
 from gpufleet.agent.config import COLLECTORS, AgentConfig
+from gpufleet.agent.serving import sdnotify
 
 PROG = "gpufleet-agent"
 LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING, "warning": logging.WARNING,
@@ -306,7 +307,7 @@ def resolve(argv: Sequence[str], env: dict[str, str] | None = None) -> Settings:
 
 
 def _validate(cfg: AgentConfig, mode: str) -> None:
-    from gpufleet.agent.server import ListenAddressError, parse_listen_address
+    from gpufleet.agent.serving.server import ListenAddressError, parse_listen_address
 
     try:
         parse_listen_address(cfg.listen_address)
@@ -381,8 +382,8 @@ def tune_gc() -> None:
 
 
 def serve(cfg: AgentConfig) -> int:
-    from gpufleet.agent.server import MetricsServer
-    from gpufleet.agent.webconfig import WebConfigError, load_web_config
+    from gpufleet.agent.serving.server import MetricsServer
+    from gpufleet.agent.serving.webconfig import WebConfigError, load_web_config
 
     try:
         web = load_web_config(cfg.web_config_file)
@@ -519,7 +520,7 @@ def textfile(cfg: AgentConfig) -> int:
 
 def record(argv: list[str]) -> int:
     try:
-        from gpufleet.agent.record import record_main
+        from gpufleet.agent.recorder import record_main
     except ImportError as e:
         print(f"{PROG}: record is not available: {e}", file=sys.stderr)
         return 1

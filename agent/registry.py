@@ -22,11 +22,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from importlib import metadata
 
-from gpufleet.agent import __version__, catalog
-from gpufleet.agent.collectors import Collector
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.samples import Sample
+
+from gpufleet.agent import __version__
+from gpufleet.agent.collectors import Collector
+from gpufleet.agent.vocab import catalog
 
 log = logging.getLogger("gpufleet.agent.registry")
 

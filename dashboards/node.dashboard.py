@@ -5,10 +5,11 @@ Gauges are shown as they are, counters as per-second rates, ``_info`` series as 
 
 from __future__ import annotations
 
-from gpufleet.agent.catalog import MetricSpec, by_group
+from grafanalib import core as g
+
+from gpufleet.agent.vocab.catalog import MetricSpec, by_group
 from gpufleet.dashboards import panels as p
 from gpufleet.dashboards.panels import GPU, NODE, SITE
-from grafanalib import core as g
 
 GROUPS = (
     ("GPU", "gpu"), ("XID", "xid"), ("Jobs", "jobs"), ("InfiniBand / RoCE and Ethernet", "nic"),

@@ -1,6 +1,6 @@
 """Shared building blocks for the gpufleet Grafana dashboards (grafanalib).
 
-Every panel is built from a metric of :mod:`gpufleet.agent.catalog` (or, for the
+Every panel is built from a metric of :mod:`gpufleet.agent.vocab.catalog` (or, for the
 dcgm flavour, from :data:`DCGM`): its unit, its description (the catalog help
 text) and its default legend (the metric's labels) come from there, so nothing is
 typed twice. Panels record the metric they show in their description as
@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import attr
-from gpufleet.agent.catalog import MetricSpec, spec
 from grafanalib import core as g
+
+from gpufleet.agent.vocab.catalog import MetricSpec, spec
 
 #: Grafana 10/11 dashboard schema; current Grafana imports it without migration.
 SCHEMA_VERSION = 39
@@ -232,11 +233,11 @@ def layout(rows: Sequence[tuple[str, Sequence[tuple[g.Panel, int, int]]]]) -> li
 
 
 def _with_grid(panel: g.Panel, pos: g.GridPos) -> g.Panel:
-    return attr.evolve(panel, gridPos=pos)  # type: ignore[misc]
+    return attr.evolve(panel, gridPos=pos)
 
 
 def _with_id(panel: g.Panel, pid: int) -> g.Panel:
-    return attr.evolve(panel, id=pid)  # type: ignore[misc]
+    return attr.evolve(panel, id=pid)
 
 
 # ---------------------------------------------------------------------- template variables

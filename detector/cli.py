@@ -149,9 +149,9 @@ def _table(findings: Sequence[Finding]) -> None:
 
 
 def _serve(cfg: DetectorConfig, once: bool) -> int:
-    from gpufleet.agent import sdnotify
-    from gpufleet.agent.server import MetricsServer
-    from gpufleet.agent.webconfig import load_web_config
+    from gpufleet.agent.serving import sdnotify
+    from gpufleet.agent.serving.server import MetricsServer
+    from gpufleet.agent.serving.webconfig import load_web_config
     from gpufleet.detector.exporter import Exposer, Health, registry_for
     from gpufleet.detector.liveness import Liveness
     from gpufleet.detector.source_prometheus import PrometheusSource

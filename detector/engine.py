@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from gpufleet.detector import network, straggler, throttling
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.features import NodeNaming, Snapshot, collect

@@ -1,6 +1,6 @@
 """The detector's /metrics: a prometheus-client collector over the last evaluation, and the HTTP server.
 
-Series (names, labels and help from :mod:`gpufleet.agent.catalog`, group
+Series (names, labels and help from :mod:`gpufleet.agent.vocab.catalog`, group
 ``detector``): per-GPU straggler score and per-feature robust z-score, one
 ``gpufleet_detector_finding`` per active finding (value = score; labels kind,
 cause, node, gpu, job_id, site; "" when not applicable) with its start time,
@@ -16,10 +16,11 @@ import threading
 from collections.abc import Iterator
 
 import numpy as np
-from gpufleet.agent.catalog import spec
-from gpufleet.detector.engine import Detector
 from prometheus_client.core import CollectorRegistry, Metric
 from prometheus_client.exposition import choose_encoder
+
+from gpufleet.agent.vocab.catalog import spec
+from gpufleet.detector.engine import Detector
 
 
 class Health:
@@ -53,10 +54,10 @@ class DetectorCollector:
         yield dev
         finding = spec("gpufleet_detector_finding").family()
         start = spec("gpufleet_detector_finding_start_timestamp_seconds").family()
-        for f in list(det.tracker.active.values()):
-            labels = [f.kind, f.cause or "", f.node or "", f.gpu or "", f.job or "", f.site or ""]
-            finding.add_metric(labels, f.score)
-            start.add_metric(labels, f.start)
+        for fd in list(det.tracker.active.values()):
+            labels = [fd.kind, fd.cause or "", fd.node or "", fd.gpu or "", fd.job or "", fd.site or ""]
+            finding.add_metric(labels, fd.score)
+            start.add_metric(labels, fd.start)
         yield finding
         yield start
         pue = spec("gpufleet_detector_site_pue").family()
@@ -111,5 +112,5 @@ class Exposer:
 
 def registry_for(detector: Detector, health: Health) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(DetectorCollector(detector, health))  # type: ignore[arg-type]
+    reg.register(DetectorCollector(detector, health))
     return reg

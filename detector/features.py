@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from gpufleet.detector.profiles import JOB_LABELS, MASK_BITS, MODEL_LABELS, Query
 from gpufleet.detector.source import Result, Source, SourceError
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 
-from gpufleet.agent import sdnotify
+from gpufleet.agent.serving import sdnotify
 from gpufleet.detector.profiles import Query
 from gpufleet.detector.source import Result, Source
 
@@ -43,7 +43,7 @@ class Liveness:
         return TrackedSource(source, self)
 
     def watchdog(self, server_thread: threading.Thread, timeout: float | None = None) -> sdnotify.Watchdog:
-        """A started :class:`~gpufleet.agent.sdnotify.Watchdog` (idle unless systemd set one) that pings
+        """A started :class:`~gpufleet.agent.serving.sdnotify.Watchdog` (idle unless systemd set one) that pings
         while the HTTP thread runs and the loop is not stuck for the watchdog timeout."""
         wd = sdnotify.Watchdog(lambda: None, timeout)
         limit = wd.timeout

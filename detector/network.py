@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from gpufleet.detector.features import GpuFrame, NicFrame
 from gpufleet.detector.robust import robust_z
 from gpufleet.detector.straggler import Candidate

@@ -8,7 +8,7 @@ class, the links of a GPU). Both sources evaluate the same :class:`Query`: the
 Prometheus source as PromQL (``avg_over_time(m{...}[300s])``), the recording
 source in memory with the same semantics.
 
-Profiles: ``gpufleet`` (the agent's metrics from :mod:`gpufleet.agent.catalog`)
+Profiles: ``gpufleet`` (the agent's metrics from :mod:`gpufleet.agent.vocab.catalog`)
 and ``dcgm`` (NVIDIA dcgm-exporter, node_exporter's infiniband collector and
 ipmi_exporter, as deployed today).
 """
@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from gpufleet.agent import catalog
+from gpufleet.agent.vocab import catalog
+from gpufleet.agent.vocab.nvml import reason_bits
 
 Op = Literal["avg", "max", "min", "last", "count", "rate", "increase"]
 Entity = Literal["gpu", "nic", "node", "site", "nicmap"]
@@ -170,7 +171,9 @@ SITE_DEFAULTS = {
 JOB_LABELS = {"gpufleet": ("job_id",), "dcgm": ("hpc_job", "pod")}
 MODEL_LABELS = {"gpufleet": ("name",), "dcgm": ("modelName",)}
 #: dcgm-exporter's throttle / clock-event reason bits.
-MASK_BITS = {"thr_power": 0x4, "thr_hw": 0x8, "thr_thermal": 0x20 | 0x40, "thr_brake": 0x80}
+MASK_BITS = {"thr_power": reason_bits("sw_power_cap"), "thr_hw": reason_bits("hw_slowdown"),
+             "thr_thermal": reason_bits("sw_thermal_slowdown", "hw_thermal_slowdown"),
+             "thr_brake": reason_bits("hw_power_brake_slowdown")}
 
 
 def queries(profile: str) -> tuple[Query, ...]:

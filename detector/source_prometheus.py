@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 import requests
+
 from gpufleet.detector.profiles import Query
 from gpufleet.detector.source import Result, SourceError
 

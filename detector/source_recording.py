@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from prometheus_client.openmetrics.parser import text_fd_to_metric_families
+
 from gpufleet.detector.profiles import Query
 from gpufleet.detector.source import Result
-from prometheus_client.openmetrics.parser import text_fd_to_metric_families
 
 FloatArray = np.ndarray
 

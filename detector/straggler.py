@@ -27,9 +27,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
+from sklearn.ensemble import IsolationForest
+
 from gpufleet.detector.features import NVLINK_ERROR_FEATURES, GpuFrame
 from gpufleet.detector.robust import grouped_robust_z
-from sklearn.ensemble import IsolationForest
 
 FloatArray = np.ndarray
 

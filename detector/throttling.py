@@ -13,6 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
+
 from gpufleet.detector.features import GpuFrame
 from gpufleet.detector.straggler import Candidate
 

@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 import requests
 import yaml
-from gpufleet.agent.catalog import BY_NAME
-from gpufleet.dashboards.panels import UIDS
 from support import REPO, free_port, need_binary, running, wait_http
+
+from gpufleet.agent.vocab.catalog import BY_NAME
+from gpufleet.dashboards.panels import UIDS
 
 ALERTS = REPO / "alerts"
 RULES = ALERTS / "gpufleet.rules.yml"
@@ -162,7 +163,7 @@ def test_metric_names_in_rules_exist() -> None:
         for name in re.findall(r"\b([a-z_][a-z0-9_]*:[a-z0-9_:]+)\b", expr):
             assert name in recorded, f"{name} is not a recording rule"
         for name in re.findall(r"(?<![:\w])gpufleet_[a-z0-9_]+(?![:\w])", expr):
-            assert name in BY_NAME, f"{name} is not in agent/catalog.py"
+            assert name in BY_NAME, f"{name} is not in agent/vocab/catalog.py"
         for name in re.findall(r"(?<![:\w])([a-zA-Z_:][\w:]*)\{", expr):
             assert name in BY_NAME or name in recorded or name in PROMETHEUS_SERIES, name
 

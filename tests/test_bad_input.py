@@ -14,17 +14,18 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from support import BIN
+
 from gpufleet.agent import cli
 from gpufleet.agent.collectors.gpu import GpuCollector
 from gpufleet.agent.collectors.jobs import JobsCollector
+from gpufleet.agent.fake.smi_xml import builtin_host
+from gpufleet.agent.fake.sources import LiveSource, SimSource
 from gpufleet.agent.nvml.backend import NvmlBackend
 from gpufleet.agent.nvml.model import Snapshot, write_snapshot
-from gpufleet.agent.nvml.smi_xml import builtin_host
-from gpufleet.agent.nvml.sources import LiveSource, SimSource
 from gpufleet.agent.nvml.trace import TraceError, TraceWriter, read_trace
 from gpufleet.agent.registry import AgentCollector
 from gpufleet.detector.cli import main as detector_main
-from support import BIN
 
 
 def one_line_error(err: str, *needles: str) -> None:

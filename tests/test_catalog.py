@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from gpufleet.agent import catalog
+from gpufleet.agent.vocab import catalog
 
 UNIT_SUFFIX = {
     "celsius": "_celsius", "watts": "_watts", "joules": "_joules", "hertz": "_hertz", "bytes": "_bytes",
@@ -59,5 +59,5 @@ def test_readme_metric_reference_matches_the_catalog() -> None:
 
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     assert catalog.readme_section() in readme, (
-        "README's metric reference is stale: run python -m gpufleet.agent.catalog --readme README.md"
+        "README's metric reference is stale: run python -m gpufleet.agent.vocab.catalog --readme README.md"
     )

@@ -7,9 +7,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from support import BIN
+
 from gpufleet.agent import __version__, cli
 from gpufleet.agent.config import COLLECTORS, DEFAULT_LISTEN, AgentConfig
-from support import BIN
 
 AGENT = str(BIN / "gpufleet-agent")
 

@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import BIN
+
 from gpufleet.agent.sim import demo, live
 from gpufleet.agent.sim.live import LiveFleet, LiveFleetError
-from support import BIN
 
 
 def _fault(scenario: object) -> tuple[str | None, int | None]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from gpufleet.detector import robust, straggler
 from gpufleet.detector.cli import main as cli_main
 from gpufleet.detector.cli import replay

@@ -6,6 +6,7 @@ import gc
 import math
 
 import numpy as np
+
 from gpufleet.detector.config import parse
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.features import NodeNaming, collect

@@ -16,13 +16,14 @@ from pathlib import Path
 
 import pytest
 import requests
+from support import free_port, need_binary, running, wait_http
+from test_detector_core import STEP, T0, Fault, Synth, fast_cfg, synth
+
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.profiles import queries, sample_names
 from gpufleet.detector.source import SourceError
 from gpufleet.detector.source_prometheus import PrometheusSource
 from gpufleet.detector.source_recording import RecordingSource
-from support import free_port, need_binary, running, wait_http
-from test_detector_core import STEP, T0, Fault, Synth, fast_cfg, synth
 
 
 @pytest.fixture(scope="module")

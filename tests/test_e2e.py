@@ -29,11 +29,12 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 import pytest
 import requests
 import yaml
-from gpufleet.agent.catalog import spec
-from gpufleet.dashboards import generate, panels
 from prometheus_client.core import CollectorRegistry, GaugeMetricFamily, Metric
 from prometheus_client.exposition import make_wsgi_app
 from support import BIN, REPO, free_port, need_binary, running, wait_http
+
+from gpufleet.agent.vocab.catalog import spec
+from gpufleet.dashboards import generate, panels
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,8 @@ from typing import Any
 
 import pynvml
 import pytest
-from gpufleet.agent.nvml.fake import FakeNvml
+
+from gpufleet.agent.fake.library import FakeNvml
 from gpufleet.agent.nvml.model import (
     DriverInfo,
     GpmCounters,
@@ -528,7 +529,7 @@ class _CountingSim:
     """Wraps a SimSource and counts poll_xid calls."""
 
     def __init__(self) -> None:
-        from gpufleet.agent.nvml.sources import SimSource
+        from gpufleet.agent.fake.sources import SimSource
 
         self.sim = SimSource(2)
         self.polls = 0

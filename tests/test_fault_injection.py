@@ -14,12 +14,13 @@ import time
 
 import pynvml
 import pytest
+from test_gpu_collector import FakeHost, Series, expected_series, pick, scrape, value
+
 from gpufleet.agent.collectors.gpu import GpuCollector
 from gpufleet.agent.collectors.xid import XidCollector
+from gpufleet.agent.fake.library import FakeNvml
 from gpufleet.agent.nvml.backend import NvmlBackend
-from gpufleet.agent.nvml.fake import FakeNvml
 from gpufleet.agent.nvml.model import XidEvent
-from test_gpu_collector import FakeHost, Series, expected_series, pick, scrape, value
 
 KINDS = {
     "NOT_SUPPORTED": pynvml.NVML_ERROR_NOT_SUPPORTED,

@@ -19,16 +19,17 @@ from typing import Any
 
 import pytest
 import yaml
-from gpufleet.agent import cli
-from gpufleet.agent.collectors.jobs import JobsCollector, Skipped, read_jobs
-from gpufleet.agent.nvml.model import GpmCounters, GpuInventory, GpuSample, NvLinkSample, to_dict
-from gpufleet.agent.nvml.plausible import BOUNDS
-from gpufleet.agent.nvml.sources import LiveSource
-from gpufleet.agent.nvml.trace import TraceError, TraceSource, read_trace
-from gpufleet.agent.webconfig import WebConfigError, parse_web_config
-from gpufleet.detector.source_recording import RecordingError, RecordingSource
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+
+from gpufleet.agent import cli
+from gpufleet.agent.collectors.jobs import JobsCollector, Skipped, read_jobs
+from gpufleet.agent.fake.sources import LiveSource
+from gpufleet.agent.nvml.model import GpmCounters, GpuInventory, GpuSample, NvLinkSample, to_dict
+from gpufleet.agent.nvml.plausible import BOUNDS
+from gpufleet.agent.nvml.trace import TraceError, TraceSource, read_trace
+from gpufleet.agent.serving.webconfig import WebConfigError, parse_web_config
+from gpufleet.detector.source_recording import RecordingError, RecordingSource
 
 FUZZ = settings(derandomize=True, max_examples=150, deadline=2000, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -10,13 +10,14 @@ from typing import Any
 
 import pynvml
 import pytest
-from gpufleet.agent import catalog
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
 from gpufleet.agent.collectors.gpu import GpuCollector
 from gpufleet.agent.collectors.xid import XidCollector
+from gpufleet.agent.fake.library import FakeNvml
 from gpufleet.agent.nvml.backend import NvmlBackend
-from gpufleet.agent.nvml.fake import FakeNvml
 from gpufleet.agent.nvml.model import (
-    CLOCK_EVENT_BITS,
     DriverInfo,
     GpmCounters,
     GpuInventory,
@@ -24,8 +25,8 @@ from gpufleet.agent.nvml.model import (
     NvLinkSample,
     XidEvent,
 )
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
+from gpufleet.agent.vocab import catalog
+from gpufleet.agent.vocab.nvml import CLOCK_EVENT_BITS
 
 Series = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

@@ -17,15 +17,16 @@ from pathlib import Path
 
 import pynvml
 import pytest
-from gpufleet.agent.collectors.gpu import GpuCollector
-from gpufleet.agent.collectors.topology import nic_gpu_mapping
-from gpufleet.agent.nvml import hardware
-from gpufleet.agent.nvml.backend import NvmlBackend
-from gpufleet.agent.nvml.fake import FakeNvml
-from gpufleet.agent.nvml.smi_xml import SmiHost, load_smi_xml, parse_smi_xml
-from gpufleet.agent.nvml.sources import SimSource, source_from_spec
 from prometheus_client import CollectorRegistry, generate_latest
 from support import BIN, FIXTURES, need_binary
+
+from gpufleet.agent.collectors.gpu import GpuCollector
+from gpufleet.agent.collectors.topology import nic_gpu_mapping
+from gpufleet.agent.fake.library import FakeNvml
+from gpufleet.agent.fake.smi_xml import SmiHost, load_smi_xml, parse_smi_xml
+from gpufleet.agent.fake.sources import SimSource, source_from_spec
+from gpufleet.agent.nvml import hardware
+from gpufleet.agent.nvml.backend import NvmlBackend
 
 SMI = FIXTURES / "nvidia-smi"
 T0 = 1_700_000_000.0

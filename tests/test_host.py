@@ -9,9 +9,10 @@ from collections.abc import Iterator
 
 import psutil
 import pytest
-from gpufleet.agent.collectors.host import HostCollector, cpu_busy_total
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+
+from gpufleet.agent.collectors.host import HostCollector, cpu_busy_total
 
 scputimes = namedtuple("scputimes", "user nice system idle iowait irq softirq steal guest guest_nice")
 

@@ -6,10 +6,11 @@ import os
 from pathlib import Path
 
 import pytest
-from gpufleet.agent.collectors import jobs as jobs_mod
-from gpufleet.agent.collectors.jobs import JobsCollector
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+
+from gpufleet.agent.collectors import jobs as jobs_mod
+from gpufleet.agent.collectors.jobs import JobsCollector
 
 
 def scrape(collector: JobsCollector) -> set[tuple[str, str]]:

@@ -18,10 +18,11 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
-from gpufleet.agent.nvml.model import Snapshot
-from gpufleet.agent.sim.live import LiveFleet, LiveFleetError
 from prometheus_client.parser import text_string_to_metric_families
 from support import BIN, free_port, need_binary
+
+from gpufleet.agent.nvml.model import Snapshot
+from gpufleet.agent.sim.live import LiveFleet, LiveFleetError
 
 pytestmark = pytest.mark.timeout(120)
 

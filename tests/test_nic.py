@@ -9,11 +9,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-from gpufleet.agent import catalog
-from gpufleet.agent.collectors.nic import NicCollector, parse_rate, parse_state
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from support import FIXTURES
+
+from gpufleet.agent.collectors.nic import NicCollector, parse_rate, parse_state
+from gpufleet.agent.vocab import catalog
 
 IB_FIXTURE = FIXTURES / "sysfs-infiniband-h100"
 #: counters/ files the collector turns into their own series: file -> (metric, multiplier).

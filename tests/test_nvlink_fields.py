@@ -14,11 +14,12 @@ from typing import Any
 
 import pynvml
 import pytest
+from test_gpu_collector import FakeHost, assert_series_equal, expected_series, pick, scrape, value
+
 from gpufleet.agent.collectors.gpu import GpuCollector
+from gpufleet.agent.fake.library import FakeNvml
 from gpufleet.agent.nvml import reader
 from gpufleet.agent.nvml.backend import NvmlBackend
-from gpufleet.agent.nvml.fake import FakeNvml
-from test_gpu_collector import FakeHost, assert_series_equal, expected_series, pick, scrape, value
 
 SXM = 2  # FakeHost: GPUs 0 and 2 have 4 NVLinks each, GPU 1 none
 ERRORS = "gpufleet_gpu_nvlink_errors_total"

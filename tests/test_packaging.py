@@ -18,8 +18,8 @@ from support import REPO
 
 #: Package data a user needs on an installed host, as paths inside the wheel.
 WHEEL_DATA = [
-    "gpufleet/agent/nvml/data/h100-8gpu-idle.xml",  # the built-in nvidia-smi capture (--nvml.fake=sim)
-    "gpufleet/agent/nvml/data/NOTICE.md",
+    "gpufleet/agent/fake/data/h100-8gpu-idle.xml",  # the built-in nvidia-smi capture (--nvml.fake=sim)
+    "gpufleet/agent/fake/data/NOTICE.md",
     "gpufleet/agent/sim/scenarios/demo.toml",
     "gpufleet/agent/sim/scenarios/clock_stuck_low.toml",
     "gpufleet/dashboards/overview.dashboard.py",

@@ -13,14 +13,15 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from gpufleet.agent.collectors.gpu import GpuCollector
-from gpufleet.agent.nvml.backend import NvmlBackend
-from gpufleet.agent.nvml.fake import FakeNvml
-from gpufleet.agent.nvml.model import GpuSample, XidEvent
-from gpufleet.agent.nvml.trace import TraceSource, read_trace
-from gpufleet.agent.record import build_parser, read_ib_files, record_main
 from support import FIXTURES, running
 from test_gpu_collector import FakeHost, assert_series_equal, expected_series, pick, scrape, value
+
+from gpufleet.agent.collectors.gpu import GpuCollector
+from gpufleet.agent.fake.library import FakeNvml
+from gpufleet.agent.nvml.backend import NvmlBackend
+from gpufleet.agent.nvml.model import GpuSample, XidEvent
+from gpufleet.agent.nvml.trace import TraceSource, read_trace
+from gpufleet.agent.recorder import build_parser, read_ib_files, record_main
 
 TRACE = FIXTURES / "traces" / "h100x8-sim.jsonl.gz"
 IB_FIXTURE = FIXTURES / "sysfs-infiniband-h100"
@@ -237,7 +238,7 @@ def test_duration_bounds_the_recording(tmp_path: Path) -> None:
 
 def test_sigterm_ends_an_open_ended_recording_cleanly(tmp_path: Path) -> None:
     out = tmp_path / "open.jsonl"
-    argv = [sys.executable, "-m", "gpufleet.agent.record", "--output", str(out), "--interval", "0.1",
+    argv = [sys.executable, "-m", "gpufleet.agent.recorder", "--output", str(out), "--interval", "0.1",
             "--nvml.fake=sim:1", f"--path.sysfs={tmp_path}"]
     with running(argv) as proc:
         deadline = time.monotonic() + 20

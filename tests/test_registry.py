@@ -7,11 +7,13 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from gpufleet.agent import __version__, catalog
-from gpufleet.agent.registry import AgentCollector, new_registry
 from prometheus_client import generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+
+from gpufleet.agent import __version__
+from gpufleet.agent.registry import AgentCollector, new_registry
+from gpufleet.agent.vocab import catalog
 
 
 class FakeGpu:
@@ -166,8 +168,9 @@ class _Fixed:
 
 
 def test_fast_text_encoder_matches_prometheus_client() -> None:
-    from gpufleet.agent.registry import encode_text
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    from gpufleet.agent.registry import encode_text
 
     g = GaugeMetricFamily("gpufleet_test_gauge", 'help with \\ backslash\nand newline and "quotes"', labels=["b", "a"])
     for i, v in enumerate([0.0, -1.5, 1e-9, 123456.0, 1234567.0, 12345678901234.0, 1e22, float("inf"),
@@ -186,9 +189,10 @@ def test_fast_text_encoder_matches_prometheus_client() -> None:
 def test_fast_encoder_paths_for_ints_reused_samples_and_label_sets() -> None:
     import random
 
-    from gpufleet.agent.registry import FrozenLabels, StickySample, encode_text
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
     from prometheus_client.samples import Sample
+
+    from gpufleet.agent.registry import FrozenLabels, StickySample, encode_text
 
     rnd = random.Random(7)
     ints = [0, 1, -1, 999_999, 1_000_000, 1_980_000_000, 85_520_809_984, 10**15 - 1, 10**15, 10**16, 2**63,
@@ -276,8 +280,9 @@ def test_health_reports_nvml_down() -> None:
 
 
 def test_fast_encoder_reuses_a_family_of_the_very_same_samples_only() -> None:
-    from gpufleet.agent.registry import StickySample, encode_text
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    from gpufleet.agent.registry import StickySample, encode_text
 
     samples = [StickySample("gpufleet_test_block_total", {"gpu": str(k)}, float(k)) for k in range(4)]
     c = CounterMetricFamily("gpufleet_test_block", "a block", labels=["gpu"])

@@ -18,16 +18,17 @@ from pathlib import Path
 
 import pytest
 import requests
+from prometheus_client.core import GaugeMetricFamily, Metric
+from support import BIN, free_port, running
+
 from gpufleet.agent import cli as agent_cli
-from gpufleet.agent import sdnotify
+from gpufleet.agent.fake.smi_xml import builtin_host
 from gpufleet.agent.nvml.model import Snapshot, write_snapshot
-from gpufleet.agent.nvml.smi_xml import builtin_host
 from gpufleet.agent.registry import AgentCollector
+from gpufleet.agent.serving import sdnotify
 from gpufleet.detector.liveness import Liveness
 from gpufleet.detector.profiles import Query
 from gpufleet.detector.source import Result, SourceError
-from prometheus_client.core import GaugeMetricFamily, Metric
-from support import BIN, free_port, running
 
 
 class NotifySocket:

@@ -6,9 +6,10 @@ import tomllib
 
 import numpy as np
 import pytest
+
 from gpufleet.agent.nvml.model import Snapshot
 from gpufleet.agent.sim.physics import BIT
-from gpufleet.agent.sim.record import run
+from gpufleet.agent.sim.recording import run
 from gpufleet.agent.sim.scenario import builtin_text, parse_scenario
 from gpufleet.agent.sim.simulator import Simulator
 

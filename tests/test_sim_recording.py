@@ -11,9 +11,11 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from support import need_binary
+
 from gpufleet.agent.nvml.model import Snapshot
 from gpufleet.agent.sim import cli
-from gpufleet.agent.sim.record import record
+from gpufleet.agent.sim.recording import record
 from gpufleet.agent.sim.scenario import (
     ScenarioError,
     builtin_names,
@@ -22,7 +24,6 @@ from gpufleet.agent.sim.scenario import (
     parse_scenario,
 )
 from gpufleet.agent.sim.simulator import Simulator
-from support import need_binary
 
 START = 1_750_000_000.0
 

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pynvml
 import pytest
-from gpufleet.agent.nvml.fake import FakeNvml
+
+from gpufleet.agent.fake.library import FakeNvml
+from gpufleet.agent.fake.smi_xml import builtin_host
+from gpufleet.agent.fake.sources import LiveSource, SimSource, SourceUnavailable, source_from_spec
 from gpufleet.agent.nvml.model import GpuSample, Snapshot, XidEvent, write_snapshot
-from gpufleet.agent.nvml.smi_xml import builtin_host
-from gpufleet.agent.nvml.sources import LiveSource, SimSource, SourceUnavailable, source_from_spec
 
 T0 = 1_700_000_000.0
 

@@ -12,11 +12,12 @@ import bcrypt
 import pytest
 import trustme
 import yaml
+from support import BIN, REPO
+
 from gpufleet.agent import cli
 from gpufleet.agent.config import COLLECTORS
-from gpufleet.agent.webconfig import parse_web_config
+from gpufleet.agent.serving.webconfig import parse_web_config
 from gpufleet.detector import config as detector_config
-from support import BIN, REPO
 
 UNIT = REPO / "packaging" / "systemd" / "gpufleet-agent.service"
 DETECTOR_UNIT = REPO / "packaging" / "systemd" / "gpufleet-detector.service"

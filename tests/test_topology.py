@@ -7,12 +7,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from gpufleet.agent.collectors import topology
-from gpufleet.agent.collectors.topology import TopologyCollector, resolve_in_root, sysfs_pci_address
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from support import FIXTURES
 from sysfs_tree import H100_GPUS, H100_NICS, add_ib_device, build_h100_node, nvml_bus_id
+
+from gpufleet.agent.collectors import topology
+from gpufleet.agent.collectors.topology import TopologyCollector, resolve_in_root, sysfs_pci_address
 
 #: What the layout in sysfs_tree.py must give: NIC -> {gpu: deepest common PCI ancestor}.
 EXPECTED = {

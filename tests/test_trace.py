@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pynvml
 import pytest
-from gpufleet.agent.nvml.fake import FakeNvml
+
+from gpufleet.agent.fake.library import FakeNvml
+from gpufleet.agent.fake.sources import SimSource, source_from_spec
 from gpufleet.agent.nvml.model import XidEvent
-from gpufleet.agent.nvml.sources import SimSource, source_from_spec
 from gpufleet.agent.nvml.trace import Trace, TraceError, TraceSource, TraceWriter, read_trace
 
 T0 = 1_763_780_000.0

@@ -24,9 +24,10 @@ import bcrypt
 import pytest
 import requests
 import trustme
-from gpufleet.agent.server import MetricsServer
-from gpufleet.agent.webconfig import WebConfig, parse_web_config
 from support import BIN, free_port, running, wait_http
+
+from gpufleet.agent.serving.server import MetricsServer
+from gpufleet.agent.serving.webconfig import WebConfig, parse_web_config
 
 AGENT = str(BIN / "gpufleet-agent")
 #: The agent's memory target on an 8-GPU host.

@@ -14,8 +14,14 @@ from pathlib import Path
 import bcrypt
 import pytest
 import trustme
-from gpufleet.agent import webconfig
-from gpufleet.agent.webconfig import WebConfigError, load_web_config, parse_basic_auth, parse_web_config
+
+from gpufleet.agent.serving import webconfig
+from gpufleet.agent.serving.webconfig import (
+    WebConfigError,
+    load_web_config,
+    parse_basic_auth,
+    parse_web_config,
+)
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,12 @@ from collections.abc import Callable, Iterator
 
 import pynvml
 import pytest
-from gpufleet.agent.collectors.xid import XidCollector
-from gpufleet.agent.nvml.backend import NvmlBackend
-from gpufleet.agent.nvml.fake import FakeNvml
-from gpufleet.agent.nvml.model import XidEvent
 from test_gpu_collector import FakeHost, pick, scrape, value
+
+from gpufleet.agent.collectors.xid import XidCollector
+from gpufleet.agent.fake.library import FakeNvml
+from gpufleet.agent.nvml.backend import NvmlBackend
+from gpufleet.agent.nvml.model import XidEvent
 
 
 def wait_for(cond: Callable[[], object], timeout: float = 5.0) -> None:

@@ -18,12 +18,12 @@ from typing import Any
 from prometheus_client.core import Metric
 from prometheus_client.samples import Sample
 
-from .. import catalog
-from ..nvml.backend import Device, NvmlBackend
-from ..nvml.hardware import architecture_label
-from ..nvml.model import CLOCK_EVENT_BITS
-from ..nvml.reader import Reading, read_gpu
-from ..registry import FrozenLabels, SeriesCache
+from gpufleet.agent.nvml.backend import Device, NvmlBackend
+from gpufleet.agent.nvml.hardware import architecture_label
+from gpufleet.agent.nvml.reader import Reading, read_gpu
+from gpufleet.agent.registry import FrozenLabels, SeriesCache
+from gpufleet.agent.vocab import catalog
+from gpufleet.agent.vocab.nvml import CLOCK_EVENT_BITS
 
 #: A metric family being filled (GaugeMetricFamily or CounterMetricFamily).
 Fam = Any

@@ -19,8 +19,9 @@ from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import psutil
-from gpufleet.agent import catalog
 from prometheus_client.core import GaugeMetricFamily, Metric
+
+from gpufleet.agent.vocab import catalog
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,9 @@ import stat
 from collections.abc import Iterable
 from typing import cast
 
-from gpufleet.agent import catalog
 from prometheus_client.core import GaugeMetricFamily, Metric
+
+from gpufleet.agent.vocab import catalog
 
 log = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ import logging
 import os
 import re
 from collections.abc import Iterable
-from typing import cast
 
 import psutil
-from gpufleet.agent import catalog
-from gpufleet.agent.registry import SeriesCache
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from gpufleet.agent.registry import SeriesCache
+from gpufleet.agent.vocab import catalog
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class NicCollector:
         return [s.family() for s in self._specs.values()]
 
     def collect(self) -> Iterable[Metric]:
-        fams = {name: cast(Family, s.family()) for name, s in self._specs.items()}
+        fams = {name: s.family() for name, s in self._specs.items()}
         self._collect_ib(fams)
         self._collect_net(fams)
         return [f for f in fams.values() if f.samples]

@@ -22,8 +22,9 @@ import re
 from collections.abc import Callable, Iterable
 from typing import NamedTuple, cast
 
-from gpufleet.agent import catalog
 from prometheus_client.core import GaugeMetricFamily, Metric
+
+from gpufleet.agent.vocab import catalog
 
 log = logging.getLogger(__name__)
 

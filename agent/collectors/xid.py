@@ -22,9 +22,9 @@ from typing import Any
 import pynvml
 from prometheus_client.core import Metric
 
-from .. import catalog
-from ..nvml.backend import LOST_CODES, NvmlBackend, error_name
-from ..nvml.model import XidEvent
+from gpufleet.agent.nvml.backend import LOST_CODES, NvmlBackend, error_name
+from gpufleet.agent.nvml.model import XidEvent
+from gpufleet.agent.vocab import catalog
 
 log = logging.getLogger(__name__)
 

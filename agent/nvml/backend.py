@@ -12,7 +12,7 @@ into "no value":
   the others).
 
 With ``fake_spec`` (``--nvml.fake``) the backend builds a device source with
-:func:`gpufleet.agent.nvml.sources.source_from_spec` and installs the fake NVML
+:func:`gpufleet.agent.fake.sources.source_from_spec` and installs the fake NVML
 library into pynvml before ``nvmlInit``, so the very same pynvml calls answer
 from the source.
 """
@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import pynvml
 
-from .model import GpuInventory
+from gpufleet.agent.nvml.model import GpuInventory
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +108,8 @@ class NvmlBackend:
         self.source: Any = None
         self._fake: Any = None
         if fake_spec:
-            from .fake import FakeNvml
-            from .sources import source_from_spec
+            from gpufleet.agent.fake.library import FakeNvml
+            from gpufleet.agent.fake.sources import source_from_spec
 
             self.source = source_from_spec(fake_spec)
             self._fake = FakeNvml(self.source)
@@ -129,7 +129,7 @@ class NvmlBackend:
 
     @property
     def fake(self) -> Any:
-        """The installed :class:`~gpufleet.agent.nvml.fake.FakeNvml` with ``--nvml.fake``, else None."""
+        """The installed :class:`~gpufleet.agent.fake.library.FakeNvml` with ``--nvml.fake``, else None."""
         return self._fake
 
     # ------------------------------------------------------------------ lifecycle

@@ -3,7 +3,7 @@
 This is the contract between everything that produces GPU state and everything
 that serves it:
 
-* the fake NVML (:mod:`gpufleet.agent.nvml.fake`) answers pynvml's C calls from a
+* the fake NVML (:mod:`gpufleet.agent.fake.library`) answers pynvml's C calls from a
   :class:`DeviceSource`;
 * sources are the built-in simulated H100 host, a recorded trace
   (:mod:`gpufleet.agent.nvml.trace`), a live snapshot file written by the fleet
@@ -30,18 +30,6 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-#: NVML clock-event (throttle) reason bits (nvmlClocksEventReason*).
-CLOCK_EVENT_BITS: dict[str, int] = {
-    "gpu_idle": 0x1,
-    "applications_clocks_setting": 0x2,
-    "sw_power_cap": 0x4,
-    "hw_slowdown": 0x8,
-    "sync_boost": 0x10,
-    "sw_thermal_slowdown": 0x20,
-    "hw_thermal_slowdown": 0x40,
-    "hw_power_brake_slowdown": 0x80,
-    "display_clock_setting": 0x100,
-}
 
 @dataclass
 class DriverInfo:

@@ -40,43 +40,24 @@ from typing import Any
 
 import pynvml
 
-from .backend import ERROR_NAMES, LOST_CODES, Device, GpuLost, NvmlBackend
-from .model import GpuSample, NvLinkSample
-from .plausible import BOUNDS
+from gpufleet.agent.nvml.backend import ERROR_NAMES, LOST_CODES, Device, GpuLost, NvmlBackend
+from gpufleet.agent.nvml.model import GpuSample, NvLinkSample
+from gpufleet.agent.nvml.plausible import BOUNDS
+from gpufleet.agent.vocab import nvml as nv
 
-#: Field ids read with nvmlDeviceGetFieldValues (values as in nvml.h).
-FI_MEMORY_TEMP = 82
-FI_NVLINK_TX_KIB = 138
-FI_NVLINK_RX_KIB = 139
+#: Field ids read with nvmlDeviceGetFieldValues (NVML's table: vocab.nvml).
+FI_MEMORY_TEMP = nv.FI_MEMORY_TEMP.value
+FI_NVLINK_TX_KIB = nv.FI_NVLINK_TX_KIB.value
+FI_NVLINK_RX_KIB = nv.FI_NVLINK_RX_KIB.value
 #: Link-scoped (scopeId = link) slow-tier fields, as DCGM reads them on Hopper: (NvLinkSample attribute, field id,
 #: the nvmlNvLinkErrorCounter_t to fall back to when the field answers NOT_SUPPORTED; None: nvmlDeviceGetNvLinkState).
-#: NVML_FI_DEV_NVLINK_ERROR_DL_CRC counts flit CRC errors; data CRC errors have no scoped field.
-FI_NVLINK_SCOPED: tuple[tuple[str, int, int | None], ...] = (
-    ("up", 165, None),  # NVML_FI_DEV_NVLINK_GET_STATE
-    ("replay", 161, pynvml.NVML_NVLINK_ERROR_DL_REPLAY),  # NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY
-    ("recovery", 162, pynvml.NVML_NVLINK_ERROR_DL_RECOVERY),  # NVML_FI_DEV_NVLINK_ERROR_DL_RECOVERY
-    ("crc_flit", 163, pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT),  # NVML_FI_DEV_NVLINK_ERROR_DL_CRC
-)
+FI_NVLINK_SCOPED: tuple[tuple[str, int, int | None], ...] = tuple(
+    (c.name, c.field.value, c.counter) for c in nv.NVLINK_SCOPED if c.field is not None)
 #: Cumulative clock-event (throttle) time counters, ns, per catalog.CLOCK_EVENT_COUNTED_REASONS.
-FI_CLOCK_EVENT_NS: dict[str, int] = {
-    "sw_power_cap": 74,
-    "sync_boost": 76,
-    "sw_thermal_slowdown": 269,
-    "hw_thermal_slowdown": 270,
-    "hw_power_brake_slowdown": 271,
-}
+FI_CLOCK_EVENT_NS: dict[str, int] = nv.FI_CLOCK_EVENT_NS
 
 #: GPM metric ids (nvmlGpmMetricId_t) -> GpmRates attribute.
-GPM_METRICS: tuple[tuple[int, str], ...] = (
-    (2, "sm_active_pct"),  # NVML_GPM_METRIC_SM_UTIL
-    (3, "sm_occupancy_pct"),  # NVML_GPM_METRIC_SM_OCCUPANCY
-    (5, "tensor_active_pct"),  # NVML_GPM_METRIC_ANY_TENSOR_UTIL
-    (10, "dram_active_pct"),  # NVML_GPM_METRIC_DRAM_BW_UTIL
-    (61, "nvlink_tx_mibps"),  # NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC
-    (60, "nvlink_rx_mibps"),  # NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC
-    (20, "pcie_tx_mibps"),  # NVML_GPM_METRIC_PCIE_TX_PER_SEC
-    (21, "pcie_rx_mibps"),  # NVML_GPM_METRIC_PCIE_RX_PER_SEC
-)
+GPM_METRICS: tuple[tuple[int, str], ...] = tuple((m.value, m.attr) for m in nv.GPM_METRICS)
 
 #: The slow tier's clock (tests replace it).
 slow_clock = time.monotonic

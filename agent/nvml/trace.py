@@ -57,8 +57,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
-from . import plausible
-from .model import (
+from gpufleet.agent.nvml import plausible
+from gpufleet.agent.nvml.model import (
     DriverInfo,
     GpmCounters,
     GpuInventory,

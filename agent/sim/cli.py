@@ -15,11 +15,17 @@ import sys
 import time
 from collections.abc import Sequence
 
-from gpufleet.agent.argtypes import non_negative_int, positive_float
-
-from .record import PROFILES, SERIES, iter_profiles, record
-from .scenario import Scenario, ScenarioError, builtin_names, describe, load_scenario, parse_time
-from .simulator import Simulator
+from gpufleet.agent.serving.argtypes import non_negative_int, positive_float
+from gpufleet.agent.sim.recording import PROFILES, SERIES, iter_profiles, record
+from gpufleet.agent.sim.scenario import (
+    Scenario,
+    ScenarioError,
+    builtin_names,
+    describe,
+    load_scenario,
+    parse_time,
+)
+from gpufleet.agent.sim.simulator import Simulator
 
 
 def build_parser() -> argparse.ArgumentParser:

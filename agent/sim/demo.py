@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, TextIO
 
-from gpufleet.agent.argtypes import positive_float, positive_int
-from gpufleet.agent.catalog import spec
+from prometheus_client.parser import text_string_to_metric_families
+
 from gpufleet.agent.config import DEFAULT_PORT
+from gpufleet.agent.serving.argtypes import positive_float, positive_int
 from gpufleet.agent.sim.live import DEFAULT_TICK, LiveFleet, LiveFleetError
 from gpufleet.agent.sim.scenario import ScenarioError
-from prometheus_client.parser import text_string_to_metric_families
+from gpufleet.agent.vocab.catalog import spec
 
 # Metric names, checked against the catalog at import (KeyError if one is renamed).
 M_CLOCK = spec("gpufleet_gpu_clock_hertz").name

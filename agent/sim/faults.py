@@ -5,8 +5,8 @@ a target (site, node, GPU or NIC) and a ``severity`` in [0, 1]: 0 is *marginal*
 (hard to see, still real), 1 is *obvious*; the words ``marginal`` (0.2),
 ``moderate`` (0.5) and ``obvious`` (1.0) are accepted. Each class documents its
 expected signature in the recording and the findings (kind, cause) a detector
-should report — kinds and causes are those of :data:`gpufleet.agent.catalog.FINDING_KINDS`
-and :data:`~gpufleet.agent.catalog.FINDING_CAUSES`.
+should report — kinds and causes are those of :data:`gpufleet.agent.vocab.catalog.FINDING_KINDS`
+and :data:`~gpufleet.agent.vocab.catalog.FINDING_CAUSES`.
 
 Catalogue (``kind``: signature -> expected findings):
 
@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from .physics import Physics
+    from gpufleet.agent.sim.physics import Physics
 
 SEVERITY_WORDS = {"marginal": 0.2, "moderate": 0.5, "obvious": 1.0}
 

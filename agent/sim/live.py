@@ -185,7 +185,7 @@ def make_simulator(scenario: Any = "demo", seed: int = 0, **overrides: Any) -> S
         scenario = load_scenario(str(scenario), **overrides)
     elif overrides:
         raise ValueError("nodes/gpus_per_node overrides apply to a scenario given by name or path")
-    return Simulator(scenario, seed=seed)  # type: ignore[no-any-return]
+    return Simulator(scenario, seed=seed)
 
 
 class LiveFleet:

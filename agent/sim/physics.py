@@ -28,14 +28,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .fleet import Fleet, Job
+from gpufleet.agent.sim.fleet import Fleet, Job
+from gpufleet.agent.vocab.nvml import CLOCK_EVENT_BITS, CLOCK_EVENT_COUNTED
 
 #: Counted clock-event reasons, in catalog order (columns of ``Physics.throttle_s``).
-COUNTED = ("sw_power_cap", "sync_boost", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
-BIT = {
-    "gpu_idle": 0x1, "sw_power_cap": 0x4, "hw_slowdown": 0x8, "sw_thermal_slowdown": 0x20,
-    "hw_thermal_slowdown": 0x40, "hw_power_brake_slowdown": 0x80,
-}
+COUNTED = CLOCK_EVENT_COUNTED
+BIT = CLOCK_EVENT_BITS
 ECC_KEYS = ("volatile_corrected", "aggregate_corrected", "volatile_uncorrected", "aggregate_uncorrected")
 NIC_ERRORS = ("symbol_error", "link_downed", "link_error_recovery", "port_rcv_errors")
 NIC_HW = ("np_ecn_marked_roce_packets", "np_cnp_sent", "rp_cnp_handled", "out_of_sequence")
@@ -272,7 +270,7 @@ class Physics:
         """Advance the fleet by ``dt`` seconds; the state then describes time ``self.t``."""
         t = self.t + dt
         self.mods = m = Mods(self)
-        from .faults import Fault  # local: faults imports this module for typing only
+        from gpufleet.agent.sim.faults import Fault  # local: faults imports this module for typing only
 
         for fault in self.faults:
             assert isinstance(fault, Fault)

@@ -57,8 +57,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from .faults import FAULTS, SEVERITY_WORDS
-from .fleet import GPU_MODELS
+from gpufleet.agent.sim.faults import FAULTS, SEVERITY_WORDS
+from gpufleet.agent.sim.fleet import GPU_MODELS
 
 DEFAULT_START = "2026-07-01T00:00:00Z"
 
@@ -230,7 +230,7 @@ def parse_scenario(data: dict[str, Any], source: str = "<scenario>") -> Scenario
         sw = f"{w}: sites[{i}]"
         if not isinstance(s, dict):
             raise ScenarioError(f"{sw}: expected a table")
-        _check_keys(s, {f.name for f in SiteSpec.__dataclass_fields__.values()}, sw)  # type: ignore[attr-defined]
+        _check_keys(s, {f.name for f in SiteSpec.__dataclass_fields__.values()}, sw)
         spec = SiteSpec(name=_get(s, "name", str, sw, f"site-{i}"), nodes=int(_get(s, "nodes", int, sw, 0)))
         if spec.nodes < 1:
             raise ScenarioError(f"{sw}.nodes: a site needs at least 1 node")

@@ -23,12 +23,20 @@ from typing import Any
 
 import numpy as np
 
-from ..nvml import model
-from ..nvml.sources import IB_COUNTER_FILES  # every port has these; unmodelled ones stay 0
-from .faults import FAULTS, Fault, fault_doc, severity_class
-from .fleet import GPU_MODELS, Fleet, Job, Node, Site, schedule_jobs
-from .physics import COUNTED, ECC_KEYS, NIC_ERRORS, NIC_HW, REBOOT_DOWNTIME_S, Heatwave, Physics
-from .scenario import Scenario, load_scenario
+from gpufleet.agent.fake.sources import IB_COUNTER_FILES  # every port has these; unmodelled ones stay 0
+from gpufleet.agent.nvml import model
+from gpufleet.agent.sim.faults import FAULTS, Fault, fault_doc, severity_class
+from gpufleet.agent.sim.fleet import GPU_MODELS, Fleet, Job, Node, Site, schedule_jobs
+from gpufleet.agent.sim.physics import (
+    COUNTED,
+    ECC_KEYS,
+    NIC_ERRORS,
+    NIC_HW,
+    REBOOT_DOWNTIME_S,
+    Heatwave,
+    Physics,
+)
+from gpufleet.agent.sim.scenario import Scenario, load_scenario
 
 IB_HW_COUNTER_FILES = (
     "duplicate_request", "implied_nak_seq_err", "lifespan", "local_ack_timeout_err", "np_cnp_sent",
@@ -352,7 +360,7 @@ class Simulator:
 
     # ---------------------------------------------------------------- ground truth
     def labels(self) -> dict[str, Any]:
-        """The ground-truth document (schema in :mod:`gpufleet.agent.sim.record`)."""
+        """The ground-truth document (schema in :mod:`gpufleet.agent.sim.recording`)."""
         sc = self.scenario
         faults = []
         for fs, fault in zip(sc.faults, self.faults, strict=True):

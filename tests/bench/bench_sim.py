@@ -27,7 +27,7 @@ TARGET_S = 60.0
 
 
 def one_run(gpus: int, hours: float, step: float, series: str, profile: str, out: Path | None) -> dict[str, float]:
-    from gpufleet.agent.sim.record import run, write_profile
+    from gpufleet.agent.sim.recording import run, write_profile
     from gpufleet.agent.sim.scenario import parse_scenario
     from gpufleet.agent.sim.simulator import Simulator
 

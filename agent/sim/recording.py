@@ -5,7 +5,7 @@ in numpy arrays, then streams one file per profile family by family (OpenMetrics
 family's samples together and each series in time order), formatting numbers as byte
 matrices so a 1,000-GPU day never needs its text in memory. Files:
 
-* ``metrics.gpufleet.om`` — gpufleet's own names (:mod:`gpufleet.agent.catalog`) with the
+* ``metrics.gpufleet.om`` — gpufleet's own names (:mod:`gpufleet.agent.vocab.catalog`) with the
   target labels of CONVENTIONS: ``instance="<node>:9445"``, ``job="gpufleet-agent"``, ``site``;
   site series with ``job="facility"``, ``instance="bms-<site>"``.
 * ``metrics.dcgm.om`` — what dcgm-exporter (``DCGM_FI_*``, labels gpu, UUID, pci_bus_id,
@@ -63,9 +63,10 @@ from typing import IO
 
 import numpy as np
 
-from ..catalog import spec
-from .physics import BIT, ECC_KEYS, NIC_ERRORS, NIC_HW
-from .simulator import Simulator
+from gpufleet.agent.sim.physics import BIT, ECC_KEYS, NIC_ERRORS, NIC_HW
+from gpufleet.agent.sim.simulator import Simulator
+from gpufleet.agent.vocab.catalog import spec
+from gpufleet.agent.vocab.exporters import DCGM_METRICS, external
 
 PROFILES = ("gpufleet", "dcgm")
 SERIES = ("full", "core")
@@ -629,38 +630,8 @@ def _site_families(w: OmWriter, c: _Ctx) -> None:
         w.block([_prefix(name, x) for x in t], c.fr[key], dec)
 
 
-#: dcgm-exporter fields written in the dcgm profile: name -> (type, help).
-DCGM_FIELDS: dict[str, tuple[str, str]] = {
-    "DCGM_FI_DEV_SM_CLOCK": ("gauge", "SM clock frequency (in MHz)."),
-    "DCGM_FI_DEV_MEM_CLOCK": ("gauge", "Memory clock frequency (in MHz)."),
-    "DCGM_FI_DEV_GPU_TEMP": ("gauge", "GPU temperature (in C)."),
-    "DCGM_FI_DEV_MEMORY_TEMP": ("gauge", "Memory temperature (in C)."),
-    "DCGM_FI_DEV_POWER_USAGE": ("gauge", "Power draw (in W)."),
-    "DCGM_FI_DEV_POWER_MGMT_LIMIT": ("gauge", "Power management limit (in W)."),
-    "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": ("unknown", "Total energy consumption since boot (in mJ)."),
-    "DCGM_FI_DEV_GPU_UTIL": ("gauge", "GPU utilization (in %)."),
-    "DCGM_FI_DEV_FB_USED": ("gauge", "Framebuffer memory used (in MiB)."),
-    "DCGM_FI_PROF_GR_ENGINE_ACTIVE": ("gauge", "Ratio of time the graphics engine is active."),
-    "DCGM_FI_PROF_SM_ACTIVE": ("gauge", "The ratio of cycles an SM has at least 1 warp assigned."),
-    "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": ("gauge", "Ratio of cycles the tensor (HMMA) pipe is active."),
-    "DCGM_FI_PROF_DRAM_ACTIVE": ("gauge", "Ratio of cycles the device memory interface is active sending or receiving data."),
-    "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS": ("gauge", "Current clock throttle reasons (bitmask)."),
-    "DCGM_FI_DEV_POWER_VIOLATION": ("unknown", "Throttling duration due to power constraints (in us)."),
-    "DCGM_FI_DEV_THERMAL_VIOLATION": ("unknown", "Throttling duration due to thermal constraints (in us)."),
-    "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL": ("unknown", "Total number of NVLink bandwidth counters for all lanes."),
-    "DCGM_FI_DEV_PCIE_REPLAY_COUNTER": ("unknown", "Total number of PCIe retries."),
-    "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL": ("unknown", "Total number of NVLink flow-control CRC errors."),
-    "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL": ("unknown", "Total number of NVLink data CRC errors."),
-    "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL": ("unknown", "Total number of NVLink retries."),
-    "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL": ("unknown", "Total number of NVLink recovery errors."),
-    "DCGM_FI_DEV_PCIE_LINK_GEN": ("gauge", "PCIe current link generation."),
-    "DCGM_FI_DEV_PCIE_LINK_WIDTH": ("gauge", "PCIe current link width."),
-    "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": ("unknown", "Total number of single-bit volatile ECC errors."),
-    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": ("unknown", "Total number of double-bit volatile ECC errors."),
-    "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS": ("unknown", "Number of remapped rows for uncorrectable errors."),
-    "DCGM_FI_DEV_ROW_REMAP_PENDING": ("gauge", "Whether remapping of rows has been pending."),
-    "DCGM_FI_DEV_XID_ERRORS": ("gauge", "Value of the last XID error encountered."),
-}
+#: dcgm-exporter fields written in the dcgm profile: name -> (type, help), from vocab.exporters.
+DCGM_FIELDS: dict[str, tuple[str, str]] = {m.name: (m.type, m.help) for m in DCGM_METRICS}
 
 
 def _dcgm(w: OmWriter, c: _Ctx) -> None:
@@ -754,10 +725,10 @@ def _dcgm(w: OmWriter, c: _Ctx) -> None:
         ("node_infiniband_physical_state_id", "gauge", "Physical state of the InfiniBand port (0: no change, 1: sleep, 2: polling, 3: disable, 4: shift, 5: link up, 6: link error recover, 7: phytest)",
          fr["nic_phys"]),
     ]
-    for name, typ, help_text, arr in ib:
-        w.family(name, typ, help_text)
-        sample = f"{name}_total" if typ == "counter" else name
-        w.block([_prefix(sample, x) for x in ne], arr, 0, c.nic_present)
+    for name, _typ, _help, arr in ib:
+        m = external(name)  # the family as node_exporter declares it (vocab.exporters)
+        w.family(m.name, m.type, m.help)
+        w.block([_prefix(m.sample, x) for x in ne], arr, 0, c.nic_present)
     # ipmi_exporter DCMI node power
     w.family("ipmi_dcmi_power_consumption_watts", "gauge", "Current power consumption in Watts.")
     ip = [{"instance": f"{n}:9290", "job": "ipmi", "site": c.site_of_node[i]} for i, n in enumerate(c.nodes)]

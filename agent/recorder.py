@@ -39,13 +39,12 @@ from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
-from gpufleet.agent.argtypes import positive_float, positive_int
-
-from .collectors.xid import XidCollector
-from .nvml.backend import Device, NvmlBackend
-from .nvml.model import DriverInfo, GpmCounters, GpuInventory, GpuSample, XidEvent
-from .nvml.reader import GpmRates, Reading, blank_sample, read_gpu
-from .nvml.trace import TraceWriter
+from gpufleet.agent.collectors.xid import XidCollector
+from gpufleet.agent.nvml.backend import Device, NvmlBackend
+from gpufleet.agent.nvml.model import DriverInfo, GpmCounters, GpuInventory, GpuSample, XidEvent
+from gpufleet.agent.nvml.reader import GpmRates, Reading, blank_sample, read_gpu
+from gpufleet.agent.nvml.trace import TraceWriter
+from gpufleet.agent.serving.argtypes import positive_float, positive_int
 
 log = logging.getLogger(__name__)
 

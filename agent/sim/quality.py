@@ -1,6 +1,6 @@
 """The detector's quality harness: labelled fleet-simulator recordings in, precision/recall/latency out.
 
-Run ``.venv/bin/python -m gpufleet.detector.quality [--quick] [--seeds N] [--jobs N] [--out DIR]``.
+Run ``.venv/bin/python -m gpufleet.agent.sim.quality [--quick] [--seeds N] [--jobs N] [--out DIR]``.
 
 For every fault type of the simulator's catalogue, every severity (marginal 0.2,
 moderate 0.5, obvious 1.0) and every seed, it generates the built-in scenario
@@ -126,7 +126,7 @@ def _config(profile: str) -> DetectorConfig:
 
 
 def execute(run: Run, workdir: str) -> list[Outcome]:
-    from gpufleet.agent.sim.record import record
+    from gpufleet.agent.sim.recording import record
     from gpufleet.agent.sim.scenario import load_scenario
     from gpufleet.agent.sim.simulator import Simulator
 
@@ -239,7 +239,7 @@ def markdown(summary: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gpufleet.detector.quality", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m gpufleet.agent.sim.quality", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 seed, moderate and obvious only, shorter controls")
     ap.add_argument("--seeds", type=int, help="seeds per case (default 1 quick, 3 full)")
     ap.add_argument("--jobs", type=int, default=1, help="parallel worker processes")

@@ -24,8 +24,9 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import hardware
-from .model import CLOCK_EVENT_BITS, DriverInfo, GpuInventory, GpuSample
+from gpufleet.agent.nvml import hardware
+from gpufleet.agent.nvml.model import DriverInfo, GpuInventory, GpuSample
+from gpufleet.agent.vocab.nvml import CLOCK_EVENT_BITS
 
 _NUMBER = re.compile(r"^\s*([-+]?\d+(?:\.\d+)?)\s*([A-Za-z/%]*)\s*$")
 _BYTES = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
@@ -298,5 +299,5 @@ def load_smi_xml(path: str | os.PathLike[str]) -> SmiHost:
 
 
 def builtin_host() -> SmiHost:
-    """The packaged 8x H100 80GB HBM3 inventory (agent/nvml/data/h100-8gpu-idle.xml)."""
+    """The packaged 8x H100 80GB HBM3 inventory (agent/fake/data/h100-8gpu-idle.xml)."""
     return load_smi_xml(Path(__file__).with_name("data") / "h100-8gpu-idle.xml")

@@ -4,7 +4,7 @@ Specs:
 
 * ``sim`` / ``sim:N`` — :class:`SimSource`: a simulated H100 host with N GPUs
   (default 8) running a data-parallel training job. The inventory comes from the
-  packaged ``nvidia-smi -q -x`` capture (agent/nvml/data); beyond 8 GPUs extra
+  packaged ``nvidia-smi -q -x`` capture (agent/fake/data); beyond 8 GPUs extra
   devices are synthesized with unique UUIDs and PCI bus ids.
 * ``sim:PATH`` / ``sim:PATH:N`` — the same simulated host built from any
   ``nvidia-smi -q -x`` capture (PATH is not all digits), with as many GPUs as the
@@ -32,9 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from . import plausible
-from .model import (
-    CLOCK_EVENT_BITS,
+from gpufleet.agent.fake.smi_xml import SmiHost, SmiXmlError, builtin_host, load_smi_xml
+from gpufleet.agent.nvml import plausible
+from gpufleet.agent.nvml.model import (
     DeviceSource,
     DriverInfo,
     GpmCounters,
@@ -44,8 +44,8 @@ from .model import (
     Snapshot,
     XidEvent,
 )
-from .smi_xml import SmiHost, SmiXmlError, builtin_host, load_smi_xml
-from .trace import TraceSource
+from gpufleet.agent.nvml.trace import TraceSource
+from gpufleet.agent.vocab.nvml import CLOCK_EVENT_BITS
 
 __all__ = ["LiveSource", "SimSource", "SourceUnavailable", "TraceSource", "source_from_spec"]
 

@@ -3,7 +3,7 @@
 Routes: the telemetry path (Prometheus text, or OpenMetrics when the ``Accept``
 header asks for it; gzip when ``Accept-Encoding`` allows), ``/health`` (200 "OK"
 plus NVML's state), a small landing page at ``/``, 404 for anything else, 405 for
-methods other than GET/HEAD. With a web config (:mod:`gpufleet.agent.webconfig`)
+methods other than GET/HEAD. With a web config (:mod:`gpufleet.agent.serving.webconfig`)
 it serves TLS and requires basic auth on every path (401 with ``WWW-Authenticate``).
 Other gpufleet services (the detector) reuse it through :class:`Exposer`.
 
@@ -54,9 +54,9 @@ from typing import Protocol
 from urllib.parse import urlsplit
 
 from gpufleet.agent import __version__
-from gpufleet.agent.webconfig import WebConfig
+from gpufleet.agent.serving.webconfig import WebConfig
 
-log = logging.getLogger("gpufleet.agent.server")
+log = logging.getLogger("gpufleet.agent.serving.server")
 
 #: Seconds a keep-alive connection may stay idle between requests, and the most a client may take to
 #: read a whole response.

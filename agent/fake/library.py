@@ -48,8 +48,8 @@ from typing import Any
 
 import pynvml
 
-from .hardware import ARCH_UNKNOWN
-from .model import DeviceSource, GpmCounters, GpuInventory, GpuSample, XidEvent
+from gpufleet.agent.nvml.hardware import ARCH_UNKNOWN
+from gpufleet.agent.nvml.model import DeviceSource, GpmCounters, GpuInventory, GpuSample, XidEvent
 
 SUCCESS: int = pynvml.NVML_SUCCESS
 UNINITIALIZED: int = pynvml.NVML_ERROR_UNINITIALIZED

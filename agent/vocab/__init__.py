@@ -1,0 +1,1 @@
+"""Names shared across gpufleet: our metric catalog, other exporters' metrics, NVML's tables."""

@@ -1,0 +1,148 @@
+"""Other exporters' metrics, as gpufleet reads and simulates them: dcgm-exporter, node_exporter, ipmi_exporter,
+kube-state-metrics.
+
+The simulator's ``dcgm`` profile writes these series, the detector's ``dcgm`` profile queries them and the
+dashboards' dcgm flavour draws them: all three take the names, types, help texts and labels from here. Names
+are those the exporters publish (dcgm-exporter's default counters CSV, node_exporter's ``infiniband``
+collector, ipmi_exporter's ``dcmi`` collector, kube-state-metrics' pod metrics); help texts paraphrase theirs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Exporter:
+    """An exporter as it is usually deployed: its Prometheus ``job``, port and the labels on its series."""
+
+    name: str
+    job: str
+    port: int
+    #: Identity labels on every series of the exporter (beyond instance and job).
+    labels: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ExternalMetric:
+    """One series family of another exporter."""
+
+    #: The family name as exposed in the text format (a counter's samples may add ``_total``, see ``sample``).
+    name: str
+    #: The type the exporter declares: ``gauge``, ``counter`` or ``unknown`` (dcgm-exporter's counters are untyped).
+    type: str
+    help: str
+    exporter: Exporter
+    #: Grafana unit id for panels.
+    grafana_unit: str = "short"
+
+    @property
+    def sample(self) -> str:
+        """The sample name a query uses (``_total`` added to counters that are declared as such)."""
+        return f"{self.name}_total" if self.type == "counter" else self.name
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return self.exporter.labels
+
+
+DCGM = Exporter("dcgm-exporter", "dcgm-exporter", 9400, ("gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname"))
+#: Labels dcgm-exporter adds to a GPU's series while a workload holds it.
+DCGM_JOB_LABEL = "hpc_job"
+DCGM_POD_LABELS = ("namespace", "pod", "container")
+NODE_EXPORTER = Exporter("node_exporter", "node", 9100, ("device", "port"))
+IPMI_EXPORTER = Exporter("ipmi_exporter", "ipmi", 9290)
+KUBE_STATE_METRICS = Exporter("kube-state-metrics", "kube-state-metrics", 8080, ("namespace", "pod", "uid"))
+
+
+def _dcgm(name: str, typ: str, help_text: str, unit: str = "short") -> ExternalMetric:
+    return ExternalMetric(name, typ, help_text, DCGM, unit)
+
+
+#: dcgm-exporter fields (``DCGM_FI_*``), in the order the simulator writes them.
+DCGM_METRICS: tuple[ExternalMetric, ...] = (
+    _dcgm("DCGM_FI_DEV_SM_CLOCK", "gauge", "SM clock frequency (in MHz).", "rotmhz"),
+    _dcgm("DCGM_FI_DEV_MEM_CLOCK", "gauge", "Memory clock frequency (in MHz).", "rotmhz"),
+    _dcgm("DCGM_FI_DEV_GPU_TEMP", "gauge", "GPU temperature (in C).", "celsius"),
+    _dcgm("DCGM_FI_DEV_MEMORY_TEMP", "gauge", "Memory temperature (in C).", "celsius"),
+    _dcgm("DCGM_FI_DEV_POWER_USAGE", "gauge", "Power draw (in W).", "watt"),
+    _dcgm("DCGM_FI_DEV_POWER_MGMT_LIMIT", "gauge", "Power management limit (in W).", "watt"),
+    _dcgm("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "unknown", "Total energy consumption since boot (in mJ)."),
+    _dcgm("DCGM_FI_DEV_GPU_UTIL", "gauge", "GPU utilization (in %).", "percent"),
+    _dcgm("DCGM_FI_DEV_FB_USED", "gauge", "Framebuffer memory used (in MiB).", "decmbytes"),
+    _dcgm("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "gauge", "Ratio of time the graphics engine is active.", "percentunit"),
+    _dcgm("DCGM_FI_PROF_SM_ACTIVE", "gauge", "The ratio of cycles an SM has at least 1 warp assigned.", "percentunit"),
+    _dcgm("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "gauge", "Ratio of cycles the tensor (HMMA) pipe is active.",
+          "percentunit"),
+    _dcgm("DCGM_FI_PROF_DRAM_ACTIVE", "gauge",
+          "Ratio of cycles the device memory interface is active sending or receiving data.", "percentunit"),
+    _dcgm("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "gauge", "Current clock throttle reasons (bitmask)."),
+    _dcgm("DCGM_FI_DEV_POWER_VIOLATION", "unknown", "Throttling duration due to power constraints (in us)."),
+    _dcgm("DCGM_FI_DEV_THERMAL_VIOLATION", "unknown", "Throttling duration due to thermal constraints (in us)."),
+    _dcgm("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "unknown", "Total number of NVLink bandwidth counters for all lanes."),
+    _dcgm("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "unknown", "Total number of PCIe retries."),
+    _dcgm("DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "unknown", "Total number of NVLink flow-control CRC errors."),
+    _dcgm("DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL", "unknown", "Total number of NVLink data CRC errors."),
+    _dcgm("DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL", "unknown", "Total number of NVLink retries."),
+    _dcgm("DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", "unknown", "Total number of NVLink recovery errors."),
+    _dcgm("DCGM_FI_DEV_PCIE_LINK_GEN", "gauge", "PCIe current link generation."),
+    _dcgm("DCGM_FI_DEV_PCIE_LINK_WIDTH", "gauge", "PCIe current link width."),
+    _dcgm("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "unknown", "Total number of single-bit volatile ECC errors."),
+    _dcgm("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "unknown", "Total number of double-bit volatile ECC errors."),
+    _dcgm("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "unknown", "Number of remapped rows for uncorrectable errors."),
+    _dcgm("DCGM_FI_DEV_ROW_REMAP_PENDING", "gauge", "Whether remapping of rows has been pending."),
+    _dcgm("DCGM_FI_DEV_XID_ERRORS", "gauge", "Value of the last XID error encountered."),
+)
+#: The newer name dcgm-exporter gives the reasons bitmask (DCGM 3.3+); the detector reads either.
+DCGM_CLOCKS_EVENT_REASONS = _dcgm("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "gauge", "Current clock event reasons (bitmask).")
+
+
+def _ib(name: str, typ: str, help_text: str, unit: str = "short") -> ExternalMetric:
+    return ExternalMetric(name, typ, help_text, NODE_EXPORTER, unit)
+
+
+#: node_exporter's ``infiniband`` collector, in the order the simulator writes them.
+NODE_INFINIBAND_METRICS: tuple[ExternalMetric, ...] = (
+    _ib("node_infiniband_port_data_transmitted_bytes", "counter", "Number of data octets transmitted on all links",
+        "Bps"),
+    _ib("node_infiniband_port_data_received_bytes", "counter", "Number of data octets received on all links", "Bps"),
+    _ib("node_infiniband_port_packets_transmitted", "counter", "Number of packets transmitted on all VLs"),
+    _ib("node_infiniband_port_packets_received", "counter", "Number of packets received on all VLs"),
+    _ib("node_infiniband_port_transmit_wait", "counter",
+        "Number of ticks during which the port had data to transmit but no data was sent during the entire tick", "cps"),
+    _ib("node_infiniband_symbol_error", "counter", "Number of minor link errors detected on one or more physical lanes."),
+    _ib("node_infiniband_link_downed", "counter",
+        "Number of times the link failed to recover from an error state and went down"),
+    _ib("node_infiniband_link_error_recovery", "counter",
+        "Number of times the link successfully recovered from an error state"),
+    _ib("node_infiniband_port_errors_received", "counter",
+        "Number of packets containing an error that were received on this port"),
+    _ib("node_infiniband_rate_bytes_per_second", "gauge", "Maximum signal transfer rate", "Bps"),
+    _ib("node_infiniband_state_id", "gauge",
+        "State of the InfiniBand port (0: no change, 1: down, 2: init, 3: armed, 4: active, 5: act defer)"),
+    _ib("node_infiniband_physical_state_id", "gauge",
+        "Physical state of the InfiniBand port (0: no change, 1: sleep, 2: polling, 3: disable, 4: shift, 5: link up, "
+        "6: link error recover, 7: phytest)"),
+)
+
+IPMI_DCMI_POWER = ExternalMetric("ipmi_dcmi_power_consumption_watts", "gauge", "Current power consumption in Watts.",
+                                 IPMI_EXPORTER, "watt")
+
+#: kube-state-metrics' pod series the detector groups pods into jobs with.
+KUBE_POD_OWNER = ExternalMetric("kube_pod_owner", "gauge", "Information about the Pod's owner.", KUBE_STATE_METRICS)
+KUBE_POD_LABELS = ExternalMetric("kube_pod_labels", "gauge", "Kubernetes labels converted to Prometheus labels.",
+                                 KUBE_STATE_METRICS)
+KUBE_POD_INFO = ExternalMetric("kube_pod_info", "gauge", "Information about pod.", KUBE_STATE_METRICS)
+
+#: Every external family by name (sample names included), for look-ups and checks.
+BY_NAME: dict[str, ExternalMetric] = {
+    n: m
+    for m in (*DCGM_METRICS, DCGM_CLOCKS_EVENT_REASONS, *NODE_INFINIBAND_METRICS, IPMI_DCMI_POWER, KUBE_POD_OWNER,
+              KUBE_POD_LABELS, KUBE_POD_INFO)
+    for n in {m.name, m.sample}
+}
+
+
+def external(name: str) -> ExternalMetric:
+    """The external metric named ``name`` (family or sample name); KeyError for a name not listed here."""
+    return BY_NAME[name]
