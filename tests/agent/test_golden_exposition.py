@@ -9,7 +9,7 @@ collector durations and interpreter versions are masked before comparing.
 
 To regenerate the golden file after an intended change of the exposition::
 
-    GPUFLEET_UPDATE_GOLDEN=1 .venv/bin/pytest tests/test_golden_exposition.py
+    GPUFLEET_UPDATE_GOLDEN=1 .venv/bin/pytest tests/agent/test_golden_exposition.py
 
 then review ``git diff tests/fixtures/golden/agent-h100x8.prom`` before committing it.
 """

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from support import BIN
+from support import BIN, REPO
 
 from gpufleet.agent import __version__, cli
 from gpufleet.agent.config import COLLECTORS, DEFAULT_LISTEN, AgentConfig
@@ -239,7 +239,7 @@ def test_record_is_wired_with_global_settings(tmp_path: Path) -> None:
 
 
 def test_packaged_agent_toml_shows_the_default_slow_interval() -> None:
-    path = Path(__file__).resolve().parent.parent / "packaging" / "agent.toml"
+    path = REPO / "packaging" / "agent.toml"
     assert resolve([f"--config.file={path}"]).config.gpu_slow_interval == resolve([]).config.gpu_slow_interval == 30
 
 
