@@ -97,7 +97,7 @@ for f in pyproject.toml README.md MANIFEST.in agent/fake/data/h100-8gpu-idle.xml
 done
 "$py" -m zipfile -l "$wheel" | awk 'NR > 1 {print $1}' >"$work/wheel.txt"
 for f in gpufleet/agent/fake/data/h100-8gpu-idle.xml gpufleet/agent/fake/data/NOTICE.md \
-  gpufleet/agent/sim/scenarios/demo.toml gpufleet/dashboards/overview.dashboard.py \
+  gpufleet/agent/sim/scenarios/demo.toml gpufleet/dashboards/boards/overview.py \
   gpufleet/dashboards/json/gpufleet-overview.json gpufleet/alerts/gpufleet.rules.yml \
   gpufleet/alerts/alertmanager.yml gpufleet/alerts/runbook.md gpufleet/alerts/tests/gpu.test.yml; do
   grep -qxF "$f" "$work/wheel.txt" || fail "the wheel lacks $f"

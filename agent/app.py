@@ -6,9 +6,12 @@ and a private prometheus-client registry. ``start()`` initializes NVML (never ra
 NVML being down is reported as ``gpufleet_nvml_up 0``) and starts the XID listener
 thread; ``close()`` stops both.
 
-When the fake NVML source keeps a fake sysfs tree (``source.sysfs_root``) and the user
-left ``--path.sysfs`` at its default, the NIC and topology collectors read that tree,
-so a simulated host has simulated InfiniBand ports too.
+The NVML backend is the real one, or with ``--nvml.fake`` one on the fake NVML
+(:func:`gpufleet.agent.fake.spec.fake_backend`, imported only then). When the fake's
+source keeps a fake sysfs tree (``source.sysfs_root``) and the user left ``--path.sysfs``
+at its default, the NIC and topology collectors read that tree, so a simulated host has
+simulated InfiniBand ports too; the fake's ``refresh_host`` runs before every read, so
+that tree is current whichever collectors are enabled.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from prometheus_client.exposition import choose_encoder
 
 from gpufleet.agent.collectors import Collector
 from gpufleet.agent.config import COLLECTORS, AgentConfig
+from gpufleet.agent.nvml.backend import NvmlBackend
 from gpufleet.agent.registry import AgentCollector, new_registry
 
 log = logging.getLogger("gpufleet.agent")
@@ -28,19 +32,26 @@ log = logging.getLogger("gpufleet.agent")
 _DEFAULT_SYSFS = AgentConfig().sysfs_path
 
 
+def build_backend(fake_spec: str) -> NvmlBackend:
+    """The NVML backend for ``--nvml.fake`` (empty: the real libnvidia-ml); ValueError on a bad spec."""
+    if fake_spec:
+        from gpufleet.agent.fake.spec import fake_backend
+
+        return fake_backend(fake_spec)
+    return NvmlBackend()
+
+
 class Agent:
     def __init__(self, cfg: AgentConfig, backend: Any | None = None,
                  collectors: list[Collector] | None = None) -> None:
         """Build the agent; ``backend``/``collectors`` may be given (tests, benchmarks)."""
         self.cfg = cfg
-        if backend is None:
-            from gpufleet.agent.nvml.backend import NvmlBackend
-
-            backend = NvmlBackend(cfg.nvml_fake)
-        self.backend = backend
+        self.backend = backend if backend is not None else build_backend(cfg.nvml_fake)
         self.sysfs_path = self._sysfs_path()
         self.collectors = collectors if collectors is not None else self._build_collectors()
-        self.collector = AgentCollector(self.collectors, cache_seconds=cfg.cache_seconds)
+        refresh_host = getattr(getattr(self.backend, "fake", None), "refresh_host", None)
+        self.collector = AgentCollector(self.collectors, cache_seconds=cfg.cache_seconds,
+                                        before_read=refresh_host if callable(refresh_host) else None)
         self.registry: CollectorRegistry = new_registry(self.collector)
         self._started = False
 

@@ -1,5 +1,5 @@
 """The agent's settings: one dataclass that flags, GPUFLEET_* environment variables
-and the optional TOML config file all fill (see :mod:`gpufleet.agent.cli`)."""
+and the optional TOML config file all fill (see :mod:`gpufleet.agent.settings`)."""
 
 from __future__ import annotations
 

@@ -39,12 +39,15 @@ from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
+from gpufleet.agent.app import build_backend
 from gpufleet.agent.collectors.xid import XidCollector
 from gpufleet.agent.nvml.backend import Device, NvmlBackend
 from gpufleet.agent.nvml.model import DriverInfo, GpmCounters, GpuInventory, GpuSample, XidEvent
-from gpufleet.agent.nvml.reader import GpmRates, Reading, blank_sample, read_gpu
+from gpufleet.agent.nvml.reader import read_gpu
+from gpufleet.agent.nvml.reading import GpmRates, Reading, blank_sample
 from gpufleet.agent.nvml.trace import TraceWriter
 from gpufleet.agent.serving.argtypes import positive_float, positive_int
+from gpufleet.agent.serving.logs import LOG_FORMAT, LOG_LEVELS, log_level
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +55,6 @@ MIB = 1024 * 1024
 #: IB files read per device and per port (besides everything in counters/ and hw_counters/).
 IB_DEVICE_FILES = ("hca_type", "board_id", "fw_ver", "node_guid")
 IB_PORT_FILES = ("state", "phys_state", "rate", "link_layer")
-LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING, "error": logging.ERROR}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,8 +182,7 @@ def record_main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     """Run ``gpufleet-agent record``; returns the process exit code."""
     ns = args if isinstance(args, argparse.Namespace) else build_parser().parse_args(
         list(sys.argv[1:] if args is None else args))
-    logging.basicConfig(level=LOG_LEVELS.get(ns.log_level, logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level(ns.log_level), format=LOG_FORMAT)
     out = Path(ns.output)
     if not (out.name.endswith(".jsonl") or out.name.endswith(".jsonl.gz")):
         print(f"gpufleet-agent record: --output {out}: the file name must end in .jsonl or .jsonl.gz",
@@ -191,7 +192,7 @@ def record_main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
         print(f"gpufleet-agent record: --output {out}: directory {out.parent} does not exist", file=sys.stderr)
         return 2
     try:
-        backend = NvmlBackend(ns.nvml_fake)
+        backend = build_backend(ns.nvml_fake)
     except (ValueError, OSError) as e:
         print(f"gpufleet-agent record: {e}", file=sys.stderr)
         return 2
@@ -212,6 +213,7 @@ def _record(ns: argparse.Namespace, backend: NvmlBackend, out: Path, stop: threa
         return 1
     sysfs = ns.sysfs or getattr(backend.source, "sysfs_root", None) or "/sys"
     ib_root = Path(sysfs) / "class" / "infiniband"
+    refresh_host = getattr(backend.fake, "refresh_host", None)
     has_ib = ib_root.is_dir()
     events: list[XidEvent] = []
     lock = threading.Lock()
@@ -253,6 +255,8 @@ def _record(ns: argparse.Namespace, backend: NvmlBackend, out: Path, stop: threa
                 samples = [_to_sample(d, r, gpm, t) for d, r in zip(devices, readings, strict=True)]
                 with lock:
                     xids, events[:] = list(events), []
+                if has_ib and refresh_host is not None:
+                    refresh_host()  # a fake host's IB files move on by themselves (before they are read)
                 writer.write(t, samples, xids, read_ib_files(ib_root) if has_ib else None)
                 last_t = t
                 written += 1

@@ -28,6 +28,7 @@ from prometheus_client.samples import Sample
 
 from gpufleet.agent import __version__
 from gpufleet.agent.collectors import Collector
+from gpufleet.agent.collectors.series import PREFIXES, FrozenLabels, StickySample, label_prefix
 from gpufleet.agent.vocab import catalog
 
 log = logging.getLogger("gpufleet.agent.registry")
@@ -65,9 +66,12 @@ class AgentCollector:
 
     def __init__(
         self, collectors: Sequence[Collector], cache_seconds: float = 0.0,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, before_read: Callable[[], None] | None = None,
     ) -> None:
+        """``before_read``: called at the start of every hardware read, before any collector runs
+        (the fake NVML's ``refresh_host``: a simulated host's files move on by themselves)."""
         self.collectors = list(collectors)
+        self._before_read = before_read
         self.cache_seconds = cache_seconds
         self._clock = clock
         self._lock = threading.Lock()
@@ -139,6 +143,11 @@ class AgentCollector:
 
     def _read_all(self) -> list[Metric]:
         self.reads += 1
+        if self._before_read is not None:
+            try:
+                self._before_read()
+            except Exception:  # the hook serves a fake host: it must never cost a scrape
+                log.exception("before_read hook failed")
         out: list[Metric] = [self._build]
         duration = _DURATION.family()
         success = _SUCCESS.family()
@@ -180,64 +189,6 @@ def _merge(families: Iterable[Metric]) -> list[Metric]:
     return list(by_name.values())
 
 
-class StickySample(Sample):
-    """A Sample a collector reuses, unchanged, across scrapes (e.g. cached slow-changing readings).
-
-    The text encoder caches the rendered line of each one it saw in its previous run by identity,
-    so a reused sample costs a dictionary lookup instead of a rendering. Never mutate one.
-    """
-
-    __slots__ = ()
-
-
-class FrozenLabels(dict[str, str]):
-    """A label set a collector builds once and reuses for one sample name, with its rendered
-    ``name{labels} `` text prefix attached (the encoder then skips the prefix lookup). Never mutate one."""
-
-    __slots__ = ("last", "name", "prefix")
-
-    def __init__(self, name: str, items: Iterable[tuple[str, str]]) -> None:
-        super().__init__(items)
-        self.name = name
-        self.prefix = _prefix(name, self)
-        #: The collector's last sample with this label set (it reuses it while the value is unchanged).
-        self.last: Sample | None = None
-
-
-class SeriesCache:
-    """Builds a collector's samples so that repeated series cost little: each (family, label values)
-    gets its FrozenLabels once, and the previous sample is reused while the value is unchanged (gauges
-    that hold still, counters that did not move), so the encoder reuses its rendered line too."""
-
-    def __init__(self, specs: Iterable[catalog.MetricSpec], max_series: int = 100_000) -> None:
-        #: family name -> (sample name, label names)
-        families = {fam.name: (spec.name, spec.labels) for spec in specs for fam in (spec.family(),)}
-        sets: dict[tuple[str, ...], FrozenLabels] = {}
-        get, new, sticky = sets.get, _new, StickySample
-
-        def put(fam: Metric, labels: Sequence[str], value: float) -> None:
-            key = (fam.name, *labels)
-            lbl = get(key)
-            if lbl is None:
-                sname, names = families[fam.name]
-                if len(sets) >= max_series:
-                    sets.clear()
-                lbl = sets[key] = FrozenLabels(sname, zip(names, labels, strict=True))
-            last = lbl.last
-            if last is not None:
-                v = last[2]
-                # Equal and of the same type prints the same, except 0.0 / -0.0 (equal, printed differently).
-                if v == value and type(v) is type(value) and (value or type(value) is int):
-                    fam.samples.append(last)
-                    return
-            sample = lbl.last = new(sticky, (lbl.name, lbl, value, None, None, None))
-            fam.samples.append(sample)
-
-        #: ``fam.add_metric(labels, value)`` (label values in the spec's order), via the cache.
-        self.put = put
-
-
-_new = tuple.__new__
 #: id(sample) -> (sample, rendered line) of the StickySamples of the previous encode_text run.
 _STICKY: dict[int, tuple[Sample, str]] = {}
 _STICKY_LOCK = threading.Lock()
@@ -247,32 +198,6 @@ _BLOCKS: dict[tuple[str, str], tuple[list[Sample], str]] = {}
 
 _PROM_TYPES = {"counter": "counter", "gauge": "gauge", "histogram": "histogram", "summary": "summary",
                "unknown": "untyped", "info": "gauge", "stateset": "gauge", "gaugehistogram": "histogram"}
-#: Rendered ``name{labels} `` prefixes by (sample name, label items): label sets repeat scrape after scrape.
-_PREFIXES: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}
-_PREFIX_CACHE_MAX = 200_000
-
-
-def _escape_value(v: str) -> str:
-    if "\\" in v or "\n" in v or '"' in v:
-        return v.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
-    return v
-
-
-def _prefix(name: str, labels: dict[str, str]) -> str:
-    key = (name, tuple(labels.items()))
-    p = _PREFIXES.get(key)
-    if p is None:
-        if labels:
-            inner = ",".join(f'{k}="{_escape_value(v)}"' for k, v in sorted(labels.items()))
-            p = f"{name}{{{inner}}} "
-        else:
-            p = name + " "
-        if len(_PREFIXES) >= _PREFIX_CACHE_MAX:
-            _PREFIXES.clear()
-        _PREFIXES[key] = p
-    return p
-
-
 def encode_text(families: Sequence[Metric]) -> bytes:
     """Prometheus text format 0.0.4, byte-identical to ``prometheus_client.generate_latest``.
 
@@ -288,7 +213,7 @@ def encode_text(families: Sequence[Metric]) -> bytes:
     seen: dict[int, tuple[Sample, str]] = {}
     out: list[str] = []
     append = out.append
-    get = _PREFIXES.get
+    get = PREFIXES.get
     for fam in families:
         name, mtype = fam.name, fam.type
         if mtype not in ("counter", "gauge"):  # OpenMetrics-only families: use the reference encoder
@@ -323,7 +248,7 @@ def encode_text(families: Sequence[Metric]) -> bytes:
             if type(labels) is FrozenLabels and labels.name == sname:
                 p = labels.prefix
             else:
-                p = get((sname, tuple(labels.items()))) or _prefix(sname, labels)
+                p = get((sname, tuple(labels.items()))) or label_prefix(sname, labels)
             # Fast paths: a finite float below 1e6 prints as repr() in Go's format too, and so does an
             # int in that range once made a float ("3.0"); larger values need Go's exponent form.
             tv = type(v)

@@ -9,7 +9,7 @@ catalog.
 
 Template variables shared by all dashboards: ``datasource`` (a Prometheus data
 source), ``site``, ``job_id``, ``node`` and ``gpu``. A node is the ``instance``
-label with any ``:port`` removed (CONVENTIONS.md), hence :data:`NODE`.
+label with any ``:port`` removed (targets are ``<node>:<port>``), hence :data:`NODE`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any, Literal
 import attr
 from grafanalib import core as g
 
+from gpufleet.agent.vocab import exporters
 from gpufleet.agent.vocab.catalog import MetricSpec, spec
 
 #: Grafana 10/11 dashboard schema; current Grafana imports it without migration.
@@ -51,8 +52,10 @@ DET_NODE = 'node=~"$node"'
 Op = Literal["value", "rate", "increase", "count", "age"]
 
 @dataclass(frozen=True)
-class ExternalMetric:
-    """A dcgm-exporter / node_exporter metric used by the dcgm flavour (not exported by gpufleet)."""
+class ExternalSeries:
+    """How the dcgm flavour shows another exporter's metric (not exported by gpufleet), from
+    :mod:`gpufleet.agent.vocab.exporters`: the sample name queried, Grafana unit, panel description and
+    the labels on its series (dcgm-exporter's plus ``hpc_job`` while a job holds the GPU)."""
 
     name: str
     unit: str  # Grafana unit id
@@ -60,31 +63,16 @@ class ExternalMetric:
     labels: tuple[str, ...]
 
 
-_DCGM_LABELS = ("gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname", "hpc_job")
-DCGM: dict[str, ExternalMetric] = {
-    m.name: m
-    for m in (
-        ExternalMetric("DCGM_FI_DEV_SM_CLOCK", "rotmhz", "SM clock frequency (dcgm-exporter, MHz).",
-                       _DCGM_LABELS),
-        ExternalMetric("DCGM_FI_DEV_GPU_TEMP", "celsius", "GPU temperature (dcgm-exporter).", _DCGM_LABELS),
-        ExternalMetric("DCGM_FI_DEV_POWER_USAGE", "watt", "Power draw (dcgm-exporter).", _DCGM_LABELS),
-        ExternalMetric("DCGM_FI_DEV_GPU_UTIL", "percent", "GPU utilization (dcgm-exporter, percent).",
-                       _DCGM_LABELS),
-        ExternalMetric("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "percentunit",
-                       "Fraction of time the graphics engine was active (dcgm-exporter profiling).", _DCGM_LABELS),
-        ExternalMetric("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "percentunit",
-                       "Fraction of cycles the tensor pipes were active (dcgm-exporter profiling).", _DCGM_LABELS),
-        ExternalMetric("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "short",
-                       "Clock throttle reasons bitmask (dcgm-exporter); non-zero means clocks are held down.",
-                       _DCGM_LABELS),
-        ExternalMetric("node_infiniband_port_transmit_wait_total", "cps",
-                       "Ticks an InfiniBand port had data to send but no credits (node_exporter).",
-                       ("device", "port")),
-    )
-}
+def _series(m: exporters.ExternalMetric) -> ExternalSeries:
+    job = (exporters.DCGM_JOB_LABEL,) if m.exporter is exporters.DCGM else ()
+    return ExternalSeries(m.sample, m.grafana_unit, m.dashboard_help or m.help, (*m.labels, *job))
 
 
-def external(name: str) -> ExternalMetric:
+#: Every other exporter's series a dashboard may show, by sample name.
+DCGM: dict[str, ExternalSeries] = {s.name: s for s in map(_series, exporters.BY_NAME.values())}
+
+
+def external(name: str) -> ExternalSeries:
     """A dcgm-flavour metric by name (KeyError when it is not one gpufleet knows)."""
     return DCGM[name]
 
@@ -102,17 +90,17 @@ def derived_unit(unit: str, base: str, op: Op) -> str:
     return unit
 
 
-def panel_unit(s: MetricSpec | ExternalMetric, op: Op) -> str:
+def panel_unit(s: MetricSpec | ExternalSeries, op: Op) -> str:
     if isinstance(s, MetricSpec):
         return derived_unit(s.dashboard_unit, s.unit, op)
     return s.unit if op == "value" else derived_unit(s.unit, "", op)
 
 
-def metric(name: str) -> MetricSpec | ExternalMetric:
+def metric(name: str) -> MetricSpec | ExternalSeries:
     return DCGM[name] if name in DCGM else spec(name)
 
 
-def describe(s: MetricSpec | ExternalMetric, op: Op, note: str = "") -> str:
+def describe(s: MetricSpec | ExternalSeries, op: Op, note: str = "") -> str:
     """Panel description: the catalog help, an optional note, and the metric it shows."""
     parts = [s.help]
     if note:
@@ -129,7 +117,7 @@ def legend(labels: Iterable[str]) -> str:
     return " ".join(out)
 
 
-def default_legend(s: MetricSpec | ExternalMetric, *, with_instance: bool = True) -> str:
+def default_legend(s: MetricSpec | ExternalSeries, *, with_instance: bool = True) -> str:
     labels = [label for label in s.labels if label not in ("UUID", "pci_bus_id", "device", "modelName", "Hostname")
               or (label == "device" and "port" in s.labels)]
     return legend((["instance"] if with_instance and "node" not in s.labels else []) + labels)
@@ -144,7 +132,7 @@ class Q:
     instant: bool = False
 
 
-def _targets(s: MetricSpec | ExternalMetric, queries: Sequence[Q], fmt: str = "time_series",
+def _targets(s: MetricSpec | ExternalSeries, queries: Sequence[Q], fmt: str = "time_series",
              legend_default: str = "") -> list[g.Target]:
     refs = "ABCDEFGHIJKLMNOP"
     return [

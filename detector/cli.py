@@ -36,21 +36,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
-import threading
-import time
 from collections.abc import Sequence
-from pathlib import Path
 
+from gpufleet.agent.serving.logs import LOG_FORMAT
 from gpufleet.detector.config import ConfigError, DetectorConfig, load
-from gpufleet.detector.engine import Detector
-from gpufleet.detector.findings import Finding
-from gpufleet.detector.profiles import PROFILES, sample_names
+from gpufleet.detector.profiles import PROFILES
+from gpufleet.detector.replay import replay
 from gpufleet.detector.source import SourceError
-from gpufleet.detector.source_recording import RecordingError, RecordingSource
-
-log = logging.getLogger("gpufleet.detector")
+from gpufleet.detector.source_recording import RecordingError
+from gpufleet.detector.table import print_table
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -91,144 +86,14 @@ def _config(path: str | None, profile: str | None) -> DetectorConfig:
     return cfg
 
 
-def replay(files: Sequence[str], cfg: DetectorConfig, step: float | None = None,
-           progress: bool = False) -> tuple[Detector, list[Finding]]:
-    """Evaluate recordings as if live; returns the detector and every finding (open ones with end None)."""
-    src = RecordingSource.load(files, sample_names(cfg.profile) | _site_metrics(cfg))
-    det = Detector(cfg, src)
-    lo, hi = src.time_range()
-    step = step or cfg.interval_seconds
-    if step <= 0:
-        raise ValueError("--step must be > 0")
-    first = lo + cfg.window_seconds
-    times = [first + i * step for i in range(int((hi - first) // step) + 1)] if hi >= first else []
-    for q in det.queries:
-        src.precompute(q, times, cfg.window_seconds)
-    # Inputs the recording never holds (a metric missing only for a while is not a missing input).
-    present = src.metric_names()
-    by_feature: dict[str, set[str]] = {}
-    for q in det.queries:
-        by_feature.setdefault(q.feature, set()).add(q.metric)
-    # an alternative name (e.g. DCGM_FI_DEV_CLOCKS_EVENT_REASONS for ..._CLOCK_THROTTLE_REASONS) is not missing
-    missing = {m for names in by_feature.values() if not names & present for m in names}
-    if progress:
-        from rich.progress import Progress
-
-        with Progress(transient=True, console=None) as bar:
-            task = bar.add_task("replay", total=len(times))
-            for t in times:
-                det.evaluate(t)
-                bar.advance(task)
-    else:
-        for t in times:
-            det.evaluate(t)
-    if missing:
-        sys.stderr.write(f"gpufleet-detector: inputs not found in the recording: {', '.join(sorted(missing))}\n")
-    return det, det.tracker.all_findings()
-
-
-def _site_metrics(cfg: DetectorConfig) -> set[str]:
-    return {q.metric for s in cfg.sites for q in s.queries}
-
-
-def _table(findings: Sequence[Finding]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"gpufleet-detector findings ({len(findings)})")
-    for col in ("kind", "cause", "site", "node", "gpu", "job", "start (UTC)", "end (UTC)", "score", "summary"):
-        table.add_column(col, overflow="fold")
-
-    def ts(x: float | None) -> str:
-        return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(x)) if x is not None else "open"
-
-    for f in findings:
-        table.add_row(f.kind, f.cause or "", f.site or "", f.node or "", f.gpu or "", f.job or "", ts(f.start),
-                      ts(f.end), f"{f.score:.1f}", f.summary)
-    Console(width=None if sys.stdout.isatty() else 240).print(table)
-
-
-def _serve(cfg: DetectorConfig, once: bool) -> int:
-    from gpufleet.agent.serving import sdnotify
-    from gpufleet.agent.serving.server import MetricsServer
-    from gpufleet.agent.serving.webconfig import load_web_config
-    from gpufleet.detector.exporter import Exposer, Health, registry_for
-    from gpufleet.detector.liveness import Liveness
-    from gpufleet.detector.source_prometheus import PrometheusSource
-
-    headers: dict[str, str] = {}
-    auth = None
-    try:
-        if cfg.bearer_token_file:
-            headers["Authorization"] = "Bearer " + Path(cfg.bearer_token_file).read_text().strip()
-        if cfg.username:
-            auth = (cfg.username, Path(cfg.password_file).read_text().strip() if cfg.password_file else "")
-    except OSError as e:
-        raise ConfigError(f"cannot read credentials file: {e}") from e
-    src = PrometheusSource(cfg.prometheus_url, timeout=cfg.timeout_seconds, headers=headers, auth=auth,
-                           verify=cfg.ca_file or True)
-    live = Liveness()  # the evaluation loop's progress, for systemd's watchdog
-    det = Detector(cfg, live.track(src))
-    health = Health()
-    if once:
-        det.evaluate(time.time())
-        for f in det.tracker.all_findings():
-            print(json.dumps(f.to_json()))
-        return 0
-    server = MetricsServer(cfg.listen, Exposer(registry_for(det, health), health),
-                           load_web_config(cfg.web_config_file or None), title="gpufleet detector")
-    thread = server.serve_in_thread()
-    log.info("serving /metrics on %s://%s, evaluating every %ss against %s", server.scheme, cfg.listen,
-             cfg.interval_seconds, cfg.prometheus_url)
-    sdnotify.ready(f"serving on {server.scheme}://{cfg.listen}; evaluating against {cfg.prometheus_url}")
-    watchdog = live.watchdog(thread)
-    if watchdog.timeout is not None and cfg.timeout_seconds >= watchdog.timeout:
-        log.warning("[prometheus] timeout_seconds (%g) is not below the systemd watchdog (%g s): one slow "
-                    "query restarts the detector; raise WatchdogSec", cfg.timeout_seconds, watchdog.timeout)
-    stop = threading.Event()
-
-    def on_signal(*_: object) -> None:
-        sdnotify.stopping()
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    while not stop.is_set():
-        started = time.time()
-        failures = health.results["failure"]
-        live.begin()
-        try:
-            ev = det.evaluate(started)
-            with health.lock:
-                health.last_success = time.time()
-                health.duration = ev.duration
-                health.results["success"] += 1
-        except SourceError as e:
-            log.warning("evaluation failed: %s", e)
-            with health.lock:
-                health.results["failure"] += 1
-                health.last_error = str(e)
-        except Exception as e:  # a daemon keeps running; the failure is counted and logged with its traceback
-            log.exception("evaluation failed")
-            with health.lock:
-                health.results["failure"] += 1
-                health.last_error = str(e)
-        live.end()
-        watchdog.tick()
-        last = f"failed: {health.last_error}" if health.results["failure"] > failures else "ok"
-        sdnotify.status(f"last evaluation {last}; {len(det.tracker.active)} findings open")
-        stop.wait(max(0.0, cfg.interval_seconds - (time.time() - started)))
-    watchdog.stop()
-    server.shutdown()
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     try:
         if args.command == "serve":
-            return _serve(_load(args.config), args.once)
+            from gpufleet.detector.service import serve
+
+            return serve(_load(args.config), args.once)
         cfg = _config(args.config, args.profile)
         progress = sys.stderr.isatty() if args.progress is None else args.progress
         det, findings = replay(args.files, cfg, args.step, progress)
@@ -237,12 +102,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for f in findings:
                     sys.stdout.write(json.dumps(f.to_json()) + "\n")
             else:
-                _table(findings)
+                print_table(findings)
             return 0
         lo = args.t_from if args.t_from is not None else float("-inf")
         hi = args.t_to if args.t_to is not None else float("inf")
         sel = [f for f in findings if f.start <= hi and (f.end is None or f.end >= lo)]
-        _table(sel)
+        print_table(sel)
         if args.html:
             from gpufleet.detector.report import write_html
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from gpufleet.detector import network, straggler, throttling
 from gpufleet.detector.config import DetectorConfig
-from gpufleet.detector.features import NodeNaming, Snapshot, collect
+from gpufleet.detector.features import FeatureFrame, NodeNaming, collect
 from gpufleet.detector.findings import Key, Tracker
 from gpufleet.detector.profiles import Query, queries, site_queries
 from gpufleet.detector.pue import PueMonitor, PueState
@@ -28,7 +28,7 @@ from gpufleet.detector.straggler import Candidate, StragglerResult
 @dataclass
 class Evaluation:
     t: float
-    snapshot: Snapshot
+    features: FeatureFrame
     straggler: StragglerResult
     pue: dict[str, PueState] = field(default_factory=dict)
     candidates: list[tuple[str, Candidate]] = field(default_factory=list)

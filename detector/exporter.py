@@ -43,7 +43,7 @@ class DetectorCollector:
         score = spec("gpufleet_detector_straggler_score").family()
         dev = spec("gpufleet_detector_feature_deviation").family()
         if ev is not None:
-            g, st = ev.snapshot.gpu, ev.straggler
+            g, st = ev.features.gpu, ev.straggler
             for i in np.flatnonzero(st.scored):
                 labels = [g.nodes[i], g.gpus[i], g.jobs[i] or ""]
                 score.add_metric(labels, float(st.score[i]))
@@ -87,7 +87,7 @@ class DetectorCollector:
         yield errs
         missing = spec("gpufleet_detector_missing_inputs").family()
         if ev is not None:
-            for m in sorted(ev.snapshot.missing):
+            for m in sorted(ev.features.missing):
                 missing.add_metric([m], 1.0)
         yield missing
 

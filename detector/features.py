@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gpufleet.agent.vocab import exporters
 from gpufleet.detector.profiles import JOB_LABELS, MASK_BITS, MODEL_LABELS, Query
 from gpufleet.detector.source import Result, Source, SourceError
 
@@ -37,7 +38,7 @@ NIC_FEATURES = ("nic_tx", "nic_xmit_wait", "nic_symbol_errors", "nic_link_downed
 class NodeNaming:
     label: str = "instance"
     strip_port: bool = True
-    fallback: str = "Hostname"
+    fallback: str = exporters.DCGM_HOST_LABEL
 
     def node(self, labels: dict[str, str]) -> str | None:
         return self._node(labels.get(self.label), labels.get(self.fallback))
@@ -89,7 +90,9 @@ class NicFrame:
 
 
 @dataclass
-class Snapshot:
+class FeatureFrame:
+    """Every feature of one evaluation at time ``t``: per GPU, per NIC, per node and per site."""
+
     t: float
     gpu: GpuFrame
     nic: NicFrame
@@ -110,7 +113,7 @@ def _combine(agg: str, old: float | None, new: float) -> float:
 
 
 def collect(source: Source, queries: Sequence[Query], t: float, window: float, *, profile: str = "gpufleet",
-            naming: NodeNaming | None = None, coverage: float = 0.8) -> Snapshot:
+            naming: NodeNaming | None = None, coverage: float = 0.8) -> FeatureFrame:
     """Evaluate ``queries`` at ``t`` and build the frames. Query failures are listed in ``errors``.
 
     Linear in the number of series, with little Python work per series: the few labels that name the
@@ -215,7 +218,7 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
     nkeys = [(k[0], k[1], k[2]) for k in nics.keys]
     nic = NicFrame([k[0] for k in nkeys], [k[1] for k in nkeys], [k[2] for k in nkeys], nics.site_list(), nvalues,
                    _nic_gpus(nkeys, nicmap, gpu))
-    return Snapshot(t, gpu, nic, dict(node_vals), dict(site_vals), missing, errors)
+    return FeatureFrame(t, gpu, nic, dict(node_vals), dict(site_vals), missing, errors)
 
 
 class _Entities:

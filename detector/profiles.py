@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from gpufleet.agent.vocab import catalog
+from gpufleet.agent.vocab import catalog, exporters
 from gpufleet.agent.vocab.nvml import reason_bits
 
 Op = Literal["avg", "max", "min", "last", "count", "rate", "increase"]
@@ -63,10 +63,17 @@ def format_window(window: float) -> str:
 
 
 def _q(feature: str, metric: str, op: Op, entity: Entity = "gpu", matchers: tuple[tuple[str, str, str], ...] = (),
-       scale: float = 1.0, agg: Agg = "max", check: bool = True) -> Query:
-    if check:
-        catalog.spec(metric)  # every gpufleet name must be in the catalog
+       scale: float = 1.0, agg: Agg = "max") -> Query:
+    catalog.spec(metric)  # every gpufleet name must be in the catalog
     return Query(feature, metric, op, entity, matchers, scale, agg)
+
+
+def _x(feature: str, sample: str, op: Op, entity: Entity = "gpu", scale: float = 1.0, agg: Agg = "max") -> Query:
+    """A query of another exporter's series: ``sample`` must be a sample name of :mod:`~gpufleet.agent.vocab.exporters`."""
+    metric = exporters.external(sample)  # KeyError for a name the vocabulary does not list
+    if metric.sample != sample:
+        raise ValueError(f"{sample}: the exporters' series is named {metric.sample}")
+    return Query(feature, metric.sample, op, entity, (), scale, agg)
 
 
 def _eq(label: str, value: str) -> tuple[tuple[str, str, str], ...]:
@@ -127,37 +134,37 @@ GPUFLEET: tuple[Query, ...] = (
 
 #: dcgm-exporter reports MHz, percent (GPU_UTIL), mJ (energy) and microseconds (violation counters).
 DCGM: tuple[Query, ...] = (
-    _q("util", "DCGM_FI_DEV_GPU_UTIL", "avg", scale=0.01, check=False),
-    _q("samples", "DCGM_FI_DEV_GPU_UTIL", "count", check=False),
-    _q("@job", "DCGM_FI_DEV_GPU_UTIL", "count", check=False),
-    _q("@model", "DCGM_FI_DEV_GPU_UTIL", "last", check=False),
-    _q("sm_clock", "DCGM_FI_DEV_SM_CLOCK", "avg", scale=1e6, check=False),
-    _q("mem_clock", "DCGM_FI_DEV_MEM_CLOCK", "avg", scale=1e6, check=False),
-    _q("power", "DCGM_FI_DEV_POWER_USAGE", "avg", check=False),
-    _q("temp", "DCGM_FI_DEV_GPU_TEMP", "avg", check=False),
-    _q("mem_temp", "DCGM_FI_DEV_MEMORY_TEMP", "avg", check=False),
-    _q("tensor", "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "avg", check=False),
-    _q("sm_active", "DCGM_FI_PROF_GR_ENGINE_ACTIVE", "avg", check=False),
-    _q("dram", "DCGM_FI_PROF_DRAM_ACTIVE", "avg", check=False),
-    _q("thr_thermal", "DCGM_FI_DEV_THERMAL_VIOLATION", "rate", scale=1e-6, check=False),
-    _q("thr_power", "DCGM_FI_DEV_POWER_VIOLATION", "rate", scale=1e-6, check=False),
-    _q("@mask", "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "last", check=False),
-    _q("@mask", "DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "last", check=False),
-    _q("pcie_replay", "DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "increase", check=False),
-    _q("xid", "DCGM_FI_DEV_XID_ERRORS", "max", check=False),
-    _q("nvlink_bw", "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "avg", check=False),
+    _x("util", "DCGM_FI_DEV_GPU_UTIL", "avg", scale=0.01),
+    _x("samples", "DCGM_FI_DEV_GPU_UTIL", "count"),
+    _x("@job", "DCGM_FI_DEV_GPU_UTIL", "count"),
+    _x("@model", "DCGM_FI_DEV_GPU_UTIL", "last"),
+    _x("sm_clock", "DCGM_FI_DEV_SM_CLOCK", "avg", scale=1e6),
+    _x("mem_clock", "DCGM_FI_DEV_MEM_CLOCK", "avg", scale=1e6),
+    _x("power", "DCGM_FI_DEV_POWER_USAGE", "avg"),
+    _x("temp", "DCGM_FI_DEV_GPU_TEMP", "avg"),
+    _x("mem_temp", "DCGM_FI_DEV_MEMORY_TEMP", "avg"),
+    _x("tensor", "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "avg"),
+    _x("sm_active", "DCGM_FI_PROF_GR_ENGINE_ACTIVE", "avg"),
+    _x("dram", "DCGM_FI_PROF_DRAM_ACTIVE", "avg"),
+    _x("thr_thermal", "DCGM_FI_DEV_THERMAL_VIOLATION", "rate", scale=1e-6),
+    _x("thr_power", "DCGM_FI_DEV_POWER_VIOLATION", "rate", scale=1e-6),
+    _x("@mask", "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "last"),
+    _x("@mask", "DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "last"),
+    _x("pcie_replay", "DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "increase"),
+    _x("xid", "DCGM_FI_DEV_XID_ERRORS", "max"),
+    _x("nvlink_bw", "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "avg"),
     # Optional (enabled in dcgm-exporter's counters CSV): NVLink error counters of all links of a GPU.
-    _q("nvlink_crc_flit", "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "increase", check=False),
-    _q("nvlink_crc_data", "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL", "increase", check=False),
-    _q("nvlink_replay", "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL", "increase", check=False),
-    _q("nvlink_recovery", "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", "increase", check=False),
-    _q("nic_tx", "node_infiniband_port_data_transmitted_bytes_total", "rate", "nic", check=False),
-    _q("nic_xmit_wait", "node_infiniband_port_transmit_wait_total", "rate", "nic", check=False),
-    _q("nic_symbol_errors", "node_infiniband_symbol_error_total", "increase", "nic", check=False),
-    _q("nic_link_downed", "node_infiniband_link_downed_total", "increase", "nic", check=False),
-    _q("nic_link_recovery", "node_infiniband_link_error_recovery_total", "increase", "nic", check=False),
-    _q("nic_rate", "node_infiniband_rate_bytes_per_second", "min", "nic", agg="min", check=False),
-    _q("node_power", "ipmi_dcmi_power_consumption_watts", "avg", "node", check=False),
+    _x("nvlink_crc_flit", "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "increase"),
+    _x("nvlink_crc_data", "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL", "increase"),
+    _x("nvlink_replay", "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL", "increase"),
+    _x("nvlink_recovery", "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", "increase"),
+    _x("nic_tx", "node_infiniband_port_data_transmitted_bytes_total", "rate", "nic"),
+    _x("nic_xmit_wait", "node_infiniband_port_transmit_wait_total", "rate", "nic"),
+    _x("nic_symbol_errors", "node_infiniband_symbol_error_total", "increase", "nic"),
+    _x("nic_link_downed", "node_infiniband_link_downed_total", "increase", "nic"),
+    _x("nic_link_recovery", "node_infiniband_link_error_recovery_total", "increase", "nic"),
+    _x("nic_rate", "node_infiniband_rate_bytes_per_second", "min", "nic", agg="min"),
+    _x("node_power", "ipmi_dcmi_power_consumption_watts", "avg", "node"),
 )
 
 #: Site metrics used when no [[sites]] are configured (the simulator and DCIM bridges export these).
@@ -168,8 +175,8 @@ SITE_DEFAULTS = {
 }
 
 #: Label carrying the training job id, per profile (first present wins).
-JOB_LABELS = {"gpufleet": ("job_id",), "dcgm": ("hpc_job", "pod")}
-MODEL_LABELS = {"gpufleet": ("name",), "dcgm": ("modelName",)}
+JOB_LABELS = {"gpufleet": ("job_id",), "dcgm": (exporters.DCGM_JOB_LABEL, exporters.DCGM_POD_LABEL)}
+MODEL_LABELS = {"gpufleet": ("name",), "dcgm": (exporters.DCGM_MODEL_LABEL,)}
 #: dcgm-exporter's throttle / clock-event reason bits.
 MASK_BITS = {"thr_power": reason_bits("sw_power_cap"), "thr_hw": reason_bits("hw_slowdown"),
              "thr_thermal": reason_bits("sw_thermal_slowdown", "hw_thermal_slowdown"),

@@ -18,7 +18,7 @@ import numpy as np
 
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.findings import Finding
-from gpufleet.detector.profiles import Query
+from gpufleet.detector.profiles import JOB_LABELS, Query
 from gpufleet.detector.source_recording import RecordingSource, Series
 
 PLOTS = (("sm_clock", "SM clock (MHz)", 1e-6), ("tensor", "tensor active", 1.0), ("power", "power (W)", 1.0),
@@ -77,13 +77,17 @@ def _by_gpu(det: Detector, src: RecordingSource, q: Query) -> dict[tuple[str, st
     return out
 
 
+#: Labels naming a GPU's job, in any profile (first present wins).
+_JOB_LABELS = tuple(dict.fromkeys(label for labels in JOB_LABELS.values() for label in labels))
+
+
 def _peers(det: Detector, src: RecordingSource, f: Finding) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     job_q = next(q for q in det.queries if q.feature == "@job")
     mine: list[tuple[str, str]] = []
     peers: list[tuple[str, str]] = []
     for labels, _ in src.query(job_q, f.start, det.cfg.window_seconds):
         node = det.naming.node(labels)
-        job = labels.get("job_id") or labels.get("hpc_job") or labels.get("pod")
+        job = next((labels[k] for k in _JOB_LABELS if labels.get(k)), None)
         if node is None or "gpu" not in labels or (f.job and job != f.job):
             continue
         key = (node, labels["gpu"])

@@ -1,76 +1,38 @@
-"""Build fake sysfs trees for tests: PCI hierarchy, GPU functions, InfiniBand devices.
+"""Build fake sysfs trees for tests: an 8x H100 host's PCI hierarchy, GPU functions and InfiniBand devices.
 
-The layout mirrors the kernel's: every PCI function is a directory nested under
-``devices/pci<domain>:<bus>/`` below its bridges; ``bus/pci/devices/<addr>`` is a
-relative symlink ``../../../devices/...``; an InfiniBand device lives in
-``<pci function>/infiniband/<name>/``, ``class/infiniband/<name>`` links there
-(``../../devices/...``) and its ``device`` link points back to the function
-(``../../../<addr>``). ``absolute=True`` writes absolute ``/sys/...`` targets
-instead (as some container runtimes and bind mounts do).
+The tree is written by the agent's one fake-sysfs writer (:mod:`gpufleet.agent.fake.sysfs`), in
+the kernel's layout: every PCI function is a directory nested under ``devices/pci<domain>:<bus>/``
+below its bridges; ``bus/pci/devices/<addr>`` is a relative symlink ``../../../devices/...``; an
+InfiniBand device lives in ``<pci function>/infiniband/<name>/``, ``class/infiniband/<name>`` links
+there (``../../devices/...``) and its ``device`` link points back to the function
+(``../../../<addr>``). ``absolute=True`` writes absolute ``/sys/...`` targets instead (as some
+container runtimes and bind mounts do).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-def _link(path: Path, target: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    os.symlink(target, path)
-
-
-def _link_to(root: Path, link: Path, dest: Path, absolute: bool) -> None:
-    """Make ``link`` point at ``dest`` (both inside ``root``), relative or as ``/sys/...``."""
-    if absolute:
-        _link(link, "/sys/" + dest.relative_to(root).as_posix())
-    else:
-        _link(link, os.path.relpath(dest, link.parent))
+from gpufleet.agent.fake import sysfs
 
 
 def add_pci_function(root: Path, chain: list[str], *, absolute: bool = False) -> Path:
     """Create ``devices/<chain...>`` (chain = host bridge, bridges..., function) and its bus/pci link."""
-    fn = root.joinpath("devices", *chain)
-    fn.mkdir(parents=True, exist_ok=True)
-    (fn / "vendor").write_text("0x10de\n")
-    _link_to(root, root / "bus" / "pci" / "devices" / chain[-1], fn, absolute)
-    return fn
-
-
-def write_port(port_dir: Path, *, rate: str = "400 Gb/sec (4X NDR)", link_layer: str = "InfiniBand",
-               counters: dict[str, int] | None = None, hw_counters: dict[str, int] | None = None) -> None:
-    """One IB port directory as the kernel lays it out (files end in a newline, like real sysfs)."""
-    (port_dir / "counters").mkdir(parents=True, exist_ok=True)
-    (port_dir / "hw_counters").mkdir(parents=True, exist_ok=True)
-    (port_dir / "rate").write_text(rate + "\n")
-    (port_dir / "state").write_text("4: ACTIVE\n")
-    (port_dir / "phys_state").write_text("5: LinkUp\n")
-    (port_dir / "link_layer").write_text(link_layer + "\n")
-    for name, value in (counters or {"port_xmit_data": 1000, "port_rcv_data": 2000}).items():
-        (port_dir / "counters" / name).write_text(f"{value}\n")
-    for name, value in (hw_counters or {}).items():
-        (port_dir / "hw_counters" / name).write_text(f"{value}\n")
-    (port_dir / "hw_counters" / "lifespan").write_text("10\n")
+    return sysfs.add_pci_function(root, chain, files={"vendor": "0x10de"}, absolute=absolute)
 
 
 def add_ib_device(root: Path, name: str, chain: list[str], *, absolute: bool = False,
                   link_layer: str = "InfiniBand") -> Path:
-    """An InfiniBand device on the PCI function at ``chain`` (created if needed), with one port."""
+    """An InfiniBand device on the PCI function at ``chain`` (created if needed), with one active port."""
     fn = root.joinpath("devices", *chain)
     if not fn.exists():
         add_pci_function(root, chain, absolute=absolute)
-    dev = fn / "infiniband" / name
-    dev.mkdir(parents=True)
-    (dev / "hca_type").write_text("MT4129\n")
-    (dev / "fw_ver").write_text("28.41.1000\n")
-    (dev / "board_id").write_text("MT_0000000838\n")
-    write_port(dev / "ports" / "1", link_layer=link_layer)
-    if absolute:
-        _link_to(root, dev / "device", fn, absolute=True)
-    else:  # the kernel's form: up out of infiniband/<name>/ and the function, back down
-        _link(dev / "device", f"../../../{chain[-1]}")
-    _link_to(root, root / "class" / "infiniband" / name, dev, absolute)
+    dev = sysfs.add_ib_device(root, name, fn, absolute=absolute,
+                              files={"hca_type": "MT4129", "fw_ver": "28.41.1000", "board_id": "MT_0000000838"})
+    sysfs.add_port(dev, 1, files={"rate": "400 Gb/sec (4X NDR)", "state": "4: ACTIVE", "phys_state": "5: LinkUp",
+                                  "link_layer": link_layer},
+                   counters={"port_xmit_data": 1000, "port_rcv_data": 2000}, hw_counters={"lifespan": 10})
     return dev
 
 

@@ -12,21 +12,21 @@ collector yields ``gpufleet_nvml_up 0`` (and the error counters) and nothing els
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
 
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.samples import Sample
 
+from gpufleet.agent.collectors.series import FrozenLabels, SampleSink, SeriesCache
 from gpufleet.agent.nvml.backend import Device, NvmlBackend
 from gpufleet.agent.nvml.hardware import architecture_label
-from gpufleet.agent.nvml.reader import Reading, read_gpu
-from gpufleet.agent.registry import FrozenLabels, SeriesCache
+from gpufleet.agent.nvml.reader import read_gpu
+from gpufleet.agent.nvml.reading import Reading
 from gpufleet.agent.vocab import catalog
 from gpufleet.agent.vocab.nvml import CLOCK_EVENT_BITS
 
-#: A metric family being filled (GaugeMetricFamily or CounterMetricFamily).
-Fam = Any
+#: A metric family being filled.
+Fam = GaugeMetricFamily | CounterMetricFamily
 
 # Conversions to base units: multiply by these ...
 MHZ = 1_000_000
@@ -81,7 +81,7 @@ class GpuCollector:
     def collect(self) -> Iterable[Metric]:
         b = self.backend
         if not b.refresh():
-            up: Fam = catalog.spec("gpufleet_nvml_up").family()
+            up = catalog.spec("gpufleet_nvml_up").family()
             up.add_metric([], 0)
             return [up, *self._errors()]
         devices = list(b.devices)
@@ -189,7 +189,7 @@ class GpuCollector:
         cached = self._slow_samples.get(g)
         if cached is None or cached[0] is not r.slow_token or r.slow_token is None:
             # Re-read: counters and flags that did not change keep their very sample (see _put).
-            tmp: dict[str, Fam] = {name: _Samples(f[name].name) for name in _SLOW_NAMES}
+            tmp: dict[str, SampleSink] = {name: _Samples(f[name].name) for name in _SLOW_NAMES}
             s = r.sample
             assert s is not None
             if s.ecc:
@@ -205,7 +205,7 @@ class GpuCollector:
             f[name].samples.extend(samples)
 
     @staticmethod
-    def _memory_health(f: dict[str, Fam], g: str, r: Reading) -> None:
+    def _memory_health(f: Mapping[str, SampleSink], g: str, r: Reading) -> None:
         s = r.sample
         assert s is not None
         rows = f["gpufleet_gpu_remapped_rows"]
@@ -241,7 +241,7 @@ class GpuCollector:
             _add(thr, [g, "rx"], s.pcie_rx_kbps, KB)
 
     @staticmethod
-    def _nvlink_health(f: dict[str, Fam], g: str, r: Reading) -> None:
+    def _nvlink_health(f: Mapping[str, SampleSink], g: str, r: Reading) -> None:
         s = r.sample
         assert s is not None
         if not s.nvlink:
@@ -294,7 +294,7 @@ class GpuCollector:
 
     def _errors(self) -> Iterator[Metric]:
         errors = self.backend.errors()
-        fam: Fam = catalog.spec("gpufleet_nvml_errors_total").family()
+        fam = catalog.spec("gpufleet_nvml_errors_total").family()
         for (function, error), n in sorted(errors.items()):
             fam.add_metric([function, error], n)
         if errors:
@@ -316,16 +316,16 @@ _put = SeriesCache(_SPECS).put
 _new = tuple.__new__
 
 
-def _add(fam: Fam, labels: list[str], value: float | None, scale: float = 1) -> None:
+def _add(fam: SampleSink, labels: list[str], value: float | None, scale: float = 1) -> None:
     if value is not None:
         _put(fam, labels, value * scale if scale != 1 else value)
 
 
-def _div(fam: Fam, labels: list[str], value: float | None, divisor: float) -> None:
+def _div(fam: SampleSink, labels: list[str], value: float | None, divisor: float) -> None:
     if value is not None:
         _put(fam, labels, value / divisor)
 
 
-def _add_bool(fam: Fam, labels: list[str], value: bool | None) -> None:
+def _add_bool(fam: SampleSink, labels: list[str], value: bool | None) -> None:
     if value is not None:
         _put(fam, labels, 1 if value else 0)

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 import psutil
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from gpufleet.agent.registry import SeriesCache
+from gpufleet.agent.collectors.series import SeriesCache
 from gpufleet.agent.vocab import catalog
 
 log = logging.getLogger(__name__)

@@ -11,10 +11,10 @@ into "no value":
   the reader stops reading that GPU for this scrape (one lost GPU never stops
   the others).
 
-With ``fake_spec`` (``--nvml.fake``) the backend builds a device source with
-:func:`gpufleet.agent.fake.sources.source_from_spec` and installs the fake NVML
-library into pynvml before ``nvmlInit``, so the very same pynvml calls answer
-from the source.
+Given a ``fake`` library (``--nvml.fake``: the composition root builds one with
+:func:`gpufleet.agent.fake.spec.fake_backend`; this module never imports the fake),
+the backend installs it into pynvml before ``nvmlInit``, so the very same pynvml
+calls answer from the fake's device source.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import pynvml
 
-from gpufleet.agent.nvml.model import GpuInventory
+from gpufleet.agent.nvml.model import DeviceSource, GpuInventory
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class Device:
     """One GPU as the backend knows it: its handle and the facts read once."""
 
     index: int
-    handle: Any = None
+    handle: pynvml.c_nvmlDevice_t | None = None
     #: Static facts by key (uuid, name, max clocks, thresholds...); a key is present once read or NOT_SUPPORTED.
     facts: dict[str, Any] = field(default_factory=dict)
     #: NVLink links that exist (probed once), fans (probed once), GPM support (probed once).
@@ -95,24 +95,28 @@ class DriverVersions:
     cuda_driver_version: int | None
 
 
+class FakeLibrary(Protocol):
+    """A stand-in for libnvidia-ml that pynvml can be pointed at (the fake NVML of ``--nvml.fake``)."""
+
+    @property
+    def source(self) -> DeviceSource: ...
+
+    def install(self) -> object: ...
+
+    def uninstall(self) -> None: ...
+
+
 class NvmlBackend:
     """NVML session shared by the GPU collector, the XID listener and the recorder.
 
-    ``fake_spec`` is ``--nvml.fake``: empty for the real libnvidia-ml, else a
-    source spec ("sim", "sim:N", "trace:PATH", "live:PATH"); a bad spec raises
-    ``ValueError`` here (the CLI turns it into a usage error).
+    ``fake``: a fake library to install into pynvml on :meth:`start` (and to take out, closing
+    its source, on :meth:`close`); None (the default) for the real libnvidia-ml.
     """
 
-    def __init__(self, fake_spec: str = "") -> None:
-        self.fake_spec = fake_spec
-        self.source: Any = None
-        self._fake: Any = None
-        if fake_spec:
-            from gpufleet.agent.fake.library import FakeNvml
-            from gpufleet.agent.fake.sources import source_from_spec
-
-            self.source = source_from_spec(fake_spec)
-            self._fake = FakeNvml(self.source)
+    def __init__(self, fake: FakeLibrary | None = None) -> None:
+        self._fake = fake
+        #: The fake library's device source (None for the real libnvidia-ml).
+        self.source: DeviceSource | None = None if fake is None else fake.source
         self.up = False
         self.init_error = "not started"
         #: Incremented on every successful init; users holding NVML objects (event sets) re-create them on change.
@@ -128,8 +132,8 @@ class NvmlBackend:
         self.error_total = 0
 
     @property
-    def fake(self) -> Any:
-        """The installed :class:`~gpufleet.agent.fake.library.FakeNvml` with ``--nvml.fake``, else None."""
+    def fake(self) -> FakeLibrary | None:
+        """The fake library given to the constructor (``--nvml.fake``), else None."""
         return self._fake
 
     # ------------------------------------------------------------------ lifecycle
@@ -297,7 +301,7 @@ class NvmlBackend:
             if fans is not None or "num_fans" in dev.facts:
                 dev.fans = int(fans or 0)
         if dev.nvlinks is None:
-            dev.nvlinks = self._probe_nvlinks(dev)
+            dev.nvlinks = self._probe_nvlinks(dev, h)
         if dev.gpm_supported is None:
             support = st(dev, "gpm_support", pynvml.nvmlGpmQueryDeviceSupport, h)
             if "gpm_support" in dev.facts:
@@ -340,11 +344,11 @@ class NvmlBackend:
             gpm_supported=bool(dev.gpm_supported),
         )
 
-    def _probe_nvlinks(self, dev: Device) -> tuple[int, ...] | None:
+    def _probe_nvlinks(self, dev: Device, h: pynvml.c_nvmlDevice_t) -> tuple[int, ...] | None:
         links: list[int] = []
         for link in range(int(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18))):
             try:
-                pynvml.nvmlDeviceGetNvLinkState(dev.handle, link)
+                pynvml.nvmlDeviceGetNvLinkState(h, link)
             except pynvml.NVMLError as e:
                 if e.value in _NO_SUCH_LINK:
                     break

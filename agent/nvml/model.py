@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from typing import Any, Protocol, TypeVar
+
+from gpufleet.agent.serving.files import write_atomic
 
 
 @dataclass
@@ -240,19 +240,6 @@ class Snapshot:
             samples=[sample_from_dict(s) for s in data["samples"]],
             xid=[xid_from_dict(x) for x in data.get("xid", [])],
         )
-
-
-def write_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` so readers see the old or the new file, never a torn one."""
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_snapshot(path: str | os.PathLike[str], snap: Snapshot) -> None:

@@ -4,15 +4,17 @@
 targets (and the Prometheus ``file_sd`` file) until Ctrl-C, SIGTERM or ``--duration``.
 
 ``demo`` does the same and shows the fleet live in the terminal. Everything in the
-per-GPU tables is scraped over HTTP from the real agent processes and parsed with
-prometheus-client's text parser: SM clock, utilization, SM and tensor activity, power,
-temperature and active throttle (clock-event) reasons. The job line tells the step-time
-story from the simulated training job. The fault the simulator injected is shown only in
-its own "injected fault" line, as ground truth to compare with; when the detector
-(``gpufleet.detector``) is installed its findings appear as the detector raises them.
-Without a terminal (``--no-ui`` or stdout not a TTY, e.g. CI) it prints plain log lines.
+per-GPU tables is scraped over HTTP from the real agent processes (:mod:`.demo_scrape`):
+SM clock, utilization, SM and tensor activity, power, temperature and active throttle
+(clock-event) reasons. The detector runs in-process on those scrapes
+(:mod:`.demo_detector`, when ``gpufleet.detector`` is installed) and its findings appear as it
+raises them; the GPUs it calls stragglers are the ones the view highlights. The job line tells
+the step-time story from the simulated training job (:mod:`.demo_story`). The fault the
+simulator injected is shown only in its own "injected fault" line, as ground truth to compare
+with. Without a terminal (``--no-ui`` or stdout not a TTY, e.g. CI) it prints plain log lines
+(:mod:`.demo_view`). This module is the command line and the loop that ties them together.
 
-h5's ``gpufleet-sim`` calls :func:`register` to add both subcommands; each sets
+``gpufleet-sim`` (``gpufleet.agent.sim.cli``) calls :func:`register` to add both subcommands; each sets
 ``func`` (``args.func(args) -> int``) on its parser.
 """
 
@@ -21,517 +23,27 @@ from __future__ import annotations
 import argparse
 import contextlib
 import signal
-import statistics
 import sys
 import time
 import tomllib
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, TextIO
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from gpufleet.agent.config import DEFAULT_PORT
 from gpufleet.agent.serving.argtypes import positive_float, positive_int
+from gpufleet.agent.sim.demo_detector import DetectorBridge, lagging_gpus, load_detector
+from gpufleet.agent.sim.demo_scrape import NodeView, scrape_all
+from gpufleet.agent.sim.demo_story import JobStory, injected_faults
+from gpufleet.agent.sim.demo_view import elapsed, log_lines, rich_view
 from gpufleet.agent.sim.live import DEFAULT_TICK, LiveFleet, LiveFleetError
 from gpufleet.agent.sim.scenario import ScenarioError
-from gpufleet.agent.vocab.catalog import spec
 
-# Metric names, checked against the catalog at import (KeyError if one is renamed).
-M_CLOCK = spec("gpufleet_gpu_clock_hertz").name
-M_UTIL = spec("gpufleet_gpu_utilization_ratio").name
-M_SM_ACTIVE = spec("gpufleet_gpu_sm_active_ratio").name
-M_TENSOR = spec("gpufleet_gpu_tensor_active_ratio").name
-M_POWER = spec("gpufleet_gpu_power_watts").name
-M_TEMP = spec("gpufleet_gpu_temperature_celsius").name
-M_THROTTLE = spec("gpufleet_gpu_clock_event_active").name
-M_ENERGY = spec("gpufleet_gpu_energy_joules_total").name
-M_GPU_UP = spec("gpufleet_gpu_up").name
-M_JOB = spec("gpufleet_gpu_job_info").name
-
-#: Clock-event reasons that mean "held down" (gpu_idle and application settings are not trouble).
-THROTTLE_REASONS = {
-    "sw_power_cap": "power cap",
-    "hw_slowdown": "HW slowdown",
-    "sw_thermal_slowdown": "SW thermal",
-    "hw_thermal_slowdown": "HW thermal",
-    "hw_power_brake_slowdown": "power brake",
-}
 #: The demo runs accelerated so the demo scenario's fault (60 simulated seconds in) shows within 20 s.
 DEMO_SPEED = 3.0
 #: The fewest GPUs a demo fleet may have: the detector compares a GPU with its job's peers only in
 #: groups of at least 4 GPUs (its default straggler ``min_peers``).
 DEMO_MIN_GPUS = 4
-#: A GPU whose SM clock is below this fraction of its peers' median is called out.
-SLOW_CLOCK_FRACTION = 0.9
-
-
-# ---------------------------------------------------------------------- scraping
-
-
-@dataclass
-class GpuView:
-    """One GPU as its agent reports it (None = the agent exported no such series)."""
-
-    gpu: str
-    up: bool = True
-    sm_clock_mhz: float | None = None
-    util_pct: float | None = None
-    sm_active_pct: float | None = None
-    tensor_pct: float | None = None
-    power_w: float | None = None
-    temp_c: float | None = None
-    energy_j: float | None = None
-    throttle: list[str] = field(default_factory=list)
-    job: str | None = None
-
-
-@dataclass
-class NodeView:
-    node: str
-    url: str
-    error: str | None = None
-    gpus: dict[str, GpuView] = field(default_factory=dict)
-    #: every sample of the scrape: (name, labels, value)
-    samples: list[tuple[str, dict[str, str], float]] = field(default_factory=list)
-
-    @property
-    def power_w(self) -> float | None:
-        vals = [g.power_w for g in self.gpus.values() if g.power_w is not None]
-        return sum(vals) if vals else None
-
-
-def _gpu_order(key: str) -> tuple[int, str]:
-    return (int(key), key) if key.isdigit() else (1 << 30, key)
-
-
-def parse_node(node: str, url: str, text: str) -> NodeView:
-    """The per-GPU view of one agent's exposition."""
-    view = NodeView(node, url)
-
-    def gpu(labels: dict[str, str]) -> GpuView | None:
-        key = labels.get("gpu")
-        if key is None:
-            return None
-        return view.gpus.setdefault(key, GpuView(key))
-
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            v = float(s.value)
-            view.samples.append((s.name, s.labels, v))
-            g = gpu(s.labels)
-            if g is None:
-                continue
-            if s.name == M_CLOCK and s.labels.get("clock") == "sm":
-                g.sm_clock_mhz = v / 1e6
-            elif s.name == M_UTIL:
-                g.util_pct = 100 * v
-            elif s.name == M_SM_ACTIVE:
-                g.sm_active_pct = 100 * v
-            elif s.name == M_TENSOR:
-                g.tensor_pct = 100 * v
-            elif s.name == M_POWER:
-                g.power_w = v
-            elif s.name == M_TEMP and s.labels.get("sensor") == "gpu":
-                g.temp_c = v
-            elif s.name == M_ENERGY:
-                g.energy_j = v
-            elif s.name == M_GPU_UP:
-                g.up = v == 1
-            elif s.name == M_THROTTLE and v == 1 and s.labels.get("reason") in THROTTLE_REASONS:
-                g.throttle.append(s.labels["reason"])
-            elif s.name == M_JOB and v == 1:
-                g.job = s.labels.get("job_id")
-    view.gpus = dict(sorted(view.gpus.items(), key=lambda kv: _gpu_order(kv[0])))
-    return view
-
-
-def scrape(node: str, url: str, timeout: float = 3.0) -> NodeView:
-    """Scrape one agent over HTTP; a failed scrape is a view with ``error`` set, never an exception."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            text = r.read().decode("utf-8")
-        return parse_node(node, url, text)
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        return NodeView(node, url, error=f"scrape failed: {e}")
-
-
-def scrape_all(targets: Sequence[tuple[str, str]], pool: ThreadPoolExecutor) -> list[NodeView]:
-    return list(pool.map(lambda t: scrape(*t), targets))
-
-
-# ---------------------------------------------------------------------- what the views say
-
-
-@dataclass
-class SlowGpu:
-    node: str
-    gpu: str
-    clock_mhz: float
-    peer_median_mhz: float
-    throttle: list[str]
-
-
-def slow_gpus(views: Sequence[NodeView]) -> list[SlowGpu]:
-    """GPUs whose SM clock lags the median of their job's GPUs (or of the whole fleet)."""
-    groups: dict[str, list[tuple[NodeView, GpuView]]] = {}
-    for v in views:
-        for g in v.gpus.values():
-            if g.up and g.sm_clock_mhz is not None:
-                groups.setdefault(g.job or "", []).append((v, g))
-    out: list[SlowGpu] = []
-    for members in groups.values():
-        if len(members) < 2:
-            continue
-        med = statistics.median(g.sm_clock_mhz for _, g in members if g.sm_clock_mhz is not None)
-        for v, g in members:
-            if g.sm_clock_mhz is not None and g.sm_clock_mhz < SLOW_CLOCK_FRACTION * med:
-                out.append(SlowGpu(v.node, g.gpu, g.sm_clock_mhz, med, g.throttle))
-    return out
-
-
-def injected_faults(fleet: LiveFleet) -> list[str]:
-    """The simulator's ground truth, one line per injected fault (never shown as a detection)."""
-    labels = getattr(fleet.simulator, "labels", None)
-    if not callable(labels):
-        return []
-    with fleet.lock:
-        doc = labels()
-        now = fleet.sim_time
-    t0 = float(doc.get("start", now))
-    lines = []
-    for f in doc.get("faults", []):
-        where = " ".join(
-            str(x) for x in (f.get("node") or f.get("site"), _gpu_label(f.get("gpu")), f.get("nic")) if x
-        ) or "the fleet"
-        onset, end, sev = f.get("onset"), f.get("end"), f.get("severity")
-        text = f"{f.get('type', 'fault')} on {where}"
-        if isinstance(sev, int | float):
-            text += f" (severity {sev:.2f})"
-        if isinstance(onset, int | float):
-            if onset > now:
-                text += f", starts at +{onset - t0:.0f}s (in {onset - now:.0f}s)"
-            elif isinstance(end, int | float) and end <= now:
-                text += f", ended at +{end - t0:.0f}s"
-            else:
-                text += f", active since +{onset - t0:.0f}s"
-        lines.append(text)
-    return lines
-
-
-def _gpu_label(gpu: Any) -> str | None:
-    return None if gpu is None else f"GPU {gpu}"
-
-
-def _median(vals: Sequence[float | None]) -> float | None:
-    xs = [v for v in vals if v is not None]
-    return statistics.median(xs) if xs else None
-
-
-class JobStory:
-    """The step-time story of each job, told from what the agents report.
-
-    It remembers each job's healthy operating point (median power and tensor activity of
-    its GPUs, and the step time the training job reports, while no GPU lags) and, once a
-    GPU lags, shows how the job slows and how its waiting peers drift: their power and
-    tensor activity fall while their utilization stays high.
-    """
-
-    def __init__(self) -> None:
-        self.baseline: dict[str, tuple[float | None, float | None, float | None]] = {}
-
-    def lines(self, fleet: LiveFleet, views: Sequence[NodeView], slow: Sequence[SlowGpu]) -> list[str]:
-        out: list[str] = []
-        steps = job_step_times(fleet)
-        slow_keys = {(s.node, s.gpu) for s in slow}
-        jobs: dict[str, list[tuple[str, GpuView]]] = {}
-        for v in views:
-            for g in v.gpus.values():
-                if g.up and g.job:
-                    jobs.setdefault(g.job, []).append((v.node, g))
-        for job, members in sorted(jobs.items()):
-            peers = [g for node, g in members if (node, g.gpu) not in slow_keys]
-            power = _median([g.power_w for g in peers])
-            tensor = _median([g.tensor_pct for g in peers])
-            util = _median([g.util_pct for g in peers])
-            step = steps.get(job)
-            lagging = [s for s in slow if any(node == s.node and g.gpu == s.gpu for node, g in members)]
-            text = f"job {job} on {len(members)} GPUs: "
-            if step is not None:
-                text += f"step time {step:.2f}s"
-            base = self.baseline.get(job, (None, None, None))
-            if not lagging:
-                if power is not None and tensor is not None:
-                    # the job's own step time runs ahead of scraped data: keep its healthy (lowest) value
-                    healthy = min((x for x in (base[2], step) if x is not None), default=None)
-                    self.baseline[job] = (power, tensor, healthy)
-                text += (f"{'; ' if step is not None else ''}all ranks in step: median power {_fmt(power)} W, "
-                         f"tensor activity {_fmt(tensor)}%, utilization {_fmt(util)}%.")
-                out.append(text)
-                continue
-            if step is not None and base[2]:
-                text += f" (was {base[2]:.2f}s, {100 * (step / base[2] - 1):+.0f}%)"
-            s = min(lagging, key=lambda x: x.clock_mhz)
-            why = ", ".join(THROTTLE_REASONS[r] for r in s.throttle) or "no throttle reason reported"
-            text += (f"{'; ' if step is not None else ''}{s.node} GPU {s.gpu} runs at {s.clock_mhz:.0f} MHz vs its "
-                     f"peers' {s.peer_median_mhz:.0f} MHz ({why}) and every rank waits for it: peers' power "
-                     f"{_fmt(base[0]) + ' -> ' if base[0] is not None else ''}{_fmt(power)} W, tensor activity "
-                     f"{_fmt(base[1]) + ' -> ' if base[1] is not None else ''}{_fmt(tensor)}%, "
-                     f"yet their utilization stays {_fmt(util)}%.")
-            out.append(text)
-        if not out:
-            out.append("no GPU reports a job yet (gpufleet_gpu_job_info)")
-        return out
-
-
-def job_step_times(fleet: LiveFleet) -> dict[str, float]:
-    """Step time per job as the training job itself would report it (from the simulated job)."""
-    physics = getattr(fleet.simulator, "physics", None)
-    with fleet.lock, contextlib.suppress(Exception):
-        steps = getattr(physics, "job_step_s", None) or {}
-        return {str(k): float(v) for k, v in dict(steps).items() if v and v > 0}
-    return {}
-
-
-# ---------------------------------------------------------------------- detector (optional)
-
-
-def load_detector() -> tuple[Any, ...]:
-    """Import what the demo uses of the detector (ImportError when it is not installed)."""
-    from gpufleet.detector.config import parse
-    from gpufleet.detector.engine import Detector
-    from gpufleet.detector.profiles import sample_names
-    from gpufleet.detector.source_recording import RecordingSource, Series
-
-    return parse, Detector, sample_names, RecordingSource, Series
-
-
-class DetectorBridge:
-    """Runs gpufleet's detector in-process on the metrics scraped from the agents.
-
-    Every scrape is kept as a short history (only the sample names the detector reads),
-    with the target labels Prometheus would add (``instance="<node>:9445"``,
-    ``job="gpufleet-agent"``, ``site``) and the simulated time as timestamp, and wrapped in
-    the detector's in-memory recording source. Windows are in simulated seconds, so an
-    accelerated demo is judged like a real-time fleet. When the detector is not installed
-    the demo runs without it and says so.
-    """
-
-    def __init__(self, fleet: LiveFleet, window_s: float, interval_s: float) -> None:
-        self.fleet = fleet
-        self.window_s = window_s
-        self.error: str | None = None
-        self.evaluations = 0
-        self._sites = {node: fleet.node_site(i) for i, (node, _) in enumerate(fleet.targets)}
-        self._history: dict[str, dict[tuple[tuple[str, str], ...], tuple[list[float], list[float]]]] = {}
-        self._det: Any = None
-        try:
-            parse, Detector, sample_names, RecordingSource, Series = load_detector()
-        except ImportError as e:
-            self.error = f"detector not available ({e}); findings not shown"
-            return
-        self._source_cls, self._series_cls = RecordingSource, Series
-        try:
-            self.names: set[str] = set(sample_names("gpufleet"))
-            cfg = parse({"detector": {"window_seconds": window_s, "interval_seconds": interval_s},
-                         "findings": {"open_after": 3, "close_after": 3}}, "demo detector settings")
-            self._det = Detector(cfg, RecordingSource({}))
-        except Exception as e:
-            self.error = f"detector failed to start: {e}"
-
-    @property
-    def available(self) -> bool:
-        return self._det is not None
-
-    def feed(self, views: Sequence[NodeView], t: float) -> None:
-        """Add one scrape of every agent, taken at simulated time ``t``."""
-        if not self.available:
-            return
-        for v in views:
-            if v.error:
-                continue  # a failed scrape is missing data, never zeros
-            target = {"instance": f"{v.node}:{DEFAULT_PORT}", "job": "gpufleet-agent", "site": self._sites[v.node]}
-            for name, labels, value in v.samples:
-                if name not in self.names:
-                    continue
-                key = tuple(sorted({**labels, **target}.items()))
-                ts, vs = self._history.setdefault(name, {}).setdefault(key, ([], []))
-                if ts and t <= ts[-1]:
-                    continue
-                ts.append(t)
-                vs.append(value)
-        keep = t - 2 * self.window_s
-        for by_key in self._history.values():
-            for ts, vs in by_key.values():
-                drop = next((i for i, x in enumerate(ts) if x >= keep), len(ts))
-                del ts[:drop], vs[:drop]
-
-    def evaluate(self, t: float) -> list[str]:
-        """The detector's open findings at simulated time ``t``, one line each."""
-        if not self.available:
-            return []
-        import numpy as np
-
-        series = {
-            name: [self._series_cls(dict(key), np.asarray(ts, dtype=np.float64), np.asarray(vs, dtype=np.float64))
-                   for key, (ts, vs) in by_key.items() if ts]
-            for name, by_key in self._history.items()
-        }
-        try:
-            self._det.source = self._source_cls(series)
-            self._det.evaluate(t)
-            self.evaluations += 1
-            self.error = None
-            active = sorted(self._det.tracker.active.values(), key=lambda f: (f.start, f.kind))
-        except Exception as e:  # the demo keeps running; the error is shown in place of findings
-            self.error = f"detector evaluation failed: {e}"
-            return []
-        t0 = self.fleet.simulator_start
-        return [f"{f.kind}/{f.cause or '-'} since +{f.start - t0:.0f}s (score {f.score:.1f}): {f.summary}"
-                for f in active]
-
-
-# ---------------------------------------------------------------------- rendering
-
-
-def _fmt(v: float | None, spec_: str = ".0f") -> str:
-    return "-" if v is None else format(v, spec_)
-
-
-def _elapsed(fleet: LiveFleet, t0: float) -> str:
-    return f"+{fleet.sim_time - t0:.0f}s"
-
-
-def log_lines(views: Sequence[NodeView], slow: Sequence[SlowGpu]) -> list[str]:
-    """Plain per-node summary lines (and one line per lagging GPU)."""
-    lines = []
-    for v in views:
-        if v.error:
-            lines.append(f"{v.node}: {v.error}")
-            continue
-        gs = list(v.gpus.values())
-        clocks = [g.sm_clock_mhz for g in gs if g.sm_clock_mhz is not None]
-        utils = [g.util_pct for g in gs if g.util_pct is not None]
-        temps = [g.temp_c for g in gs if g.temp_c is not None]
-        tens = [g.tensor_pct for g in gs if g.tensor_pct is not None]
-        throttled = sorted({THROTTLE_REASONS[r] for g in gs for r in g.throttle})
-        lines.append(
-            f"{v.node}: {len(gs)} GPUs up={sum(g.up for g in gs)} "
-            f"sm_clock min/median {_fmt(min(clocks) if clocks else None)}/"
-            f"{_fmt(statistics.median(clocks) if clocks else None)} MHz "
-            f"util median {_fmt(statistics.median(utils) if utils else None)}% "
-            f"tensor median {_fmt(statistics.median(tens) if tens else None)}% "
-            f"power {_fmt(v.power_w)} W temp max {_fmt(max(temps) if temps else None)} C "
-            f"throttle: {', '.join(throttled) or '-'}"
-        )
-    for s in slow:
-        lines.append(
-            f"  slow GPU: {s.node} gpu {s.gpu} sm_clock {s.clock_mhz:.0f} MHz vs peers {s.peer_median_mhz:.0f} MHz"
-            f" ({', '.join(s.throttle) or 'no throttle reason'})"
-        )
-    return lines
-
-
-TABLE_WIDTH = 80  # columns one per-node table needs
-
-
-def _node_tables(views: Sequence[NodeView], slow_keys: set[tuple[str, str]]) -> Any:
-    """One table per node, one row per GPU (when the terminal is tall enough)."""
-    from rich import box
-    from rich.columns import Columns
-    from rich.panel import Panel
-    from rich.table import Table
-    from rich.text import Text
-
-    tables: list[Any] = []
-    for v in views:
-        title = f"[bold]{v.node}[/]"
-        if v.error:
-            tables.append(Panel(Text(v.error, style="red"), title=title, width=60))
-            continue
-        title += f"  {_fmt(v.power_w)} W"
-        t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
-        for col in ("GPU", "SM MHz", "util %", "SM act %", "tensor %", "power W", "temp °C", "throttle"):
-            t.add_column(col, justify="left" if col in ("GPU", "throttle") else "right")
-        for g in v.gpus.values():
-            lagging = (v.node, g.gpu) in slow_keys
-            reasons = ", ".join(THROTTLE_REASONS[r] for r in g.throttle)
-            t.add_row(
-                g.gpu if g.up else f"{g.gpu} LOST",
-                Text(_fmt(g.sm_clock_mhz), style="bold red" if lagging else ""),
-                _fmt(g.util_pct), _fmt(g.sm_active_pct), _fmt(g.tensor_pct), _fmt(g.power_w), _fmt(g.temp_c),
-                Text(reasons or "-", style="red" if reasons else "dim"),
-                style="" if g.up else "red",
-            )
-        tables.append(t)
-    return Columns(tables)
-
-
-def _fleet_table(views: Sequence[NodeView], slow: Sequence[SlowGpu]) -> Any:
-    """One row per node plus one per lagging GPU (small terminals)."""
-    from rich import box
-    from rich.table import Table
-    from rich.text import Text
-
-    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
-    for col in ("node", "GPUs up", "SM MHz min/med", "util %", "tensor %", "power W", "temp max °C", "throttle"):
-        t.add_column(col, justify="left" if col in ("node", "throttle") else "right")
-    for v in views:
-        if v.error:
-            t.add_row(v.node, Text(v.error, style="red"))
-            continue
-        gs = list(v.gpus.values())
-        clocks = [g.sm_clock_mhz for g in gs if g.sm_clock_mhz is not None]
-        temps = [g.temp_c for g in gs if g.temp_c is not None]
-        reasons = sorted({f"GPU {g.gpu} {THROTTLE_REASONS[r]}" for g in gs for r in g.throttle})
-        lagging = any(s.node == v.node for s in slow)
-        t.add_row(
-            v.node, f"{sum(g.up for g in gs)}/{len(gs)}",
-            Text(f"{_fmt(min(clocks) if clocks else None)}/{_fmt(_median(clocks))}",
-                 style="bold red" if lagging else ""),
-            _fmt(_median([g.util_pct for g in gs])), _fmt(_median([g.tensor_pct for g in gs])), _fmt(v.power_w),
-            _fmt(max(temps) if temps else None), Text(", ".join(reasons) or "-", style="red" if reasons else "dim"),
-        )
-    return t
-
-
-def rich_view(
-    fleet: LiveFleet, t0: float, views: Sequence[NodeView], slow: Sequence[SlowGpu], story: Sequence[str],
-    findings: Sequence[str], detector_note: str | None, faults: Sequence[str],
-) -> Any:
-    from rich import get_console
-    from rich.console import Group
-    from rich.panel import Panel
-    from rich.text import Text
-
-    slow_keys = {(s.node, s.gpu) for s in slow}
-    header = Text.assemble(
-        ("gpufleet demo", "bold cyan"),
-        f"  {len(views)} simulated nodes served by {len(views)} real gpufleet-agent processes   "
-        f"sim time {_elapsed(fleet, t0)} (x{fleet.speed:g})   ",
-        ("curl " + views[0].url if views else "", "dim"),
-    )
-    size = get_console().size
-    per_row = max(1, size.width // TABLE_WIDTH)
-    gpus = max((len(v.gpus) for v in views), default=0)
-    needed = -(-len(views) // per_row) * (gpus + 4) + 16
-    body = _node_tables(views, slow_keys) if needed <= size.height else _fleet_table(views, slow)
-    found = list(findings) or [detector_note or "no findings (yet)"]
-    parts: list[Any] = [
-        header,
-        body,
-        Panel(Text("\n".join(story)), title="training job (step-time story)", border_style="cyan"),
-        Panel(Text("\n".join(found)), title="detector findings (gpufleet-detector on the agents' metrics)",
-              border_style="magenta"),
-        Text("injected fault (simulator ground truth, not seen by the agents): " + ("; ".join(faults) or "none"),
-             style="yellow"),
-        Text("Ctrl-C to stop", style="dim"),
-    ]
-    return Group(*parts)
 
 
 # ---------------------------------------------------------------------- commands
@@ -723,15 +235,15 @@ def run_demo(args: argparse.Namespace) -> int:
         findings: list[str] = []
 
         def render(views: list[NodeView]) -> Any:
-            slow = slow_gpus(views)
-            story = jobs.lines(fleet, views, slow)
+            slow = lagging_gpus(detector.stragglers, views)
+            story = jobs.lines(fleet, views, slow, detector.suspects)
             faults = injected_faults(fleet)
             if fleet.error is not None:
                 story = [*story, f"simulator stopped: {fleet.error}"]
             note = detector.error or ("no findings (yet)" if detector.evaluations else "waiting for data")
             if ui:
                 return rich_view(fleet, t0, views, slow, story, findings, note, faults)
-            stamp = f"[{_elapsed(fleet, t0)}]"
+            stamp = f"[{elapsed(fleet, t0)}]"
             lines = [*log_lines(views, slow), *(f"job: {s}" for s in story)]
             lines += [f"detector finding: {f}" for f in findings] or [f"detector: {note}"]
             lines += [f"injected fault (ground truth): {f}" for f in faults]

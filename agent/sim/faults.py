@@ -51,11 +51,11 @@ jobs, reboots, idle GPUs, missing scrapes.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import ClassVar
 
-if TYPE_CHECKING:
-    from gpufleet.agent.sim.physics import Physics
+from gpufleet.agent.sim.physics import NVLINK_ERR, Physics
 
 SEVERITY_WORDS = {"marginal": 0.2, "moderate": 0.5, "obvious": 1.0}
 
@@ -88,7 +88,6 @@ class Fault:
     node: int | None = None
     gpu: int | None = None  # local GPU index on the node (None: the whole node)
     nic: int | None = None  # local NIC index (rail k)
-    params: dict[str, Any] = field(default_factory=dict)
 
     def active(self, t: float) -> bool:
         return t >= self.onset and (self.end is None or t < self.end)
@@ -238,21 +237,25 @@ class NvlinkDown(Fault):
 
     def on_start(self, p: Physics, t: float) -> None:
         for g in self.gpus(p):
-            p.nvlink_err[g, : self.links(), 2] += 40  # replays
-            p.nvlink_err[g, : self.links(), 3] += 1  # recovery
+            p.nvlink_err[g, : self.links(), NVLINK_ERR["replay"]] += 40
+            p.nvlink_err[g, : self.links(), NVLINK_ERR["recovery"]] += 1
 
 
+@dataclass
 class HbmEcc(Fault):
     kind = "hbm_ecc"
     findings = ()
     signals = ("gpufleet_gpu_ecc_errors_total{error=corrected}", "gpufleet_gpu_row_remap_pending")
 
+    #: Whether the uncorrectable error (and its row remap) happened yet.
+    remapped: bool = field(default=False, init=False, compare=False)
+
     def apply(self, p: Physics, t: float, dt: float) -> None:
         g = self.gpus(p)
         p.mods.ecc_per_s[g] += lerp(2.0, 200.0, self.severity) / 3600.0
         delay = lerp(7200.0, 300.0, self.severity)
-        if t >= self.onset + delay and not self.params.get("_remapped"):
-            self.params["_remapped"] = True
+        if t >= self.onset + delay and not self.remapped:
+            self.remapped = True
             for i in g:
                 p.row_remap(i, t)
 
@@ -300,6 +303,31 @@ class PueDrift(Fault):
         assert self.site is not None
         ramp = min(1.0, (t - self.onset) / 7200.0)
         p.mods.pue_add[self.site] += lerp(0.03, 0.2, self.severity) * max(ramp, 0.05)
+
+
+class FaultSchedule:
+    """The faults of one run and where each is in its lifecycle; ``schedule(p, t, dt)`` is a tick's effects.
+
+    Every tick (ending at ``t``) a fault whose onset has come starts once (:meth:`Fault.on_start`),
+    applies its modifiers while active (:meth:`Fault.apply`) and ends once at its ``end``
+    (:meth:`Fault.on_end`), in the order the scenario lists the faults.
+    """
+
+    def __init__(self, faults: Iterable[Fault]) -> None:
+        self.faults = list(faults)
+        self._started = [False] * len(self.faults)
+        self._ended = [False] * len(self.faults)
+
+    def __call__(self, p: Physics, t: float, dt: float) -> None:
+        for i, fault in enumerate(self.faults):
+            if not self._started[i] and t >= fault.onset:
+                self._started[i] = True
+                fault.on_start(p, t)
+            if self._started[i] and fault.active(t):
+                fault.apply(p, t, dt)
+            if self._started[i] and fault.end is not None and t >= fault.end and not self._ended[i]:
+                self._ended[i] = True
+                fault.on_end(p, t)
 
 
 FAULTS: dict[str, type[Fault]] = {

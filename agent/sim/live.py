@@ -33,29 +33,32 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import json
 import logging
 import math
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
 
 from gpufleet.agent.config import DEFAULT_PORT
-from gpufleet.agent.nvml.model import Snapshot, write_atomic, write_snapshot
+from gpufleet.agent.nvml.model import Snapshot, write_snapshot
+from gpufleet.agent.serving.files import write_atomic
+from gpufleet.agent.sim.live_agents import (
+    AgentProcess,
+    agent_command,
+    free_ports,
+    http_ok,
+    port_free,
+    set_parent_death_signal,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,85 +94,6 @@ class SimulatorLike(Protocol):
 
 class LiveFleetError(RuntimeError):
     """The live fleet could not start (an agent failed, a port was taken, ...)."""
-
-
-@dataclass
-class AgentProcess:
-    """One node's agent process."""
-
-    node: str
-    port: int
-    snapshot: Path
-    sysfs: Path
-    job_mapping: Path
-    log: Path
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.address}/metrics"
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
-
-
-def agent_command() -> list[str]:
-    """How to start ``gpufleet-agent``: the console script next to the interpreter, else ``-m``."""
-    script = Path(sys.executable).parent / "gpufleet-agent"
-    if script.is_file() and os.access(script, os.X_OK):
-        return [str(script)]
-    return [sys.executable, "-m", "gpufleet.agent.cli"]
-
-
-def _set_parent_death_signal() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: have the kernel send SIGTERM to this child when its parent dies."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):
-        return
-
-
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free loopback ports (all probe sockets stay open until every port is chosen)."""
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _http_ok(url: str, timeout: float = 2.0) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return 200 <= int(r.status) < 300
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
 
 
 def make_simulator(scenario: Any = "demo", seed: int = 0, **overrides: Any) -> SimulatorLike:
@@ -335,11 +259,11 @@ class LiveFleet:
 
     def _ports(self, n: int) -> list[int]:
         if self.base_port is None:
-            return _free_ports(n)
+            return free_ports(n)
         ports = list(range(self.base_port, self.base_port + n))
         if ports[-1] > 65535:
             raise LiveFleetError(f"--base-port {self.base_port} + {n} nodes runs past port 65535")
-        taken = [p for p in ports if not _port_free(p)]
+        taken = [p for p in ports if not port_free(p)]
         if taken:
             raise LiveFleetError(f"port(s) already in use on 127.0.0.1: {', '.join(map(str, taken))}")
         return ports
@@ -357,7 +281,7 @@ class LiveFleet:
         with open(a.log, "ab") as out:
             a.proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-                preexec_fn=_set_parent_death_signal if sys.platform.startswith("linux") else None,
+                preexec_fn=set_parent_death_signal if sys.platform.startswith("linux") else None,
             )
         log.debug("started agent for %s on %s (pid %s)", a.node, a.address, a.proc.pid)
 
@@ -370,7 +294,7 @@ class LiveFleet:
                 if not a.running():
                     if retries[a.node] > 0:  # a free port taken by someone else meanwhile: try another one
                         retries[a.node] -= 1
-                        a.port = _free_ports(1)[0]
+                        a.port = free_ports(1)[0]
                         log.warning("the agent for %s exited before serving; retrying on port %d", a.node, a.port)
                         self._spawn(a)
                         continue
@@ -379,7 +303,7 @@ class LiveFleet:
                         f"the agent for {a.node} on {a.address} exited (code {code}) before serving; "
                         f"its log ({self.kept_log(a)}):\n{a.log_tail()}"
                     )
-                if _http_ok(a.url):
+                if http_ok(a.url):
                     pending.remove(a)
             if not pending:
                 break

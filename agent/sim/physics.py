@@ -19,27 +19,41 @@ Per tick of ``dt`` seconds:
 
 Healthy GPUs differ (speed, power efficiency, thermal resistance, inlet position), and some
 jobs are noisy (per-rank step-time jitter).
+
+Faults are not known here: :meth:`Physics.step` takes the tick's ``effects`` (the fault schedule of
+:mod:`gpufleet.agent.sim.faults`), which set the modifiers in :class:`Mods` and call the one-off
+events (:meth:`Physics.xid`, :meth:`Physics.row_remap`, :meth:`Physics.reboot`, ...).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from gpufleet.agent.sim.fleet import Fleet, Job
-from gpufleet.agent.vocab.nvml import CLOCK_EVENT_BITS, CLOCK_EVENT_COUNTED
+from gpufleet.agent.vocab.catalog import IB_PORT_ERRORS
+from gpufleet.agent.vocab.nvml import CLOCK_EVENT_BITS, CLOCK_EVENT_COUNTED, NVLINK_ERRORS
 
-#: Counted clock-event reasons, in catalog order (columns of ``Physics.throttle_s``).
-COUNTED = CLOCK_EVENT_COUNTED
-BIT = CLOCK_EVENT_BITS
+#: Columns of ``Physics.ecc`` (NVML's ECC counters: volatile resets at a reboot, aggregate persists).
 ECC_KEYS = ("volatile_corrected", "aggregate_corrected", "volatile_uncorrected", "aggregate_uncorrected")
-NIC_ERRORS = ("symbol_error", "link_downed", "link_error_recovery", "port_rcv_errors")
+#: Columns of ``Physics.remapped`` (the ``cause`` label of remapped rows).
+REMAP_CAUSES = ("correctable", "uncorrectable")
+#: The port error counters the simulator models (columns of ``Physics.nic_err``).
+NIC_ERRORS = IB_PORT_ERRORS[:4]
 NIC_HW = ("np_ecn_marked_roce_packets", "np_cnp_sent", "rp_cnp_handled", "out_of_sequence")
 PCIE_GBPS_PER_LANE = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 _PCIE_LANE = np.array([0.0, 0.25, 0.5, 0.985, 1.969, 3.938, 7.563])
 REBOOT_DOWNTIME_S = 180.0
+#: Column of each counted clock-event reason in ``Physics.throttle_s`` (vocab order).
+_THROTTLE_COL = {r: k for k, r in enumerate(CLOCK_EVENT_COUNTED)}
+_ECC = {k: i for i, k in enumerate(ECC_KEYS)}
+#: Column of each NVLink error counter in ``Physics.nvlink_err`` (per link).
+NVLINK_ERR = {e: i for i, e in enumerate(NVLINK_ERRORS)}
+#: What sets a tick's modifiers and one-off events before the tick is computed: ``effects(physics, t, dt)``.
+Effects = Callable[["Physics", float, float], None]
 HOST_POWER_W = 1500.0  # CPUs, memory, fans, NICs of an 8-GPU node, excluding GPUs
 
 
@@ -137,21 +151,21 @@ class Physics:
         self.occupancy = np.zeros(g)
         self.tensor = np.zeros(g)
         self.dram = np.zeros(g)
-        self.reasons = np.full(g, BIT["gpu_idle"], dtype=np.int64)
-        self.throttle_s = np.zeros((g, len(COUNTED)))
+        self.reasons = np.full(g, CLOCK_EVENT_BITS["gpu_idle"], dtype=np.int64)
+        self.throttle_s = np.zeros((g, len(CLOCK_EVENT_COUNTED)))
         self.gpm_s = np.zeros((g, 4))  # sm_active, occupancy, tensor, dram activity-seconds
         self.nvl_rate = np.zeros(g)  # bytes/s per direction, all links
         self.pcie_rate = np.zeros(g)  # bytes/s per direction
         self.pcie_bytes = np.zeros(g)
-        self.ecc = np.zeros((g, 4), dtype=np.int64)
-        self.remapped = np.zeros((g, 2), dtype=np.int64)
+        self.ecc = np.zeros((g, len(ECC_KEYS)), dtype=np.int64)
+        self.remapped = np.zeros((g, len(REMAP_CAUSES)), dtype=np.int64)
         self.remap_pending = np.zeros(g, bool)
         self.pcie_gen = self.pcie_gen_max.copy()
         self.pcie_width = self.pcie_width_max.copy()
         self.pcie_replay = np.zeros(g, dtype=np.int64)
         self.nvl_up = self.link_exists.copy()
         self.nvl_bytes = np.zeros((g, lmax))  # per direction (tx == rx)
-        self.nvlink_err = np.zeros((g, lmax, 4), dtype=np.int64)
+        self.nvlink_err = np.zeros((g, lmax, len(NVLINK_ERRORS)), dtype=np.int64)
         self.lost = np.zeros(g, bool)
         self.mem_used = np.zeros(g)
         self.gpu_job = np.full(g, -1)
@@ -176,9 +190,8 @@ class Physics:
         self.job_step_s: dict[str, float] = {}
         self.job_baseline_s: dict[str, float] = {}  # step time of the job on healthy, unthrottled GPUs
         self.job_steps: dict[str, float] = {}
-        self._jobs = _JobTable()
+        self._jobs = _JobTable(gpu_job=np.full(g, -1))  # no job yet: every GPU idle
         self.mods = Mods(self)
-        self.faults: list[object] = []
 
     # ---------------------------------------------------------------- events
     def xid(self, g: int, code: int, t: float) -> None:
@@ -190,8 +203,10 @@ class Physics:
         self.xid_pending[node].append((int(self.fleet.gpu_local[g]), code, ts))
 
     def row_remap(self, g: int, t: float) -> None:
-        self.ecc[g, 2:] += 1
-        self.remapped[g, 1] += 1
+        """An uncorrectable ECC error whose row is remapped at the next reset (XID 63)."""
+        self.ecc[g, _ECC["volatile_uncorrected"]] += 1
+        self.ecc[g, _ECC["aggregate_uncorrected"]] += 1
+        self.remapped[g, REMAP_CAUSES.index("uncorrectable")] += 1
         self.remap_pending[g] = True
         self.xid(g, 63, t)
 
@@ -208,8 +223,8 @@ class Physics:
         self.throttle_s[g] = 0.0
         self.gpm_s[g] = 0.0
         self.pcie_bytes[g] = 0.0
-        self.ecc[g, 0] = 0
-        self.ecc[g, 2] = 0
+        self.ecc[g, _ECC["volatile_corrected"]] = 0
+        self.ecc[g, _ECC["volatile_uncorrected"]] = 0
         self.remap_pending[g] = False
         self.pcie_replay[g] = 0
         self.nvl_bytes[g] = 0.0
@@ -266,24 +281,16 @@ class Physics:
         return self._jobs
 
     # ---------------------------------------------------------------- step
-    def step(self, dt: float) -> None:
-        """Advance the fleet by ``dt`` seconds; the state then describes time ``self.t``."""
+    def step(self, dt: float, effects: Effects | None = None) -> None:
+        """Advance the fleet by ``dt`` seconds; the state then describes time ``self.t``.
+
+        ``effects(self, t, dt)`` runs first, with ``t`` the time the tick ends at: it sets the tick's
+        modifiers (``self.mods``, fresh every tick) and applies one-off events (the fault schedule).
+        """
         t = self.t + dt
         self.mods = m = Mods(self)
-        from gpufleet.agent.sim.faults import Fault  # local: faults imports this module for typing only
-
-        for fault in self.faults:
-            assert isinstance(fault, Fault)
-            started = fault.params.get("_started", False)
-            if not started and t >= fault.onset:
-                fault.params["_started"] = True
-                fault.on_start(self, t)
-                started = True
-            if started and fault.active(t):
-                fault.apply(self, t, dt)
-            if started and fault.end is not None and t >= fault.end and not fault.params.get("_ended"):
-                fault.params["_ended"] = True
-                fault.on_end(self, t)
+        if effects is not None:
+            effects(self, t, dt)
         f = self.fleet
         rng = self.rng
         jt = self._job_table(t)
@@ -371,18 +378,16 @@ class Physics:
         self.util = np.clip(util, 0.0, 100.0)
         self.mem_util = np.clip(100.0 * self.dram * 0.8, 0.0, 100.0)
         self.mem_used = np.where(busy, self.mem_total * (jt.mem[j] if has else 0.0), 0.0)
+        held = {"sw_power_cap": capped, "hw_slowdown": m.hw_slowdown, "sw_thermal_slowdown": thermal,
+                "hw_thermal_slowdown": hw_thermal, "hw_power_brake_slowdown": m.brake}
         reasons = np.zeros(f.n_gpus, dtype=np.int64)
-        reasons |= np.where(~busy, BIT["gpu_idle"], 0)
-        reasons |= np.where(capped, BIT["sw_power_cap"], 0)
-        reasons |= np.where(m.hw_slowdown, BIT["hw_slowdown"], 0)
-        reasons |= np.where(thermal, BIT["sw_thermal_slowdown"], 0)
-        reasons |= np.where(hw_thermal, BIT["hw_thermal_slowdown"], 0)
-        reasons |= np.where(m.brake, BIT["hw_power_brake_slowdown"], 0)
+        reasons |= np.where(~busy, CLOCK_EVENT_BITS["gpu_idle"], 0)
+        for reason, on in held.items():
+            reasons |= np.where(on, CLOCK_EVENT_BITS[reason], 0)
         self.reasons = np.where(self.lost, 0, reasons)
-        self.throttle_s[:, 0] += np.where(capped, dt, 0.0)
-        self.throttle_s[:, 2] += np.where(thermal, dt, 0.0)
-        self.throttle_s[:, 3] += np.where(hw_thermal, dt, 0.0)
-        self.throttle_s[:, 4] += np.where(m.brake, dt, 0.0)
+        for reason, on in held.items():
+            if reason in _THROTTLE_COL:  # the reasons NVML counts time for
+                self.throttle_s[:, _THROTTLE_COL[reason]] += np.where(on, dt, 0.0)
         self.gpm_s += np.stack([self.sm_active, self.occupancy, self.tensor, self.dram], axis=1) * dt
         steps = np.where(busy, dt / step_g, 0.0)
         inter_b = inter * steps

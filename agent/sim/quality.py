@@ -39,15 +39,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpufleet.detector.cli import replay
+from gpufleet.agent.sim.faults import SEVERITY_WORDS
 from gpufleet.detector.config import DetectorConfig, parse
 from gpufleet.detector.findings import Finding
+from gpufleet.detector.profiles import PROFILES
+from gpufleet.detector.replay import replay
 
 FAULT_SCENARIOS = ("clock_stuck_low", "cooling_failure", "power_brake", "power_cap", "ib_link_degraded",
                    "ib_link_flapping", "network_congestion", "pcie_downgrade", "nvlink_down", "slow_host",
                    "hbm_ecc", "xid79")
-SEVERITIES = {"marginal": 0.2, "moderate": 0.5, "obvious": 1.0}
-PROFILES = ("gpufleet", "dcgm")
 
 #: The detector settings the harness measures (scrape interval 15 s: evaluate every scrape, 2-minute window).
 QUALITY_CONFIG: dict[str, dict[str, Any]] = {
@@ -133,7 +133,7 @@ def execute(run: Run, workdir: str) -> list[Outcome]:
     sc = load_scenario(run.scenario, hours=run.hours, seed=run.seed)
     if run.kind == "fault":
         for f in sc.faults:
-            f.severity = SEVERITIES[run.severity]
+            f.severity = SEVERITY_WORDS[run.severity]
     d = Path(workdir) / f"{run.scenario}-{run.severity}-{run.seed}"
     res = record(Simulator(sc, seed=run.seed), d, PROFILES, series=run.series)
     labels = json.loads(res.labels.read_text())
@@ -149,7 +149,7 @@ def execute(run: Run, workdir: str) -> list[Outcome]:
 
 
 def plan(quick: bool, seeds: int) -> list[Run]:
-    sev = ("moderate", "obvious") if quick else tuple(SEVERITIES)
+    sev = ("moderate", "obvious") if quick else tuple(SEVERITY_WORDS)
     # Long control runs first, then every fault type and severity per seed, so partial results cover them all.
     runs = [Run("heatwave", "-", 1, 12.0 if quick else 48.0, "control")]
     runs += [Run("pue_drift", "-", seed, 14.0 if quick else 24.0, "control") for seed in range(1, seeds + 1)]

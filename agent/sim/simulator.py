@@ -23,12 +23,18 @@ from typing import Any
 
 import numpy as np
 
-from gpufleet.agent.fake.sources import IB_COUNTER_FILES  # every port has these; unmodelled ones stay 0
+from gpufleet.agent.fake.sysfs import (  # every port has IB_COUNTER_FILES; unmodelled ones stay 0
+    IB_COUNTER_FILES,
+    ValueWriter,
+    add_ib_device,
+    add_pci_function,
+    add_port,
+)
 from gpufleet.agent.nvml import model
-from gpufleet.agent.sim.faults import FAULTS, Fault, fault_doc, severity_class
+from gpufleet.agent.serving.files import write_atomic
+from gpufleet.agent.sim.faults import FAULTS, Fault, FaultSchedule, fault_doc, severity_class
 from gpufleet.agent.sim.fleet import GPU_MODELS, Fleet, Job, Node, Site, schedule_jobs
 from gpufleet.agent.sim.physics import (
-    COUNTED,
     ECC_KEYS,
     NIC_ERRORS,
     NIC_HW,
@@ -37,6 +43,7 @@ from gpufleet.agent.sim.physics import (
     Physics,
 )
 from gpufleet.agent.sim.scenario import Scenario, load_scenario
+from gpufleet.agent.vocab.nvml import CLOCK_EVENT_COUNTED
 
 IB_HW_COUNTER_FILES = (
     "duplicate_request", "implied_nak_seq_err", "lifespan", "local_ack_timeout_err", "np_cnp_sent",
@@ -106,10 +113,10 @@ class Simulator:
                 site=site_index[fs.site] if fs.site is not None else None,
                 node=node_index[fs.node] if fs.node is not None else None, gpu=fs.gpu, nic=fs.nic,
             ))
-        self.physics.faults = list(self.faults)
+        self.fault_schedule = FaultSchedule(self.faults)
         self._reboots = sorted((r["at"], node_index[r["node"]]) for r in sc.reboots)
         self._uuids = [self._uuid(g) for g in range(self.fleet.n_gpus)]
-        self._sysfs_cache: dict[str, dict[str, str]] = {}
+        self._sysfs_cache: dict[str, ValueWriter] = {}
 
     # ---------------------------------------------------------------- time
     @property
@@ -129,7 +136,7 @@ class Simulator:
         while self._reboots and self._reboots[0][0] <= t_next:
             at, node = self._reboots.pop(0)
             self.physics.reboot(node, at)
-        self.physics.step(d)
+        self.physics.step(d, self.fault_schedule)
 
     # ---------------------------------------------------------------- topology
     @property
@@ -206,7 +213,7 @@ class Simulator:
             power_limit_mw=int(p.limit[g] * 1000), energy_mj=int(p.energy_j[g] * 1000),
             temperature_gpu_c=int(np.rint(p.temp[g])), temperature_memory_c=int(np.rint(p.temp_mem[g])),
             memory_used_bytes=int(p.mem_used[g]), pstate=0, clocks_event_reasons=int(p.reasons[g]),
-            clocks_event_ns={r: int(p.throttle_s[g, k] * 1e9) for k, r in enumerate(COUNTED)},
+            clocks_event_ns={r: int(p.throttle_s[g, k] * 1e9) for k, r in enumerate(CLOCK_EVENT_COUNTED)},
             ecc={key: int(p.ecc[g, k]) for k, key in enumerate(ECC_KEYS)},
             remapped_rows_correctable=int(p.remapped[g, 0]), remapped_rows_uncorrectable=int(p.remapped[g, 1]),
             row_remap_pending=bool(p.remap_pending[g]), row_remap_failure=False,
@@ -275,50 +282,26 @@ class Simulator:
         """Write (or refresh) node ``i``'s InfiniBand class tree and PCI device tree under ``root``."""
         r = Path(root)
         key = str(r.resolve())
-        cache = self._sysfs_cache.get(key)
-        if cache is None or not (r / "class" / "infiniband").is_dir():
-            cache = {}
+        writer = self._sysfs_cache.get(key)
+        if writer is None or not (r / "class" / "infiniband").is_dir():
+            writer = ValueWriter(r)
             self._make_tree(i, r)
-            self._sysfs_cache[key] = cache
-        files = self._sysfs_values(i)
-        for rel, value in files.items():
-            if cache.get(rel) != value:
-                path = r / rel
-                tmp = path.with_name(f".{path.name}.tmp")
-                tmp.write_text(value + "\n", encoding="ascii")
-                os.replace(tmp, path)
-                cache[rel] = value
+            self._sysfs_cache[key] = writer
+        writer.update(self._sysfs_values(i))
 
     def _make_tree(self, i: int, r: Path) -> None:
+        """The kernel's layout (:mod:`gpufleet.agent.fake.sysfs`): NIC k on GPU k's switch, the host NIC last."""
         gpus, nics = self._pci_paths(i)
         (r / "bus" / "pci" / "devices").mkdir(parents=True, exist_ok=True)
         (r / "class" / "infiniband").mkdir(parents=True, exist_ok=True)
-        for path in list(gpus.values()) + list(nics.values()):
-            d = r / path
-            d.mkdir(parents=True, exist_ok=True)
-            addr = d.name
-            (d / "vendor").write_text("0x10de\n" if path in gpus.values() else "0x15b3\n")
-            (d / "class").write_text("0x030200\n" if path in gpus.values() else "0x020700\n")
-            link = r / "bus" / "pci" / "devices" / addr
-            if not link.is_symlink():
-                link.symlink_to(Path("../../..") / path)
+        for path in gpus.values():
+            add_pci_function(r, path.split("/")[1:], files={"vendor": "0x10de", "class": "0x030200"})
         for k, path in nics.items():
-            # like the kernel: the device directory lives under the PCI function, the class entry links to it
-            dev = r / path / "infiniband" / f"mlx5_{k}"
-            entry = r / "class" / "infiniband" / f"mlx5_{k}"
-            if not entry.is_symlink():
-                entry.symlink_to(Path("../..") / path / "infiniband" / f"mlx5_{k}")
-            port = dev / "ports" / "1"
-            (port / "counters").mkdir(parents=True, exist_ok=True)
-            (port / "hw_counters").mkdir(parents=True, exist_ok=True)
-            (dev / "hca_type").write_text("MT4129\n")
-            (dev / "fw_ver").write_text("28.41.1000\n")
-            (dev / "board_id").write_text("MT_0000000838\n")
+            fn = add_pci_function(r, path.split("/")[1:], files={"vendor": "0x15b3", "class": "0x020700"})
+            dev = add_ib_device(r, f"mlx5_{k}", fn,
+                                files={"hca_type": "MT4129", "fw_ver": "28.41.1000", "board_id": "MT_0000000838"})
             host = k == self.fleet.gpus_per_node
-            (port / "link_layer").write_text("Ethernet\n" if host else "InfiniBand\n")
-            link = dev / "device"
-            if not link.is_symlink():
-                link.symlink_to(Path("../../..") / Path(path).name)
+            add_port(dev, 1, files={"link_layer": "Ethernet" if host else "InfiniBand"})
 
     def _sysfs_values(self, i: int) -> dict[str, str]:
         p = self.physics
@@ -356,7 +339,7 @@ class Simulator:
             if job is None:
                 f.unlink(missing_ok=True)
             elif not f.exists() or f.read_text(encoding="utf-8").strip() != job:
-                model.write_atomic(f, job + "\n")
+                write_atomic(f, job + "\n")
 
     # ---------------------------------------------------------------- ground truth
     def labels(self) -> dict[str, Any]:

@@ -35,6 +35,8 @@ class ExternalMetric:
     exporter: Exporter
     #: Grafana unit id for panels.
     grafana_unit: str = "short"
+    #: The description of a dashboard panel showing it (``help`` when empty).
+    dashboard_help: str = ""
 
     @property
     def sample(self) -> str:
@@ -50,33 +52,42 @@ DCGM = Exporter("dcgm-exporter", "dcgm-exporter", 9400, ("gpu", "UUID", "pci_bus
 #: Labels dcgm-exporter adds to a GPU's series while a workload holds it.
 DCGM_JOB_LABEL = "hpc_job"
 DCGM_POD_LABELS = ("namespace", "pod", "container")
+#: The pod label, the detector's job when ``hpc_job`` is not set.
+DCGM_POD_LABEL = "pod"
+#: dcgm-exporter's labels naming the GPU model and the host (the detector's node when no ``instance`` names it).
+DCGM_MODEL_LABEL = "modelName"
+DCGM_HOST_LABEL = "Hostname"
 NODE_EXPORTER = Exporter("node_exporter", "node", 9100, ("device", "port"))
 IPMI_EXPORTER = Exporter("ipmi_exporter", "ipmi", 9290)
 KUBE_STATE_METRICS = Exporter("kube-state-metrics", "kube-state-metrics", 8080, ("namespace", "pod", "uid"))
 
 
-def _dcgm(name: str, typ: str, help_text: str, unit: str = "short") -> ExternalMetric:
-    return ExternalMetric(name, typ, help_text, DCGM, unit)
+def _dcgm(name: str, typ: str, help_text: str, unit: str = "short", dashboard_help: str = "") -> ExternalMetric:
+    return ExternalMetric(name, typ, help_text, DCGM, unit, dashboard_help)
 
 
 #: dcgm-exporter fields (``DCGM_FI_*``), in the order the simulator writes them.
 DCGM_METRICS: tuple[ExternalMetric, ...] = (
-    _dcgm("DCGM_FI_DEV_SM_CLOCK", "gauge", "SM clock frequency (in MHz).", "rotmhz"),
+    _dcgm("DCGM_FI_DEV_SM_CLOCK", "gauge", "SM clock frequency (in MHz).", "rotmhz",
+          "SM clock frequency (dcgm-exporter, MHz)."),
     _dcgm("DCGM_FI_DEV_MEM_CLOCK", "gauge", "Memory clock frequency (in MHz).", "rotmhz"),
-    _dcgm("DCGM_FI_DEV_GPU_TEMP", "gauge", "GPU temperature (in C).", "celsius"),
+    _dcgm("DCGM_FI_DEV_GPU_TEMP", "gauge", "GPU temperature (in C).", "celsius", "GPU temperature (dcgm-exporter)."),
     _dcgm("DCGM_FI_DEV_MEMORY_TEMP", "gauge", "Memory temperature (in C).", "celsius"),
-    _dcgm("DCGM_FI_DEV_POWER_USAGE", "gauge", "Power draw (in W).", "watt"),
+    _dcgm("DCGM_FI_DEV_POWER_USAGE", "gauge", "Power draw (in W).", "watt", "Power draw (dcgm-exporter)."),
     _dcgm("DCGM_FI_DEV_POWER_MGMT_LIMIT", "gauge", "Power management limit (in W).", "watt"),
     _dcgm("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "unknown", "Total energy consumption since boot (in mJ)."),
-    _dcgm("DCGM_FI_DEV_GPU_UTIL", "gauge", "GPU utilization (in %).", "percent"),
+    _dcgm("DCGM_FI_DEV_GPU_UTIL", "gauge", "GPU utilization (in %).", "percent",
+          "GPU utilization (dcgm-exporter, percent)."),
     _dcgm("DCGM_FI_DEV_FB_USED", "gauge", "Framebuffer memory used (in MiB).", "decmbytes"),
-    _dcgm("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "gauge", "Ratio of time the graphics engine is active.", "percentunit"),
+    _dcgm("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "gauge", "Ratio of time the graphics engine is active.", "percentunit",
+          "Fraction of time the graphics engine was active (dcgm-exporter profiling)."),
     _dcgm("DCGM_FI_PROF_SM_ACTIVE", "gauge", "The ratio of cycles an SM has at least 1 warp assigned.", "percentunit"),
     _dcgm("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "gauge", "Ratio of cycles the tensor (HMMA) pipe is active.",
-          "percentunit"),
+          "percentunit", "Fraction of cycles the tensor pipes were active (dcgm-exporter profiling)."),
     _dcgm("DCGM_FI_PROF_DRAM_ACTIVE", "gauge",
           "Ratio of cycles the device memory interface is active sending or receiving data.", "percentunit"),
-    _dcgm("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "gauge", "Current clock throttle reasons (bitmask)."),
+    _dcgm("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "gauge", "Current clock throttle reasons (bitmask).", "short",
+          "Clock throttle reasons bitmask (dcgm-exporter); non-zero means clocks are held down."),
     _dcgm("DCGM_FI_DEV_POWER_VIOLATION", "unknown", "Throttling duration due to power constraints (in us)."),
     _dcgm("DCGM_FI_DEV_THERMAL_VIOLATION", "unknown", "Throttling duration due to thermal constraints (in us)."),
     _dcgm("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "unknown", "Total number of NVLink bandwidth counters for all lanes."),
@@ -97,8 +108,8 @@ DCGM_METRICS: tuple[ExternalMetric, ...] = (
 DCGM_CLOCKS_EVENT_REASONS = _dcgm("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "gauge", "Current clock event reasons (bitmask).")
 
 
-def _ib(name: str, typ: str, help_text: str, unit: str = "short") -> ExternalMetric:
-    return ExternalMetric(name, typ, help_text, NODE_EXPORTER, unit)
+def _ib(name: str, typ: str, help_text: str, unit: str = "short", dashboard_help: str = "") -> ExternalMetric:
+    return ExternalMetric(name, typ, help_text, NODE_EXPORTER, unit, dashboard_help)
 
 
 #: node_exporter's ``infiniband`` collector, in the order the simulator writes them.
@@ -109,7 +120,8 @@ NODE_INFINIBAND_METRICS: tuple[ExternalMetric, ...] = (
     _ib("node_infiniband_port_packets_transmitted", "counter", "Number of packets transmitted on all VLs"),
     _ib("node_infiniband_port_packets_received", "counter", "Number of packets received on all VLs"),
     _ib("node_infiniband_port_transmit_wait", "counter",
-        "Number of ticks during which the port had data to transmit but no data was sent during the entire tick", "cps"),
+        "Number of ticks during which the port had data to transmit but no data was sent during the entire tick", "cps",
+        "Ticks an InfiniBand port had data to send but no credits (node_exporter)."),
     _ib("node_infiniband_symbol_error", "counter", "Number of minor link errors detected on one or more physical lanes."),
     _ib("node_infiniband_link_downed", "counter",
         "Number of times the link failed to recover from an error state and went down"),

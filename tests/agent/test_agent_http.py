@@ -52,6 +52,7 @@ def value(m: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **l
     return m[(name, frozenset(labels.items()))]
 
 
+@pytest.mark.slow
 def test_plain_http(tmp_path: Path) -> None:
     with agent(tmp_path) as (base, proc):
         r = requests.get(base + "/metrics", timeout=10)
@@ -107,6 +108,7 @@ def test_plain_http(tmp_path: Path) -> None:
             requests.get(base + "/health", timeout=5)
 
 
+@pytest.mark.slow
 def test_concurrent_scrapes_share_one_read(tmp_path: Path) -> None:
     with agent(tmp_path, "--nvml.fake=sim:64") as (base, _):
         requests.get(base + "/metrics", timeout=30)  # warm up (first read primes caches)

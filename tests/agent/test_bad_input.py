@@ -1,7 +1,7 @@
 """Bad input gets one clear line (exit 2) or an error metric, never a traceback and never garbage.
 
-Regression tests for issue 8's "bad input" list: flags, config files, traces, live
-snapshots, readings outside physical bounds, job mapping files and detector recordings.
+Covers every kind of input the programs take: flags, config files, traces, live snapshots,
+readings outside physical bounds, job mapping files and detector recordings.
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 from support import BIN
 
-from gpufleet.agent import cli
+from gpufleet.agent import cli, settings
 from gpufleet.agent.collectors.gpu import GpuCollector
 from gpufleet.agent.collectors.jobs import JobsCollector
+from gpufleet.agent.fake.live_source import LiveSource
+from gpufleet.agent.fake.sim_source import SimSource
 from gpufleet.agent.fake.smi_xml import builtin_host
-from gpufleet.agent.fake.sources import LiveSource, SimSource
-from gpufleet.agent.nvml.backend import NvmlBackend
+from gpufleet.agent.fake.spec import fake_backend
 from gpufleet.agent.nvml.model import Snapshot, write_snapshot
 from gpufleet.agent.nvml.trace import TraceError, TraceWriter, read_trace
 from gpufleet.agent.registry import AgentCollector
@@ -61,13 +62,13 @@ def test_a_flag_value_is_not_the_record_subcommand(capsys: pytest.CaptureFixture
 
 
 def test_record_is_found_after_flags_and_values() -> None:
-    assert cli._record_index(["--log.level", "debug", "record", "--output", "x"]) == 2
-    assert cli._record_index(["--log.level=debug", "record"]) == 1
-    assert cli._record_index(["record"]) == 0
-    assert cli._record_index(["--nvml.fake", "record"]) is None
-    assert cli._record_index(["--no-collector.nic", "record"]) == 1
-    assert cli._record_index(["once", "record"]) is None  # the mode is "once"; "record" is an extra argument
-    assert cli._record_index(["--nvml.fake", "once"]) is None
+    assert settings.record_index(["--log.level", "debug", "record", "--output", "x"]) == 2
+    assert settings.record_index(["--log.level=debug", "record"]) == 1
+    assert settings.record_index(["record"]) == 0
+    assert settings.record_index(["--nvml.fake", "record"]) is None
+    assert settings.record_index(["--no-collector.nic", "record"]) == 1
+    assert settings.record_index(["once", "record"]) is None  # the mode is "once"; "record" is an extra argument
+    assert settings.record_index(["--nvml.fake", "once"]) is None
 
 
 def test_non_utf8_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -240,7 +241,7 @@ def _families(collector: GpuCollector) -> dict[str, list[tuple[dict[str, str], f
 def test_live_file_gone_at_runtime_is_nvml_down_not_zero_gpus(tmp_path: Path) -> None:
     path = tmp_path / "snapshot.json"
     write_snapshot(path, _snapshot())
-    backend = NvmlBackend(f"live:{path}")
+    backend = fake_backend(f"live:{path}")
     assert isinstance(backend.source, LiveSource)
     backend.source._min_check = 0
     try:

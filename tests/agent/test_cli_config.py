@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 from support import BIN, REPO
 
-from gpufleet.agent import __version__, cli
+from gpufleet.agent import __version__, modes, settings
 from gpufleet.agent.config import COLLECTORS, DEFAULT_LISTEN, AgentConfig
 
 AGENT = str(BIN / "gpufleet-agent")
 
 
-def resolve(argv: list[str], env: dict[str, str] | None = None) -> cli.Settings:
-    return cli.resolve(argv, env or {})
+def resolve(argv: list[str], env: dict[str, str] | None = None) -> settings.Settings:
+    return settings.resolve(argv, env or {})
 
 
 def run(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -139,7 +139,7 @@ def test_bad_input_is_a_usage_error(tmp_path: Path, argv: list[str], env: dict[s
                                     needle: str) -> None:
     if toml is not None:
         argv = [*argv, f"--config.file={write_toml(tmp_path / 'a.toml', toml)}"]
-    with pytest.raises(cli.UsageError) as e:
+    with pytest.raises(settings.UsageError) as e:
         resolve(argv, env)
     assert needle in str(e.value)
 
@@ -155,11 +155,11 @@ def test_gpu_slow_interval_flag_environment_and_file(tmp_path: Path) -> None:
     # --collector.gpu still toggles the collector, and is not taken for the interval flag.
     s = resolve(["--no-collector.gpu", "--collector.gpu.slow-interval", "5"]).config
     assert not s.enabled("gpu") and s.gpu_slow_interval == 5.0
-    assert "--collector.gpu.slow-interval" in cli.build_parser().format_help()
+    assert "--collector.gpu.slow-interval" in settings.build_parser().format_help()
 
 
 def test_missing_config_file(tmp_path: Path) -> None:
-    with pytest.raises(cli.UsageError, match="cannot read config file"):
+    with pytest.raises(settings.UsageError, match="cannot read config file"):
         resolve([f"--config.file={tmp_path / 'none.toml'}"])
 
 
@@ -248,9 +248,26 @@ def test_tune_gc_freezes_startup_objects_and_raises_the_young_threshold() -> Non
 
     before = gc.get_threshold()
     try:
-        cli.tune_gc()
+        modes.tune_gc()
         assert gc.get_freeze_count() > 0
-        assert gc.get_threshold() == (cli.GC_GEN0_THRESHOLD, *before[1:])
+        assert gc.get_threshold() == (modes.GC_GEN0_THRESHOLD, *before[1:])
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def test_python_dash_m_runs_the_agent() -> None:
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "gpufleet.agent.cli", "--version"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and __version__ in r.stdout, r.stderr
+
+
+def test_record_takes_the_agent_log_level_in_any_case() -> None:
+    from gpufleet.agent.recorder import build_parser
+
+    cfg = resolve(["--log.level=WARNING", "--nvml.fake=sim:1"]).config
+    args = modes.record_args(cfg, ["--output=t.jsonl"])
+    assert args == ["--nvml.fake=sim:1", "--path.sysfs=/sys", "--log.level=warning", "--output=t.jsonl"]
+    assert build_parser().parse_args(args).log_level == "warning"  # the recorder accepts every agent level

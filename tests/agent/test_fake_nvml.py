@@ -6,7 +6,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import pynvml
 import pytest
@@ -132,6 +132,15 @@ def h(i: int) -> Any:
     return pynvml.nvmlDeviceGetHandleByIndex(i)
 
 
+T = TypeVar("T")
+
+
+def known(value: T | None) -> T:
+    """A model field the test source fills in (the expectation is meaningless if it is None)."""
+    assert value is not None
+    return value
+
+
 # ------------------------------------------------------------------ values through the real wrappers
 
 Case = tuple[str, Callable[[Any], Any], Callable[[GpuInventory, GpuSample], Any]]
@@ -172,17 +181,17 @@ DEVICE_CASES: list[Case] = [
     ("mem", lambda d: (lambda m: (m.total, m.reserved, m.used, m.free))(
         pynvml.nvmlDeviceGetMemoryInfo(d, version=pynvml.nvmlMemory_v2)),
      lambda g, s: (g.memory_total_bytes, s.memory_reserved_bytes, s.memory_used_bytes,
-                   g.memory_total_bytes - s.memory_reserved_bytes - s.memory_used_bytes)),
+                   g.memory_total_bytes - known(s.memory_reserved_bytes) - known(s.memory_used_bytes))),
     ("pstate", pynvml.nvmlDeviceGetPerformanceState, lambda g, s: s.pstate),
     ("reasons", pynvml.nvmlDeviceGetCurrentClocksEventReasons, lambda g, s: s.clocks_event_reasons),
     ("ecc_vc", lambda d: pynvml.nvmlDeviceGetTotalEccErrors(
-        d, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC), lambda g, s: s.ecc["volatile_corrected"]),
+        d, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC), lambda g, s: known(s.ecc)["volatile_corrected"]),
     ("ecc_au", lambda d: pynvml.nvmlDeviceGetTotalEccErrors(
         d, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_AGGREGATE_ECC),
-     lambda g, s: s.ecc["aggregate_uncorrected"]),
+     lambda g, s: known(s.ecc)["aggregate_uncorrected"]),
     ("remap", pynvml.nvmlDeviceGetRemappedRows,
-     lambda g, s: (s.remapped_rows_correctable, s.remapped_rows_uncorrectable, int(s.row_remap_pending),
-                   int(s.row_remap_failure))),
+     lambda g, s: (s.remapped_rows_correctable, s.remapped_rows_uncorrectable, int(known(s.row_remap_pending)),
+                   int(known(s.row_remap_failure)))),
     ("pcie_gen", pynvml.nvmlDeviceGetCurrPcieLinkGeneration, lambda g, s: s.pcie_gen),
     ("pcie_w", pynvml.nvmlDeviceGetCurrPcieLinkWidth, lambda g, s: s.pcie_width),
     ("pcie_maxgen", pynvml.nvmlDeviceGetMaxPcieLinkGeneration, lambda g, s: g.pcie_max_gen),
@@ -193,12 +202,12 @@ DEVICE_CASES: list[Case] = [
     ("pcie_rx", lambda d: pynvml.nvmlDeviceGetPcieThroughput(d, pynvml.NVML_PCIE_UTIL_RX_BYTES),
      lambda g, s: s.pcie_rx_kbps),
     ("nvl_state", lambda d: [pynvml.nvmlDeviceGetNvLinkState(d, k) for k in range(4)],
-     lambda g, s: [int(ln.up) for ln in s.nvlink]),
+     lambda g, s: [int(ln.up) for ln in known(s.nvlink)]),
     ("nvl_err", lambda d: [
         pynvml.nvmlDeviceGetNvLinkErrorCounter(d, k, c) for k in range(4) for c in (
             pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT, pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA,
             pynvml.NVML_NVLINK_ERROR_DL_REPLAY, pynvml.NVML_NVLINK_ERROR_DL_RECOVERY)],
-     lambda g, s: [v for ln in s.nvlink for v in (ln.crc_flit, ln.crc_data, ln.replay, ln.recovery)]),
+     lambda g, s: [v for ln in known(s.nvlink) for v in (ln.crc_flit, ln.crc_data, ln.replay, ln.recovery)]),
     ("events", pynvml.nvmlDeviceGetSupportedEventTypes,
      lambda g, s: pynvml.nvmlEventTypeXidCriticalError),
 ]
@@ -240,7 +249,7 @@ def test_fans_field_values_and_retired_pages(fake: FakeNvml, src: StaticSource) 
         pynvml.nvmlDeviceGetRetiredPages(h(0), pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)
 
     s = src.samples[1]
-    ids = [
+    ids: list[int | tuple[int, int]] = [
         pynvml.NVML_FI_DEV_MEMORY_TEMP,
         pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP,
         pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_SYNC_BOOST,
@@ -253,12 +262,13 @@ def test_fans_field_values_and_retired_pages(fake: FakeNvml, src: StaticSource) 
     vals = pynvml.nvmlDeviceGetFieldValues(h(1), ids)
     assert [v.nvmlReturn for v in vals] == [pynvml.NVML_SUCCESS] * len(ids)
     assert vals[0].value.uiVal == s.temperature_memory_c
-    ns = s.clocks_event_ns
+    ns = known(s.clocks_event_ns)
+    nvlink = known(s.nvlink)
     assert [vals[i].value.ullVal for i in range(1, 6)] == [
         ns["sw_power_cap"], ns["sync_boost"], ns["sw_thermal_slowdown"], ns["hw_thermal_slowdown"],
         ns["hw_power_brake_slowdown"]]
-    assert vals[6].value.ullVal == s.nvlink[2].tx_kib
-    assert vals[7].value.ullVal == s.nvlink[3].rx_kib
+    assert vals[6].value.ullVal == nvlink[2].tx_kib
+    assert vals[7].value.ullVal == nvlink[3].rx_kib
     assert vals[6].timestamp == int(s.timestamp * 1e6)
 
 
@@ -322,13 +332,14 @@ def test_none_means_not_supported(fake: FakeNvml, src: StaticSource) -> None:
                              clocks_event_ns={"sw_power_cap": 1}, ecc=None)
     src.inv[0] = replace(src.inv[0], temp_memory_max_c=None, serial=None)
     d = h(0)
-    for call in (
+    calls: tuple[Callable[[], object], ...] = (
         lambda: pynvml.nvmlDeviceGetPowerUsage(d),
         lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(d),
         lambda: pynvml.nvmlDeviceGetSerial(d),
         lambda: pynvml.nvmlDeviceGetTemperatureThreshold(d, pynvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX),
         lambda: pynvml.nvmlDeviceGetTotalEccErrors(d, 0, 0),
-    ):
+    )
+    for call in calls:
         with pytest.raises(pynvml.NVMLError_NotSupported):
             call()
     vals = pynvml.nvmlDeviceGetFieldValues(d, [82, 74, 76])
@@ -366,7 +377,7 @@ def test_inject_per_field(fake: FakeNvml, src: StaticSource, kind: str) -> None:
     fake.inject_error(code, field=pynvml.NVML_FI_DEV_MEMORY_TEMP, gpu=0)
     vals = pynvml.nvmlDeviceGetFieldValues(h(0), [pynvml.NVML_FI_DEV_MEMORY_TEMP, 74])
     assert [v.nvmlReturn for v in vals] == [code, pynvml.NVML_SUCCESS]
-    assert vals[1].value.ullVal == src.samples[0].clocks_event_ns["sw_power_cap"]
+    assert vals[1].value.ullVal == known(src.samples[0].clocks_event_ns)["sw_power_cap"]
     other = pynvml.nvmlDeviceGetFieldValues(h(1), [pynvml.NVML_FI_DEV_MEMORY_TEMP])
     assert other[0].nvmlReturn == pynvml.NVML_SUCCESS
 
@@ -529,7 +540,7 @@ class _CountingSim:
     """Wraps a SimSource and counts poll_xid calls."""
 
     def __init__(self) -> None:
-        from gpufleet.agent.fake.sources import SimSource
+        from gpufleet.agent.fake.sim_source import SimSource
 
         self.sim = SimSource(2)
         self.polls = 0

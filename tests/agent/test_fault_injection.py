@@ -248,7 +248,7 @@ def test_old_driver_without_newer_entry_points(monkeypatch: pytest.MonkeyPatch) 
     """A driver without nvmlDeviceGetMemoryInfo_v2 / ...ClocksEventReasons: the older calls are used."""
     original_memory = pynvml.nvmlDeviceGetMemoryInfo
 
-    def memory_info(handle: object, version: object = None) -> object:
+    def memory_info(handle: pynvml.c_nvmlDevice_t, version: object = None) -> object:
         if version is not None:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
         return original_memory(handle)

@@ -22,12 +22,13 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from gpufleet.agent import cli
+from gpufleet.agent import settings as agent_settings
 from gpufleet.agent.collectors.jobs import JobsCollector, Skipped, read_jobs
-from gpufleet.agent.fake.sources import LiveSource
+from gpufleet.agent.fake.live_source import LiveSource
+from gpufleet.agent.fake.trace_source import TraceSource
 from gpufleet.agent.nvml.model import GpmCounters, GpuInventory, GpuSample, NvLinkSample, to_dict
 from gpufleet.agent.nvml.plausible import BOUNDS
-from gpufleet.agent.nvml.trace import TraceError, TraceSource, read_trace
+from gpufleet.agent.nvml.trace import TraceError, read_trace
 from gpufleet.agent.serving.webconfig import WebConfigError, parse_web_config
 from gpufleet.detector.source_recording import RecordingError, RecordingSource
 
@@ -54,8 +55,8 @@ json_values = st.recursive(scalars, lambda kids: st.lists(kids, max_size=4) | st
 
 # ------------------------------------------------------------------ TOML config (agent)
 
-_SECTIONS = {o.toml[0]: [] for o in (*cli.OPTIONS, *cli.TEXTFILE_OPTIONS) if o.toml[0]}
-for _o in (*cli.OPTIONS, *cli.TEXTFILE_OPTIONS):
+_SECTIONS: dict[str, list[str]] = {o.toml[0]: [] for o in (*agent_settings.OPTIONS, *agent_settings.TEXTFILE_OPTIONS) if o.toml[0]}
+for _o in (*agent_settings.OPTIONS, *agent_settings.TEXTFILE_OPTIONS):
     if _o.toml[0]:
         _SECTIONS[_o.toml[0]].append(_o.toml[1])
 _SECTIONS["collectors"] = ["gpu", "nic", "jobs", "bogus"]
@@ -105,8 +106,8 @@ def test_fuzz_agent_toml_config(workdir: Path, doc: bytes, mode: str) -> None:
     path = workdir / "agent.toml"
     path.write_bytes(doc)
     try:
-        settings_ = cli.resolve([mode, "--config.file", str(path)], env={})
-    except cli.UsageError as e:
+        settings_ = agent_settings.resolve([mode, "--config.file", str(path)], env={})
+    except agent_settings.UsageError as e:
         event("rejected")
         message = str(e)
         assert message and "\n" not in message

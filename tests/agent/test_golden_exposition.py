@@ -1,6 +1,6 @@
 """Golden exposition: `gpufleet-agent once` on a recorded trace must match a committed file byte for byte.
 
-The input is deterministic: h2's recorded 8-GPU H100 trace
+The input is deterministic: the recorded 8-GPU H100 trace
 (``tests/fixtures/traces/h100x8-sim.jsonl.gz``) pinned at its sample line 5 with the
 ``trace:PATH@N`` spec, so the wall clock does not matter; the real H100 InfiniBand sysfs
 capture as ``--path.sysfs``; and a job mapping directory written by the test. The host

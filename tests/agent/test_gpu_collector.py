@@ -313,8 +313,12 @@ def expected_series_without(src: FakeHost, got_power_gpus: tuple[str, ...]) -> S
             ("gpufleet_gpu_nvlink_bytes_total", {"gpu": "0", "link": "2", "direction": "tx"})]
     for name, labels in drop:
         del exp[(name, frozenset(labels.items()))]
-    exp[("gpufleet_node_gpu_power_watts", frozenset())] = sum(
-        work.samples[int(g)].power_mw / 1000 for g in got_power_gpus)  # type: ignore[operator]
+    total = 0.0
+    for g in got_power_gpus:
+        mw = work.samples[int(g)].power_mw
+        assert mw is not None
+        total += mw / 1000
+    exp[("gpufleet_node_gpu_power_watts", frozenset())] = total
     return exp
 
 

@@ -18,7 +18,7 @@ from test_gpu_collector import FakeHost, assert_series_equal, expected_series, p
 
 from gpufleet.agent.collectors.gpu import GpuCollector
 from gpufleet.agent.fake.library import FakeNvml
-from gpufleet.agent.nvml import reader
+from gpufleet.agent.nvml import fieldvalues, reader
 from gpufleet.agent.nvml.backend import NvmlBackend
 
 SXM = 2  # FakeHost: GPUs 0 and 2 have 4 NVLinks each, GPU 1 none
@@ -235,15 +235,15 @@ def test_unchanged_reread_keeps_the_samples_a_changed_one_does_not(
 ])
 def test_field_results_decode_every_value_type(vtype: int, attr: str, value: float) -> None:
     """The word view the reader parses results with gives what the union's typed member holds."""
-    arr = (reader._FieldValue * 3)()
+    arr = (fieldvalues.FieldValue * 3)()
     for i, fv in enumerate(arr):
         fv.value.ullVal = 0xDEAD_BEEF_DEAD_BEEF  # garbage above a narrow member must not leak in
         setattr(fv.value, attr, value)
         fv.valueType, fv.nvmlReturn = vtype, (pynvml.NVML_ERROR_NOT_SUPPORTED if i == 1 else 0)
-    rets, vals = reader._field_results(arr, reader._words(arr))
+    rets, vals = fieldvalues.field_results(arr, fieldvalues.words(arr))
     assert rets == [0, pynvml.NVML_ERROR_NOT_SUPPORTED, 0]
     assert vals[0] == vals[2] == getattr(arr[0].value, attr) == value
-    assert reader._field_results(arr, None) == (rets, vals)  # the plain path agrees
+    assert fieldvalues.field_results(arr, None) == (rets, vals)  # the plain path agrees
 
 
 def test_fake_answers_the_scoped_fields_from_the_source(

@@ -18,9 +18,11 @@ from test_gpu_collector import FakeHost, assert_series_equal, expected_series, p
 
 from gpufleet.agent.collectors.gpu import GpuCollector
 from gpufleet.agent.fake.library import FakeNvml
+from gpufleet.agent.fake.spec import fake_backend
+from gpufleet.agent.fake.trace_source import TraceSource
 from gpufleet.agent.nvml.backend import NvmlBackend
 from gpufleet.agent.nvml.model import GpuSample, XidEvent
-from gpufleet.agent.nvml.trace import TraceSource, read_trace
+from gpufleet.agent.nvml.trace import read_trace
 from gpufleet.agent.recorder import build_parser, read_ib_files, record_main
 
 TRACE = FIXTURES / "traces" / "h100x8-sim.jsonl.gz"
@@ -55,7 +57,7 @@ def test_committed_trace_is_small_and_complete() -> None:
 @pytest.mark.parametrize("line", [0, 17])
 def test_replayed_exposition_equals_the_trace_values(line: int) -> None:
     trace = read_trace(TRACE)
-    backend = NvmlBackend(f"trace:{TRACE}@{line}")
+    backend = fake_backend(f"trace:{TRACE}@{line}")
     try:
         assert backend.start(), backend.init_error
         got = scrape(GpuCollector(backend))  # one scrape: no GPM interval yet
@@ -166,13 +168,14 @@ def test_record_then_replay_round_trip(tmp_path: Path) -> None:
     assert ib["mlx5_0/hca_type"] == (IB_FIXTURE / "mlx5_0" / "hca_type").read_text()
     assert not any(k.split("/")[1] == "device" for k in ib), "the PCI tree is not recorded"
     # replay through the agent
-    backend = NvmlBackend(f"trace:{out}@3")
+    backend = fake_backend(f"trace:{out}@3")
     try:
         assert backend.start()
         got = scrape(GpuCollector(backend))
         assert value(got, "gpufleet_gpu_power_watts", gpu="0") == src.samples[0].power_mw / 1000  # type: ignore[operator]
         assert value(got, "gpufleet_gpu_nvlink_up", gpu="0", link="3") == 0
         assert len(pick(got, "gpufleet_gpu_fan_speed_ratio", gpu="1")) == 2
+        assert isinstance(backend.source, TraceSource)
         assert backend.source.sysfs_root, "IB files replay into a sysfs tree"
         replayed = read_ib_files(Path(backend.source.sysfs_root) / "class" / "infiniband")
         assert replayed[key] == (IB_FIXTURE / key).read_text()
@@ -189,7 +192,7 @@ def test_lost_gpu_is_recorded_as_lost(tmp_path: Path) -> None:
                             f"--path.sysfs={tmp_path}"]) == 0
     trace = read_trace(out)
     assert [s.lost for s in trace.records[-1].samples] == [False, False, True]
-    backend = NvmlBackend(f"trace:{out}@1")
+    backend = fake_backend(f"trace:{out}@1")
     try:
         assert backend.start()
         got = scrape(GpuCollector(backend))

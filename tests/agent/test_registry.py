@@ -192,7 +192,8 @@ def test_fast_encoder_paths_for_ints_reused_samples_and_label_sets() -> None:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
     from prometheus_client.samples import Sample
 
-    from gpufleet.agent.registry import FrozenLabels, StickySample, encode_text
+    from gpufleet.agent.collectors.series import FrozenLabels, StickySample
+    from gpufleet.agent.registry import encode_text
 
     rnd = random.Random(7)
     ints = [0, 1, -1, 999_999, 1_000_000, 1_980_000_000, 85_520_809_984, 10**15 - 1, 10**15, 10**16, 2**63,
@@ -201,8 +202,8 @@ def test_fast_encoder_paths_for_ints_reused_samples_and_label_sets() -> None:
     for i, v in enumerate(ints):
         g.add_metric([str(i)], v)
     floats = GaugeMetricFamily("gpufleet_test_floats", "floats", labels=["i"])
-    for i, v in enumerate([1e6, 1.5e9, 123456789.25, 1e15, 7e30, -2e9, 1e6]):  # 1e6 twice: the memo
-        floats.add_metric([str(i)], v)
+    for i, x in enumerate([1e6, 1.5e9, 123456789.25, 1e15, 7e30, -2e9, 1e6]):  # 1e6 twice: the memo
+        floats.add_metric([str(i)], x)
     c = CounterMetricFamily("gpufleet_test_reused", "reused samples", labels=["gpu", "link"])
     sticky = [StickySample("gpufleet_test_reused_total", {"gpu": "0", "link": str(k)}, float(k)) for k in range(3)]
     frozen = FrozenLabels("gpufleet_test_reused_total", (("link", "9"), ("gpu", "1")))
@@ -233,13 +234,16 @@ def test_text_encoding_is_shared_by_concurrent_scrapes() -> None:
 def test_app_wires_collectors_in_order_and_the_fake_sysfs_root() -> None:
     from gpufleet.agent.app import Agent
     from gpufleet.agent.config import COLLECTORS, AgentConfig
+    from gpufleet.agent.fake.sim_source import SimSource
 
     cfg = AgentConfig(nvml_fake="sim:2")
     cfg.collectors["host"] = False
     agent = Agent(cfg)
     try:
         assert [c.name for c in agent.collectors] == [c for c in COLLECTORS if c != "host"]
-        root = agent.backend.source.sysfs_root
+        source = agent.backend.source
+        assert isinstance(source, SimSource)
+        root = source.sysfs_root
         assert root and agent.sysfs_path == str(root)  # --path.sysfs left at its default
         agent.start(listen_xid=False)
         assert agent.health() == "nvml: up"
@@ -280,15 +284,18 @@ def test_health_reports_nvml_down() -> None:
 
 
 def test_fast_encoder_reuses_a_family_of_the_very_same_samples_only() -> None:
+    from collections.abc import Callable
+
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    from gpufleet.agent.registry import StickySample, encode_text
+    from gpufleet.agent.collectors.series import StickySample
+    from gpufleet.agent.registry import encode_text
 
     samples = [StickySample("gpufleet_test_block_total", {"gpu": str(k)}, float(k)) for k in range(4)]
     c = CounterMetricFamily("gpufleet_test_block", "a block", labels=["gpu"])
     g = GaugeMetricFamily("gpufleet_test_block_gauge", "after it", labels=["gpu"])
     g.samples = [StickySample("gpufleet_test_block_gauge", {"gpu": "0"}, 1.0)]
-    steps = [
+    steps: list[Callable[[list[StickySample]], list[StickySample]]] = [
         lambda s: s,  # the same objects: copied as a whole
         lambda s: s,
         lambda s: [s[0], StickySample("gpufleet_test_block_total", {"gpu": "1"}, 7.0), *s[2:]],  # one changed

@@ -21,7 +21,7 @@ import requests
 from prometheus_client.core import GaugeMetricFamily, Metric
 from support import BIN, free_port, running
 
-from gpufleet.agent import cli as agent_cli
+from gpufleet.agent import modes
 from gpufleet.agent.fake.smi_xml import builtin_host
 from gpufleet.agent.nvml.model import Snapshot, write_snapshot
 from gpufleet.agent.registry import AgentCollector
@@ -208,7 +208,7 @@ def test_agent_watchdog_stops_while_a_read_is_wedged(notify_socket: NotifySocket
     monkeypatch.setenv("WATCHDOG_USEC", "400000")  # ping every 0.2 s; a read stuck for 0.4 s stops them
     c = BlockingCollector()
     agent = AgentCollector([c])
-    wd = agent_cli._watchdog(lambda: None, agent.reading_for, "a hardware read")
+    wd = modes.watchdog(lambda: None, agent.reading_for, "a hardware read")
     t = threading.Thread(target=agent.read)
     try:
         assert pings(notify_socket.collect(0.5)) >= 2  # idle, never scraped: pings
@@ -230,7 +230,7 @@ def test_agent_watchdog_stops_when_the_http_thread_dies(notify_socket: NotifySoc
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WATCHDOG_USEC", "200000")
     alive = [True]
-    wd = agent_cli._watchdog(lambda: None if alive[0] else "HTTP server thread stopped", lambda: 0.0, "x")
+    wd = modes.watchdog(lambda: None if alive[0] else "HTTP server thread stopped", lambda: 0.0, "x")
     try:
         assert pings(notify_socket.collect(0.3)) >= 2
         alive[0] = False

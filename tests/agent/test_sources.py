@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,8 +11,10 @@ import pynvml
 import pytest
 
 from gpufleet.agent.fake.library import FakeNvml
+from gpufleet.agent.fake.live_source import LiveSource, SourceUnavailable
+from gpufleet.agent.fake.sim_source import SimSource
 from gpufleet.agent.fake.smi_xml import builtin_host
-from gpufleet.agent.fake.sources import LiveSource, SimSource, SourceUnavailable, source_from_spec
+from gpufleet.agent.fake.spec import source_from_spec
 from gpufleet.agent.nvml.model import GpuSample, Snapshot, XidEvent, write_snapshot
 
 T0 = 1_700_000_000.0
@@ -40,18 +43,19 @@ def test_sim_is_physically_consistent() -> None:
         now[0] = T0 + step * dt
         for i in range(8):
             s = sim.sample(i)
+            g = inv[i]  # a name, so the `is not None` checks below narrow it
             assert s.power_mw is not None and s.power_limit_mw is not None
             assert 0 < s.power_mw <= s.power_limit_mw
-            assert s.clock_sm_mhz is not None and inv[i].max_clock_sm_mhz is not None
-            assert 0 < s.clock_sm_mhz <= inv[i].max_clock_sm_mhz
+            assert s.clock_sm_mhz is not None and g.max_clock_sm_mhz is not None
+            assert 0 < s.clock_sm_mhz <= g.max_clock_sm_mhz
             assert s.clocks_event_reasons is not None
             power_capped = bool(s.clocks_event_reasons & 0x4)
-            assert power_capped == (s.clock_sm_mhz < inv[i].max_clock_sm_mhz)
+            assert power_capped == (s.clock_sm_mhz < g.max_clock_sm_mhz)
             capped += power_capped
             assert s.utilization_gpu_pct is not None and 0 <= s.utilization_gpu_pct <= 100
-            assert s.temperature_gpu_c is not None and inv[i].temp_slowdown_c is not None
-            assert 20 < s.temperature_gpu_c < inv[i].temp_slowdown_c
-            assert s.memory_used_bytes is not None and s.memory_used_bytes < inv[i].memory_total_bytes
+            assert s.temperature_gpu_c is not None and g.temp_slowdown_c is not None
+            assert 20 < s.temperature_gpu_c < g.temp_slowdown_c
+            assert s.memory_used_bytes is not None and s.memory_used_bytes < g.memory_total_bytes
             p = prev[i]
             if p is not None:
                 assert all(b >= a for a, b in zip(_counters(p), _counters(s), strict=True))
@@ -70,7 +74,7 @@ def test_sim_is_deterministic_and_varies_per_gpu_and_seed() -> None:
     def run(seed: int) -> list[tuple[int | None, ...]]:
         now = [T0]
         sim = SimSource(4, seed=seed, clock=lambda: now[0])
-        out = []
+        out: list[tuple[int | None, ...]] = []
         for k in range(40):
             now[0] = T0 + 3 * k
             out.extend((sim.sample(i).power_mw, sim.sample(i).temperature_gpu_c) for i in range(4))
@@ -181,7 +185,7 @@ def test_sim_sysfs_tree() -> None:
     assert not root.exists()
 
 
-def test_sim_sysfs_is_written_lazily_on_sampling_and_only_changed_files() -> None:
+def test_sim_sysfs_is_refreshed_on_its_own_clock_and_only_changed_files() -> None:
     import threading
 
     now = [T0]
@@ -192,18 +196,20 @@ def test_sim_sysfs_is_written_lazily_on_sampling_and_only_changed_files() -> Non
         port = Path(sim.sysfs_root) / "class" / "infiniband" / "mlx5_0" / "ports" / "1"
         data, zero = port / "counters" / "port_xmit_data", port / "counters" / "symbol_error"
         start, zero_stat = int(data.read_text()), zero.stat()
-        sim.sample(0)
+        sim.refresh_host()
         now[0] = T0 + 30
-        assert int(data.read_text()) == start  # time moved on, but nobody sampled: nothing written
+        assert int(data.read_text()) == start  # time moved on, but nobody refreshed: nothing written
         now[0] = T0 + 30.5
         sim.sample(0)
+        assert int(data.read_text()) == start  # NVML readings never touch the NIC files
+        sim.refresh_host()
         grown = int(data.read_text())
         assert grown > start
         now[0] = T0 + 31.0  # within a second of the last rewrite: not again
-        sim.sample(1)
+        sim.refresh_host()
         assert int(data.read_text()) == grown
         now[0] = T0 + 32.0
-        sim.sample(1)
+        sim.refresh_host()
         assert int(data.read_text()) > grown
         after = zero.stat()  # a counter that stayed 0 was never rewritten
         assert (after.st_ino, after.st_mtime_ns) == (zero_stat.st_ino, zero_stat.st_mtime_ns)
@@ -277,8 +283,9 @@ def test_live_source_xid_once_and_through_fake(tmp_path: Path) -> None:
 def test_spec_sim_variants() -> None:
     for spec, n in (("sim", 8), ("sim:1", 1), ("sim:12", 12)):
         src = source_from_spec(spec)
+        assert isinstance(src, SimSource)
         try:
-            assert isinstance(src, SimSource) and len(src.inventory()) == n
+            assert len(src.inventory()) == n
             assert src.sysfs_root is not None and Path(src.sysfs_root, "class", "infiniband").is_dir()
         finally:
             src.close()
@@ -300,3 +307,35 @@ def test_bad_specs(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         source_from_spec(spec)
 
+
+
+def test_nic_counters_advance_with_only_the_nic_collector() -> None:
+    """A simulated host's IB counters move on by themselves: no NVML reading needed (--no-collector.gpu)."""
+    from gpufleet.agent.app import Agent
+    from gpufleet.agent.config import COLLECTORS, AgentConfig
+
+    cfg = AgentConfig(nvml_fake="sim:2", collectors={c: c == "nic" for c in COLLECTORS})
+    agent = Agent(cfg)
+    source = agent.backend.source
+    assert isinstance(source, SimSource)
+    t0 = time.time()  # the simulator started when it was built
+    now = [t0]
+    source._clock = lambda: now[0]
+    agent.start(listen_xid=False)
+    try:
+        assert [c.name for c in agent.collectors] == ["nic"]
+
+        def xmit_bytes() -> float:
+            text = agent.text().decode()
+            line = next(ln for ln in text.splitlines()
+                        if ln.startswith('gpufleet_ib_port_transmit_bytes_total{device="mlx5_0"'))
+            return float(line.rsplit(" ", 1)[1])
+
+        first = xmit_bytes()
+        now[0] = t0 + 60
+        second = xmit_bytes()
+        now[0] = t0 + 120
+        third = xmit_bytes()
+        assert first < second < third
+    finally:
+        agent.close()

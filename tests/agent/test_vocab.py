@@ -5,7 +5,7 @@ from __future__ import annotations
 import pynvml
 import pytest
 
-from gpufleet.agent.nvml import reader
+from gpufleet.agent.nvml import fieldvalues, gpm
 from gpufleet.agent.vocab import catalog, exporters
 from gpufleet.agent.vocab import nvml as nv
 from gpufleet.detector import profiles
@@ -36,8 +36,8 @@ def test_nvlink_counters_and_gpm_metrics_match_pynvml() -> None:
 def test_readers_use_the_one_table() -> None:
     assert catalog.CLOCK_EVENT_REASONS == nv.CLOCK_EVENT_NAMES
     assert catalog.CLOCK_EVENT_COUNTED_REASONS == nv.CLOCK_EVENT_COUNTED
-    assert reader.FI_CLOCK_EVENT_NS == nv.FI_CLOCK_EVENT_NS
-    assert [a for _, a in reader.GPM_METRICS] == [m.attr for m in nv.GPM_METRICS]
+    assert fieldvalues.FI_CLOCK_EVENT_NS == nv.FI_CLOCK_EVENT_NS
+    assert [a for _, a in gpm.GPM_METRICS] == [m.attr for m in nv.GPM_METRICS]
     assert profiles.MASK_BITS["thr_thermal"] == nv.reason_bits("sw_thermal_slowdown", "hw_thermal_slowdown")
 
 

@@ -260,6 +260,7 @@ def agent(tmp_path: Path, *args: str) -> Iterator[tuple[str, int]]:
         yield base, proc.pid
 
 
+@pytest.mark.slow
 def test_slow_connection_flood_stays_within_threads_and_memory(tmp_path: Path) -> None:
     n = 1500
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -300,6 +301,7 @@ def test_slow_connection_flood_stays_within_threads_and_memory(tmp_path: Path) -
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+@pytest.mark.slow
 def test_password_spray_is_bounded_and_does_not_slow_real_scrapes(tmp_path: Path) -> None:
     pw = bcrypt.hashpw(b"hunter2", bcrypt.gensalt(rounds=10)).decode()
     (tmp_path / "web.yml").write_text(f"basic_auth_users:\n  prometheus: '{pw}'\n")

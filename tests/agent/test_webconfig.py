@@ -132,13 +132,13 @@ def test_basic_auth_checks_bcrypt_and_caches_success(monkeypatch: pytest.MonkeyP
     assert not cfg.check_authorization("Basic !!!notbase64")
 
     calls = []
-    real = webconfig.bcrypt.checkpw
+    real = bcrypt.checkpw  # the module webconfig calls through (its `bcrypt` attribute)
 
     def counting(pw: bytes, h: bytes) -> bool:
         calls.append(pw)
         return bool(real(pw, h))
 
-    monkeypatch.setattr(webconfig.bcrypt, "checkpw", counting)
+    monkeypatch.setattr(bcrypt, "checkpw", counting)
     for _ in range(5):
         assert cfg.check_authorization(basic("alice", "s3cret"))
     assert calls == []  # cached after the first success
@@ -186,7 +186,7 @@ def test_bcrypt_checks_are_serialized_and_cached_credentials_never_wait(monkeypa
     assert cfg.check_authorization(basic("alice", "s3cret"))  # cached from now on
     active, peak = [0], [0]
     lock = threading.Lock()
-    real = webconfig.bcrypt.checkpw
+    real = bcrypt.checkpw  # the module webconfig calls through (its `bcrypt` attribute)
 
     def slow_checkpw(pw: bytes, h: bytes) -> bool:
         with lock:
@@ -199,7 +199,7 @@ def test_bcrypt_checks_are_serialized_and_cached_credentials_never_wait(monkeypa
             with lock:
                 active[0] -= 1
 
-    monkeypatch.setattr(webconfig.bcrypt, "checkpw", slow_checkpw)
+    monkeypatch.setattr(bcrypt, "checkpw", slow_checkpw)
     def spray(i: int) -> None:
         for j in range(5):
             assert not cfg.check_authorization(basic("alice", f"guess{i}-{j}"))

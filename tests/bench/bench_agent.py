@@ -55,8 +55,8 @@ RSS_TARGET_MB = 60.0
 
 def _agent(n: int) -> Any:
     from gpufleet.agent.app import Agent
-    from gpufleet.agent.cli import tune_gc
     from gpufleet.agent.config import AgentConfig
+    from gpufleet.agent.modes import tune_gc
 
     agent = Agent(AgentConfig(nvml_fake=f"sim:{n}"))
     agent.start()
@@ -88,7 +88,7 @@ def child(n: int, scrapes: int, slow_interval: float | None = None, interval: fl
     if slow_interval is not None:
         for c in agent.collectors:
             if c.name == "gpu":
-                c.slow_interval = slow_interval  # type: ignore[attr-defined]
+                c.slow_interval = slow_interval
     tick = _virtual_clock(agent, interval) if interval else None
     fake = agent.backend.fake
     fake.cpu_accounting = True

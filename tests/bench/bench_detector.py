@@ -22,10 +22,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpufleet.detector.cli import replay
 from gpufleet.detector.config import parse
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.profiles import Query, queries
+from gpufleet.detector.replay import replay
 from gpufleet.detector.source import Result
 
 BASE = {"util": 0.97, "samples": 20, "sm_clock": 1.98e9, "mem_clock": 2.6e9, "power": 600.0, "temp": 62.0,

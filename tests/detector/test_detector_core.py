@@ -1,6 +1,7 @@
 """Detector core: robust statistics, straggler scoring and causes, findings hysteresis, replay JSON.
 
-Recordings here are small synthetic OpenMetrics files (CONVENTIONS.md labels) written by :func:`synth`.
+Recordings here are small synthetic OpenMetrics files written by :func:`synth`, with the simulator's target
+labels (``instance="<node>:9445"``, ``job``, ``site``).
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import pytest
 
 from gpufleet.detector import robust, straggler
 from gpufleet.detector.cli import main as cli_main
-from gpufleet.detector.cli import replay
 from gpufleet.detector.config import DetectorConfig, parse
 from gpufleet.detector.features import GpuFrame
 from gpufleet.detector.findings import Tracker
 from gpufleet.detector.profiles import Query
+from gpufleet.detector.replay import replay
 from gpufleet.detector.source import SourceError
 from gpufleet.detector.source_prometheus import PrometheusSource
 from gpufleet.detector.straggler import Candidate, StragglerParams
@@ -268,9 +269,10 @@ def test_dcgm_profile_finds_the_straggler(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- replay CLI
 
-REPLAY_KEYS = {"kind": str, "cause": (str, type(None)), "node": (str, type(None)), "gpu": (str, type(None)),
-               "job": (str, type(None)), "site": (str, type(None)), "start": (int, float),
-               "end": (int, float, type(None)), "score": (int, float), "summary": str}
+REPLAY_KEYS: dict[str, type | tuple[type, ...]] = {
+    "kind": str, "cause": (str, type(None)), "node": (str, type(None)), "gpu": (str, type(None)),
+    "job": (str, type(None)), "site": (str, type(None)), "start": (int, float),
+    "end": (int, float, type(None)), "score": (int, float), "summary": str}
 
 
 def test_replay_json_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -370,7 +372,8 @@ class _Resp:
 
 class _Session:
     def __init__(self, resp: _Resp) -> None:
-        self.resp, self.headers, self.auth, self.verify = resp, {}, None, True
+        self.resp, self.auth, self.verify = resp, None, True
+        self.headers: dict[str, str] = {}
         self.calls: list[dict[str, str]] = []
 
     def post(self, url: str, data: dict[str, str], timeout: float) -> _Resp:

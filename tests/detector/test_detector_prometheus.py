@@ -86,6 +86,7 @@ def test_prometheus_errors_are_counted_not_crashing(backfilled: tuple[Path, str]
     assert prom.query_errors == 1 and dead.query_errors == 1
 
 
+@pytest.mark.slow
 def test_serve_exports_findings_and_health(backfilled: tuple[Path, str], tmp_path: Path) -> None:
     """Serve mode against a live Prometheus: /metrics carries health series; evaluation errors are counted."""
     _, url = backfilled
@@ -111,6 +112,7 @@ def test_serve_exports_findings_and_health(backfilled: tuple[Path, str], tmp_pat
         assert 'gpufleet_detector_missing_inputs{metric="gpufleet_gpu_utilization_ratio"} 1.0' in body
 
 
+@pytest.mark.slow
 def test_serve_counts_failures_when_prometheus_is_down(tmp_path: Path) -> None:
     port = free_port()
     cfg = tmp_path / "d.toml"

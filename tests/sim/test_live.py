@@ -23,6 +23,7 @@ from support import BIN, free_port, need_binary
 
 from gpufleet.agent.nvml.model import Snapshot
 from gpufleet.agent.sim.live import LiveFleet, LiveFleetError
+from gpufleet.agent.sim.simulator import Simulator
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -94,13 +95,16 @@ severity = 0.8
 """
 
 
+@pytest.mark.slow
 def test_live_fleet_agents_serve_the_simulator(tmp_path: Path) -> None:
     run = tmp_path / "run"
     scenario = tmp_path / "live-test.toml"
     scenario.write_text(SCENARIO)
     fleet = LiveFleet(scenario, seed=3, speed=30, tick=0.5, run_dir=run)
     with fleet:
-        assert [n for n, _ in fleet.targets] == list(fleet.simulator.nodes)
+        sim = fleet.simulator
+        assert isinstance(sim, Simulator)  # built from the scenario file (the fleet types it as SimulatorLike)
+        assert [n for n, _ in fleet.targets] == list(sim.nodes)
         assert len(fleet.targets) == 2
         pids = [a.proc.pid for a in fleet.agents if a.proc is not None]
         assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
@@ -129,14 +133,14 @@ def test_live_fleet_agents_serve_the_simulator(tmp_path: Path) -> None:
                         s.temperature_gpu_c
                 # the job mapping and sysfs tree reach the agent's jobs and NIC collectors
                 jobs = {dict(k[1])["gpu"]: dict(k[1])["job_id"] for k in got if k[0] == "gpufleet_gpu_job_info"}
-                want = {str(g): j for g, j in enumerate(fleet.simulator.gpu_jobs(fleet.simulator.nodes.index(node)))
+                want = {str(g): j for g, j in enumerate(sim.gpu_jobs(sim.nodes.index(node)))
                         if j}
                 assert jobs == want
                 assert any(k[0] == "gpufleet_ib_port_transmit_bytes_total" for k in got)
 
         # Energy counters grow as the simulation runs.
         before = {url: scrape(url) for _, url in fleet.targets}
-        fault = fleet.simulator.labels()["faults"][0]
+        fault = sim.labels()["faults"][0]
         deadline = time.monotonic() + 30
         while fleet.sim_time < fault["onset"] + 20 and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -174,6 +178,7 @@ def test_live_fleet_agents_serve_the_simulator(tmp_path: Path) -> None:
     assert not any(port_open(int(url.split(":")[2].split("/")[0])) for _, url in fleet.targets)
 
 
+@pytest.mark.slow
 def test_demo_no_ui_prints_what_the_agents_report(tmp_path: Path) -> None:
     run = tmp_path / "run"
     started = time.monotonic()
@@ -273,7 +278,9 @@ gpufleet_gpu_job_info{gpu="2",job_id="j1"} 1
 
 
 def test_demo_view_of_an_exposition() -> None:
-    from gpufleet.agent.sim.demo import log_lines, parse_node, slow_gpus
+    from gpufleet.agent.sim.demo_detector import lagging_gpus
+    from gpufleet.agent.sim.demo_scrape import parse_node
+    from gpufleet.agent.sim.demo_view import log_lines
 
     view = parse_node("node-007", "http://127.0.0.1:1/metrics", EXPOSITION)
     assert list(view.gpus) == ["0", "1", "2"]
@@ -282,7 +289,9 @@ def test_demo_view_of_an_exposition() -> None:
     assert g0.tensor_pct == pytest.approx(40)
     assert g2.tensor_pct is None and g2.power_w is None  # no series: shown as "-", never as 0
     assert g0.throttle == [] and g1.throttle == [] and g2.throttle == ["hw_slowdown"]  # gpu_idle is not trouble
-    slow = slow_gpus([view])
+    # the demo calls out only the detector's stragglers: a slow clock alone is not one
+    assert lagging_gpus(set(), [view]) == []
+    slow = lagging_gpus({("node-007", "2")}, [view])
     assert [(s.node, s.gpu, s.clock_mhz, s.peer_median_mhz) for s in slow] == [("node-007", "2", 990, 1980)]
     lines = log_lines([view], slow)
     assert "power - W" in lines[0] and "throttle: HW slowdown" in lines[0]

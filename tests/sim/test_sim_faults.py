@@ -7,6 +7,7 @@ import tomllib
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -37,7 +38,8 @@ def parse(path: Path, names: set[str]) -> Series:
         elif line.split("{", 1)[0].removesuffix("_total") in names:
             keep.append(line)
     out: Series = defaultdict(list)
-    for fam in text_string_to_metric_families("\n".join(keep) + "\n"):
+    # prometheus_client's OpenMetrics parser carries no annotations (its text-format one does).
+    for fam in text_string_to_metric_families("\n".join(keep) + "\n"):  # type: ignore[no-untyped-call]
         for s in fam.samples:
             out[(s.name, frozenset(s.labels.items()))].append((float(s.timestamp), float(s.value)))
     return out
@@ -50,7 +52,7 @@ def one(series: Series, name: str, **labels: str) -> tuple[np.ndarray, np.ndarra
     return np.array(ts), np.array(vals)
 
 
-def make(name: str, tmp: Path, profile: str = "gpufleet", severity: object = None) -> tuple[Path, dict]:
+def make(name: str, tmp: Path, profile: str = "gpufleet", severity: object = None) -> tuple[Path, dict[str, Any]]:
     data = tomllib.loads(builtin_text(name))
     data["hours"] = 0.5
     data["step"] = STEP
@@ -117,12 +119,12 @@ SIGNATURES: dict[str, tuple[set[str], Check]] = {
 }
 
 
-def test_every_fault_kind_has_a_signature_test():
+def test_every_fault_kind_has_a_signature_test() -> None:
     assert set(FAULTS) - {"pue_drift"} == set(SIGNATURES)
 
 
 @pytest.mark.parametrize("kind", sorted(SIGNATURES))
-def test_signature_at_labelled_onset(kind, tmp_path):
+def test_signature_at_labelled_onset(kind: str, tmp_path: Path) -> None:
     path, labels = make(kind, tmp_path)
     [fault] = labels["faults"]
     assert fault["type"] == kind and fault["node"] == "node-002"
@@ -135,7 +137,7 @@ def test_signature_at_labelled_onset(kind, tmp_path):
     assert present[(ts >= onset) & (ts <= onset + WINDOW)].any(), f"{kind}: no signature after the onset"
 
 
-def test_xid79_event_and_missing_gpu_series(tmp_path):
+def test_xid79_event_and_missing_gpu_series(tmp_path: Path) -> None:
     path, _ = make("xid79", tmp_path)
     s = parse(path, {"gpufleet_gpu_xid_errors", "gpufleet_gpu_power_watts"})
     ts, v = one(s, "gpufleet_gpu_xid_errors_total", gpu="4", xid="79", **N2)
@@ -144,7 +146,7 @@ def test_xid79_event_and_missing_gpu_series(tmp_path):
     assert ts.max() < START + ONSET, "a GPU that fell off the bus has no readings, never zeros"
 
 
-def test_dcgm_profile_shows_the_straggler(tmp_path):
+def test_dcgm_profile_shows_the_straggler(tmp_path: Path) -> None:
     path, _ = make("clock_stuck_low", tmp_path, profile="dcgm", severity="obvious")
     s = parse(path, {"DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "DCGM_FI_DEV_SM_CLOCK"})
     host = {"Hostname": "node-002", "instance": "node-002:9400", "hpc_job": "job-a"}
@@ -157,7 +159,7 @@ def test_dcgm_profile_shows_the_straggler(tmp_path):
     assert clock[after].max() < 0.6 * peer[after].min()
 
 
-def test_dcgm_nvlink_error_counters_rise_on_the_faulty_gpu_only(tmp_path):
+def test_dcgm_nvlink_error_counters_rise_on_the_faulty_gpu_only(tmp_path: Path) -> None:
     path, labels = make("nvlink_down", tmp_path, profile="dcgm", severity="moderate")
     [fault] = labels["faults"]
     names = {"DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL", "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL",
@@ -176,7 +178,7 @@ def test_dcgm_nvlink_error_counters_rise_on_the_faulty_gpu_only(tmp_path):
             assert not any(v for _, v in samples), f"{name} rises on healthy {labs['Hostname']} GPU {labs['gpu']}"
 
 
-def test_pue_drift_not_explained_by_weather(tmp_path):
+def test_pue_drift_not_explained_by_weather(tmp_path: Path) -> None:
     doc = {
         "name": "pue", "hours": 4, "step": 60,
         "sites": [{"name": "site-a", "nodes": 2, "outdoor_amplitude_c": 0.0},

@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import tomllib
+from typing import Any
 
 import numpy as np
 import pytest
 
 from gpufleet.agent.nvml.model import Snapshot
-from gpufleet.agent.sim.physics import BIT
-from gpufleet.agent.sim.recording import run
-from gpufleet.agent.sim.scenario import builtin_text, parse_scenario
+from gpufleet.agent.sim.recording import Frames, run
+from gpufleet.agent.sim.scenario import Scenario, builtin_text, parse_scenario
 from gpufleet.agent.sim.simulator import Simulator
+from gpufleet.agent.vocab.nvml import CLOCK_EVENT_BITS
 
 START = 1_750_000_000.0
 
 
 def scenario(name: str, *, hours: float = 0.5, step: float = 15, onset: str | None = None, nodes: int | None = None,
-             severity: object = None, **top: object):
+             severity: object = None, **top: object) -> Scenario:
     data = tomllib.loads(builtin_text(name))
     data["hours"] = hours
     data.pop("duration", None)
@@ -37,12 +38,12 @@ def scenario(name: str, *, hours: float = 0.5, step: float = 15, onset: str | No
     return parse_scenario(data, name)
 
 
-def frames(name: str, **kw: object):
+def frames(name: str, **kw: Any) -> tuple[Simulator, Frames]:
     sim = Simulator(scenario(name, **kw), start=START)
     return sim, run(sim)
 
 
-def test_energy_counter_equals_integrated_power():
+def test_energy_counter_equals_integrated_power() -> None:
     sim = Simulator(scenario("clock_stuck_low", hours=0.25, nodes=4, onset="5m"), start=START)
     p = sim.physics
     dts = [15.0, 15.0, 7.5, 30.0, 1.0] * 6
@@ -61,7 +62,7 @@ def test_energy_counter_equals_integrated_power():
     assert abs((s1.energy_mj - s0.energy_mj) - s1.power_mw * 10.0) <= 10.0 + 1.0
 
 
-def test_recorded_energy_matches_recorded_power():
+def test_recorded_energy_matches_recorded_power() -> None:
     sim, fr = frames("power_cap", hours=0.25, nodes=4, onset="5m")
     d_energy = np.diff(fr["energy"], axis=0)
     expected = fr["power"][1:].astype(float) * sim.scenario.step
@@ -69,26 +70,26 @@ def test_recorded_energy_matches_recorded_power():
 
 
 @pytest.mark.parametrize("name", ["cooling_failure", "power_cap", "power_brake"])
-def test_throttling_only_past_thresholds(name):
+def test_throttling_only_past_thresholds(name: str) -> None:
     sim, fr = frames(name, hours=0.5, nodes=4, onset="10m", severity="obvious")
     p = sim.physics
     reasons = fr["reasons"]
     temp = fr["temp"]
-    thermal = (reasons & BIT["sw_thermal_slowdown"]) > 0
-    hw_thermal = (reasons & BIT["hw_thermal_slowdown"]) > 0
-    capped = (reasons & BIT["sw_power_cap"]) > 0
+    thermal = (reasons & CLOCK_EVENT_BITS["sw_thermal_slowdown"]) > 0
+    hw_thermal = (reasons & CLOCK_EVENT_BITS["hw_thermal_slowdown"]) > 0
+    capped = (reasons & CLOCK_EVENT_BITS["sw_power_cap"]) > 0
     assert np.all(temp[thermal] >= np.broadcast_to(p.thr_sw, temp.shape)[thermal])
     assert np.all(temp[hw_thermal] >= np.broadcast_to(p.thr_hw, temp.shape)[hw_thermal])
     assert np.all(fr["power"][capped] >= fr["limit"][capped] - 0.01)
     # power never exceeds the enforced limit
     assert np.all(fr["power"] <= fr["limit"] + 0.01)
     onset_tick = int(600 / sim.scenario.step)
-    throttled = thermal | capped | ((reasons & BIT["hw_power_brake_slowdown"]) > 0)
+    throttled = thermal | capped | ((reasons & CLOCK_EVENT_BITS["hw_power_brake_slowdown"]) > 0)
     assert not throttled[: onset_tick - 1].any(), "a healthy fleet below its thresholds must not throttle"
     assert throttled[onset_tick:].any(), f"{name} must throttle after its onset"
 
 
-def test_straggler_slows_its_whole_job_and_peers_wait():
+def test_straggler_slows_its_whole_job_and_peers_wait() -> None:
     sim = Simulator(scenario("clock_stuck_low", hours=0.5, nodes=4, onset="10m", severity="obvious"), start=START)
     p = sim.physics
     fault_gpu = 2 * 8 + 5
@@ -105,30 +106,30 @@ def test_straggler_slows_its_whole_job_and_peers_wait():
     assert p.tensor[fault_gpu] > p.tensor[peers].max(), "the straggler looks busier than its peers"
     assert p.util[peers].min() >= 95.0, "peers' NVML utilization stays high (NCCL kernels spin)"
     assert p.clock_sm[fault_gpu] < 0.6 * p.clock_sm[peers].min()
-    assert p.reasons[fault_gpu] & BIT["hw_slowdown"]
+    assert p.reasons[fault_gpu] & CLOCK_EVENT_BITS["hw_slowdown"]
 
 
-def test_slow_host_is_a_straggler_without_gpu_fault():
+def test_slow_host_is_a_straggler_without_gpu_fault() -> None:
     _sim, fr = frames("slow_host", hours=0.5, nodes=4, onset="10m", severity="obvious")
     late = slice(50, None)
     node2 = slice(16, 24)
     others = np.r_[0:16, 24:32]
     assert fr["util"][late, node2].max() < fr["util"][late, others].min()
     assert fr["sm_active"][late, node2].mean() < fr["sm_active"][late, others].mean()
-    assert not (fr["reasons"][:, :32] & ~BIT["gpu_idle"]).any(), "no throttle reason on any GPU"
+    assert not (fr["reasons"][:, :32] & ~CLOCK_EVENT_BITS["gpu_idle"]).any(), "no throttle reason on any GPU"
 
 
-def test_healthy_gpus_are_not_identical_and_idle_gpus_idle():
+def test_healthy_gpus_are_not_identical_and_idle_gpus_idle() -> None:
     _sim, fr = frames("healthy", hours=0.5, step=30)
     busy = fr["gpu_job"][-1] >= 0
     assert busy.any() and (~busy).any()
     power = fr["power"][-1]
     assert np.unique(np.round(power[busy], 1)).size > busy.sum() * 0.8
-    assert (fr["reasons"][-1][~busy] & BIT["gpu_idle"]).all()
+    assert (fr["reasons"][-1][~busy] & CLOCK_EVENT_BITS["gpu_idle"]).all()
     assert fr["util"][-1][~busy].max() == 0
 
 
-def test_counters_monotonic_except_at_reboots():
+def test_counters_monotonic_except_at_reboots() -> None:
     data = scenario("xid79", hours=1.0, nodes=4, onset="10m", step=15)
     data.faults[0].end = 1800.0
     sim = Simulator(data, start=START)
@@ -151,7 +152,7 @@ def test_counters_monotonic_except_at_reboots():
     assert fr["nic_bytes"][reboot_tick, nics, 0].max() < fr["nic_bytes"][reboot_tick - 1, nics[:8], 0].min()
 
 
-def test_deterministic_by_seed():
+def test_deterministic_by_seed() -> None:
     def snapshot_of(seed: int) -> str:
         sim = Simulator(scenario("healthy", hours=0.1, step=30), seed=seed, start=START)
         for _ in range(12):

@@ -15,8 +15,9 @@ from support import need_binary
 
 from gpufleet.agent.nvml.model import Snapshot
 from gpufleet.agent.sim import cli
-from gpufleet.agent.sim.recording import record
+from gpufleet.agent.sim.recording import RecordingResult, record
 from gpufleet.agent.sim.scenario import (
+    Scenario,
     ScenarioError,
     builtin_names,
     builtin_text,
@@ -28,7 +29,7 @@ from gpufleet.agent.sim.simulator import Simulator
 START = 1_750_000_000.0
 
 
-def small(name: str = "clock_stuck_low", **top: object):
+def small(name: str = "clock_stuck_low", **top: object) -> Scenario:
     data = tomllib.loads(builtin_text(name))
     data.update({"hours": 0.25, "step": 30})
     data["sites"][0]["nodes"] = 4
@@ -40,14 +41,14 @@ def small(name: str = "clock_stuck_low", **top: object):
 
 
 @pytest.fixture(scope="module")
-def recording(tmp_path_factory):
+def recording(tmp_path_factory: pytest.TempPathFactory) -> RecordingResult:
     out = tmp_path_factory.mktemp("rec")
     result = record(Simulator(small(scrape_miss_rate=0.05), start=START), out, ("gpufleet", "dcgm"))
     return result
 
 
 @pytest.mark.parametrize("profile", ["gpufleet", "dcgm"])
-def test_promtool_accepts_recording(recording, profile, tmp_path):
+def test_promtool_accepts_recording(recording: RecordingResult, profile: str, tmp_path: Path) -> None:
     promtool = need_binary("promtool")
     path = recording.files[profile]
     proc = subprocess.run([promtool, "tsdb", "create-blocks-from", "openmetrics", str(path), str(tmp_path / "data")],
@@ -62,20 +63,27 @@ def test_promtool_accepts_recording(recording, profile, tmp_path):
     assert len(types) == len(set(types)), "a family appears once"
 
 
-def test_missing_scrapes_drop_whole_nodes(recording):
+def instance_of(line: str) -> str:
+    """The ``instance`` label of one exposition line (the test fails if it has none)."""
+    m = re.search(r'instance="([^"]+)"', line)
+    assert m is not None, f"no instance label in {line!r}"
+    return m.group(1)
+
+
+def test_missing_scrapes_drop_whole_nodes(recording: RecordingResult) -> None:
     times: dict[str, set[str]] = {}
     for line in recording.files["gpufleet"].read_text().splitlines():
         if line.startswith("gpufleet_gpu_power_watts{"):
-            inst = re.search(r'instance="([^"]+)"', line).group(1)
+            inst = instance_of(line)
             times.setdefault(inst, set()).add(line.rsplit(" ", 1)[1])
         if line.startswith("gpufleet_gpu_temperature_celsius{") and 'sensor="gpu"' in line:
-            inst = re.search(r'instance="([^"]+)"', line).group(1)
+            inst = instance_of(line)
             assert line.rsplit(" ", 1)[1] in times[inst], "series of a node are missing together"
     counts = [len(v) for v in times.values()]
     assert len(counts) == 4 and min(counts) < 30 and sum(counts) > 4 * 30 * 0.8
 
 
-def test_dcgm_labels(recording):
+def test_dcgm_labels(recording: RecordingResult) -> None:
     lines = [x for x in recording.files["dcgm"].read_text().splitlines() if x.startswith("DCGM_FI_DEV_GPU_UTIL{")]
     assert lines
     for x in lines:
@@ -88,7 +96,7 @@ def test_dcgm_labels(recording):
     assert ib and all('port="1"' in x and 'job="node"' in x for x in ib)
 
 
-def test_labels_json(recording):
+def test_labels_json(recording: RecordingResult) -> None:
     doc = json.loads(recording.labels.read_text())
     assert doc["format"] == "gpufleet-sim-labels" and doc["version"] == 1
     assert doc["start"] == START and doc["step"] == 30
@@ -122,13 +130,13 @@ BAD = [
 
 
 @pytest.mark.parametrize(("doc", "message"), BAD)
-def test_scenario_validation_errors(doc, message):
+def test_scenario_validation_errors(doc: dict[str, object], message: str) -> None:
     with pytest.raises(ScenarioError) as e:
         parse_scenario(doc, "bad.toml")
     assert message in str(e.value) and "bad.toml" in str(e.value)
 
 
-def test_builtins_load_and_cli_lists_them(capsys):
+def test_builtins_load_and_cli_lists_them(capsys: pytest.CaptureFixture[str]) -> None:
     for name in builtin_names():
         sc = load_scenario(name)
         assert sc.description, name
@@ -138,7 +146,7 @@ def test_builtins_load_and_cli_lists_them(capsys):
     assert all(name in out for name in builtin_names())
 
 
-def test_cli_generate_and_errors(tmp_path):
+def test_cli_generate_and_errors(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('[[sites]]\nnodes = 2\n[[faults]]\nkind = "power_cap"\nnode = "node-000"\nseverity = "huge"\n')
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -155,7 +163,7 @@ def test_cli_generate_and_errors(tmp_path):
         cli.main(["generate", "--scenario", str(good), "--out", str(tmp_path / "g"), "--hours", "-1"])
 
 
-def test_sysfs_tree_maps_nic_k_to_gpu_k(tmp_path):
+def test_sysfs_tree_maps_nic_k_to_gpu_k(tmp_path: Path) -> None:
     from gpufleet.agent.collectors.topology import TopologyCollector
 
     sim = Simulator(small(), start=START)
@@ -180,7 +188,7 @@ def test_sysfs_tree_maps_nic_k_to_gpu_k(tmp_path):
     assert host.read_text().strip() == "Ethernet"
 
 
-def test_live_snapshot_and_xid_once(tmp_path):
+def test_live_snapshot_and_xid_once(tmp_path: Path) -> None:
     data = tomllib.loads(builtin_text("xid79"))
     data.update({"hours": 0.1, "step": 5})
     data["faults"][0]["onset"] = 10
@@ -200,7 +208,7 @@ def test_live_snapshot_and_xid_once(tmp_path):
     assert sim.gpu_jobs(0) == [None] * 8 and len(sim.nodes) == 8
 
 
-def test_yaml_scenario_and_errors(tmp_path):
+def test_yaml_scenario_and_errors(tmp_path: Path) -> None:
     doc = tmp_path / "fleet.yaml"
     doc.write_text("hours: 0.1\nstep: 30\nsites:\n  - {name: lab, nodes: 2}\njobs:\n  fixed:\n    - {id: j, nodes: all}\n"
                    "faults:\n  - {kind: slow_host, node: node-001, onset: 2m, severity: marginal}\n")
@@ -214,7 +222,7 @@ def test_yaml_scenario_and_errors(tmp_path):
         load_scenario(str(tmp_path / "missing.toml"))
 
 
-def test_fault_on_idle_node_expects_no_straggler():
+def test_fault_on_idle_node_expects_no_straggler() -> None:
     doc = {"hours": 0.1, "step": 30, "sites": [{"nodes": 2}], "jobs": {"fixed": [{"id": "j", "nodes": ["node-000"]}]},
            "faults": [{"kind": "clock_stuck_low", "node": "node-001", "gpu": 1},
                       {"kind": "ib_link_degraded", "node": "node-001", "nic": 1}]}

@@ -63,7 +63,8 @@ def test_promtool_unit_tests_pass() -> None:
     assert proc.stdout.count("SUCCESS") + proc.stderr.count("SUCCESS") == len(files)
 
 
-def test_the_alerts_the_issue_requires_exist() -> None:
+def test_the_required_alerts_exist() -> None:
+    """One alert per failure the fleet must page on: agent, GPU, NVLink, InfiniBand, straggler, PUE, detector."""
     names = {r["alert"] for r in alert_rules()}
     required = {
         "GpufleetAgentDown", "GpufleetGpuLost", "GpufleetGpuMissing", "GpufleetXidCritical",

@@ -207,7 +207,7 @@ class Stack:
 
 def alertmanager_config(receiver_url: str) -> dict[str, Any]:
     """The example Alertmanager config with local webhook receivers and short group timings."""
-    config = yaml.safe_load(AM_CONFIG.read_text())
+    config: dict[str, Any] = yaml.safe_load(AM_CONFIG.read_text())
     config["receivers"] = [
         {"name": r["name"], "webhook_configs": [{"url": f"{receiver_url}/{r['name']}", "send_resolved": False}]}
         for r in config["receivers"] if r["name"] != "null"
@@ -228,7 +228,7 @@ def stack(tmp_path: Path, scenario: str) -> Iterator[Stack]:
         fleet = es.enter_context(LiveFleet(str(tmp_path / "scenario.toml"), seed=3, speed=1.0, tick=1.0,
                                            startup_timeout=30))
         registry = CollectorRegistry()
-        registry.register(FacilityCollector(fleet))  # type: ignore[arg-type]
+        registry.register(FacilityCollector(fleet))
         facility_port = es.enter_context(serve_http(make_server(
             "127.0.0.1", 0, make_wsgi_app(registry), handler_class=_QuietHandler)))
 

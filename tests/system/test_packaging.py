@@ -22,7 +22,7 @@ WHEEL_DATA = [
     "gpufleet/agent/fake/data/NOTICE.md",
     "gpufleet/agent/sim/scenarios/demo.toml",
     "gpufleet/agent/sim/scenarios/clock_stuck_low.toml",
-    "gpufleet/dashboards/overview.dashboard.py",
+    "gpufleet/dashboards/boards/overview.py",
     "gpufleet/dashboards/json/gpufleet-overview.json",
     "gpufleet/alerts/__init__.py",
     "gpufleet/alerts/gpufleet.rules.yml",

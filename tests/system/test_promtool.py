@@ -6,6 +6,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
 from support import BIN, FIXTURES, need_binary
 
 
@@ -17,6 +18,7 @@ def sysfs_root(tmp_path: Path) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_promtool_check_metrics_is_clean(tmp_path: Path) -> None:
     promtool = need_binary("promtool")
     jobs = tmp_path / "jobs"

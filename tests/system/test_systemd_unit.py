@@ -14,7 +14,7 @@ import trustme
 import yaml
 from support import BIN, REPO
 
-from gpufleet.agent import cli
+from gpufleet.agent import settings
 from gpufleet.agent.config import COLLECTORS
 from gpufleet.agent.serving.webconfig import parse_web_config
 from gpufleet.detector import config as detector_config
@@ -200,7 +200,7 @@ def test_example_detector_toml_is_valid_and_documents_every_key() -> None:
 
 def test_example_agent_toml_is_valid_and_documents_every_collector() -> None:
     path = REPO / "packaging" / "agent.toml"
-    s = cli.resolve([f"--config.file={path}"], {})
+    s = settings.resolve([f"--config.file={path}"], {})
     assert s.config.listen_address == ":9445"
     text = path.read_text()
     for name in COLLECTORS:

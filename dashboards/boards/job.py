@@ -3,6 +3,8 @@ the detector's straggler scores, feature deviations and findings."""
 
 from __future__ import annotations
 
+from grafanalib import core as g
+
 from gpufleet.dashboards import panels as p
 from gpufleet.dashboards.panels import DET_NODE, JOB, NODE, SITE, Q
 
@@ -25,7 +27,7 @@ def _bands(name: str, extra: str = "") -> list[Q]:
     ]
 
 
-def _views(name: str, title: str, extra: str = "") -> list[tuple[p.g.Panel, int, int]]:
+def _views(name: str, title: str, extra: str = "") -> list[tuple[g.Panel, int, int]]:
     return [
         (p.gpu_heatmap(name, f"{title} per GPU", Q(_of_job(name, extra), PER_GPU)), 12, 10),
         (p.timeseries(name, f"{title} against peers", _bands(name, extra),

@@ -1,0 +1,92 @@
+"""What ``--nvml.fake=SPEC`` builds: the device source, the fake library on it, and an NVML backend using it.
+
+Specs:
+
+* ``sim`` / ``sim:N`` — :class:`~gpufleet.agent.fake.sim_source.SimSource`: a simulated H100
+  host with N GPUs (default 8) running a data-parallel training job. The inventory comes from
+  the packaged ``nvidia-smi -q -x`` capture (agent/fake/data); beyond 8 GPUs extra devices are
+  synthesized with unique UUIDs and PCI bus ids.
+* ``sim:PATH`` / ``sim:PATH:N`` — the same simulated host built from any ``nvidia-smi -q -x``
+  capture (PATH is not all digits), with as many GPUs as the capture has, or N: what the agent
+  would export on that hardware.
+* ``trace:PATH`` — :class:`~gpufleet.agent.fake.trace_source.TraceSource`: replay a recorded
+  trace in a loop, starting at the first read; ``trace:PATH@N`` freezes it at sample line N
+  (0-based) for deterministic output.
+* ``live:PATH`` — :class:`~gpufleet.agent.fake.live_source.LiveSource`: serve a snapshot file
+  (model.Snapshot) that another process (the fleet simulator) rewrites; re-read when it changes.
+
+The agent's composition root (:mod:`gpufleet.agent.app`, the recorder) imports this module only
+when ``--nvml.fake`` is given; tests and the simulator use :func:`fake_backend` too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from gpufleet.agent.fake.library import FakeNvml
+from gpufleet.agent.fake.live_source import LiveSource
+from gpufleet.agent.fake.sim_source import SimSource
+from gpufleet.agent.fake.smi_xml import SmiXmlError, load_smi_xml
+from gpufleet.agent.fake.trace_source import TraceSource
+from gpufleet.agent.nvml.backend import NvmlBackend
+from gpufleet.agent.nvml.model import DeviceSource
+
+_SIM_FORMS = "sim, sim:N, sim:PATH or sim:PATH:N; N: a number of GPUs, PATH: an nvidia-smi -q -x capture"
+
+
+def _sim_from_spec(spec: str, arg: str) -> SimSource:
+    """``sim:N``, ``sim:PATH`` or ``sim:PATH:N``: an all-digits argument is N; ``PATH:N`` is split
+    at its last colon unless the whole argument names an existing file."""
+    path, n = arg, None
+    head, colon, tail = arg.rpartition(":")
+    if re.fullmatch(r"[-+]?\d+", arg.strip()):
+        path, n = "", int(arg)
+    elif colon and re.fullmatch(r"\d+", tail) and not os.path.exists(arg):
+        path, n = head, int(tail)
+    if n is not None and not 1 <= n <= 4096:
+        raise ValueError(f"--nvml.fake={spec!r}: the number of GPUs must be 1..4096")
+    if n is not None and not path:
+        return SimSource(n, sysfs=True)
+    if not path:
+        raise ValueError(f"--nvml.fake={spec!r}: expected {_SIM_FORMS}")
+    try:
+        return SimSource(n, capture=load_smi_xml(path), sysfs=True)
+    except SmiXmlError as e:
+        raise ValueError(f"--nvml.fake={spec!r}: {e} (expected {_SIM_FORMS})") from None
+    except ValueError as e:
+        raise ValueError(f"--nvml.fake={spec!r}: {e}") from None
+
+
+def source_from_spec(spec: str) -> DeviceSource:
+    """Build the source named by ``--nvml.fake`` (see the module docstring); ValueError on a bad spec."""
+    kind, sep, arg = spec.strip().partition(":")
+    if kind == "sim":
+        return _sim_from_spec(spec, arg) if sep else SimSource(sysfs=True)
+    if kind in ("trace", "live"):
+        if not arg:
+            raise ValueError(f"--nvml.fake={spec!r}: expected {kind}:PATH")
+        if kind == "live":
+            live = LiveSource(arg)
+            if not live.usable:
+                raise ValueError(f"--nvml.fake={spec!r}: {live.last_error}")
+            return live
+        pin = None
+        path, at, line = arg.rpartition("@")
+        if at and line.isdigit() and not os.path.exists(arg):
+            arg, pin = path, int(line)
+        try:
+            return TraceSource(arg, pin=pin)
+        except ValueError as e:
+            raise ValueError(f"--nvml.fake={spec!r}: {e}") from e
+    raise ValueError(f"--nvml.fake={spec!r}: expected sim, sim:N, trace:PATH or live:PATH")
+
+
+def fake_library(spec: str) -> FakeNvml:
+    """The fake NVML (not installed yet) on the source named by ``spec``; ValueError on a bad spec."""
+    return FakeNvml(source_from_spec(spec))
+
+
+def fake_backend(spec: str) -> NvmlBackend:
+    """An NVML backend that installs the fake NVML for ``spec`` on ``start()``; ValueError on a bad spec."""
+    return NvmlBackend(fake_library(spec))

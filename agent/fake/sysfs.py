@@ -1,0 +1,129 @@
+"""Write a fake sysfs tree as the kernel lays it out: PCI functions under their bridges, InfiniBand devices.
+
+The one writer of fake sysfs trees (the simulated host of ``--nvml.fake=sim``, the fleet
+simulator's nodes, the tests), in the layout of a real host (see the H100 capture in
+``tests/fixtures``):
+
+* every PCI function is a directory ``devices/pci<domain>:<bus>/<bridge>/.../<function>``
+  below the bridges it sits behind, and ``bus/pci/devices/<addr>`` links to it;
+* an InfiniBand device lives in ``<function>/infiniband/<name>/``, ``class/infiniband/<name>``
+  links there and its ``device`` link points back to the function (``../../../<addr>``);
+* a port is ``<device>/ports/<n>/`` with its attribute files, ``counters/`` and ``hw_counters/``.
+
+Links are relative (``../../../devices/...``) or, with ``absolute=True``, ``/sys/...`` (as some
+container runtimes and bind mounts show them). Every function is idempotent (an existing tree
+is completed, not rebuilt). :class:`ValueWriter` rewrites the values that change (counters) and
+only those.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+#: The files of an mlx5 port's counters/ directory.
+IB_COUNTER_FILES = (
+    "VL15_dropped", "excessive_buffer_overrun_errors", "link_downed", "link_error_recovery",
+    "local_link_integrity_errors", "multicast_rcv_packets", "multicast_xmit_packets", "port_rcv_constraint_errors",
+    "port_rcv_data", "port_rcv_errors", "port_rcv_packets", "port_rcv_remote_physical_errors",
+    "port_rcv_switch_relay_errors", "port_xmit_constraint_errors", "port_xmit_data", "port_xmit_discards",
+    "port_xmit_packets", "port_xmit_wait", "symbol_error", "unicast_rcv_packets", "unicast_xmit_packets",
+)
+
+
+def _link(root: Path, link: Path, dest: Path, absolute: bool) -> None:
+    """Make ``link`` point at ``dest`` (both inside ``root``), relative or as ``/sys/...``; keep an existing one."""
+    if link.is_symlink():
+        return
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if absolute:
+        os.symlink("/sys/" + dest.relative_to(root).as_posix(), link)
+    else:
+        os.symlink(os.path.relpath(dest, link.parent), link)
+
+
+def write_files(directory: Path, files: Mapping[str, str]) -> None:
+    """Write each ``name -> text`` under ``directory`` as a sysfs attribute (the text plus a newline)."""
+    for name, text in files.items():
+        (directory / name).write_text(text + "\n")
+
+
+def add_pci_function(root: Path, chain: Sequence[str], *, files: Mapping[str, str] | None = None,
+                     absolute: bool = False) -> Path:
+    """``devices/<chain...>`` (chain: host bridge ``pci<domain>:<bus>``, bridges..., the function's address),
+    its attribute ``files`` (``vendor``, ``class``...) and its ``bus/pci/devices`` link; returns its directory."""
+    fn = root.joinpath("devices", *chain)
+    fn.mkdir(parents=True, exist_ok=True)
+    write_files(fn, files or {})
+    _link(root, root / "bus" / "pci" / "devices" / chain[-1], fn, absolute)
+    return fn
+
+
+def add_ib_device(root: Path, name: str, function: Path, *, files: Mapping[str, str] | None = None,
+                  absolute: bool = False) -> Path:
+    """InfiniBand device ``name`` on the PCI function directory ``function`` (see :func:`add_pci_function`),
+    with its attribute ``files`` (``hca_type``, ``fw_ver``...), its ``device`` link and its
+    ``class/infiniband`` entry; returns the device directory (add ports with :func:`add_port`)."""
+    dev = function / "infiniband" / name
+    dev.mkdir(parents=True, exist_ok=True)
+    write_files(dev, files or {})
+    if absolute:
+        _link(root, dev / "device", function, absolute=True)
+    elif not (dev / "device").is_symlink():  # the kernel's form: up out of infiniband/<name>/ and the function
+        os.symlink(f"../../../{function.name}", dev / "device")
+    _link(root, root / "class" / "infiniband" / name, dev, absolute)
+    return dev
+
+
+def add_port(device: Path, port: int = 1, *, files: Mapping[str, str] | None = None,
+             counters: Mapping[str, int] | None = None, hw_counters: Mapping[str, int] | None = None) -> Path:
+    """Port ``port`` of an InfiniBand device: its attribute ``files`` (``rate``, ``state``, ``phys_state``,
+    ``link_layer``...), ``counters/`` and ``hw_counters/`` with the given values; returns the port directory."""
+    port_dir = device / "ports" / str(port)
+    for sub, values in (("counters", counters), ("hw_counters", hw_counters)):
+        (port_dir / sub).mkdir(parents=True, exist_ok=True)
+        write_files(port_dir / sub, {k: str(v) for k, v in (values or {}).items()})
+    write_files(port_dir, files or {})
+    return port_dir
+
+
+class ValueWriter:
+    """Keeps files under ``root`` at given values, writing only those whose value changed.
+
+    A counter that grew is overwritten in place (its text is at least as long as before: one
+    pwrite, no truncate; ext4 flushes on truncate and on rename over a file, milliseconds each);
+    anything else is written to a temporary file and renamed over the old one.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._written: dict[str, str | int] = {}
+
+    def forget(self) -> None:
+        """Write every value again on the next :meth:`update` (the tree was rebuilt)."""
+        self._written.clear()
+
+    def update(self, values: Mapping[str, str | int]) -> None:
+        """Bring each file (path relative to ``root``) to its value (text without the newline, or an int)."""
+        written = self._written
+        for rel, value in values.items():
+            old = written.get(rel)
+            if old == value:
+                continue
+            grew = type(value) is int and type(old) is int and value > old
+            _write(self.root / rel, f"{value}\n".encode(), in_place=grew)
+            written[rel] = value
+
+
+def _write(path: Path, data: bytes, *, in_place: bool) -> None:
+    if in_place:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, 0)
+        finally:
+            os.close(fd)
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)

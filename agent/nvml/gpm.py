@@ -1,0 +1,115 @@
+"""GPM (Hopper and newer): activity between two samples, from a per-device double buffer.
+
+The reader keeps the previous GPM sample per device and computes the metrics
+(ids from :mod:`gpufleet.agent.vocab.nvml`) between it and the current one, so the first
+reading of a device has no GPM rates; two samples with the same time keep the older one as
+the start of the interval and report the last rates again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from typing import Any
+
+import pynvml
+
+from gpufleet.agent.nvml.backend import Device, GpuLost, NvmlBackend
+from gpufleet.agent.nvml.reading import GpmRates, ReaderState
+from gpufleet.agent.vocab import nvml as nv
+
+#: GPM metric ids (nvmlGpmMetricId_t) -> GpmRates attribute.
+GPM_METRICS: tuple[tuple[int, str], ...] = tuple((m.value, m.attr) for m in nv.GPM_METRICS)
+
+_SUCCESS = pynvml.NVML_SUCCESS
+
+
+class _GpmMetric(ctypes.Structure):
+    """nvmlGpmMetric_t without pynvml's per-attribute hooks (8 metrics x 3 attributes per GPU per scrape)."""
+
+    _fields_ = list(pynvml.c_nvmlGpmMetric_t._fields_)
+
+
+class _GpmMetricsGet(ctypes.Structure):
+    """nvmlGpmMetricsGet_t with pynvml's layout, plain (see _GpmMetric)."""
+
+    _fields_ = [("metrics", _GpmMetric * pynvml.NVML_GPM_METRIC_MAX) if f[0] == "metrics" else f
+                for f in pynvml.c_nvmlGpmMetricsGet_t._fields_]
+
+
+assert ctypes.sizeof(_GpmMetricsGet) == ctypes.sizeof(pynvml.c_nvmlGpmMetricsGet_t)
+
+
+def read_gpm(b: NvmlBackend, dev: Device, h: pynvml.c_nvmlDevice_t, state: ReaderState) -> GpmRates | None:
+    if not dev.gpm_supported or state.gpm_broken:
+        return None
+    if not state.buffers:
+        try:
+            state.buffers = [pynvml.nvmlGpmSampleAlloc(), pynvml.nvmlGpmSampleAlloc()]
+            state.metrics_get = _GpmMetricsGet()
+        except pynvml.NVMLError as e:
+            b.count_error("nvmlGpmSampleAlloc", e.value)
+            state.close()
+            state.gpm_broken = e.value == pynvml.NVML_ERROR_NOT_SUPPORTED
+            return None
+    cur = state.buffers[state.current]
+    now = time.monotonic()
+    if b.call(pynvml.nvmlGpmSampleGet, h, cur) is None:
+        state.prev_valid = False
+        state.last_rates = None
+        state.gpm_pcie_ok = False  # fall back to nvmlDeviceGetPcieThroughput until GPM answers again
+        return None
+    if state.prev_valid:
+        try:
+            rates = _gpm_metrics(b, state, state.buffers[state.current ^ 1], cur, now - state.prev_t)
+        except _NoNewInterval:
+            # Both samples carry the same time (a source that did not move on since the last scrape):
+            # keep the older sample as the start of the interval and report the last rates again.
+            return state.last_rates
+    else:
+        rates = None
+    state.current ^= 1
+    state.prev_valid = True
+    state.prev_t = now
+    state.last_rates = rates
+    return rates
+
+
+class _NoNewInterval(Exception):
+    pass
+
+
+def _gpm_metrics(b: NvmlBackend, state: ReaderState, prev: Any, cur: Any, interval: float) -> GpmRates | None:
+    mg = state.metrics_get
+    if mg.numMetrics != len(GPM_METRICS):  # fill the request once; NVML only writes the results
+        mg.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+        mg.numMetrics = len(GPM_METRICS)
+        for i, (mid, _) in enumerate(GPM_METRICS):
+            mg.metrics[i].metricId = mid
+    mg.sample1 = prev
+    mg.sample2 = cur
+    try:  # what pynvml.nvmlGpmMetricsGet does, on the plain struct
+        ret = int(pynvml._nvmlGetFunctionPointer("nvmlGpmMetricsGet")(ctypes.byref(mg)))
+    except pynvml.NVMLError as e:
+        ret = int(e.value)
+    if ret != _SUCCESS:
+        if ret == pynvml.NVML_ERROR_INVALID_ARGUMENT:
+            raise _NoNewInterval from None
+        b.failed("nvmlGpmMetricsGet", ret)
+        state.gpm_pcie_ok = False
+        return None
+    rates = GpmRates(interval_s=interval)
+    lost = False
+    metrics = mg.metrics
+    for i, (_, attr) in enumerate(GPM_METRICS):
+        m = metrics[i]
+        if m.nvmlReturn == pynvml.NVML_SUCCESS:
+            setattr(rates, attr, float(m.value))
+        else:
+            b.count_error("nvmlGpmMetricsGet", m.nvmlReturn)
+            lost = lost or m.nvmlReturn == pynvml.NVML_ERROR_GPU_IS_LOST
+    if lost:
+        raise GpuLost("nvmlGpmMetricsGet")
+    state.gpm_pcie_ok = rates.pcie_tx_mibps is not None or rates.pcie_rx_mibps is not None
+    return rates
+

@@ -1,0 +1,102 @@
+"""What the server answers to an authorized GET or HEAD: routes and response bodies.
+
+Routes: the telemetry path (Prometheus text, or OpenMetrics when the ``Accept`` header asks for
+it; gzip when ``Accept-Encoding`` allows), ``/health`` (200 "OK" plus the service's state), a
+small landing page at ``/``, 404 for anything else. Every gpufleet service (the agent, the
+detector) plugs in through :class:`Exposer`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import html
+import logging
+from http import HTTPStatus
+from typing import Protocol
+
+from gpufleet.agent.serving.http import OTHER_METHODS, Request, format_response
+from gpufleet.agent.serving.webconfig import WebConfig
+
+log = logging.getLogger("gpufleet.agent.serving.server")
+
+
+class Exposer(Protocol):
+    def exposition(self, accept: str | None = None) -> tuple[bytes, str]: ...
+
+    def health(self) -> str: ...
+
+
+def _landing_page(telemetry_path: str, title: str) -> bytes:
+    t = html.escape(title)
+    p = html.escape(telemetry_path, quote=True)
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f"<title>{t}</title></head>\n<body>\n<h1>{t}</h1>\n"
+        "<p>GPU fleet observability: NVML, InfiniBand and host metrics for Prometheus.</p>\n"
+        f"<ul>\n<li><a href=\"{p}\">Metrics</a></li>\n<li><a href=\"/health\">Health</a></li>\n</ul>\n"
+        "</body></html>\n"
+    ).encode()
+
+
+def _accepts_gzip(header: str | None) -> bool:
+    for part in (header or "").split(","):
+        name, _, params = part.strip().partition(";")
+        if name.strip().lower() == "gzip":
+            q = params.strip()
+            return not (q.startswith("q=") and q[2:].strip() in ("0", "0.0", "0.00", "0.000"))
+    return False
+
+
+class Responder:
+    """Builds the response bytes for a request; every response carries the web config's headers."""
+
+    def __init__(self, exposer: Exposer, web: WebConfig, telemetry_path: str, title: str) -> None:
+        self.exposer = exposer
+        self.web = web
+        self.telemetry_path = telemetry_path
+        self.landing = _landing_page(telemetry_path, title)
+
+    def route(self, req: Request) -> tuple[bytes, bool]:
+        """The response to an authorized GET or HEAD request, and whether to keep the connection."""
+        if req.path == self.telemetry_path:
+            return self._metrics(req), req.keep_alive
+        if req.path == "/health":
+            body = f"OK\n{self.exposer.health()}\n".encode()
+            return self.response(req, 200, body), req.keep_alive
+        if req.path == "/":
+            return self.response(req, 200, self.landing, "text/html; charset=utf-8"), req.keep_alive
+        return self.response(req, 404, b"404 Not Found\n"), req.keep_alive
+
+    def unauthorized(self, req: Request) -> bytes:
+        return self.response(req, 401, b"401 Unauthorized\n",
+                             headers={"WWW-Authenticate": 'Basic realm="gpufleet"'})
+
+    def not_allowed(self, req: Request) -> bytes:
+        """405 for the other standard methods, 501 for unknown ones; the connection closes."""
+        status = 405 if req.method in OTHER_METHODS else 501
+        return self.response(req, status, f"{status} {HTTPStatus(status).phrase}\n".encode(), keep=False,
+                             headers={"Allow": "GET, HEAD"})
+
+    def error(self, status: int, reason: str) -> bytes:
+        """An error response to a request that could not be parsed (or served); the connection closes."""
+        return self.response(None, status, f"{status} {HTTPStatus(status).phrase}: {reason}\n".encode(), keep=False)
+
+    def response(self, req: Request | None, status: int, body: bytes,
+                 content_type: str = "text/plain; charset=utf-8", headers: dict[str, str] | None = None,
+                 keep: bool | None = None) -> bytes:
+        keep = (req.keep_alive if req else False) if keep is None else keep
+        return format_response(req, status, body, content_type, self.web.headers, headers, keep)
+
+    def _metrics(self, req: Request) -> bytes:
+        try:
+            body, content_type = self.exposer.exposition(req.headers.get("accept"))
+        except Exception:
+            log.exception("building the exposition failed")
+            return self.response(req, 500, b"500 error building metrics\n")
+        headers = {}
+        if _accepts_gzip(req.headers.get("accept-encoding")):
+            body = gzip.compress(body, compresslevel=1)
+            headers["Content-Encoding"] = "gzip"
+        headers["Vary"] = "Accept-Encoding"
+        return self.response(req, 200, body, content_type, headers)
+

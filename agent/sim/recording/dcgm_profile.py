@@ -1,0 +1,154 @@
+"""The ``dcgm`` profile of a recording: what dcgm-exporter, node_exporter and ipmi_exporter would have exposed.
+
+Every family name, type, help text, label name, job and port comes from :mod:`gpufleet.agent.vocab.exporters`
+(``DCGM_METRICS`` with dcgm-exporter's identity labels and ``hpc_job`` while a job runs; node_exporter's
+``infiniband`` collector; ipmi_exporter's DCMI power); this module only says which simulated array each
+family shows. dcgm-exporter's counters carry no ``_total`` suffix, so the vocabulary types them ``unknown``
+to keep the names Prometheus stores for them. The site families are gpufleet's, as in the other profile.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from gpufleet.agent.sim.physics import ECC_KEYS, NIC_ERRORS, REMAP_CAUSES
+from gpufleet.agent.sim.recording.capture import Context
+from gpufleet.agent.sim.recording.gpufleet_profile import site_families
+from gpufleet.agent.sim.recording.openmetrics import OmWriter, prefix
+from gpufleet.agent.vocab.exporters import (
+    DCGM,
+    DCGM_JOB_LABEL,
+    DCGM_METRICS,
+    IPMI_DCMI_POWER,
+    IPMI_EXPORTER,
+    NODE_EXPORTER,
+    NODE_INFINIBAND_METRICS,
+    Exporter,
+)
+from gpufleet.agent.vocab.nvml import NVLINK_ERRORS
+
+
+def _target(exporter: Exporter, node: str, site: str) -> dict[str, str]:
+    """The labels Prometheus adds to the exporter's series on ``node`` (and our ``site``)."""
+    return {"instance": f"{node}:{exporter.port}", "job": exporter.job, "site": site}
+
+
+def write(w: OmWriter, c: Context) -> None:
+    """Every family of the dcgm profile (the same set for ``full`` and ``core``)."""
+    _dcgm_exporter(w, c)
+    _node_exporter(w, c)
+    _ipmi_exporter(w, c)
+    site_families(w, c)
+
+
+def _xid_last(c: Context, n_ticks: int) -> np.ndarray:
+    """The last XID each GPU raised since its node's last reboot (0 before any), ticks x GPUs."""
+    fr = c.fr
+    xid_last = np.zeros((n_ticks, c.f.n_gpus))
+    prev: dict[tuple[int, int], int] = {}
+    lastx: dict[int, int] = {}
+    for (k0, d), (k1, _) in itertools.pairwise([*fr.xid, (n_ticks, {})]):
+        lastx = {g: x for g, x in lastx.items() if any(key[0] == g for key in d)}  # reset by reboots
+        for (g, x), v in d.items():
+            if v != prev.get((g, x)):
+                lastx[g] = x
+        for g, x in lastx.items():
+            xid_last[k0:k1, g] = x
+        prev = d
+    return xid_last
+
+
+def _dcgm_exporter(w: OmWriter, c: Context) -> None:
+    fr, f = c.fr, c.f
+    # dcgm-exporter series carry hpc_job while a job runs: one series per (GPU, job or none) run.
+    pairs = np.unique(np.stack([fr["gpu_job"].ravel(), np.tile(np.arange(f.n_gpus), w.n_ticks)], 1), axis=0)
+    gpus = pairs[:, 1]
+    masks = (fr["gpu_job"][:, gpus] == pairs[:, 0][None, :]) & c.gpu_present[:, gpus]
+    base: list[dict[str, str]] = []
+    for j, g in pairs:
+        node, k = int(c.gpu_node[g]), int(c.gpu_local[g])
+        identity = (str(k), c.sim.uuid(int(g)), c.sim.pci_bus_id(node, k), f"nvidia{k}", f.nodes[node].model.name,
+                    c.nodes[node])
+        labels = dict(zip(DCGM.labels, identity, strict=True))
+        if j >= 0:
+            labels[DCGM_JOB_LABEL] = fr.job_ids[j]
+        labels.update(_target(DCGM, c.nodes[node], c.site_of_node[node]))
+        base.append(labels)
+    us = 1e6
+    secs = fr.clock_event_seconds
+    nvl_err = fr["nvl_err"]
+    ecc = fr["ecc"]
+    values: dict[str, tuple[np.ndarray, int]] = {
+        "DCGM_FI_DEV_SM_CLOCK": (fr["clock_sm"], 0),
+        "DCGM_FI_DEV_MEM_CLOCK": (fr["clock_mem"], 0),
+        "DCGM_FI_DEV_GPU_TEMP": (fr["temp"], 0),
+        "DCGM_FI_DEV_MEMORY_TEMP": (fr["temp_mem"], 0),
+        "DCGM_FI_DEV_POWER_USAGE": (fr["power"], 3),
+        "DCGM_FI_DEV_POWER_MGMT_LIMIT": (fr["limit"], 1),
+        "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": (np.floor(fr["energy"] * 1000.0), 0),
+        "DCGM_FI_DEV_GPU_UTIL": (fr["util"], 0),
+        "DCGM_FI_DEV_FB_USED": (np.floor(fr["mem_used"] / 1048576.0), 0),
+        "DCGM_FI_PROF_GR_ENGINE_ACTIVE": (np.minimum(fr["sm_active"] * 1.04, 1.0), 4),
+        "DCGM_FI_PROF_SM_ACTIVE": (fr["sm_active"], 4),
+        "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": (fr["tensor"], 4),
+        "DCGM_FI_PROF_DRAM_ACTIVE": (fr["dram"], 4),
+        "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS": (fr["reasons"], 0),
+        "DCGM_FI_DEV_POWER_VIOLATION": (np.floor((secs("sw_power_cap") + secs("hw_power_brake_slowdown")) * us), 0),
+        "DCGM_FI_DEV_THERMAL_VIOLATION": (np.floor((secs("sw_thermal_slowdown") + secs("hw_thermal_slowdown")) * us),
+                                          0),
+        "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL": (np.floor(fr["nvl_bytes"] / 1024.0), 0),
+        "DCGM_FI_DEV_PCIE_REPLAY_COUNTER": (fr["pcie_replay"], 0),
+        "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL": (nvl_err[:, :, NVLINK_ERRORS.index("crc_flit")], 0),
+        "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL": (nvl_err[:, :, NVLINK_ERRORS.index("crc_data")], 0),
+        "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL": (nvl_err[:, :, NVLINK_ERRORS.index("replay")], 0),
+        "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL": (nvl_err[:, :, NVLINK_ERRORS.index("recovery")], 0),
+        "DCGM_FI_DEV_PCIE_LINK_GEN": (fr["pcie_gen"], 0),
+        "DCGM_FI_DEV_PCIE_LINK_WIDTH": (fr["pcie_width"], 0),
+        "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": (ecc[:, :, ECC_KEYS.index("volatile_corrected")], 0),
+        "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": (ecc[:, :, ECC_KEYS.index("volatile_uncorrected")], 0),
+        "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS": (fr["remapped"][:, :, REMAP_CAUSES.index("uncorrectable")], 0),
+        "DCGM_FI_DEV_ROW_REMAP_PENDING": (fr["remap_pending"], 0),
+        "DCGM_FI_DEV_XID_ERRORS": (_xid_last(c, w.n_ticks), 0),
+    }
+    for m in DCGM_METRICS:
+        arr, dec = values[m.name]
+        w.family(m.name, m.type, m.help)
+        w.block([prefix(m.sample, b) for b in base], np.asarray(arr), dec, masks, cols=gpus)
+
+
+def _node_exporter(w: OmWriter, c: Context) -> None:
+    """node_exporter's infiniband collector (rail and host NICs)."""
+    fr, f = c.fr, c.f
+    ne = []
+    for n in range(f.n_nics):
+        node = int(f.nic_node[n])
+        labels = dict(zip(NODE_EXPORTER.labels, (f"mlx5_{int(f.nic_local[n])}", "1"), strict=True))
+        ne.append({**labels, **_target(NODE_EXPORTER, c.nodes[node], c.site_of_node[node])})
+    err = fr["nic_err"]
+    values: dict[str, np.ndarray] = {
+        "node_infiniband_port_data_transmitted_bytes": np.floor(fr["nic_bytes"][:, :, 0] / 4) * 4,
+        "node_infiniband_port_data_received_bytes": np.floor(fr["nic_bytes"][:, :, 1] / 4) * 4,
+        "node_infiniband_port_packets_transmitted": np.floor(fr["nic_pkts"][:, :, 0]),
+        "node_infiniband_port_packets_received": np.floor(fr["nic_pkts"][:, :, 1]),
+        "node_infiniband_port_transmit_wait": np.floor(fr["nic_wait"]),
+        "node_infiniband_symbol_error": err[:, :, NIC_ERRORS.index("symbol_error")],
+        "node_infiniband_link_downed": err[:, :, NIC_ERRORS.index("link_downed")],
+        "node_infiniband_link_error_recovery": err[:, :, NIC_ERRORS.index("link_error_recovery")],
+        "node_infiniband_port_errors_received": err[:, :, NIC_ERRORS.index("port_rcv_errors")],
+        "node_infiniband_rate_bytes_per_second": fr["nic_rate"] * 1e9 / 8.0,
+        "node_infiniband_state_id": fr["nic_state"],
+        "node_infiniband_physical_state_id": fr["nic_phys"],
+    }
+    for m in NODE_INFINIBAND_METRICS:
+        w.family(m.name, m.type, m.help)
+        w.block([prefix(m.sample, x) for x in ne], values[m.name], 0, c.nic_present)
+
+
+def _ipmi_exporter(w: OmWriter, c: Context) -> None:
+    """ipmi_exporter's DCMI node power."""
+    m = IPMI_DCMI_POWER
+    w.family(m.name, m.type, m.help)
+    ip = [_target(IPMI_EXPORTER, n, c.site_of_node[i]) for i, n in enumerate(c.nodes)]
+    w.block([prefix(m.sample, x) for x in ip], np.rint(c.fr["node_power"]), 0, c.fr["present"])

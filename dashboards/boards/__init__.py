@@ -1,0 +1,1 @@
+"""One module per Grafana dashboard, each defining ``dashboard`` (a grafanalib Dashboard)."""

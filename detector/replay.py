@@ -1,0 +1,55 @@
+"""Replay: evaluate OpenMetrics recordings as if live, every ``step`` seconds.
+
+Shared by ``gpufleet-detector replay``/``report`` and the simulator's quality harness.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from gpufleet.detector.config import DetectorConfig
+from gpufleet.detector.engine import Detector
+from gpufleet.detector.findings import Finding
+from gpufleet.detector.profiles import sample_names
+from gpufleet.detector.source_recording import RecordingSource
+
+
+def replay(files: Sequence[str], cfg: DetectorConfig, step: float | None = None,
+           progress: bool = False) -> tuple[Detector, list[Finding]]:
+    """Evaluate recordings as if live; returns the detector and every finding (open ones with end None)."""
+    src = RecordingSource.load(files, sample_names(cfg.profile) | _site_metrics(cfg))
+    det = Detector(cfg, src)
+    lo, hi = src.time_range()
+    step = step or cfg.interval_seconds
+    if step <= 0:
+        raise ValueError("--step must be > 0")
+    first = lo + cfg.window_seconds
+    times = [first + i * step for i in range(int((hi - first) // step) + 1)] if hi >= first else []
+    for q in det.queries:
+        src.precompute(q, times, cfg.window_seconds)
+    # Inputs the recording never holds (a metric missing only for a while is not a missing input).
+    present = src.metric_names()
+    by_feature: dict[str, set[str]] = {}
+    for q in det.queries:
+        by_feature.setdefault(q.feature, set()).add(q.metric)
+    # an alternative name (e.g. DCGM_FI_DEV_CLOCKS_EVENT_REASONS for ..._CLOCK_THROTTLE_REASONS) is not missing
+    missing = {m for names in by_feature.values() if not names & present for m in names}
+    if progress:
+        from rich.progress import Progress
+
+        with Progress(transient=True, console=None) as bar:
+            task = bar.add_task("replay", total=len(times))
+            for t in times:
+                det.evaluate(t)
+                bar.advance(task)
+    else:
+        for t in times:
+            det.evaluate(t)
+    if missing:
+        sys.stderr.write(f"gpufleet-detector: inputs not found in the recording: {', '.join(sorted(missing))}\n")
+    return det, det.tracker.all_findings()
+
+
+def _site_metrics(cfg: DetectorConfig) -> set[str]:
+    return {q.metric for s in cfg.sites for q in s.queries}
