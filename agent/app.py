@@ -9,7 +9,7 @@ thread; ``close()`` stops both.
 The NVML backend is the real one, or with ``--nvml.fake`` one on the fake NVML
 (:func:`gpufleet.agent.fake.spec.fake_backend`, imported only then). When the fake's
 source keeps a fake sysfs tree (``source.sysfs_root``) and the user left ``--path.sysfs``
-at its default, the NIC and topology collectors read that tree, so a simulated host has
+at its default, the NIC, topology and PCIe collectors read that tree, so a simulated host has
 simulated InfiniBand ports too; the fake's ``refresh_host`` runs before every read, so
 that tree is current whichever collectors are enabled.
 """
@@ -20,10 +20,10 @@ import logging
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
 
 from gpufleet.agent.collectors import Collector
 from gpufleet.agent.config import COLLECTORS, AgentConfig
+from gpufleet.agent.exposition import negotiate
 from gpufleet.agent.nvml.backend import NvmlBackend
 from gpufleet.agent.registry import AgentCollector, new_registry
 
@@ -86,10 +86,27 @@ class Agent:
             from gpufleet.agent.collectors.topology import TopologyCollector
 
             return TopologyCollector(self.sysfs_path, self.backend.pci_bus_ids)
+        if name == "pcie":
+            from gpufleet.agent.collectors.pcie import PcieCollector
+
+            return PcieCollector(self.sysfs_path, self.backend.pci_bus_ids, interval=self.cfg.pcie_interval)
         if name == "jobs":
             from gpufleet.agent.collectors.jobs import JobsCollector
 
             return JobsCollector(self.cfg.job_mapping_dir)
+        if name == "pods":
+            from gpufleet.agent.collectors.pods import PodsCollector, backend_gpu_ids
+
+            return PodsCollector(self.cfg.pods_socket, self.cfg.pods_resources, backend_gpu_ids(self.backend),
+                                 refresh_interval=self.cfg.pods_refresh_interval)
+        if name == "pressure":
+            from gpufleet.agent.collectors.jobs import JobsCollector
+            from gpufleet.agent.collectors.pressure import PressureCollector
+
+            # The job ids the agent attributes: a reader of its own, so it works with --no-collector.jobs too.
+            jobs = JobsCollector(self.cfg.job_mapping_dir)
+            return PressureCollector(self.cfg.procfs_path, self.cfg.cgroupfs_path,
+                                     lambda: {j for ids in jobs.mapping().values() for j in ids})
         if name == "host":
             from gpufleet.agent.collectors.host import HostCollector
 
@@ -132,12 +149,15 @@ class Agent:
 
     # ------------------------------------------------------------------ output
     def exposition(self, accept: str | None = None) -> tuple[bytes, str]:
-        """The exposition in the format ``accept`` asks for (Prometheus text by default)."""
-        encoder, content_type = choose_encoder(accept or "")
-        if content_type.startswith("text/plain"):
-            # gpufleet's names are all valid legacy names: the fast encoder's output is identical.
-            return self.collector.read_text(), content_type
-        return bytes(encoder(self.registry)), content_type
+        """The exposition in the format ``accept`` asks for (Prometheus text by default), as
+        prometheus_client would encode it; concurrent scrapes of one read share the bytes."""
+        fmt = negotiate(accept)
+        return self.collector.read_encoded(fmt), fmt.content_type
+
+    def compressed_exposition(self, accept: str | None = None) -> tuple[bytes, str]:
+        """:meth:`exposition` gzip-compressed (level 1), compressed once per read and format."""
+        fmt = negotiate(accept)
+        return self.collector.read_encoded(fmt, gzipped=True), fmt.content_type
 
     def text(self) -> bytes:
         """The Prometheus text exposition of one (shared) read."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 #: Every collector the agent knows, in scrape order. All are on by default.
-COLLECTORS = ("gpu", "xid", "nic", "topology", "jobs", "host")
+COLLECTORS = ("gpu", "xid", "nic", "topology", "pcie", "jobs", "pods", "host", "pressure")
 
 DEFAULT_PORT = 9445
 DEFAULT_LISTEN = f":{DEFAULT_PORT}"
@@ -19,7 +19,15 @@ class AgentConfig:
     web_config_file: str | None = None  # --web.config.file (exporter-toolkit format)
     collectors: dict[str, bool] = field(default_factory=lambda: {c: True for c in COLLECTORS})
     sysfs_path: str = "/sys"  # --path.sysfs; InfiniBand under <sysfs>/class/infiniband
+    procfs_path: str = "/proc"  # --path.procfs; pressure stall information under <procfs>/pressure
+    cgroupfs_path: str = "/sys/fs/cgroup"  # --path.cgroupfs; job cgroups (job_<id>) searched below it
+    #: --collector.pcie.interval: AER counters and PCIe link state are re-read at most this often (0: every scrape)
+    pcie_interval: float = 60.0
     job_mapping_dir: str = "/var/lib/dcgm-exporter/job-mapping"  # --collector.jobs.mapping-dir
+    pods_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"  # --collector.pods.socket
+    #: --collector.pods.resources: extended resource / DRA driver name patterns whose devices count
+    pods_resources: tuple[str, ...] = ("nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig-*", "gpu.nvidia.com")
+    pods_refresh_interval: float = 5.0  # --collector.pods.refresh-interval: seconds between kubelet List calls
     log_level: str = "info"  # --log.level: debug, info, warn, error
     #: --nvml.fake: "" for the real libnvidia-ml; "sim" / "sim:N" (built-in simulated H100 host with N GPUs,
     #: default 8), "trace:PATH" (replay a recorded trace), "live:PATH" (snapshot file the fleet simulator rewrites)

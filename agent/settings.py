@@ -15,8 +15,16 @@ file given by ``--config.file`` (sections mirror the flags)::
     slow_interval = 30
     [collector.jobs]
     mapping_dir = "/var/lib/dcgm-exporter/job-mapping"
+    [collector.pcie]
+    interval = 60
+    [collector.pods]
+    socket = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    resources = ["nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig-*", "gpu.nvidia.com"]
+    refresh_interval = 5
     [path]
     sysfs = "/sys"
+    procfs = "/proc"
+    cgroupfs = "/sys/fs/cgroup"
     [log]
     level = "info"
     [nvml]
@@ -75,6 +83,27 @@ def _float(v: Any) -> float:
     return f
 
 
+def _interval(v: Any) -> float:
+    f = _float(v)
+    if f < 0.1:
+        raise ValueError(f"expected at least 0.1 seconds, got {v!r}")
+    return f
+
+
+def _patterns(v: Any) -> tuple[str, ...]:
+    """A comma-separated string (flag, environment) or a list of strings (TOML) of name patterns."""
+    items = v.split(",") if isinstance(v, str) else v
+    if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
+        raise ValueError(f"expected a comma-separated string or a list of strings, got {v!r}")
+    out = tuple(i.strip() for i in items if i.strip())
+    if not out:
+        raise ValueError(f"expected at least one resource name pattern, got {v!r}")
+    for i in out:
+        if not i.isprintable() or " " in i:
+            raise ValueError(f"resource name pattern {i!r} has a space or a control character")
+    return out
+
+
 def _bool(v: Any) -> bool:
     if isinstance(v, bool):
         return v
@@ -122,10 +151,29 @@ OPTIONS: tuple[Option, ...] = (
                 "temperatures, memory, PCIe, NVLink throughput and GPM are read on every scrape. A lost GPU "
                 "or an NVML restart drops the cache. 0 reads everything on every scrape "
                 f"(default {_D.gpu_slow_interval:g})"),
+    Option("--collector.pcie.interval", "pcie_interval", ("collector.pcie", "interval"), _float, metavar="S",
+           help="re-read the PCIe AER counters and link state of the GPUs, NICs and the ports above them at most "
+                f"every S seconds, serving the last read in between; 0 reads them on every scrape "
+                f"(default {_D.pcie_interval:g})"),
     Option("--collector.jobs.mapping-dir", "job_mapping_dir", ("collector.jobs", "mapping_dir"), metavar="DIR",
            help=f"dcgm-exporter job mapping directory (default {_D.job_mapping_dir})"),
+    Option("--collector.pods.socket", "pods_socket", ("collector.pods", "socket"), metavar="PATH",
+           help=f"kubelet pod-resources API socket; none there means no pod attribution (default {_D.pods_socket})"),
+    Option("--collector.pods.resources", "pods_resources", ("collector.pods", "resources"), _patterns,
+           metavar="PATTERNS",
+           help="comma-separated extended resource or DRA driver names (shell patterns) whose devices are "
+                f"attributed to pods (default {','.join(_D.pods_resources)})"),
+    Option("--collector.pods.refresh-interval", "pods_refresh_interval", ("collector.pods", "refresh_interval"),
+           _interval, metavar="S",
+           help="ask the kubelet which pod holds which GPU every S seconds, in the background "
+                f"(default {_D.pods_refresh_interval:g})"),
     Option("--path.sysfs", "sysfs_path", ("path", "sysfs"), metavar="DIR",
            help=f"sysfs mount point (default {_D.sysfs_path})"),
+    Option("--path.procfs", "procfs_path", ("path", "procfs"), metavar="DIR",
+           help=f"procfs mount point; pressure stall information under DIR/pressure (default {_D.procfs_path})"),
+    Option("--path.cgroupfs", "cgroupfs_path", ("path", "cgroupfs"), metavar="DIR",
+           help=f"cgroup v2 mount point searched for the attributed jobs' job_<id> cgroups "
+                f"(default {_D.cgroupfs_path})"),
     Option("--log.level", "log_level", ("log", "level"), metavar="LEVEL",
            help="debug, info, warn or error (default info)"),
     Option("--nvml.fake", "nvml_fake", ("nvml", "fake"), metavar="SPEC",

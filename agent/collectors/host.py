@@ -8,6 +8,10 @@ when the collector is created. A scrape less than :data:`MIN_INTERVAL_SECONDS`
 after the previous measurement (CPU times tick at 100 Hz, so the ratio would be
 noise), or with no CPU time elapsed, leaves the series out rather than
 reporting a made-up value, and keeps the older baseline for the next scrape.
+
+CPU steal and iowait (``/proc/stat``'s ``cpu`` line, which psutil gives in seconds) are
+exported as counters from the newest of those samples, so they cost no extra read; a
+platform whose ``cpu_times()`` has no such field gets no series.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ _COUNT = "gpufleet_host_cpus"
 _MEM_TOTAL = "gpufleet_host_memory_total_bytes"
 _MEM_AVAIL = "gpufleet_host_memory_available_bytes"
 _LOAD = "gpufleet_host_load_average"
-_NAMES = (_CPU, _COUNT, _MEM_TOTAL, _MEM_AVAIL, _LOAD)
+_STEAL = "gpufleet_host_cpu_steal_seconds_total"
+_IOWAIT = "gpufleet_host_cpu_iowait_seconds_total"
+_NAMES = (_CPU, _COUNT, _MEM_TOTAL, _MEM_AVAIL, _LOAD, _STEAL, _IOWAIT)
 _WINDOWS = ("1m", "5m", "15m")
 #: Shortest interval over which CPU utilization is reported.
 MIN_INTERVAL_SECONDS = 0.1
@@ -56,8 +62,10 @@ class HostCollector:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._last: tuple[float, float, float] | None = None  # (clock, busy, total)
+        self._times: Any = None  # the newest psutil.cpu_times() sample (steal, iowait)
         try:
-            self._last = (clock(), *cpu_busy_total(psutil.cpu_times()))
+            self._times = psutil.cpu_times()
+            self._last = (clock(), *cpu_busy_total(self._times))
         except (OSError, RuntimeError) as e:  # pragma: no cover - psutil always works on Linux
             log.warning("psutil.cpu_times failed: %s", e)
 
@@ -69,7 +77,8 @@ class HostCollector:
         t = self._clock()
         if self._last is not None and t - self._last[0] < MIN_INTERVAL_SECONDS:
             return None
-        now = (t, *cpu_busy_total(psutil.cpu_times()))
+        self._times = psutil.cpu_times()
+        now = (t, *cpu_busy_total(self._times))
         last, self._last = self._last, now
         if last is None:
             return None
@@ -88,6 +97,12 @@ class HostCollector:
                 fams.append(fam)
 
         gauge(_CPU, self.cpu_utilization())
+        for name, field in ((_STEAL, "steal"), (_IOWAIT, "iowait")):
+            value = getattr(self._times, field, None)
+            if value is not None:
+                fam = catalog.spec(name).family()
+                fam.add_metric([], float(value))
+                fams.append(fam)
         gauge(_COUNT, psutil.cpu_count(logical=True))
         mem = psutil.virtual_memory()
         gauge(_MEM_TOTAL, mem.total)

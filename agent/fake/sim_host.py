@@ -25,7 +25,16 @@ from pathlib import Path
 from typing import Protocol
 
 from gpufleet.agent.fake.noise import uniform
-from gpufleet.agent.fake.sysfs import IB_COUNTER_FILES, ValueWriter, add_ib_device, add_pci_function, add_port
+from gpufleet.agent.fake.sysfs import (
+    IB_COUNTER_FILES,
+    ValueWriter,
+    add_ib_device,
+    add_pci_function,
+    add_port,
+    aer_files,
+    link_files,
+    write_files,
+)
 from gpufleet.agent.nvml.model import GpuInventory, GpuSample
 
 _IB_RATE = "400 Gb/sec (4X NDR)"
@@ -98,6 +107,11 @@ class SimHostSysfs:
             add_port(dev, 1, files={
                 "rate": _IB_RATE, "state": "4: ACTIVE", "phys_state": "5: LinkUp", "link_layer": "InfiniBand",
                 "lid": f"0x{0x100 + inv.index:x}"})
+            # PCIe Gen5 x16 everywhere and AER statistics with no errors on every function of both paths
+            # (the root port, switch[1], with its root-port totals too)
+            for chain in ([*switch, f"{dom:04x}:{down_bus:02x}:00.0", gpu], [*switch, f"{dom:04x}:{down_bus:02x}:01.0", nic]):
+                for k in range(2, len(chain) + 1):
+                    write_files(root.joinpath("devices", *chain[:k]), {**aer_files(root_port=k == 2), **link_files()})
 
     def _counters(self, gpu: int, elapsed: float) -> tuple[dict[str, int], dict[str, int]]:
         """Counter values derived from the GPU's own NVLink byte integral (IB traffic follows the job)."""

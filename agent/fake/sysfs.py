@@ -30,6 +30,40 @@ IB_COUNTER_FILES = (
     "port_rcv_switch_relay_errors", "port_xmit_constraint_errors", "port_xmit_data", "port_xmit_discards",
     "port_xmit_packets", "port_xmit_wait", "symbol_error", "unicast_rcv_packets", "unicast_xmit_packets",
 )
+#: The error names the kernel prints in aer_dev_correctable and in aer_dev_nonfatal/aer_dev_fatal, in its order.
+AER_CORRECTABLE = ("RxErr", "BadTLP", "BadDLLP", "Rollover", "Timeout", "NonFatalErr", "CorrIntErr", "HeaderOF")
+AER_UNCORRECTABLE = (
+    "Undefined", "DLP", "SDES", "TLP", "FCP", "CmpltTO", "CmpltAbrt", "UnxCmplt", "RxOF", "MalfTLP", "ECRC",
+    "UnsupReq", "ACSViol", "UncorrIntErr", "BlockedTLP", "AtomicOpBlocked", "TLPBlockedErr", "PoisonTLPBlocked",
+)
+
+
+def aer_files(correctable: Mapping[str, int] | None = None, nonfatal: Mapping[str, int] | None = None,
+              fatal: Mapping[str, int] | None = None, *, root_port: bool = False) -> dict[str, str]:
+    """The AER statistics attributes of an AER-capable function (``name -> text``, for :func:`write_files`):
+    one ``<ErrorName> <count>`` line per error type and the ``TOTAL_ERR_*`` line; with ``root_port``
+    also ``aer_rootport_total_err_*`` (here: the same totals)."""
+    out: dict[str, str] = {}
+    totals: dict[str, int] = {}
+    for fname, total, names, counts in (
+            ("aer_dev_correctable", "TOTAL_ERR_COR", AER_CORRECTABLE, correctable),
+            ("aer_dev_nonfatal", "TOTAL_ERR_NONFATAL", AER_UNCORRECTABLE, nonfatal),
+            ("aer_dev_fatal", "TOTAL_ERR_FATAL", AER_UNCORRECTABLE, fatal)):
+        values = counts or {}
+        totals[fname] = sum(values.values())
+        out[fname] = "\n".join([*(f"{n} {values.get(n, 0)}" for n in names), f"{total} {totals[fname]}"])
+    if root_port:
+        out["aer_rootport_total_err_cor"] = str(totals["aer_dev_correctable"])
+        out["aer_rootport_total_err_nonfatal"] = str(totals["aer_dev_nonfatal"])
+        out["aer_rootport_total_err_fatal"] = str(totals["aer_dev_fatal"])
+    return out
+
+
+def link_files(speed: str = "32.0 GT/s PCIe", width: int = 16, *, max_speed: str | None = None,
+               max_width: int | None = None) -> dict[str, str]:
+    """A PCIe function's link attributes (``current_link_speed`` ...; the maxima default to the current)."""
+    return {"current_link_speed": speed, "current_link_width": str(width),
+            "max_link_speed": max_speed or speed, "max_link_width": str(max_width or width)}
 
 
 def _link(root: Path, link: Path, dest: Path, absolute: bool) -> None:

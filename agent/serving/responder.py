@@ -12,7 +12,7 @@ import gzip
 import html
 import logging
 from http import HTTPStatus
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from gpufleet.agent.serving.http import OTHER_METHODS, Request, format_response
 from gpufleet.agent.serving.webconfig import WebConfig
@@ -24,6 +24,14 @@ class Exposer(Protocol):
     def exposition(self, accept: str | None = None) -> tuple[bytes, str]: ...
 
     def health(self) -> str: ...
+
+
+@runtime_checkable
+class CompressingExposer(Protocol):
+    """An exposer that also serves its exposition gzip-compressed (e.g. compressed once and shared
+    by concurrent scrapes); for the others the responder compresses each response itself."""
+
+    def compressed_exposition(self, accept: str | None = None) -> tuple[bytes, str]: ...
 
 
 def _landing_page(telemetry_path: str, title: str) -> bytes:
@@ -55,6 +63,7 @@ class Responder:
         self.web = web
         self.telemetry_path = telemetry_path
         self.landing = _landing_page(telemetry_path, title)
+        self._compressing = exposer if isinstance(exposer, CompressingExposer) else None
 
     def route(self, req: Request) -> tuple[bytes, bool]:
         """The response to an authorized GET or HEAD request, and whether to keep the connection."""
@@ -88,15 +97,19 @@ class Responder:
         return format_response(req, status, body, content_type, self.web.headers, headers, keep)
 
     def _metrics(self, req: Request) -> bytes:
+        accept = req.headers.get("accept")
+        gzipped = _accepts_gzip(req.headers.get("accept-encoding"))
         try:
-            body, content_type = self.exposer.exposition(req.headers.get("accept"))
+            if gzipped and self._compressing is not None:
+                body, content_type = self._compressing.compressed_exposition(accept)
+            else:
+                body, content_type = self.exposer.exposition(accept)
+                if gzipped:
+                    body = gzip.compress(body, compresslevel=1)
         except Exception:
             log.exception("building the exposition failed")
             return self.response(req, 500, b"500 error building metrics\n")
-        headers = {}
-        if _accepts_gzip(req.headers.get("accept-encoding")):
-            body = gzip.compress(body, compresslevel=1)
-            headers["Content-Encoding"] = "gzip"
+        headers = {"Content-Encoding": "gzip"} if gzipped else {}
         headers["Vary"] = "Accept-Encoding"
         return self.response(req, 200, body, content_type, headers)
 

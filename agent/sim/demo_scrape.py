@@ -100,7 +100,8 @@ def parse_node(node: str, url: str, text: str) -> NodeView:
         for s in family.samples:
             v = float(s.value)
             view.samples.append((s.name, s.labels, v))
-            g = gpu(s.labels)
+            # only per-GPU families name a GPU (PCIe and pod info series carry GPU lists or "")
+            g = gpu(s.labels) if s.name.startswith("gpufleet_gpu_") and s.labels.get("gpu") else None
             if g is None:
                 continue
             if s.name == M_CLOCK and s.labels.get("clock") == "sm":

@@ -29,6 +29,9 @@ from gpufleet.agent.fake.sysfs import (  # every port has IB_COUNTER_FILES; unmo
     add_ib_device,
     add_pci_function,
     add_port,
+    aer_files,
+    link_files,
+    write_files,
 )
 from gpufleet.agent.nvml import model
 from gpufleet.agent.serving.files import write_atomic
@@ -302,6 +305,12 @@ class Simulator:
                                 files={"hca_type": "MT4129", "fw_ver": "28.41.1000", "board_id": "MT_0000000838"})
             host = k == self.fleet.gpus_per_node
             add_port(dev, 1, files={"link_layer": "Ethernet" if host else "InfiniBand"})
+        # PCIe Gen5 x16 links and AER statistics with no errors on every function below the host bridge
+        # (the first one is the root port, with its root-port totals)
+        for path in (*gpus.values(), *nics.values()):
+            chain = path.split("/")[1:]
+            for k in range(2, len(chain) + 1):
+                write_files(r.joinpath("devices", *chain[:k]), {**aer_files(root_port=k == 2), **link_files()})
 
     def _sysfs_values(self, i: int) -> dict[str, str]:
         p = self.physics

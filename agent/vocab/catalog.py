@@ -38,7 +38,10 @@ GROUPS = (
     "nic",  # InfiniBand/RoCE sysfs and Ethernet (psutil)
     "topology",  # NIC <-> GPU mapping from PCI topology
     "jobs",  # job attribution (dcgm-exporter mapping directory)
+    "pods",  # Kubernetes pod attribution (kubelet pod-resources API)
     "host",  # psutil host context and node GPU totals
+    "pcie",  # PCIe AER counters and link state of the GPUs, NICs and the ports above them (sysfs)
+    "pressure",  # pressure stall information (PSI) of the host and of the attributed jobs' cgroups
     "site",  # facility data (BMS/DCIM); produced by the simulator in recordings
     "detector",  # gpufleet-detector findings and health
 )
@@ -232,6 +235,19 @@ SPECS: tuple[MetricSpec, ...] = (
                "Files of the job mapping directory skipped on this scrape: not a regular file, unreadable, too "
                "large, or not a list of job ids (invalid UTF-8, control characters). Absent without the directory.",
                (), "jobs"),
+    # ---------------------------------------------------------------- Kubernetes pods (kubelet pod-resources API)
+    MetricSpec("gpufleet_gpu_pod_info", _G, "",
+               "Kubernetes container holding the GPU (kubelet pod-resources API); value is 1. Join on gpu. gpu and "
+               "uuid name the physical GPU (empty when this host's NVML cannot resolve the device: a MIG UUID, a GPU "
+               "NVML does not list); device is the id the kubelet reported, without a time-slicing replica suffix "
+               "(a GPU or MIG UUID, nvidiaN, a DRA device name); resource is the extended resource or DRA driver "
+               "name. A GPU shared by time-slicing or MIG has one row per container holding it. Absent without "
+               "the kubelet socket.",
+               ("gpu", "uuid", "device", "namespace", "pod", "container", "resource"), "pods"),
+    MetricSpec("gpufleet_kubelet_errors_total", _C, "",
+               "Failed calls to the kubelet pod-resources API, by gRPC status (unavailable, deadline_exceeded, ...; "
+               "other for anything else). Absent until the socket has been seen.",
+               ("error",), "pods"),
     # ---------------------------------------------------------------- NIC: InfiniBand / RoCE
     MetricSpec("gpufleet_ib_port_info", _G, "", "InfiniBand/RoCE port identity; value is 1.",
                ("device", "port", "link_layer", "hca_type", "board_id", "fw_ver"), "nic"),
@@ -272,9 +288,58 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("gpufleet_host_memory_available_bytes", _G, "bytes", "Host memory available to new processes.", (), "host"),
     MetricSpec("gpufleet_host_load_average", _G, "", "Host load average.", ("window",), "host",
                label_values={"window": ("1m", "5m", "15m")}),
+    MetricSpec("gpufleet_host_cpu_steal_seconds_total", _C, "seconds",
+               "CPU time stolen by the hypervisor for other guests, all CPUs (/proc/stat steal).", (), "host"),
+    MetricSpec("gpufleet_host_cpu_iowait_seconds_total", _C, "seconds",
+               "CPU time idle with I/O outstanding, all CPUs (/proc/stat iowait; the kernel's count is approximate "
+               "and may step back).", (), "host"),
     MetricSpec("gpufleet_node_gpu_power_watts", _G, "watts", "Sum of the power draw of the host's GPUs.", (), "gpu"),
     MetricSpec("gpufleet_node_gpu_energy_joules_total", _C, "joules", "Sum of the energy counters of the host's GPUs.",
                (), "gpu"),
+    # ---------------------------------------------------------------- PCIe (sysfs: AER and link state)
+    MetricSpec("gpufleet_pcie_device_info", _G, "",
+               "A PCI function on a GPU or NIC path: the GPU, the NIC and every switch port and root port above them; "
+               "value is 1. gpu and nic list the GPU indices and NIC names at or below it (comma-separated, empty "
+               "when none). Join on device.",
+               ("device", "role", "gpu", "nic"), "pcie",
+               label_values={"role": ("gpu", "nic", "switch", "root_port")}),
+    MetricSpec("gpufleet_pcie_aer_reports_total", _C, "",
+               "PCIe Advanced Error Reporting error reports the device logged (TOTAL_ERR_COR, TOTAL_ERR_NONFATAL, "
+               "TOTAL_ERR_FATAL of aer_dev_*); one report may carry several error types. Alert on this one.",
+               ("device", "kind"), "pcie", label_values={"kind": ("correctable", "nonfatal", "fatal")}),
+    MetricSpec("gpufleet_pcie_aer_errors_total", _C, "",
+               "PCIe AER errors seen by the device per error type (the named lines of aer_dev_*); only the types "
+               "seen at least once have a series. Their sum can exceed gpufleet_pcie_aer_reports_total.",
+               ("device", "kind", "error"), "pcie", label_values={"kind": ("correctable", "nonfatal", "fatal")}),
+    MetricSpec("gpufleet_pcie_aer_root_port_errors_total", _C, "",
+               "AER error reports a root port received from any device below it (aer_rootport_total_err_*).",
+               ("device", "kind"), "pcie", label_values={"kind": ("correctable", "nonfatal", "fatal")}),
+    MetricSpec("gpufleet_pcie_link_speed_transfers_per_second", _G, "",
+               "PCIe link speed in transfers per second (current_link_speed, max_link_speed; 32.0 GT/s = 3.2e10) "
+               "of the upstream ports (GPU, NIC, switch upstream port): each link once. Absent while Unknown.",
+               ("device", "which"), "pcie", label_values={"which": ("current", "max")}),
+    MetricSpec("gpufleet_pcie_link_width", _G, "",
+               "PCIe link width in lanes (current_link_width, max_link_width; current 0: link down) of the "
+               "upstream ports (GPU, NIC, switch upstream port): each link once.",
+               ("device", "which"), "pcie", label_values={"which": ("current", "max")}),
+    MetricSpec("gpufleet_pcie_read_errors_total", _C, "",
+               "sysfs PCIe attribute files that could not be read or parsed, by file name (a missing file is no "
+               "error: the device has no such attribute).", ("file",), "pcie"),
+    # ---------------------------------------------------------------- pressure (PSI)
+    MetricSpec("gpufleet_host_pressure_stalled_seconds_total", _C, "seconds",
+               "Pressure stall information of the host (/proc/pressure/*, total): time some (kind=some) or all "
+               "(kind=full) non-idle tasks were stalled on the resource; rate() is the stalled fraction.",
+               ("resource", "kind"), "pressure",
+               label_values={"resource": ("cpu", "memory", "io"), "kind": ("some", "full")}),
+    MetricSpec("gpufleet_job_pressure_stalled_seconds_total", _C, "seconds",
+               "Pressure stall information of an attributed job's cgroup (cpu.pressure, memory.pressure, "
+               "io.pressure of the job_<id> cgroup); only jobs of gpufleet_gpu_job_info.",
+               ("job_id", "resource", "kind"), "pressure",
+               label_values={"resource": ("cpu", "memory", "io"), "kind": ("some", "full")}),
+    MetricSpec("gpufleet_pressure_read_errors_total", _C, "",
+               "Pressure files that could not be read or parsed (scope=host: /proc/pressure, scope=job: a job "
+               "cgroup), by resource. A missing file is no error (kernel without PSI).",
+               ("scope", "resource"), "pressure", label_values={"scope": ("host", "job")}),
     # ---------------------------------------------------------------- site (facility, from BMS/DCIM)
     MetricSpec("gpufleet_site_facility_power_watts", _G, "watts",
                "Total facility power of a site (utility meter).", ("site",), "site"),

@@ -13,7 +13,8 @@ from gpufleet.dashboards.panels import GPU, NODE, SITE
 
 GROUPS = (
     ("GPU", "gpu"), ("XID", "xid"), ("Jobs", "jobs"), ("InfiniBand / RoCE and Ethernet", "nic"),
-    ("GPU / NIC topology", "topology"), ("Host", "host"), ("Agent", "exporter"),
+    ("GPU / NIC topology", "topology"), ("PCIe (AER, links)", "pcie"), ("Host", "host"),
+    ("Pressure (PSI)", "pressure"), ("Agent", "exporter"),
 )
 
 

@@ -53,10 +53,19 @@ def exposition(tmp_path: Path) -> str:
     jobs.mkdir()
     for gpu in range(8):
         (jobs / str(gpu)).write_text("llm-pretrain-0042\n" if gpu < 6 else "eval-0007\n")
+    # pressure stall information of the host and of one job's cgroup (fixed, not the real /proc)
+    psi = "some avg10=1.00 avg60=0.50 avg300=0.25 total=12345678\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=2500\n"
+    (tmp_path / "proc" / "pressure").mkdir(parents=True)
+    job_cg = tmp_path / "cgroup" / "system.slice" / "slurmstepd.scope" / "job_llm-pretrain-0042"
+    job_cg.mkdir(parents=True)
+    for resource in ("cpu", "memory", "io"):
+        (tmp_path / "proc" / "pressure" / resource).write_text(psi)
+        (job_cg / f"{resource}.pressure").write_text(psi)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
     r = subprocess.run(
         [str(BIN / "gpufleet-agent"), "once", f"--nvml.fake=trace:{TRACE}@{PIN}", "--no-collector.host",
-         f"--path.sysfs={root}", f"--collector.jobs.mapping-dir={jobs}"],
+         f"--path.sysfs={root}", f"--collector.jobs.mapping-dir={jobs}", f"--path.procfs={tmp_path / 'proc'}",
+         f"--path.cgroupfs={tmp_path / 'cgroup'}"],
         capture_output=True, text=True, timeout=120, env=env,
     )
     assert r.returncode == 0, r.stderr

@@ -98,4 +98,5 @@ def test_describe_does_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
     assert names == {
         "gpufleet_host_cpu_utilization_ratio", "gpufleet_host_cpus", "gpufleet_host_memory_total_bytes",
         "gpufleet_host_memory_available_bytes", "gpufleet_host_load_average",
+        "gpufleet_host_cpu_steal_seconds", "gpufleet_host_cpu_iowait_seconds",  # counters: _total on exposition
     }

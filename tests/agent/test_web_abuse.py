@@ -60,7 +60,8 @@ def exchange(port: int, data: bytes, timeout: float = 5.0, half_close: bool = Tr
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
         s.sendall(data)
         if half_close:
-            s.shutdown(socket.SHUT_WR)
+            with contextlib.suppress(OSError):  # the server may have answered and closed already
+                s.shutdown(socket.SHUT_WR)
         out = b""
         with contextlib.suppress(OSError):
             while chunk := s.recv(65536):

@@ -1,0 +1,1 @@
+"""Clients of the kubelet's local gRPC APIs."""

@@ -1,0 +1,1 @@
+"""Pod-resources v1: generated from the vendored api.proto (see NOTICE; regenerate with agent/kubelet/regenerate.sh)."""
