@@ -46,7 +46,14 @@ from typing import NamedTuple, cast
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gpufleet.agent.collectors.series import SeriesCache
-from gpufleet.agent.collectors.topology import PCI_ADDR_RE, PCI_ROOT_RE, resolve_in_root, sysfs_pci_address
+from gpufleet.agent.collectors.topology import (
+    PCI_ADDR_RE,
+    PCI_ROOT_RE,
+    gpu_index_key,
+    ib_device_names,
+    resolve_in_root,
+    sysfs_pci_address,
+)
 from gpufleet.agent.vocab import catalog
 
 log = logging.getLogger(__name__)
@@ -191,12 +198,8 @@ def discover(sysfs: str, gpu_bus_ids: dict[str, str], nics: Iterable[str]) -> li
             paths.setdefault(addr, os.path.join(sysfs, *chain[: i + 1]))
             gpus, nics_below = below.setdefault(addr, (set(), set()))
             (gpus if role == "gpu" else nics_below).add(name)
-    return [PcieDevice(a, paths[a], roles[a], upstream[a], tuple(sorted(below[a][0], key=_index_key)), tuple(sorted(below[a][1])))
+    return [PcieDevice(a, paths[a], roles[a], upstream[a], tuple(sorted(below[a][0], key=gpu_index_key)), tuple(sorted(below[a][1])))
             for a in sorted(roles)]
-
-
-def _index_key(gpu: str) -> tuple[int, str]:
-    return (int(gpu), gpu) if gpu.isdigit() else (1 << 30, gpu)
 
 
 class PcieCollector:
@@ -224,10 +227,7 @@ class PcieCollector:
 
     def devices(self) -> list[PcieDevice]:
         """The devices, rediscovered only when the set of GPUs or NICs changed."""
-        try:
-            nics = tuple(sorted(os.listdir(os.path.join(self.sysfs_path, "class", "infiniband"))))
-        except OSError:
-            nics = ()
+        nics = ib_device_names(self.sysfs_path)
         gpus = self._gpu_bus_ids()
         key = (tuple(sorted(gpus.items())), nics)
         if key != self._key:

@@ -151,11 +151,20 @@ def nic_gpu_mapping(sysfs_path: str, gpu_bus_ids: dict[str, str], nics: Iterable
             elif depth == best_depth:
                 best.append((gpu, name))
         out.extend(NicGpu(nic, gpu, chain[-1], name) for gpu, name in best)
-    return sorted(out, key=lambda m: (m.device, _index_key(m.gpu)))
+    return sorted(out, key=lambda m: (m.device, gpu_index_key(m.gpu)))
 
 
-def _index_key(gpu: str) -> tuple[int, str]:
+def gpu_index_key(gpu: str) -> tuple[int, str]:
+    """Sort key for ``gpu`` label values: numeric indices in order, anything else after them."""
     return (int(gpu), gpu) if gpu.isdigit() else (1 << 30, gpu)
+
+
+def ib_device_names(sysfs_path: str) -> tuple[str, ...]:
+    """The InfiniBand/RoCE devices under ``class/infiniband``, sorted (none when the class is absent)."""
+    try:
+        return tuple(sorted(os.listdir(os.path.join(sysfs_path, "class", "infiniband"))))
+    except OSError:
+        return ()
 
 
 class TopologyCollector:
@@ -174,10 +183,7 @@ class TopologyCollector:
 
     def mapping(self) -> list[NicGpu]:
         """The current mapping, recomputed only when the set of GPUs or NICs changed."""
-        try:
-            nics = tuple(sorted(os.listdir(os.path.join(self.sysfs_path, "class", "infiniband"))))
-        except OSError:
-            nics = ()
+        nics = ib_device_names(self.sysfs_path)
         gpus = self._gpu_bus_ids()
         key = (tuple(sorted(gpus.items())), nics)
         if key != self._key:
