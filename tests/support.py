@@ -30,6 +30,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def proc_status(pid: int) -> dict[str, int]:
+    """Threads and VmRSS (kB) of a process, from /proc/PID/status."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        k, _, v = line.partition(":")
+        if k in ("Threads", "VmRSS"):
+            out[k] = int(v.split()[0])
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (all threads), from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def need_binary(name: str) -> str:
     """The path of a required external binary (promtool, prometheus, alertmanager, amtool).
 

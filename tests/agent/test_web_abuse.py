@@ -8,7 +8,6 @@ its threads, RSS and CPU time from /proc.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import resource
 import socket
@@ -24,7 +23,7 @@ import bcrypt
 import pytest
 import requests
 import trustme
-from support import BIN, free_port, running, wait_http
+from support import BIN, cpu_seconds, free_port, proc_status, running, wait_http
 
 from gpufleet.agent.serving.server import MetricsServer
 from gpufleet.agent.serving.webconfig import WebConfig, parse_web_config
@@ -233,20 +232,6 @@ def test_tls_handshakes_do_not_hold_threads(tmp_path: Path, ca: trustme.CA) -> N
 
 
 # ---------------------------------------------------------------------- the real agent
-def proc_status(pid: int) -> dict[str, int]:
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        k, _, v = line.partition(":")
-        if k in ("Threads", "VmRSS"):
-            out[k] = int(v.split()[0])
-    return out
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @contextlib.contextmanager
 def agent(tmp_path: Path, *args: str) -> Iterator[tuple[str, int]]:
     port = free_port()

@@ -299,30 +299,18 @@ def formats_child(n: int, scrapes: int, interval: float) -> dict[str, Any]:
     return out
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _proc_cpu(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
 def node_exporter(batches: int, per_batch: int) -> dict[str, Any] | None:
     """node_exporter's CPU per Prometheus-style scrape and its series; None when it is not installed."""
     import shutil
     import urllib.request
 
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from support import cpu_seconds, free_port
+
     exe = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
     if not exe:
         return None
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([exe, f"--web.listen-address=127.0.0.1:{port}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}/metrics"
@@ -346,10 +334,10 @@ def node_exporter(batches: int, per_batch: int) -> dict[str, Any] | None:
             get()
         per: list[float] = []
         for _ in range(batches):
-            c0 = _proc_cpu(proc.pid)
+            c0 = cpu_seconds(proc.pid)
             for _ in range(per_batch):
                 body, ctype = get()
-            per.append((_proc_cpu(proc.pid) - c0) / per_batch)
+            per.append((cpu_seconds(proc.pid) - c0) / per_batch)
         ms = statistics.median(per) * 1e3
         series = _series(body)
         return {"own_ms": ms, "series": series, "us_per_series": ms * 1e3 / series, "content_type": ctype,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import resource
 import socket
 import statistics
@@ -38,25 +37,9 @@ import bcrypt
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from support import BIN, free_port, running, wait_http
+from support import BIN, cpu_seconds, free_port, proc_status, running, wait_http
 
 AGENT = str(BIN / "gpufleet-agent")
-
-
-def proc_status(pid: int) -> dict[str, int]:
-    """Threads and VmRSS (kB) from /proc/PID/status."""
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        k, _, v = line.partition(":")
-        if k in ("Threads", "VmRSS"):
-            out[k] = int(v.split()[0])
-    return out
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process (all threads) from /proc/PID/stat."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager
