@@ -13,16 +13,18 @@ from __future__ import annotations
 import functools
 import re
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from gpufleet.agent.vocab import exporters
 from gpufleet.detector.profiles import JOB_LABELS, MASK_BITS, MODEL_LABELS, Query
-from gpufleet.detector.source import Result, Source, SourceError
+from gpufleet.detector.source import Result, SeriesTable, Source, SourceError
 
 FloatArray = np.ndarray
+IntArray = np.ndarray
+BoolArray = np.ndarray
 
 GPU_FEATURES = ("util", "samples", "sm_clock", "mem_clock", "power", "temp", "mem_temp", "tensor", "sm_active",
                 "dram", "thr_thermal", "thr_power", "thr_brake", "thr_hw", "pcie_replay", "pcie_gen",
@@ -100,6 +102,9 @@ class FeatureFrame:
     site: dict[str, dict[str, float]]
     missing: set[str] = field(default_factory=set)
     errors: list[str] = field(default_factory=list)
+    #: Raw results of the queries whose entity is ``meta`` (by feature): inputs collect() does not resolve
+    #: itself (e.g. kube-state-metrics pod/job relations), for the steps that run after it.
+    meta: dict[str, Result] = field(default_factory=dict)
 
 
 def _combine(agg: str, old: float | None, new: float) -> float:
@@ -116,9 +121,11 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
             naming: NodeNaming | None = None, coverage: float = 0.8) -> FeatureFrame:
     """Evaluate ``queries`` at ``t`` and build the frames. Query failures are listed in ``errors``.
 
-    Linear in the number of series, with little Python work per series: the few labels that name the
-    entity are read once into a tuple, each distinct tuple is resolved to an entity once, and the values
-    are folded per feature with numpy (``ufunc.at``), never through per-entity dicts.
+    Columnar: each series id of a result's :class:`~gpufleet.detector.source.SeriesTable` is resolved to
+    its entity (node naming, identifying labels), its job and its model once for the life of the table;
+    an evaluation then maps ids to frame positions and folds the value arrays with numpy, so its cost per
+    GPU stays flat as the fleet grows. Results of queries whose entity is ``meta`` are kept as they are in
+    :attr:`FeatureFrame.meta` (by feature) for steps that run after collect().
     """
     naming = naming or NodeNaming()
     results: dict[str, list[tuple[Query, Result]]] = defaultdict(list)
@@ -135,53 +142,59 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
     node_vals: dict[str, dict[str, float]] = defaultdict(dict)
     site_vals: dict[str, dict[str, float]] = defaultdict(dict)
     nicmap: dict[tuple[str, str], list[str]] = defaultdict(list)
+    meta: dict[str, Result] = {}
     gpu_rs: list[tuple[str, Query, Result]] = []
     nic_rs: list[tuple[str, Query, Result]] = []
     for feat, rs in results.items():
         for q, res in rs:
             if q.entity == "site":
-                for labels, value in res:
-                    site = q.site or labels.get("site", "")
+                sites = res.column("site")
+                for s, value in zip(sites, res.values.tolist(), strict=True):
+                    site = q.site or s or ""
                     if site:
                         site_vals[site][feat] = _combine("sum", site_vals[site].get(feat), value)
             elif q.entity == "node":
-                for labels, value in res:
-                    node = naming.node(labels)
+                col = _node_column(res.table, naming)
+                for i, value in zip(res.ids.tolist(), res.values.tolist(), strict=True):
+                    node = col[i]
                     if node is not None:
                         node_vals[node][feat] = _combine(q.agg, node_vals[node].get(feat), value)
             elif q.entity == "nicmap":
-                for labels, _ in res:
-                    node = naming.node(labels)
-                    if node is not None and labels.get("device") and labels.get("gpu"):
-                        nicmap[(node, labels["device"])].append(labels["gpu"])
+                col = _node_column(res.table, naming)
+                devs, gpus_ = res.table.column("device"), res.table.column("gpu")
+                for i in res.ids.tolist():
+                    node, dev, g = col[i], devs[i], gpus_[i]
+                    if node is not None and dev and g:
+                        nicmap[(node, dev)].append(g)
+            elif q.entity == "meta":
+                meta[feat] = _concat(meta[feat], res) if feat in meta else res
             elif q.entity == "nic":
                 nic_rs.append((feat, q, res))
             else:
                 gpu_rs.append((feat, q, res))
 
     # GPUs: the entities with a sample count, in (node, gpu) order.
-    gpus = _Entities(naming, ("gpu",), [res for feat, _, res in gpu_rs if feat == "samples"])
+    gpus = _Frame(naming, ("gpu",), None, [res for feat, _, res in gpu_rs if feat == "samples"])
     n = len(gpus.keys)
     values = {f: np.full(n, np.nan) for f in GPU_FEATURES}
-    jobs: dict[int, dict[str, float]] = defaultdict(dict)
-    models = [""] * n
-    job_labels = JOB_LABELS.get(profile, ("job_id",))
+    job_pos: list[IntArray] = []
+    job_code: list[IntArray] = []
+    job_count: list[FloatArray] = []
+    jobs_of = _Jobs(JOB_LABELS.get(profile, ("job_id",)))
+    models = np.full(n, "", dtype=object)
     model_labels = MODEL_LABELS.get(profile, ("name",))
     for feat, q, res in gpu_rs:
         pos = gpus.positions(res)
+        sel = pos >= 0
         if feat == "@job":
-            for i, (labels, value) in zip(pos.tolist(), res, strict=True):
-                if i >= 0:
-                    job = next((labels[j] for j in job_labels if labels.get(j)), "")
-                    jobs[i][job] = jobs[i].get(job, 0.0) + value
+            job_pos.append(pos[sel])
+            job_code.append(jobs_of.codes(res.table)[res.ids[sel]])
+            job_count.append(res.values[sel])
         elif feat == "@model":
-            for i, (labels, _) in zip(pos.tolist(), res, strict=True):
-                if i >= 0:
-                    models[i] = next((labels[m] for m in model_labels if labels.get(m)), "")
+            models[pos[sel]] = _first_label_column(res.table, model_labels)[res.ids[sel]]
         elif feat == "@mask":
-            sel = pos >= 0
             mask = np.zeros(n, dtype=np.int64)
-            np.bitwise_or.at(mask, pos[sel], _values(res)[sel].astype(np.int64))
+            np.bitwise_or.at(mask, pos[sel], res.values[sel].astype(np.int64))
             seen = np.zeros(n, dtype=bool)
             seen[pos[sel]] = True
             for f, bits in MASK_BITS.items():
@@ -190,110 +203,260 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
                 arr[hit] = 1.0
                 arr[seen & ~hit & np.isnan(arr)] = 0.0
         elif feat in values:
-            _accumulate(values[feat], pos, _values(res), q.agg)
+            _accumulate(values[feat], pos, res.values, q.agg)
 
     samples = values["samples"]
     full = float(np.nanmax(samples)) if len(samples) else 0.0
     valid = samples >= coverage * full if full > 0 else np.zeros(n, dtype=bool)
-    job_list: list[str | None] = []
-    churn = np.zeros(n, dtype=bool)
-    for i in range(n):
-        counts = jobs.get(i, {})
-        named = {j: c for j, c in counts.items() if j}
-        if len(named) > 1 or (named and max(named.values()) < coverage * samples[i]):
-            churn[i] = True
-        if len(named) == 1 and profile == "dcgm" and "" in counts:
-            churn[i] = True  # the GPU was idle (no job label) for part of the window
-        job_list.append(max(named, key=lambda j: named[j]) if named else None)
-    gpu = GpuFrame([k[0] for k in gpus.keys], [k[1] for k in gpus.keys], gpus.site_list(), job_list, models,
-                   values, valid, churn)
+    job_list, churn = jobs_of.resolve(n, job_pos, job_code, job_count, samples, coverage, profile == "dcgm")
+    gpu = GpuFrame([k[0] for k in gpus.keys], [k[1] for k in gpus.keys], gpus.site_list(), job_list,
+                   models.tolist(), values, valid, churn)
 
     # NICs: every (node, device, port) any NIC query returns.
-    nics = _Entities(naming, ("device", "port"), [res for _, _, res in nic_rs], defaults=("", "1"))
+    nics = _Frame(naming, ("device", "port"), ("", "1"), [res for _, _, res in nic_rs])
     nvalues = {f: np.full(len(nics.keys), np.nan) for f in NIC_FEATURES}
     for feat, q, res in nic_rs:
         pos = nics.positions(res)
         if feat in nvalues:
-            _accumulate(nvalues[feat], pos, _values(res), q.agg)
+            _accumulate(nvalues[feat], pos, res.values, q.agg)
     nkeys = [(k[0], k[1], k[2]) for k in nics.keys]
     nic = NicFrame([k[0] for k in nkeys], [k[1] for k in nkeys], [k[2] for k in nkeys], nics.site_list(), nvalues,
                    _nic_gpus(nkeys, nicmap, gpu))
-    return FeatureFrame(t, gpu, nic, dict(node_vals), dict(site_vals), missing, errors)
+    return FeatureFrame(t, gpu, nic, dict(node_vals), dict(site_vals), missing, errors, meta)
+
+
+def _concat(a: Result, b: Result) -> Result:
+    """Both results as one (the series of ``b`` interned into ``a``'s table when the tables differ)."""
+    ids = b.ids if b.table is a.table else np.array([a.table.intern(b.table.labels[i]) for i in b.ids.tolist()],
+                                                    dtype=np.int64)
+    return Result(a.table, np.concatenate((a.ids, ids)), np.concatenate((a.values, b.values)))
+
+
+class _Growing:
+    """A per-series-id array of a table, computed once per id and extended as the table grows."""
+
+    def __init__(self, fn: Callable[[dict[str, str]], object], dtype: type | str) -> None:
+        self.fn = fn
+        self.dtype = dtype
+        self.items: list[object] = []
+        self.array: np.ndarray = np.zeros(0, dtype=dtype)
+
+    def get(self, table: SeriesTable) -> np.ndarray:
+        if len(self.items) < len(table):
+            self.items.extend(self.fn(lb) for lb in table.labels[len(self.items):])
+            arr = np.empty(len(self.items), dtype=self.dtype)
+            arr[:] = self.items
+            self.array = arr
+        return self.array
+
+
+def _cached(table: SeriesTable, key: Hashable, make: Callable[[], _Growing]) -> np.ndarray:
+    g = table.derived.get(key)
+    if not isinstance(g, _Growing):
+        g = table.derived[key] = make()
+    return g.get(table)
+
+
+def _node_column(table: SeriesTable, naming: NodeNaming) -> list[str | None]:
+    """The node of every series id of ``table`` (None: the series names no node)."""
+    g = table.derived.get(("node", naming))
+    if not isinstance(g, _Growing):
+        g = table.derived[("node", naming)] = _Growing(naming.node, object)
+    g.get(table)
+    return g.items  # type: ignore[return-value]  # naming.node returns str | None
+
+
+def _first_label_column(table: SeriesTable, names: tuple[str, ...]) -> np.ndarray:
+    """Per series id: the value of the first of ``names`` the series has non-empty, else ""."""
+    return _cached(table, ("first", names),
+                   lambda: _Growing(lambda lb: next((lb[m] for m in names if lb.get(m)), ""), object))
 
 
 class _Entities:
-    """Entities (node + identifying labels) of a frame and each series' position among them.
+    """Per table: each series id's entity code (-1: not an entity), the entity keys, and the last frame order."""
 
-    A series is reduced to its raw key (node label, fallback label, identifying labels); each distinct raw
-    key is resolved once (node naming, missing labels) to an entity and its position (-1: not an entity of
-    the frame). The entities are those of ``defining`` series, sorted. Site = the ``site`` label of the first
-    series seen of the entity.
-    """
-
-    def __init__(self, naming: NodeNaming, ident: tuple[str, ...], defining: Sequence[Result],
-                 defaults: tuple[str | None, ...] | None = None) -> None:
+    def __init__(self, naming: NodeNaming, ident: tuple[str, ...], defaults: tuple[str, ...] | None) -> None:
         self.naming = naming
         self.ident = ident
-        self.defaults = defaults or (None,) * len(ident)
-        self.optional = defaults is not None
-        self.resolved: dict[tuple[str | None, ...], tuple[str, ...] | None] = {}
-        # Raw keys of the defining results, kept for their positions() (by identity: the results live as
-        # long as this object).
-        self.seen_raws = {id(res): self._raw(res) for res in defining}
-        ents = {r: self._entity(r) for r in {r for raws in self.seen_raws.values() for r in raws}}
-        self.keys: list[tuple[str, ...]] = sorted({e for e in ents.values() if e is not None})
-        self.index = {k: i for i, k in enumerate(self.keys)}
-        self.raw_pos = {r: self.index[e] if e is not None else -1 for r, e in ents.items()}
-        self.sites: list[str | None] = [None] * len(self.keys)
+        self.defaults = defaults
+        self.index: dict[tuple[str, ...], int] = {}
+        self.keys: list[tuple[str, ...]] = []
+        self.codes: list[int] = []
+        self.array = np.zeros(0, dtype=np.int64)
+        # The last frame built from this table alone: its entity codes and each code's position.
+        self.present: IntArray | None = None
+        self.frame_keys: list[tuple[str, ...]] = []
+        self.code_pos = np.zeros(0, dtype=np.int64)
+
+    def get(self, table: SeriesTable) -> IntArray:
+        if len(self.codes) < len(table):
+            nodes = _node_column(table, self.naming)
+            cols = [table.column(x) for x in self.ident]
+            for i in range(len(self.codes), len(table)):
+                node = nodes[i]
+                code = -1
+                if node is not None:
+                    rest = [c[i] for c in cols]
+                    if self.defaults is not None:
+                        rest = [r if r is not None else d for r, d in zip(rest, self.defaults, strict=True)]
+                    if self.defaults is not None or all(rest):  # a GPU needs its gpu label; a NIC may lack any
+                        key = (node, *(r or "" for r in rest))
+                        code = self.index.get(key, -1)
+                        if code < 0:
+                            code = self.index[key] = len(self.keys)
+                            self.keys.append(key)
+                self.codes.append(code)
+            self.array = np.array(self.codes, dtype=np.int64)
+        return self.array
+
+
+class _Frame:
+    """The entities of one frame (the sorted entities of the ``defining`` results) and each series' position."""
+
+    def __init__(self, naming: NodeNaming, ident: tuple[str, ...], defaults: tuple[str, ...] | None,
+                 defining: Sequence[Result]) -> None:
+        self.naming = naming
+        self.ident = ident
+        self.defaults = defaults
+        self._pos_by_table: dict[int, IntArray] = {}
+        tables = {id(r.table): r.table for r in defining}
+        if len(tables) == 1:  # the usual case: one table, and the frame often the same as last time
+            (table,) = tables.values()
+            ents = self._entities(table)
+            codes = np.concatenate([ents.get(table)[r.ids] for r in defining])
+            present = np.unique(codes[codes >= 0])
+            if ents.present is None or not np.array_equal(present, ents.present):
+                ents.frame_keys = sorted(ents.keys[c] for c in present.tolist())
+                where = {k: i for i, k in enumerate(ents.frame_keys)}
+                ents.code_pos = np.full(len(ents.keys), -1, dtype=np.int64)
+                ents.code_pos[present] = [where[ents.keys[c]] for c in present.tolist()]
+                ents.present = present
+            self.keys = ents.frame_keys
+            self._index: dict[tuple[str, ...], int] | None = None
+            self._pos_by_table[id(table)] = ents.code_pos
+        else:
+            found: set[tuple[str, ...]] = set()
+            for r in defining:
+                ents = self._entities(r.table)
+                codes = ents.get(r.table)[r.ids]
+                found.update(ents.keys[c] for c in np.unique(codes[codes >= 0]).tolist())
+            self.keys = sorted(found)
+            self._index = {k: i for i, k in enumerate(self.keys)}
+        self.sites = np.full(len(self.keys), None, dtype=object)
         self.unsited = len(self.keys)
 
-    def _raw(self, res: Result) -> list[tuple[str | None, ...]]:
-        lab, fb, ident = self.naming.label, self.naming.fallback, self.ident
-        if len(ident) == 1:  # GPUs and NICs: the two shapes spelled out (no generator per series)
-            (a,) = ident
-            return [(lb.get(lab), lb.get(fb), lb.get(a)) for lb, _ in res]
-        if len(ident) == 2:
-            a, b = ident
-            return [(lb.get(lab), lb.get(fb), lb.get(a), lb.get(b)) for lb, _ in res]
-        return [(lb.get(lab), lb.get(fb), *(lb.get(x) for x in ident)) for lb, _ in res]
+    def _entities(self, table: SeriesTable) -> _Entities:
+        key = ("entities", self.naming, self.ident, self.defaults)
+        ents = table.derived.get(key)
+        if not isinstance(ents, _Entities):
+            ents = table.derived[key] = _Entities(self.naming, self.ident, self.defaults)
+        return ents
 
-    def _entity(self, raw: tuple[str | None, ...]) -> tuple[str, ...] | None:
-        try:
-            return self.resolved[raw]
-        except KeyError:
-            pass
-        labels = {k: v for k, v in ((self.naming.label, raw[0]), (self.naming.fallback, raw[1])) if v is not None}
-        node = self.naming.node(labels)
-        rest = tuple(v if v is not None else d for v, d in zip(raw[2:], self.defaults, strict=True))
-        ent: tuple[str, ...] | None = None
-        if node is not None and (self.optional or all(rest)):  # a GPU needs its gpu label; a NIC may lack any
-            ent = (node, *(r or "" for r in rest))
-        self.resolved[raw] = ent
-        return ent
-
-    def positions(self, res: Result) -> np.ndarray:
+    def positions(self, res: Result) -> IntArray:
         """Position of each series of ``res`` among the entities (-1: none); records sites on the way."""
-        raws = self.seen_raws.pop(id(res), None) or self._raw(res)
-        get = self.raw_pos.get
-        pos = [get(r, -2) for r in raws]
-        if -2 in pos:
-            for j, r in enumerate(raws):
-                if pos[j] == -2:
-                    ent = self._entity(r)
-                    pos[j] = self.raw_pos[r] = self.index.get(ent, -1) if ent is not None else -1
+        ents = self._entities(res.table)
+        codes = ents.get(res.table)[res.ids]
+        code_pos = self._pos_by_table.get(id(res.table))
+        if code_pos is None:
+            index = self._index if self._index is not None else {k: i for i, k in enumerate(self.keys)}
+            self._index = index
+            code_pos = np.array([index.get(k, -1) for k in ents.keys], dtype=np.int64)
+            self._pos_by_table[id(res.table)] = code_pos
+        pos = np.full(len(codes), -1, dtype=np.int64)
+        ok = (codes >= 0) & (codes < len(code_pos))
+        pos[ok] = code_pos[codes[ok]]
         if self.unsited:
-            for i, (labels, _) in zip(pos, res, strict=True):
-                if i >= 0 and self.sites[i] is None:
-                    self.sites[i] = labels.get("site", "")
-                    self.unsited -= 1
-        return np.array(pos, dtype=np.int64)
+            sel = pos >= 0
+            p, ids = pos[sel], res.ids[sel]
+            need = self.sites[p] == None  # noqa: E711 - elementwise comparison of an object array
+            if need.any():
+                u, first = np.unique(p[need], return_index=True)
+                col = res.table.column("site")
+                self.sites[u] = [col[i] or "" for i in ids[need][first].tolist()]
+                self.unsited -= len(u)
+        return pos
 
     def site_list(self) -> list[str]:
-        return [s or "" for s in self.sites]
+        return [s or "" for s in self.sites.tolist()]
 
 
-def _values(res: Result) -> FloatArray:
-    return np.fromiter((v for _, v in res), dtype=np.float64, count=len(res))
+class _Jobs:
+    """Each GPU's training job over the window from the job-info sample counts (and job churn)."""
+
+    def __init__(self, labels: tuple[str, ...]) -> None:
+        self.labels = labels
+        self.names: list[str] = [""]
+        self._code = {"": 0}
+
+    def codes(self, table: SeriesTable) -> IntArray:
+        """Job code of every series id of ``table`` (0: no job label)."""
+        key = ("jobs", self.labels)
+        local = table.derived.get(key)
+        if not isinstance(local, _JobCodes):
+            local = table.derived[key] = _JobCodes(self.labels)
+        codes = local.get(table)
+        trans = np.array([self._code.setdefault(j, len(self._code)) for j in local.names], dtype=np.int64)
+        out: IntArray = trans[codes]
+        return out
+
+
+    def resolve(self, n: int, pos: list[IntArray], code: list[IntArray], count: list[FloatArray],
+                samples: FloatArray, coverage: float, idle_is_churn: bool) -> tuple[list[str | None], BoolArray]:
+        churn = np.zeros(n, dtype=bool)
+        if not pos or n == 0:
+            return [None] * n, churn
+        self.names = [""] * len(self._code)
+        for name, k in self._code.items():
+            self.names[k] = name
+        p, c, v = np.concatenate(pos), np.concatenate(code), np.concatenate(count)
+        width = len(self.names)
+        pair, inv = np.unique(p * width + c, return_inverse=True)
+        total = np.bincount(inv, weights=v)
+        gpu, job = pair // width, pair % width
+        named = job != 0
+        n_named = np.bincount(gpu[named], minlength=n)
+        # The job with the most samples per GPU: sort by GPU, then count descending (stable: the first job wins ties).
+        order = np.lexsort((-total[named], gpu[named]))
+        g_sorted, j_sorted, t_sorted = gpu[named][order], job[named][order], total[named][order]
+        head = np.ones(len(g_sorted), dtype=bool)
+        head[1:] = g_sorted[1:] != g_sorted[:-1]
+        best = np.zeros(n, dtype=np.int64)
+        best_count = np.zeros(n)
+        best[g_sorted[head]] = j_sorted[head]
+        best_count[g_sorted[head]] = t_sorted[head]
+        has = n_named > 0
+        with np.errstate(invalid="ignore"):
+            churn |= (n_named > 1) | (has & (best_count < coverage * samples))
+        if idle_is_churn:  # dcgm: the GPU was idle (no job label) for part of the window
+            idle = np.zeros(n, dtype=bool)
+            idle[gpu[~named]] = True
+            churn |= (n_named == 1) & idle
+        names = np.array([None, *self.names[1:]], dtype=object)
+        out: list[str | None] = names[np.where(has, best, 0)].tolist()
+        return out, churn
+
+
+class _JobCodes:
+    """Per table: each series id's job, as a code into ``names`` (code 0: no job label), extended as it grows."""
+
+    def __init__(self, labels: tuple[str, ...]) -> None:
+        self.labels = labels
+        self.names: list[str] = [""]
+        self._index = {"": 0}
+        self._codes: list[int] = []
+        self.array = np.zeros(0, dtype=np.int64)
+
+    def get(self, table: SeriesTable) -> IntArray:
+        if len(self._codes) < len(table):
+            for lb in table.labels[len(self._codes):]:
+                job = next((lb[j] for j in self.labels if lb.get(j)), "")
+                code = self._index.get(job)
+                if code is None:
+                    code = self._index[job] = len(self.names)
+                    self.names.append(job)
+                self._codes.append(code)
+            self.array = np.array(self._codes, dtype=np.int64)
+        return self.array
 
 
 def _accumulate(arr: FloatArray, pos: np.ndarray, vals: FloatArray, agg: str) -> None:
@@ -312,30 +475,32 @@ def _accumulate(arr: FloatArray, pos: np.ndarray, vals: FloatArray, agg: str) ->
         arr[seen] = acc[seen]
 
 
-def _natural(s: str) -> list[object]:
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", s)]
+@functools.lru_cache(maxsize=65536)
+def _natural(s: str) -> tuple[tuple[int, str], ...]:
+    """Sort key of a device or GPU name with its numbers compared as numbers (mlx5_10 after mlx5_9)."""
+    return tuple((int(p), "") if p.isdigit() else (-1, p) for p in re.split(r"(\d+)", s))
 
 
 def _nic_gpus(nkeys: list[tuple[str, str, str]], nicmap: dict[tuple[str, str], list[str]],
               gpu: GpuFrame) -> list[list[str]]:
     """GPUs each NIC serves: from gpufleet_nic_gpu_info, else rail order (i-th NIC of a node -> i-th GPU)."""
-    out: list[list[str]] = []
     node_gpus: dict[str, list[str]] = defaultdict(list)
     for n, g in zip(gpu.nodes, gpu.gpus, strict=True):
         node_gpus[n].append(g)
-    node_nics: dict[str, list[str]] = defaultdict(list)
+    node_nics: dict[str, dict[str, None]] = defaultdict(dict)
     for n, d, _ in nkeys:
-        if d not in node_nics[n]:
-            node_nics[n].append(d)
+        node_nics[n][d] = None
+    rail: dict[tuple[str, str], list[str]] = {}
+    for n, devs in node_nics.items():
+        gs = node_gpus.get(n, [])
+        if gs and len(devs) == len(gs):
+            for d, g in zip(sorted(devs, key=_natural), sorted(gs, key=_natural), strict=True):
+                rail[(n, d)] = [g]
+    out: list[list[str]] = []
     for n, d, _ in nkeys:
         mapped = nicmap.get((n, d))
         if mapped:
             out.append(sorted(set(mapped), key=_natural))
-            continue
-        nics = sorted(node_nics[n], key=_natural)
-        gpus = sorted(node_gpus.get(n, []), key=_natural)
-        if gpus and len(nics) == len(gpus):
-            out.append([gpus[nics.index(d)]])
         else:
-            out.append([])
+            out.append(list(rail.get((n, d), [])))
     return out

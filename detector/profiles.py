@@ -22,7 +22,8 @@ from gpufleet.agent.vocab import catalog, exporters
 from gpufleet.agent.vocab.nvml import reason_bits
 
 Op = Literal["avg", "max", "min", "last", "count", "rate", "increase"]
-Entity = Literal["gpu", "nic", "node", "site", "nicmap"]
+#: ``meta``: a query collect() does not resolve to an entity; its raw result is kept on FeatureFrame.meta.
+Entity = Literal["gpu", "nic", "node", "site", "nicmap", "meta"]
 Agg = Literal["max", "min", "sum", "mean"]
 PROFILES = ("gpufleet", "dcgm")
 

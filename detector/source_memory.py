@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from gpufleet.detector.profiles import Query
-from gpufleet.detector.source import Result
+from gpufleet.detector.source import Result, SeriesTable
 from gpufleet.detector.source_recording import RecordingSource, Series
 
 LabelKey = tuple[tuple[str, str], ...]
@@ -35,6 +35,7 @@ class MemorySource:
         self.query_errors = 0
         self._history: dict[str, dict[LabelKey, tuple[list[float], list[float]]]] = {}
         self._view: RecordingSource | None = None
+        self._table = SeriesTable()  # shared by every view: a series keeps its id (and cached entity)
 
     def add(self, t: float, samples: Iterable[tuple[str, Mapping[str, str], float]],
             target: Mapping[str, str] | None = None) -> None:
@@ -82,5 +83,5 @@ class MemorySource:
                        for key, (ts, vs) in by_key.items() if ts]
                 for name, by_key in self._history.items()
             }
-            self._view = RecordingSource(series)
+            self._view = RecordingSource(series, self._table)
         return self._view

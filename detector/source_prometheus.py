@@ -11,16 +11,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import requests
 
 from gpufleet.detector.profiles import Query
-from gpufleet.detector.source import Result, SourceError
+from gpufleet.detector.source import Result, SeriesTable, SourceError
 
 
 class PrometheusSource:
     def __init__(self, url: str, *, timeout: float = 10.0, session: requests.Session | None = None,
                  headers: dict[str, str] | None = None, auth: tuple[str, str] | None = None,
-                 verify: bool | str = True) -> None:
+                 verify: bool | str = True, max_series: int = 4_000_000) -> None:
         self.url = url.rstrip("/") + "/api/v1/query"
         self.timeout = timeout
         self.session = session or requests.Session()
@@ -30,6 +31,10 @@ class PrometheusSource:
             self.session.auth = auth
         self.session.verify = verify
         self.query_errors = 0
+        #: Label sets interned across evaluations (ids stay stable, so entity resolution is cached); a new
+        #: table is started when this many series have been seen (series churn over a long run).
+        self.table = SeriesTable()
+        self.max_series = max_series
 
     def query(self, query: Query, t: float, window: float) -> Result:
         return self.instant(query.promql(window), t, query.scale)
@@ -52,14 +57,27 @@ class PrometheusSource:
         if data.get("resultType") != "vector":
             self.query_errors += 1
             raise SourceError(f"{expr}: expected a vector, got {data.get('resultType')!r}")
-        out: Result = []
-        for item in data.get("result", []):
+        items = data.get("result", [])
+        if not isinstance(items, list):
+            self.query_errors += 1
+            raise SourceError(f"{expr}: malformed result {items!r:.200}")
+        if len(self.table) > self.max_series:  # series churn: start over rather than grow without bound
+            self.table = SeriesTable()
+        table = self.table
+        ids: list[int] = []
+        values: list[float] = []
+        for item in items:
             try:
-                value = float(item["value"][1]) * scale
-                labels = {str(k): str(v) for k, v in item["metric"].items() if k != "__name__"}
-            except (KeyError, IndexError, TypeError, ValueError) as e:
+                value = float(item["value"][1])
+                metric = item["metric"]
+                key = tuple(sorted((str(k), str(v)) for k, v in metric.items() if k != "__name__"))
+            except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
                 self.query_errors += 1
-                raise SourceError(f"{expr}: malformed result {item!r}") from e
+                raise SourceError(f"{expr}: malformed result {item!r:.200}") from e
             if not math.isnan(value):
-                out.append((labels, value))
-        return out
+                ids.append(table.intern_key(key))
+                values.append(value)
+        vals = np.array(values, dtype=np.float64)
+        if scale != 1.0:
+            vals *= scale
+        return Result(table, np.array(ids, dtype=np.int64), vals)

@@ -24,9 +24,10 @@ import numpy as np
 from prometheus_client.openmetrics.parser import text_fd_to_metric_families
 
 from gpufleet.detector.profiles import Query
-from gpufleet.detector.source import Result
+from gpufleet.detector.source import Result, SeriesTable
 
 FloatArray = np.ndarray
+IntArray = np.ndarray
 
 
 class RecordingError(ValueError):
@@ -43,9 +44,13 @@ class Series:
 class RecordingSource:
     """All series of the wanted metrics from one or more recording files."""
 
-    def __init__(self, series: dict[str, list[Series]]) -> None:
+    def __init__(self, series: dict[str, list[Series]], table: SeriesTable | None = None) -> None:
+        """``table``: the series table to intern the label sets into (a source that rebuilds views shares one)."""
         self.series = series
-        self._cache: dict[tuple[Query, float], tuple[dict[float, int], list[dict[str, str]], FloatArray]] = {}
+        self.table = table if table is not None else SeriesTable()
+        self._ids = {name: np.array([self.table.intern(s.labels) for s in ss], dtype=np.int64)
+                     for name, ss in series.items()}
+        self._cache: dict[tuple[Query, float], tuple[dict[float, int], IntArray, FloatArray]] = {}
         self.query_errors = 0
         self.samples = sum(len(s.ts) for ss in series.values() for s in ss)
 
@@ -85,10 +90,17 @@ class RecordingSource:
     def precompute(self, query: Query, times: Sequence[float], window: float) -> None:
         """Evaluate ``query`` at every time of ``times`` at once (vectorized over time)."""
         t = np.asarray(times, dtype=np.float64)
-        matching = self._matching(query)
-        labels = [s.labels for s in matching]
-        mat = np.array([window_op(query.op, s.ts, s.values, t, window) * query.scale for s in matching])
-        self._cache[(query, window)] = ({float(x): i for i, x in enumerate(t)}, labels, mat.reshape(len(labels), len(t)))
+        matching = self._matching_positions(query)
+        ids = self._ids[query.metric][matching] if matching else np.zeros(0, dtype=np.int64)
+        every = self.series.get(query.metric, [])
+        # time-major (one row per evaluation time), so one time's answer is a contiguous row
+        mat = np.empty((len(t), len(matching)))
+        for j, k in enumerate(matching):
+            s = every[k]
+            mat[:, j] = window_op(query.op, s.ts, s.values, t, window)
+        if query.scale != 1.0:
+            mat *= query.scale
+        self._cache[(query, window)] = ({float(x): i for i, x in enumerate(t)}, ids, mat)
 
     def query(self, query: Query, t: float, window: float) -> Result:
         cached = self._cache.get((query, window))
@@ -96,17 +108,21 @@ class RecordingSource:
             self.precompute(query, [t], window)
             cached = self._cache[(query, window)]
         idx = cached[0][float(t)]
-        labels, mat = cached[1], cached[2]
-        if not labels:
-            return []
-        col = mat[:, idx]
-        values = col.tolist()
-        return [(labels[j], values[j]) for j in np.flatnonzero(~np.isnan(col)).tolist()]
+        ids, mat = cached[1], cached[2]
+        row = mat[idx]
+        keep = ~np.isnan(row)
+        return Result(self.table, ids[keep], row[keep])
 
     def _matching(self, query: Query) -> list[Series]:
+        """The series the query's matchers select."""
+        every = self.series.get(query.metric, [])
+        return [every[k] for k in self._matching_positions(query)]
+
+    def _matching_positions(self, query: Query) -> list[int]:
+        """Positions (in ``series[query.metric]``) of the series the query's matchers select."""
         res = [(k, op, re.compile(v) if op == "=~" else v) for k, op, v in query.matchers]
         out = []
-        for s in self.series.get(query.metric, []):
+        for pos, s in enumerate(self.series.get(query.metric, [])):
             ok = True
             for k, op, v in res:
                 got = s.labels.get(k, "")
@@ -114,7 +130,7 @@ class RecordingSource:
                     ok = False
                     break
             if ok:
-                out.append(s)
+                out.append(pos)
         return out
 
 

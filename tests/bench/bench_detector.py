@@ -26,7 +26,7 @@ from gpufleet.detector.config import parse
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.profiles import Query, queries
 from gpufleet.detector.replay import replay
-from gpufleet.detector.source import Result
+from gpufleet.detector.source import Pairs, Result, SeriesTable
 
 BASE = {"util": 0.97, "samples": 20, "sm_clock": 1.98e9, "mem_clock": 2.6e9, "power": 600.0, "temp": 62.0,
         "mem_temp": 55.0, "tensor": 0.55, "sm_active": 0.8, "dram": 0.4, "thr_thermal": 0.0, "thr_power": 0.0,
@@ -46,14 +46,16 @@ class MemorySource:
         self.query_errors = 0
         rng = np.random.default_rng(seed)
         self.results: dict[Query, Result] = {}
+        self.table = SeriesTable()
         nodes = [f"node-{i:05d}:9445" for i in range(n_gpus // 8)]
         stragglers = set(range(5, n_gpus, 256))
         for q in queries("gpufleet"):
             if q.entity == "node":
-                self.results[q] = [({"instance": n, "site": "dc1"}, BASE[q.feature]) for n in nodes]
+                self.results[q] = Result.from_pairs(
+                    [({"instance": n, "site": "dc1"}, BASE[q.feature]) for n in nodes], self.table)
                 continue
             vals = BASE[q.feature] + (rng.normal(0, NOISE[q.feature], n_gpus) if q.feature in NOISE else np.zeros(n_gpus))
-            res: Result = []
+            res: Pairs = []
             for g in range(n_gpus):
                 labels = {"instance": nodes[g // 8], "site": "dc1", "job": "gpufleet-agent"}
                 if q.entity in ("nic", "nicmap"):
@@ -68,10 +70,10 @@ class MemorySource:
                 if g in stragglers and q.feature == "tensor":
                     v = 0.75
                 res.append((labels, v))
-            self.results[q] = res
+            self.results[q] = Result.from_pairs(res, self.table)
 
     def query(self, query: Query, t: float, window: float) -> Result:
-        return self.results.get(query, [])
+        return self.results.get(query) or Result.empty(self.table)
 
 
 def bench_eval(n: int, repeat: int) -> None:

@@ -11,7 +11,7 @@ from gpufleet.detector.config import parse
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.features import NodeNaming, collect
 from gpufleet.detector.profiles import Query
-from gpufleet.detector.source import Result, SourceError
+from gpufleet.detector.source import Pairs, Result, SeriesTable, SourceError
 
 Q_SAMPLES = Query("samples", "m_util", "count")
 Q_UTIL = Query("util", "m_util", "avg")
@@ -34,19 +34,20 @@ def lab(node: str, gpu: str | None = None, **extra: str) -> dict[str, str]:
 
 
 class Fixed:
-    def __init__(self, answers: dict[Query, Result], failing: tuple[Query, ...] = ()) -> None:
+    def __init__(self, answers: dict[Query, Pairs], failing: tuple[Query, ...] = ()) -> None:
         self.answers = answers
+        self.table = SeriesTable()
         self.failing = failing
         self.query_errors = 0
 
     def query(self, query: Query, t: float, window: float) -> Result:
         if query in self.failing:
             raise SourceError(f"{query.metric}: boom")
-        return self.answers.get(query, [])
+        return Result.from_pairs(self.answers.get(query, []), self.table)
 
 
 def test_collect_names_entities_and_combines_series() -> None:
-    answers: dict[Query, Result] = {
+    answers: dict[Query, Pairs] = {
         # a:9400 and a:9445 are one node; b has no port; c is only known by Hostname (no instance label).
         Q_SAMPLES: [(lab("a:9400", "0"), 20.0), (lab("a:9445", "1"), 20.0), (lab("b", "0"), 10.0),
                     ({"Hostname": "c", "gpu": "0", "site": "dc2"}, 20.0), (lab("a:9400"), 20.0)],
@@ -89,7 +90,7 @@ def test_collect_names_entities_and_combines_series() -> None:
 
 
 def test_collect_node_label_is_configurable() -> None:
-    answers: dict[Query, Result] = {Q_SAMPLES: [({"host": "n1:9100", "instance": "x", "gpu": "0"}, 5.0)]}
+    answers: dict[Query, Pairs] = {Q_SAMPLES: [({"host": "n1:9100", "instance": "x", "gpu": "0"}, 5.0)]}
     snap = collect(Fixed(answers), [Q_SAMPLES], 0.0, 60.0, naming=NodeNaming("host", strip_port=False))
     assert snap.gpu.nodes == ["n1:9100"]
 
