@@ -484,23 +484,22 @@ def _natural(s: str) -> tuple[tuple[int, str], ...]:
 def _nic_gpus(nkeys: list[tuple[str, str, str]], nicmap: dict[tuple[str, str], list[str]],
               gpu: GpuFrame) -> list[list[str]]:
     """GPUs each NIC serves: from gpufleet_nic_gpu_info, else rail order (i-th NIC of a node -> i-th GPU)."""
-    node_gpus: dict[str, list[str]] = defaultdict(list)
-    for n, g in zip(gpu.nodes, gpu.gpus, strict=True):
-        node_gpus[n].append(g)
-    node_nics: dict[str, dict[str, None]] = defaultdict(dict)
-    for n, d, _ in nkeys:
-        node_nics[n][d] = None
+    served = {k: (v if len(v) == 1 else sorted(set(v), key=_natural)) for k, v in nicmap.items() if v}
+    unmapped = {n for n, d, _ in nkeys if (n, d) not in served}
     rail: dict[tuple[str, str], list[str]] = {}
-    for n, devs in node_nics.items():
-        gs = node_gpus.get(n, [])
-        if gs and len(devs) == len(gs):
-            for d, g in zip(sorted(devs, key=_natural), sorted(gs, key=_natural), strict=True):
-                rail[(n, d)] = [g]
-    out: list[list[str]] = []
-    for n, d, _ in nkeys:
-        mapped = nicmap.get((n, d))
-        if mapped:
-            out.append(sorted(set(mapped), key=_natural))
-        else:
-            out.append(list(rail.get((n, d), [])))
-    return out
+    if unmapped:
+        node_gpus: dict[str, list[str]] = defaultdict(list)
+        for n, g in zip(gpu.nodes, gpu.gpus, strict=True):
+            if n in unmapped:
+                node_gpus[n].append(g)
+        node_nics: dict[str, dict[str, None]] = defaultdict(dict)
+        for n, d, _ in nkeys:
+            if n in unmapped:
+                node_nics[n][d] = None
+        for n, devs in node_nics.items():
+            gs = node_gpus.get(n, [])
+            if gs and len(devs) == len(gs):
+                for d, g in zip(sorted(devs, key=_natural), sorted(gs, key=_natural), strict=True):
+                    rail[(n, d)] = [g]
+    none: list[str] = []
+    return [list(served.get((n, d)) or rail.get((n, d)) or none) for n, d, _ in nkeys]

@@ -27,7 +27,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
-from sklearn.ensemble import IsolationForest
 
 from gpufleet.detector.features import NVLINK_ERROR_FEATURES, GpuFrame
 from gpufleet.detector.robust import grouped_robust_z
@@ -137,6 +136,9 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
     undecided = (r_scored * 1.25 >= p.threshold) & (r_scored * 0.75 < p.threshold)
     if p.isolation_forest and z and scored.sum() >= 16 and undecided.any():
         mat = np.column_stack([np.clip(np.nan_to_num(z[f][scored], nan=0.0), -50, 50) for f in z])
+        # imported only when a forest is fitted: the import alone costs about a second of start-up
+        from sklearn.ensemble import IsolationForest
+
         forest = IsolationForest(n_estimators=50, max_samples=min(256, mat.shape[0]), random_state=p.seed)
         forest.fit(mat)
         iso[scored] = np.clip((-forest.score_samples(mat) - 0.45) / 0.25, 0.0, 1.0)
@@ -171,7 +173,15 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
     gen_max = np.where(np.isfinite(gen_max), gen_max, np.nanmedian(gen[busy]) if np.isfinite(gen[busy]).any() else np.nan)
     width_max = np.where(np.isfinite(width_max), width_max,
                          np.nanmedian(width[busy]) if np.isfinite(width[busy]).any() else np.nan)
-    for i in np.flatnonzero(idx):
+    # Only GPUs with some link evidence can qualify: select them with array operations first (at 100k GPUs
+    # the per-GPU checks below would dominate the evaluation).
+    with np.errstate(invalid="ignore"):
+        maybe = ((nvl < 1) | (~np.isfinite(nvl) & (nvl_err >= 1)) | (gen < gen_max) | (width < width_max)
+                 | ((replays >= 1) & ~np.isfinite(gen)))
+    if nic_flags:
+        flagged_nodes = {node for node, _ in nic_flags}
+        maybe |= np.array([node in flagged_nodes for node in frame.nodes], dtype=bool)
+    for i in np.flatnonzero(np.asarray(idx, dtype=bool) & maybe):
         if not frame.jobs[i]:
             continue
         key = (frame.nodes[i], frame.gpus[i])

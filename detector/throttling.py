@@ -36,7 +36,11 @@ def find(frame: GpuFrame, p: ThrottleParams) -> list[Candidate]:
     for j in np.flatnonzero(valid):
         node_gpus[frame.nodes[j]] += 1
     cands: list[Candidate] = []
-    for ii in np.flatnonzero(valid):
+    # Only GPUs held by some reason long enough can qualify: select them with array operations first.
+    held = np.zeros(len(valid), dtype=bool)
+    for feat, _ in REASONS:
+        held |= np.nan_to_num(frame.get(feat), nan=0.0) >= p.min_fraction
+    for ii in np.flatnonzero(valid & held):
         i = int(ii)
         best: tuple[float, str, str] | None = None
         for feat, cause in REASONS:
