@@ -1,8 +1,10 @@
 """``gpufleet-detector``: serve, replay, report.
 
-``serve --config FILE``
+``serve --config FILE [--shard I/N]``
     Evaluate the fleet every ``interval_seconds`` against Prometheus and serve
-    ``/metrics`` on ``listen``.
+    ``/metrics`` on ``listen``. With ``--shard I/N`` (or ``shard`` in the config)
+    only the GPUs of the training jobs shard I owns (consistent hash of the job
+    id; GPUs without a job by node) are scored; N replicas cover the fleet.
 
 ``replay FILE... [--profile gpufleet|dcgm] [--config FILE] [--step SECONDS] [--format json|table]``
     Evaluate OpenMetrics recordings as if live, every ``--step`` seconds (default:
@@ -40,7 +42,7 @@ import sys
 from collections.abc import Sequence
 
 from gpufleet.agent.serving.logs import LOG_FORMAT
-from gpufleet.detector.config import ConfigError, DetectorConfig, load
+from gpufleet.detector.config import ConfigError, DetectorConfig, load, parse_shard_option
 from gpufleet.detector.profiles import PROFILES
 from gpufleet.detector.replay import replay
 from gpufleet.detector.source import SourceError
@@ -55,12 +57,14 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="evaluate against Prometheus and serve /metrics")
     s.add_argument("--config", required=True, help="TOML configuration file")
     s.add_argument("--once", action="store_true", help="run one evaluation, print its findings and exit")
+    s.add_argument("--shard", metavar="I/N", help="evaluate only shard I of N (0 <= I < N; overrides the config)")
     for name, helptext in (("replay", "evaluate recordings as if live"), ("report", "findings table and HTML")):
         r = sub.add_parser(name, help=helptext)
         r.add_argument("files", nargs="+", metavar="FILE", help="OpenMetrics recording(s) with timestamps")
         r.add_argument("--profile", choices=PROFILES, help="metric profile (default: from config, else gpufleet)")
         r.add_argument("--config", help="TOML configuration file")
         r.add_argument("--step", type=float, help="seconds between evaluations (default: interval_seconds)")
+        r.add_argument("--shard", metavar="I/N", help="evaluate only shard I of N (0 <= I < N)")
         r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="progress bar on stderr (default: when stderr is a terminal)")
         if name == "replay":
@@ -93,8 +97,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             from gpufleet.detector.service import serve
 
-            return serve(_load(args.config), args.once)
+            cfg = _load(args.config)
+            if args.shard is not None:
+                cfg.shard = parse_shard_option("--shard", args.shard)
+            return serve(cfg, args.once)
         cfg = _config(args.config, args.profile)
+        if args.shard is not None:
+            cfg.shard = parse_shard_option("--shard", args.shard)
         progress = sys.stderr.isatty() if args.progress is None else args.progress
         det, findings = replay(args.files, cfg, args.step, progress)
         if args.command == "replay":

@@ -12,6 +12,7 @@ except its 4-hour PUE baseline)::
     node_label = "instance"       # node = this label with any ":port" removed
     strip_port = true
     coverage = 0.8                # fraction of the fleet's samples a GPU needs in the window
+    shard = ""                    # "i/N": this replica owns shard i of N (jobs by consistent hash); "" = all
 
     [prometheus]
     url = "http://127.0.0.1:9090"
@@ -61,10 +62,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from gpufleet.detector import shard
 from gpufleet.detector.findings import Tracker
 from gpufleet.detector.network import NetworkParams
 from gpufleet.detector.profiles import PROFILES, Query
 from gpufleet.detector.pue import PueParams
+from gpufleet.detector.shard import Shard
 from gpufleet.detector.straggler import StragglerParams
 from gpufleet.detector.throttling import ThrottleParams
 
@@ -99,6 +102,7 @@ class DetectorConfig:
     node_label: str = "instance"
     strip_port: bool = True
     coverage: float = 0.8
+    shard: Shard | None = None
     prometheus_url: str = "http://127.0.0.1:9090"
     timeout_seconds: float = 10.0
     bearer_token_file: str = ""
@@ -115,7 +119,7 @@ class DetectorConfig:
 
 _TOP = {
     "detector": {"profile": str, "interval_seconds": float, "window_seconds": float, "listen": str,
-                 "web_config_file": str, "node_label": str, "strip_port": bool, "coverage": float},
+                 "web_config_file": str, "node_label": str, "strip_port": bool, "coverage": float, "shard": str},
     "prometheus": {"url": str, "timeout_seconds": float, "bearer_token_file": str, "username": str,
                    "password_file": str, "ca_file": str},
 }
@@ -154,7 +158,10 @@ def parse(data: dict[str, Any], source: str = "config") -> DetectorConfig:
             if k not in keys:
                 raise ConfigError(f"{source}: [{section}] unknown key {k!r}; known: {', '.join(sorted(keys))}")
             attr = "prometheus_url" if (section, k) == ("prometheus", "url") else k
-            setattr(cfg, attr, _check(f"{source}: [{section}] {k}", v, keys[k]))
+            value = _check(f"{source}: [{section}] {k}", v, keys[k])
+            if (section, k) == ("detector", "shard"):
+                value = parse_shard_option(f"{source}: [detector] shard", value)
+            setattr(cfg, attr, value)
     for section, cls in _PARAMS.items():
         table = data.get(section, {})
         if not isinstance(table, dict):
@@ -179,6 +186,16 @@ def parse(data: dict[str, Any], source: str = "config") -> DetectorConfig:
     for i, s in enumerate(sites):
         cfg.sites.append(_site(f"{source}: sites[{i}]", s))
     return cfg
+
+
+def parse_shard_option(where: str, text: str) -> Shard | None:
+    """``"i/N"`` -> Shard, ``""`` -> None (no sharding); ConfigError naming ``where`` otherwise."""
+    if not text.strip():
+        return None
+    try:
+        return shard.parse(text)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def _site(where: str, s: Any) -> SiteConfig:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpufleet.detector import network, straggler, throttling
+from gpufleet.detector import network, shard, straggler, throttling
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.features import FeatureFrame, NodeNaming, collect
 from gpufleet.detector.findings import Key, Tracker
@@ -79,6 +79,7 @@ class Detector:
                        coverage=cfg.coverage)
         nets = network.find(snap.nic, snap.gpu, cfg.network)
         nic_flags = {(c.node, c.gpu): c.score for c in nets if c.gpu is not None}
+        snap = shard.select(snap, cfg.shard)  # --shard i/N: this replica's jobs only (NIC peers span the fleet)
         st = straggler.score(snap.gpu, cfg.straggler, nic_flags)
         cands: list[tuple[str, Candidate]] = [("straggler", c) for c in st.candidates]
         cands += [("throttling", c) for c in throttling.find(snap.gpu, cfg.throttling)]
@@ -96,6 +97,7 @@ class Detector:
                       "onset": state.onset or t, "cusum": state.cusum}
                 cands.append(("pue_drift", Candidate("", None, None, site, "", 10.0 * (state.magnitude or 0.0)
                                                      / max(cfg.pue.min_drift, 1e-9), ev)))
+        cands = [(k, c) for k, c in cands if shard.owns_finding(cfg.shard, k, c.node, c.site)]
         gpus_ok = {(n, g) for n, g, v in zip(snap.gpu.nodes, snap.gpu.gpus, snap.gpu.valid, strict=True) if v}
         nodes_ok = {n for n, _ in gpus_ok}
         nics_ok = {(n, f"{d}/{p}") for n, d, p in zip(snap.nic.nodes, snap.nic.devices, snap.nic.ports, strict=True)}

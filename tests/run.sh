@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up everything the test suite needs on a fresh Debian machine, then runs it:
-# Debian's prometheus (promtool) and prometheus-alertmanager (amtool), a virtualenv
+# Debian's prometheus (promtool), prometheus-alertmanager (amtool) and victoria-metrics, a virtualenv
 # with gpufleet[dev], the linters, and pytest. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 need=()
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 command -v amtool >/dev/null 2>&1 || need+=(prometheus-alertmanager)
+command -v victoria-metrics >/dev/null 2>&1 || need+=(victoria-metrics)
 command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
 command -v curl >/dev/null 2>&1 || need+=(curl)
 command -v openssl >/dev/null 2>&1 || need+=(openssl)

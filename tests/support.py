@@ -47,7 +47,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def need_binary(name: str) -> str:
-    """The path of a required external binary (promtool, prometheus, alertmanager, amtool).
+    """The path of a required external binary (promtool, prometheus, alertmanager, amtool, victoria-metrics).
 
     tests/run.sh installs them from Debian; a missing one is a set-up error, so
     the test fails rather than skips.

@@ -50,6 +50,7 @@ class Synth:
     dcgm: bool = False
     seed: int = 0
     job_start: float = 0.0
+    jobs: int = 1  # > 1: node n runs job-<n % jobs> (several jobs, e.g. for sharding)
 
 
 def synth(path: Path, s: Synth) -> Path:
@@ -109,7 +110,7 @@ def synth(path: Path, s: Synth) -> Path:
                     dl = {"gpu": str(g), "UUID": f"GPU-{n}-{g}", "device": f"nvidia{g}", "modelName": "NVIDIA H100",
                           "Hostname": f"node-{n:03d}", **common}
                     if not idle:
-                        dl["hpc_job"] = "job-a"
+                        dl["hpc_job"] = "job-a" if s.jobs == 1 else f"job-{n % s.jobs}"
                     add("DCGM_FI_DEV_GPU_UTIL", "gauge", dl, round(util * 100), t)
                     add("DCGM_FI_DEV_SM_CLOCK", "gauge", dl, round(clock), t)
                     add("DCGM_FI_DEV_POWER_USAGE", "gauge", dl, power, t)
@@ -132,7 +133,8 @@ def synth(path: Path, s: Synth) -> Path:
                                   ("hw_slowdown", 0.0)):
                     add("gpufleet_gpu_clock_event_active", "gauge", {**lg, "reason": reason}, v, t)
                 if not idle:
-                    add("gpufleet_gpu_job_info", "gauge", {**lg, "job_id": "job-a"}, 1, t)
+                    add("gpufleet_gpu_job_info", "gauge",
+                        {**lg, "job_id": "job-a" if s.jobs == 1 else f"job-{n % s.jobs}"}, 1, t)
                 nl = {**common, "device": f"mlx5_{g}", "port": "1"}
                 add("gpufleet_ib_port_transmit_bytes_total", "counter", nl, txb[n, g], t)
                 add("gpufleet_ib_port_transmit_wait_total", "counter", nl, xmit[n, g], t)
