@@ -14,6 +14,9 @@ Catalogue (``kind``: signature -> expected findings):
   temperatures climb to the software slowdown threshold (gpu_max, 85 C on H100), the
   ``sw_thermal_slowdown`` reason and its seconds counter rise, SM clock and power fall;
   at obvious severity ``hw_thermal_slowdown`` past 87 C. -> throttling/thermal, straggler/thermal.
+* ``intermittent_thermal`` (GPU): a failing fan or loose heatsink: in episodes of 1..2 minutes, about
+  a third of the time, the GPU's thermal resistance rises 1.6x..2.4x and it throttles (``sw_thermal_slowdown``)
+  then recovers. One physical problem: one incident. -> throttling/thermal, straggler/thermal.
 * ``power_brake`` (node): the BMC asserts the power brake: every GPU of the node drops to
   80%..30% of max SM clock with ``hw_power_brake_slowdown`` (counted). -> throttling/power, straggler/power.
 * ``power_cap`` (node): the enforced power limit drops to 80%..40% of default; power sits
@@ -127,6 +130,24 @@ class CoolingFailure(Fault):
 
     def apply(self, p: Physics, t: float, dt: float) -> None:
         p.mods.r_mult[self.gpus(p)] *= lerp(1.4, 2.0, self.severity)
+
+
+@dataclass
+class IntermittentThermal(Fault):
+    kind = "intermittent_thermal"
+    findings = (("throttling", "thermal"), ("straggler", "thermal"))
+    signals = ("gpufleet_gpu_temperature_celsius", "gpufleet_gpu_clock_event_active{reason=sw_thermal_slowdown}")
+
+    #: Seconds from the scenario start at which the current episode (or pause) ends, and whether it is on.
+    until: float = field(default=0.0, init=False, compare=False)
+    on: bool = field(default=False, init=False, compare=False)
+
+    def apply(self, p: Physics, t: float, dt: float) -> None:
+        if t >= self.until:
+            self.on = not self.on if self.until else True  # the first episode starts at the onset
+            self.until = t + (p.rng.uniform(60.0, 120.0) if self.on else p.rng.uniform(120.0, 240.0))
+        if self.on:
+            p.mods.r_mult[self.gpus(p)] *= lerp(1.6, 2.4, self.severity)
 
 
 class PowerBrake(Fault):
@@ -332,7 +353,7 @@ class FaultSchedule:
 
 FAULTS: dict[str, type[Fault]] = {
     c.kind: c for c in (
-        CoolingFailure, PowerBrake, PowerCap, ClockStuckLow, IbLinkDegraded, IbLinkFlapping, NetworkCongestion,
+        CoolingFailure, IntermittentThermal, PowerBrake, PowerCap, ClockStuckLow, IbLinkDegraded, IbLinkFlapping, NetworkCongestion,
         PcieDowngrade, NvlinkDown, HbmEcc, Xid79, SlowHost, PueDrift,
     )
 }

@@ -85,9 +85,23 @@ class Job:
     grad_bytes: float = 16.0e9  # gradient bytes all-reduced per step
     noise: float = 0.01  # per-rank, per-tick relative step-time jitter (noisy jobs ~0.08)
     memory_fraction: float = 0.85
+    #: Job-wide phases, (start, end, what) in seconds from the scenario start: "checkpoint" (every rank idles
+    #: while the node writes to storage over its host NIC) or "eval" (an evaluation pass: less tensor work,
+    #: no gradient all-reduce). The job keeps its GPUs (and its job label) through them.
+    phases: tuple[tuple[float, float, str], ...] = ()
+    #: An inference service instead of a synchronous training job: every GPU serves its own requests with a
+    #: load that comes and goes, no collectives, no job label (like a Deployment's pods).
+    inference: bool = False
 
     def active(self, t: float) -> bool:
         return self.start <= t < self.end
+
+    def phase(self, t: float) -> str | None:
+        """The job-wide phase at ``t`` ("checkpoint", "eval") or None while it trains."""
+        for a, b, what in self.phases:
+            if a <= t < b:
+                return what
+        return None
 
 
 @dataclass

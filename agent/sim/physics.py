@@ -297,6 +297,9 @@ class Physics:
         node_up = self.node_down_until[f.gpu_node] <= t
         self.lost = m.lost & node_up
         busy = (jt.gpu_job >= 0) & ~self.lost & node_up
+        labelled = busy  # a job keeps its GPUs (and its label) through checkpoints and evaluations
+        ckpt, evaluating, serving = self._phase_masks(t, jt)
+        busy = busy & ~ckpt
         j = np.where(busy, jt.gpu_job, 0)
         nj = len(jt.ids)
         has = nj > 0
@@ -313,6 +316,16 @@ class Physics:
         dram_i = jt.dram[j] if has else np.zeros(f.n_gpus)
         inter = jt.inter_bytes[j] if has else np.zeros(f.n_gpus)
         nvl = jt.nvl_bytes[j] if has else np.zeros(f.n_gpus)
+        load = np.zeros(f.n_gpus)
+        if evaluating.any() or serving.any():
+            intensity = np.where(evaluating, 0.4 * intensity, intensity)
+            inter = np.where(evaluating | serving, 0.0, inter)
+            nvl = np.where(evaluating | serving, 0.0, nvl)
+            if serving.any():  # each replica's request load comes and goes on its own
+                gi = np.arange(f.n_gpus)
+                period = 600.0 + 3000.0 * ((gi * 0.618) % 1.0)
+                load = np.clip(0.55 + 0.3 * np.sin(2 * math.pi * t / period + 2.4 * gi)
+                               + rng.normal(0.0, 0.08, f.n_gpus), 0.1, 0.95)
         nic = f.gpu_nic
         nic_bw = m.nic_rate_gbps[nic] * 1e9 / 8.0 * 0.92 * m.nic_factor[nic]
         nic_bw = np.where(m.nic_down[nic], nic_bw * 0.3, nic_bw)
@@ -345,6 +358,7 @@ class Physics:
             step_job += comm_job
             step_g = np.where(busy, step_job[j], 1.0)
             c = np.where(busy, tc / step_g, 0.0)
+            c = np.where(serving & busy, load, c)
             spin = np.where(busy, np.clip(1.0 - c - loader / step_g, 0.0, 1.0), 0.0)
             act = (0.55 * c * intensity + 0.3 * (0.92 * c + 0.1 * spin) + 0.15 * c * dram_i) * dyn_noise
             need = np.sqrt(np.clip((allowed - self.p_idle) / np.maximum(self.p_dyn * act, 1e-9), 0.0, None))
@@ -375,6 +389,7 @@ class Physics:
         self.occupancy = self.sm_active * 0.45
         self.dram = np.clip(c * dram_i + 0.05 * spin, 0.0, 1.0)
         util = np.where(busy, 100.0 * (1.0 - loader / step_g) - rng.uniform(0.0, 1.5, f.n_gpus), 0.0)
+        util = np.where(serving & busy, 100.0 * np.minimum(1.0, 1.15 * load), util)
         self.util = np.clip(util, 0.0, 100.0)
         self.mem_util = np.clip(100.0 * self.dram * 0.8, 0.0, 100.0)
         self.mem_used = np.where(busy, self.mem_total * (jt.mem[j] if has else 0.0), 0.0)
@@ -414,11 +429,18 @@ class Physics:
         np.maximum.at(node_busy, f.gpu_node, busy.astype(float))
         host = f.nic_is_host
         nic_tx[host] = np.where(node_busy > 0, 6.0e7, 1.0e5) * dt
+        congestion = m.congestion
+        if ckpt.any():  # checkpoint writes: the storage (host) NIC bursts and queues, that is its job
+            node_ckpt = np.zeros(len(f.nodes), dtype=bool)
+            node_ckpt[f.gpu_node[ckpt]] = True
+            burst = host & node_ckpt[f.nic_node]
+            nic_tx[burst] = 2.2e10 / 8.0 * dt
+            congestion = np.where(burst, np.maximum(congestion, 0.5), congestion)
         nic_tx *= rng.normal(1.0, 0.005, f.n_nics).clip(0.9, 1.1)
         self.nic_bytes += nic_tx[:, None]
         pkts = nic_tx / 4096.0
         self.nic_pkts += pkts[:, None]
-        self.nic_wait += nic_tx / 64.0 * (0.002 + 0.6 * m.congestion)
+        self.nic_wait += nic_tx / 64.0 * (0.002 + 0.6 * congestion)
         self.nic_hw[:, 0] += pkts * 0.2 * m.congestion
         self.nic_hw[:, 1] += pkts * 0.05 * m.congestion
         self.nic_hw[:, 2] += pkts * 0.05 * m.congestion
@@ -443,12 +465,33 @@ class Physics:
         nic_nominal_bw = float(self.nic_rate_nominal.max()) * 1e9 / 8.0 * 0.92
         nvl_nominal_bw = float((self.nvl_links * self.nvl_gbps).max()) * 1e9 * 0.8
         for k, job_id in enumerate(jt.ids):
+            if step_job[k] <= 0:
+                continue  # the whole job pauses (checkpoint): no steps this tick
             self.job_step_s[job_id] = float(step_job[k])
             self.job_baseline_s[job_id] = float(base[k] + jt.inter_bytes[k] / nic_nominal_bw
                                                 + jt.nvl_bytes[k] / nvl_nominal_bw)
             self.job_steps[job_id] = self.job_steps.get(job_id, 0.0) + dt / float(step_job[k])
-        self.gpu_job = np.where(busy, jt.gpu_job, -1)
+        self.gpu_job = np.where(labelled & ~serving, jt.gpu_job, -1)
         self.t = t
+
+    def _phase_masks(self, t: float, jt: _JobTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per GPU: its job checkpoints, evaluates, or is an inference service at ``t``."""
+        g = self.fleet.n_gpus
+        ckpt, evaluating, serving = np.zeros(g, bool), np.zeros(g, bool), np.zeros(g, bool)
+        active = [j for j in self.fleet.jobs if j.active(t)]
+        if not any(j.phases or j.inference for j in active):
+            return ckpt, evaluating, serving
+        for k, job in enumerate(active):
+            on = jt.gpu_job == k
+            if job.inference:
+                serving |= on
+                continue
+            what = job.phase(t)
+            if what == "checkpoint":
+                ckpt |= on
+            elif what == "eval":
+                evaluating |= on
+        return ckpt, evaluating, serving
 
 
 def _inter_bytes(job: Job, gpus_per_node: int) -> float:

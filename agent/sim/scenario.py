@@ -91,6 +91,10 @@ class JobSpec:
     intensity: float = 0.8
     grad_gb: float = 16.0
     noise: float = 0.01
+    kind: str = "training"  # or "inference": a service, every GPU on its own, no job label
+    checkpoint_every: float = 0.0  # seconds between checkpoints (0: none); the first after one period
+    checkpoint_seconds: float = 60.0
+    evals: list[tuple[float, float]] = field(default_factory=list)  # evaluation phases (start, end)
 
 
 @dataclass
@@ -124,6 +128,11 @@ class Scenario:
     faults: list[FaultSpec] = field(default_factory=list)
     heatwaves: list[dict[str, Any]] = field(default_factory=list)
     reboots: list[dict[str, Any]] = field(default_factory=list)
+    #: Isolated counter blips (not faults): {"counter": "pcie_replay" | "symbol_error", "node", "gpu" | "nic",
+    #: "at", "count"}.
+    blips: list[dict[str, Any]] = field(default_factory=list)
+    #: Exporter restarts: the node's scrapes are missing for "seconds" from "at"; counters go on.
+    exporter_restarts: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def node_names(self) -> list[str]:
@@ -204,7 +213,7 @@ def parse_scenario(data: dict[str, Any], source: str = "<scenario>") -> Scenario
     """A validated :class:`Scenario` from a parsed TOML document (errors name ``source``)."""
     w = source
     _check_keys(data, {"name", "description", "seed", "hours", "duration", "step", "start", "scrape_miss_rate",
-                       "sites", "jobs", "faults", "heatwaves", "reboots"}, w)
+                       "sites", "jobs", "faults", "heatwaves", "reboots", "blips", "exporter_restarts"}, w)
     sc = Scenario(name=_get(data, "name", str, w, Path(source).stem))
     sc.description = _get(data, "description", str, w, "")
     sc.seed = _get(data, "seed", int, w, 0)
@@ -274,6 +283,37 @@ def parse_scenario(data: dict[str, Any], source: str = "<scenario>") -> Scenario
         if node not in node_names:
             raise ScenarioError(f"{rw}.node: unknown node {node!r}")
         sc.reboots.append({"node": node, "at": parse_duration(r.get("at", 0), f"{rw}.at")})
+    gpn = sc.sites[0].gpus_per_node
+    for i, b in enumerate(_get(data, "blips", list, w, [])):
+        bw = f"{w}: blips[{i}]"
+        if not isinstance(b, dict):
+            raise ScenarioError(f"{bw}: expected a table")
+        _check_keys(b, {"counter", "node", "gpu", "nic", "at", "count"}, bw)
+        counter = _get(b, "counter", str, bw, "pcie_replay")
+        if counter not in ("pcie_replay", "symbol_error"):
+            raise ScenarioError(f"{bw}.counter: must be \"pcie_replay\" or \"symbol_error\"")
+        node = _get(b, "node", str, bw)
+        if node not in node_names:
+            raise ScenarioError(f"{bw}.node: unknown node {node!r}")
+        where = "gpu" if counter == "pcie_replay" else "nic"
+        idx = _get(b, where, int, bw, 0)
+        if not 0 <= idx <= gpn - (where == "gpu"):
+            raise ScenarioError(f"{bw}.{where}: out of range")
+        count = _get(b, "count", int, bw, 1)
+        if count < 1:
+            raise ScenarioError(f"{bw}.count: must be at least 1")
+        sc.blips.append({"counter": counter, "node": node, where: idx, "at": parse_duration(b.get("at", 0), f"{bw}.at"),
+                         "count": count})
+    for i, r in enumerate(_get(data, "exporter_restarts", list, w, [])):
+        rw = f"{w}: exporter_restarts[{i}]"
+        if not isinstance(r, dict):
+            raise ScenarioError(f"{rw}: expected a table")
+        _check_keys(r, {"node", "at", "seconds"}, rw)
+        node = _get(r, "node", str, rw)
+        if node not in node_names:
+            raise ScenarioError(f"{rw}.node: unknown node {node!r}")
+        sc.exporter_restarts.append({"node": node, "at": parse_duration(r.get("at", 0), f"{rw}.at"),
+                                     "seconds": parse_duration(r.get("seconds", 60), f"{rw}.seconds")})
     return sc
 
 
@@ -291,7 +331,8 @@ def _parse_jobs(sc: Scenario, jobs: dict[str, Any], node_names: set[str], w: str
         jw = f"{w}.fixed[{i}]"
         if not isinstance(j, dict):
             raise ScenarioError(f"{jw}: expected a table")
-        _check_keys(j, {"id", "nodes", "start", "end", "parallel", "compute_s", "intensity", "grad_gb", "noise"}, jw)
+        _check_keys(j, {"id", "nodes", "start", "end", "parallel", "compute_s", "intensity", "grad_gb", "noise",
+                        "kind", "checkpoint_every", "checkpoint_seconds", "evals"}, jw)
         spec = JobSpec(id=_get(j, "id", str, jw, f"job-{i + 1:04d}"))
         if spec.id in ids:
             raise ScenarioError(f"{jw}.id: duplicate job id {spec.id!r}")
@@ -314,6 +355,18 @@ def _parse_jobs(sc: Scenario, jobs: dict[str, Any], node_names: set[str], w: str
             raise ScenarioError(f"{jw}.parallel: must be \"data\" or \"hybrid\"")
         for key in ("compute_s", "intensity", "grad_gb", "noise"):
             setattr(spec, key, _get(j, key, float, jw, getattr(spec, key)))
+        spec.kind = _get(j, "kind", str, jw, "training")
+        if spec.kind not in ("training", "inference"):
+            raise ScenarioError(f"{jw}.kind: must be \"training\" or \"inference\"")
+        spec.checkpoint_every = parse_duration(j.get("checkpoint_every", 0), f"{jw}.checkpoint_every")
+        spec.checkpoint_seconds = parse_duration(j.get("checkpoint_seconds", 60), f"{jw}.checkpoint_seconds")
+        for k, ev in enumerate(_get(j, "evals", list, jw, [])):
+            if not isinstance(ev, list) or len(ev) != 2:
+                raise ScenarioError(f"{jw}.evals[{k}]: expected [start, end]")
+            a, b = (parse_duration(x, f"{jw}.evals[{k}]") for x in ev)
+            if b <= a:
+                raise ScenarioError(f"{jw}.evals[{k}]: end must be after start")
+            spec.evals.append((a, b))
         if spec.compute_s <= 0 or not 0.0 < spec.intensity <= 1.0:
             raise ScenarioError(f"{jw}: compute_s must be > 0 and intensity in (0, 1]")
         sc.jobs.append(spec)

@@ -45,7 +45,7 @@ from gpufleet.agent.sim.physics import (
     Heatwave,
     Physics,
 )
-from gpufleet.agent.sim.scenario import Scenario, load_scenario
+from gpufleet.agent.sim.scenario import JobSpec, Scenario, load_scenario
 from gpufleet.agent.vocab.nvml import CLOCK_EVENT_COUNTED
 
 IB_HW_COUNTER_FILES = (
@@ -74,8 +74,10 @@ def build_fleet(sc: Scenario, rng: np.random.Generator) -> Fleet:
             members = list(range(js.nodes))
         else:
             members = sorted(index[n] for n in js.nodes)
-        fleet.jobs.append(Job(js.id, members, js.start, math.inf if js.end is None else js.end, js.parallel,
-                              js.compute_s, js.intensity, 0.45, js.grad_gb * 1e9, js.noise))
+        end = math.inf if js.end is None else js.end
+        fleet.jobs.append(Job(js.id, members, js.start, end, js.parallel,
+                              js.compute_s, js.intensity, 0.45, js.grad_gb * 1e9, js.noise,
+                              phases=_phases(js, min(end, sc.duration)), inference=js.kind == "inference"))
     if sc.auto_jobs:
         unavailable: dict[int, list[tuple[float, float]]] = {}
         for f in sc.faults:
@@ -90,6 +92,17 @@ def build_fleet(sc: Scenario, rng: np.random.Generator) -> Fleet:
                              max_nodes=sc.max_nodes, noisy_fraction=sc.noisy_fraction, unavailable=unavailable)
         fleet.jobs.extend(j for j in auto if not fixed.intersection(j.nodes))
     return fleet
+
+
+def _phases(js: JobSpec, end: float) -> tuple[tuple[float, float, str], ...]:
+    """A job's checkpoints (every ``checkpoint_every`` from its start) and evaluation phases, in time order."""
+    out = [(a, b, "eval") for a, b in js.evals]
+    if js.checkpoint_every > 0:
+        t = js.start + js.checkpoint_every
+        while t < end:
+            out.append((t, t + js.checkpoint_seconds, "checkpoint"))
+            t += js.checkpoint_every
+    return tuple(sorted(out))
 
 
 class Simulator:
@@ -118,6 +131,7 @@ class Simulator:
             ))
         self.fault_schedule = FaultSchedule(self.faults)
         self._reboots = sorted((r["at"], node_index[r["node"]]) for r in sc.reboots)
+        self._blips = sorted((b["at"], k) for k, b in enumerate(sc.blips))
         self._uuids = [self._uuid(g) for g in range(self.fleet.n_gpus)]
         self._sysfs_cache: dict[str, ValueWriter] = {}
 
@@ -139,7 +153,28 @@ class Simulator:
         while self._reboots and self._reboots[0][0] <= t_next:
             at, node = self._reboots.pop(0)
             self.physics.reboot(node, at)
+        while self._blips and self._blips[0][0] <= t_next:
+            _, k = self._blips.pop(0)
+            blip = self.scenario.blips[k]
+            self._blip(blip, self.scenario.node_names.index(blip["node"]))
         self.physics.step(d, self.fault_schedule)
+
+    def _blip(self, b: dict[str, Any], node: int) -> None:
+        """An isolated counter blip (a confounder): a few PCIe replays or symbol errors, once."""
+        p = self.physics
+        if b["counter"] == "pcie_replay":
+            p.pcie_replay[node * self.fleet.gpus_per_node + b["gpu"]] += b["count"]
+        else:
+            p.nic_err[node * self.fleet.nics_per_node + b["nic"], 0] += b["count"]
+
+    def scrape_gaps(self, n_ticks: int) -> np.ndarray:
+        """Ticks x nodes: True where an exporter restart leaves the node's scrape missing."""
+        sc = self.scenario
+        out = np.zeros((n_ticks, len(self.fleet.nodes)), dtype=bool)
+        times = (np.arange(n_ticks) + 1) * sc.step
+        for r in sc.exporter_restarts:
+            out[:, sc.node_names.index(r["node"])] |= (times >= r["at"]) & (times < r["at"] + r["seconds"])
+        return out
 
     # ---------------------------------------------------------------- topology
     @property
@@ -377,7 +412,7 @@ class Simulator:
         jobs = [{"job_id": j.id, "nodes": [self.fleet.nodes[n].name for n in j.nodes],
                  "start": self.start + max(j.start, 0.0),
                  "end": None if not math.isfinite(j.end) or j.end >= sc.duration else self.start + j.end,
-                 "parallel": j.parallel, "noisy": j.noise > 0.05}
+                 "parallel": j.parallel, "noisy": j.noise > 0.05, "inference": j.inference}
                 for j in self.fleet.jobs if j.start < sc.duration]
         confounders: list[dict[str, Any]] = [
             {"type": "heatwave", "site": h["site"], "start": self.start + h["start"], "end": self.start + h["end"],
@@ -386,6 +421,14 @@ class Simulator:
         confounders += [{"type": "reboot", "node": r["node"], "start": self.start + r["at"],
                          "end": self.start + r["at"] + REBOOT_DOWNTIME_S, "expected_findings": []}
                         for r in sc.reboots]
+        confounders += [{"type": f"{b['counter']}_blip", "node": b["node"], "gpu": b.get("gpu"), "nic": b.get("nic"),
+                         "start": self.start + b["at"], "count": b["count"], "expected_findings": []}
+                        for b in sc.blips]
+        confounders += [{"type": "exporter_restart", "node": r["node"], "start": self.start + r["at"],
+                         "end": self.start + r["at"] + r["seconds"], "expected_findings": []}
+                        for r in sc.exporter_restarts]
+        confounders += [{"type": what, "job_id": j.id, "start": self.start + a, "end": self.start + b,
+                         "expected_findings": []} for j in self.fleet.jobs for a, b, what in j.phases]
         return {
             "format": "gpufleet-sim-labels", "version": 1, "scenario": sc.name, "description": sc.description,
             "seed": self.seed, "start": self.start, "end": self.start + sc.duration, "step": sc.step,

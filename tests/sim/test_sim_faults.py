@@ -94,6 +94,7 @@ def _rises(tv: tuple[np.ndarray, np.ndarray], factor: float = 1.0) -> tuple[np.n
 
 SIGNATURES: dict[str, tuple[set[str], Check]] = {
     "cooling_failure": ({"gpufleet_gpu_clock_event_active"}, _active("sw_thermal_slowdown", "0")),
+    "intermittent_thermal": ({"gpufleet_gpu_clock_event_active"}, _active("sw_thermal_slowdown", "4")),
     "power_brake": ({"gpufleet_gpu_clock_event_active"}, _active("hw_power_brake_slowdown", "3")),
     "power_cap": ({"gpufleet_gpu_power_limit_watts"},
                   lambda s: _below(one(s, "gpufleet_gpu_power_limit_watts", gpu="0", **N2), 699)),

@@ -136,6 +136,7 @@ def run(sim: Simulator, progress: Callable[[int, int], None] | None = None) -> F
             progress(k + 1, n_ticks)
     fr.job_ids = list(job_index)
     miss = np.random.default_rng(sim.seed + 7919).random((n_ticks, nodes)) < sc.scrape_miss_rate
+    miss |= sim.scrape_gaps(n_ticks)  # exporter restarts
     a["present"] = a["node_up"] & ~miss
     return fr
 
