@@ -110,7 +110,8 @@ class Agent:
         if name == "pods":
             from gpufleet.agent.collectors.pods import PodsCollector, backend_gpu_ids
 
-            return PodsCollector(self.cfg.pods_socket, self.cfg.pods_resources, backend_gpu_ids(self.backend),
+            ids = backend_gpu_ids(self.backend, self.gpu_usage().mig_uuids)
+            return PodsCollector(self.cfg.pods_socket, self.cfg.pods_resources, ids,
                                  refresh_interval=self.cfg.pods_refresh_interval)
         if name == "pressure":
             from gpufleet.agent.collectors.jobs import JobsCollector

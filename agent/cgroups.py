@@ -75,8 +75,12 @@ def owner_of_path(path: str) -> Owner:
 
 
 def parse_cgroup(text: str) -> Owner:
-    """The owner named by the contents of a ``/proc/PID/cgroup`` file; ValueError if it is not one."""
-    v2 = systemd = first = None
+    """The owner named by the contents of a ``/proc/PID/cgroup`` file; ValueError if it is not one.
+
+    A Slurm job or Kubernetes pod in any hierarchy wins (on a cgroup v1 host the job is only in the
+    controllers' hierarchies, while ``name=systemd`` names slurmd's service); otherwise the systemd
+    unit of the v2 line, else of ``name=systemd``, else of any line."""
+    paths: list[str] = []  # v2 first, then name=systemd, then the controllers' hierarchies
     for line in text.splitlines():
         if not line:
             continue
@@ -84,19 +88,16 @@ def parse_cgroup(text: str) -> Owner:
         controllers, sep2, path = rest.partition(":")
         if not (sep1 and sep2 and hid.isdigit() and path.startswith("/")):
             raise ValueError(f"not a cgroup line: {line[:60]!r}")
-        if hid == "0" and controllers == "":
-            v2 = path
-        elif controllers == "name=systemd":
-            systemd = path
-        elif first is None and path != "/":
-            first = path
-    chosen = v2 if v2 not in (None, "/") else systemd or first or v2
-    if chosen is None:
+        rank = 0 if (hid == "0" and controllers == "") else 1 if controllers == "name=systemd" else 2
+        paths.append(f"{rank}{path}")
+    if not paths:
         raise ValueError("no cgroup line")
-    owner = owner_of_path(chosen)
-    if owner.kind == UNKNOWN and first and chosen != first:
-        owner = owner_of_path(first)  # v1 hosts: the job may be only in a controller's hierarchy
-    return owner
+    ordered = [p[1:] for p in sorted(paths, key=lambda p: p[0])]
+    owners = [owner_of_path(p) for p in ordered]
+    for o in owners:
+        if o.kind in (SLURM_JOB, K8S_POD):
+            return o
+    return next((o for o in owners if o.kind != UNKNOWN), NO_OWNER)
 
 
 class OwnerError(Exception):

@@ -60,6 +60,16 @@ class GpuUsage:
             self._at = self._clock()
             return self._last
 
+    def mig_uuids(self) -> dict[str, str]:
+        """MIG device UUID -> parent GPU index label, from the last read (no NVML call)."""
+        last = self._last
+        out: dict[str, str] = {}
+        for use in last.gpus if last is not None else ():
+            for u in use.mig.devices if use.mig is not None else ():
+                if u.device.uuid:
+                    out[u.device.uuid] = use.gpu
+        return out
+
     def _read(self) -> UsageSnapshot:
         b = self.backend
         if not b.refresh():

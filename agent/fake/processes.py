@@ -9,7 +9,9 @@ As NVML does:
   INSUFFICIENT_SIZE otherwise); ids outside MIG mode are 0xFFFFFFFF;
 * ``nvmlDeviceGetProcessUtilization`` and ``nvmlDeviceGetProcessesUtilizationInfo`` return the
   utilization samples newer than the caller's last seen timestamp (microseconds), NOT_FOUND when
-  there is none, and NOT_SUPPORTED on a GPU in MIG mode (NVML has no per-process utilization there).
+  there is none, and NOT_SUPPORTED on a GPU in MIG mode (NVML has no per-process utilization there);
+* with ``privileged = False`` (an agent not running as root), the whole-GPU list of a GPU in MIG mode
+  answers NO_PERMISSION, while each MIG device still lists its own processes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from gpufleet.agent.fake.core import FakeCore
 from gpufleet.agent.fake.ctypes_io import (
     ARGUMENT_VERSION_MISMATCH,
     INSUFFICIENT_SIZE,
+    NO_PERMISSION,
     NOT_FOUND,
     NOT_SUPPORTED,
     SUCCESS,
@@ -37,6 +40,9 @@ _NOT_AVAILABLE = 2**64 - 1
 
 class ProcessEntryPoints(MigEntryPoints, FakeCore):
     """Running processes and their utilization samples (see the module docstring)."""
+
+    #: False: the caller is not root (the aggregate process list of a MIG GPU is refused).
+    privileged = True
 
     def _procs(self, name: str, handle: Any) -> tuple[list[ProcessSample], float, bool] | int:
         """(processes, sample time, GPU in MIG mode) of the GPU or MIG device behind ``handle``."""
@@ -55,7 +61,10 @@ class ProcessEntryPoints(MigEntryPoints, FakeCore):
             return d
         if d.sample.processes is None:
             return NOT_SUPPORTED
-        return d.sample.processes, d.sample.timestamp, d.inv.mig_mode_current == 1
+        mig = d.inv.mig_mode_current == 1
+        if mig and not self.privileged and name.startswith("nvmlDeviceGetComputeRunningProcesses"):
+            return NO_PERMISSION
+        return d.sample.processes, d.sample.timestamp, mig
 
     def _c_nvmlDeviceGetComputeRunningProcesses_v3(self, handle: Any, count: Any, infos: Any) -> int:
         got = self._procs("nvmlDeviceGetComputeRunningProcesses_v3", handle)
