@@ -129,6 +129,7 @@ class SharedSource:
             k_sm, k_mem = min(1.0, 95.0 / max(1, total_sm)), min(1.0, 80.0 / max(1, total_mem))
             self._procs[g] = [(pid, slot, frac, int(sm * k_sm), int(mem * k_mem))
                               for pid, slot, frac, sm, mem in procs]
+        self._cache: dict[int, tuple[GpuSample, GpuSample]] = {}
         self.procfs_root: str | None = None
         if processes:
             self.procfs_root = tempfile.mkdtemp(prefix="gpufleet-fake-proc-")
@@ -147,6 +148,14 @@ class SharedSource:
 
     def sample(self, index: int) -> GpuSample:
         s = self.inner.sample(index)
+        hit = self._cache.get(index)
+        if hit is not None and hit[0] is s:
+            return hit[1]  # the wrapped source's sample did not change: nor did ours
+        out = self._build(index, s)
+        self._cache[index] = (s, out)
+        return out
+
+    def _build(self, index: int, s: GpuSample) -> GpuSample:
         inv = self._inv[index]
         t = s.timestamp
         mig = [self._mig_sample(index, k, m, t) for k, m in enumerate(inv.mig_devices)]
