@@ -17,7 +17,7 @@ that tree is current whichever collectors are enabled.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
@@ -27,9 +27,13 @@ from gpufleet.agent.exposition import negotiate
 from gpufleet.agent.nvml.backend import NvmlBackend
 from gpufleet.agent.registry import AgentCollector, new_registry
 
+if TYPE_CHECKING:
+    from gpufleet.agent.collectors.usage import GpuUsage
+
 log = logging.getLogger("gpufleet.agent")
 
 _DEFAULT_SYSFS = AgentConfig().sysfs_path
+_DEFAULT_PROCFS = AgentConfig().procfs_path
 
 
 def build_backend(fake_spec: str) -> NvmlBackend:
@@ -48,6 +52,7 @@ class Agent:
         self.cfg = cfg
         self.backend = backend if backend is not None else build_backend(cfg.nvml_fake)
         self.sysfs_path = self._sysfs_path()
+        self._usage: GpuUsage | None = None
         self.collectors = collectors if collectors is not None else self._build_collectors()
         refresh_host = getattr(getattr(self.backend, "fake", None), "refresh_host", None)
         self.collector = AgentCollector(self.collectors, cache_seconds=cfg.cache_seconds,
@@ -93,25 +98,49 @@ class Agent:
         if name == "jobs":
             from gpufleet.agent.collectors.jobs import JobsCollector
 
-            return JobsCollector(self.cfg.job_mapping_dir)
+            return JobsCollector(self.cfg.job_mapping_dir, self.gpu_usage(), self.cfg.cgroupfs_path)
+        if name == "mig":
+            from gpufleet.agent.collectors.mig import MigCollector
+
+            return MigCollector(self.gpu_usage())
+        if name == "processes":
+            from gpufleet.agent.collectors.processes import ProcessesCollector
+
+            return ProcessesCollector(self.gpu_usage(), per_pid=self.cfg.processes_per_pid)
         if name == "pods":
             from gpufleet.agent.collectors.pods import PodsCollector, backend_gpu_ids
 
-            return PodsCollector(self.cfg.pods_socket, self.cfg.pods_resources, backend_gpu_ids(self.backend),
+            ids = backend_gpu_ids(self.backend, self.gpu_usage().mig_uuids)
+            return PodsCollector(self.cfg.pods_socket, self.cfg.pods_resources, ids,
                                  refresh_interval=self.cfg.pods_refresh_interval)
         if name == "pressure":
             from gpufleet.agent.collectors.jobs import JobsCollector
             from gpufleet.agent.collectors.pressure import PressureCollector
 
             # The job ids the agent attributes: a reader of its own, so it works with --no-collector.jobs too.
-            jobs = JobsCollector(self.cfg.job_mapping_dir)
+            jobs = JobsCollector(self.cfg.job_mapping_dir, self.gpu_usage(), self.cfg.cgroupfs_path)
             return PressureCollector(self.cfg.procfs_path, self.cfg.cgroupfs_path,
-                                     lambda: {j for ids in jobs.mapping().values() for j in ids})
+                                     lambda: {j for ids in jobs.attribution()[0].values() for j in ids})
         if name == "host":
             from gpufleet.agent.collectors.host import HostCollector
 
             return HostCollector()
         raise ValueError(f"unknown collector {name!r}")
+
+    def gpu_usage(self) -> GpuUsage:
+        """The MIG and process reader the mig, processes and jobs collectors share (one read per scrape).
+
+        Owners are read from ``--path.procfs``, or from the fake source's ``procfs_root`` (its processes'
+        cgroup files) when the user left ``--path.procfs`` at its default."""
+        if self._usage is None:
+            from gpufleet.agent.collectors.usage import GpuUsage
+
+            procfs = self.cfg.procfs_path
+            root: object = getattr(getattr(self.backend, "source", None), "procfs_root", None)
+            if root and procfs == _DEFAULT_PROCFS:
+                procfs = str(root)
+            self._usage = GpuUsage(self.backend, procfs)
+        return self._usage
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, listen_xid: bool = True) -> None:

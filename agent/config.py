@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 #: Every collector the agent knows, in scrape order. All are on by default.
-COLLECTORS = ("gpu", "xid", "nic", "topology", "pcie", "jobs", "pods", "host", "pressure")
+COLLECTORS = ("gpu", "xid", "nic", "topology", "pcie", "jobs", "pods", "host", "pressure", "mig", "processes")
 
 DEFAULT_PORT = 9445
 DEFAULT_LISTEN = f":{DEFAULT_PORT}"
@@ -28,6 +28,8 @@ class AgentConfig:
     #: --collector.pods.resources: extended resource / DRA driver name patterns whose devices count
     pods_resources: tuple[str, ...] = ("nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig-*", "gpu.nvidia.com")
     pods_refresh_interval: float = 5.0  # --collector.pods.refresh-interval: seconds between kubelet List calls
+    #: --collector.processes.per-pid: also export per-process series (pid label; off: per owner only)
+    processes_per_pid: bool = False
     log_level: str = "info"  # --log.level: debug, info, warn, error
     #: --nvml.fake: "" for the real libnvidia-ml; "sim" / "sim:N" (built-in simulated H100 host with N GPUs,
     #: default 8), "trace:PATH" (replay a recorded trace), "live:PATH" (snapshot file the fleet simulator rewrites)

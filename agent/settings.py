@@ -167,6 +167,10 @@ OPTIONS: tuple[Option, ...] = (
            _interval, metavar="S",
            help="ask the kubelet which pod holds which GPU every S seconds, in the background "
                 f"(default {_D.pods_refresh_interval:g})"),
+    Option("--collector.processes.per-pid", "processes_per_pid", ("collector.processes", "per_pid"), _bool,
+           metavar="BOOL",
+           help="also export one series per GPU process (pid label); off, processes are exported per owner "
+                "(Slurm job, Kubernetes pod, systemd unit) only, so cardinality stays bounded (default false)"),
     Option("--path.sysfs", "sysfs_path", ("path", "sysfs"), metavar="DIR",
            help=f"sysfs mount point (default {_D.sysfs_path})"),
     Option("--path.procfs", "procfs_path", ("path", "procfs"), metavar="DIR",

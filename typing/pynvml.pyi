@@ -270,4 +270,63 @@ def nvmlGpmQueryDeviceSupport(device: c_nvmlDevice_t) -> c_nvmlGpmSupport_t: ...
 def nvmlGpmSampleAlloc() -> c_nvmlGpmSample_t: ...
 def nvmlGpmSampleFree(gpmSample: c_nvmlGpmSample_t) -> None: ...
 def nvmlGpmSampleGet(device: c_nvmlDevice_t, gpmSample: c_nvmlGpmSample_t) -> c_nvmlGpmSample_t: ...
+def nvmlGpmMigSampleGet(device: c_nvmlDevice_t, gpuInstanceId: int, gpmSample: c_nvmlGpmSample_t) -> c_nvmlGpmSample_t: ...
+
+# ---------------------------------------------------------------- MIG and processes
+
+NVML_DEVICE_MIG_DISABLE: int
+NVML_DEVICE_MIG_ENABLE: int
+NVML_VALUE_NOT_AVAILABLE_ulonglong: ctypes.c_ulonglong
+ProcessesUtilizationInfo_v1: int
+
+class c_nvmlDeviceAttributes(ctypes.Structure):
+    multiprocessorCount: int
+    gpuInstanceSliceCount: int
+    computeInstanceSliceCount: int
+    memorySizeMB: int
+
+class c_nvmlProcessUtilizationSample_t(ctypes.Structure):
+    pid: int
+    timeStamp: int
+    smUtil: int
+    memUtil: int
+    encUtil: int
+    decUtil: int
+
+class c_nvmlProcessUtilizationInfo_v1_t(ctypes.Structure):
+    timeStamp: int
+    pid: int
+    smUtil: int
+    memUtil: int
+    encUtil: int
+    decUtil: int
+    jpgUtil: int
+    ofaUtil: int
+
+class c_nvmlProcessesUtilizationInfo_v1_t(ctypes.Structure):
+    version: int
+    processSamplesCount: int
+    lastSeenTimeStamp: int
+    procUtilArray: ctypes._Pointer[c_nvmlProcessUtilizationInfo_v1_t]
+
+class nvmlFriendlyObject:
+    pid: int
+    usedGpuMemory: int | None
+    gpuInstanceId: int
+    computeInstanceId: int
+
+def nvmlDeviceGetMigMode(device: c_nvmlDevice_t) -> list[int]: ...
+def nvmlDeviceGetMaxMigDeviceCount(device: c_nvmlDevice_t) -> int: ...
+def nvmlDeviceGetMigDeviceHandleByIndex(device: c_nvmlDevice_t, index: int) -> c_nvmlDevice_t: ...
+def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(migDevice: c_nvmlDevice_t) -> c_nvmlDevice_t: ...
+def nvmlDeviceIsMigDeviceHandle(device: c_nvmlDevice_t) -> ctypes.c_uint: ...
+def nvmlDeviceGetGpuInstanceId(device: c_nvmlDevice_t) -> int: ...
+def nvmlDeviceGetComputeInstanceId(device: c_nvmlDevice_t) -> int: ...
+def nvmlDeviceGetAttributes(device: c_nvmlDevice_t) -> c_nvmlDeviceAttributes: ...
+def nvmlDeviceGetAttributes_v2(device: c_nvmlDevice_t) -> c_nvmlDeviceAttributes: ...
+def nvmlDeviceGetComputeRunningProcesses(handle: c_nvmlDevice_t) -> list[nvmlFriendlyObject]: ...
+def nvmlDeviceGetProcessUtilization(handle: c_nvmlDevice_t, timeStamp: int) -> list[c_nvmlProcessUtilizationSample_t]: ...
+def nvmlDeviceGetProcessesUtilizationInfo(
+    handle: c_nvmlDevice_t, timeStamp: int
+) -> list[c_nvmlProcessUtilizationInfo_v1_t]: ...
 def nvmlGpmMetricsGet(metricsGet: c_nvmlGpmMetricsGet_t) -> c_nvmlGpmMetricsGet_t: ...

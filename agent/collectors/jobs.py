@@ -1,4 +1,14 @@
-"""Jobs collector: GPU -> job attribution from a dcgm-exporter style mapping directory.
+"""Jobs collector: GPU -> job attribution from the processes on the GPUs and a mapping directory.
+
+With the shared :class:`~gpufleet.agent.collectors.usage.GpuUsage` (the agent always gives it), the
+job that holds a GPU is first the Slurm job of the processes running on it (their
+``/proc/PID/cgroup``, see :mod:`gpufleet.agent.cgroups`; a MIG device's processes count for its
+parent GPU: the per-slice view is ``gpufleet_gpu_owner_processes{gpu_instance}``). The mapping
+directory below is then a hint, for the time before the first CUDA context exists: a mapping
+file whose job no longer exists (no process of it on any GPU, and no ``job_<id>`` cgroup under
+Slurm's cgroup tree in ``--path.cgroupfs``) is ignored and counted in
+``gpufleet_gpu_job_mapping_stale_files``, not exported. On a host without a Slurm cgroup tree
+(another scheduler writes the files) the mapping files are trusted as they are.
 
 The directory holds one file per GPU, named by the GPU's index ("0", "1", ...),
 containing the id(s) of the job(s) running on it, one per line. A scheduler
@@ -23,16 +33,21 @@ import logging
 import os
 import stat
 from collections.abc import Iterable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from gpufleet.agent.cgroups import SLURM_JOB, slurm_job_exists
 from gpufleet.agent.vocab import catalog
+
+if TYPE_CHECKING:
+    from gpufleet.agent.collectors.usage import GpuUsage
 
 log = logging.getLogger(__name__)
 
 _SPEC = catalog.spec("gpufleet_gpu_job_info")
 _SKIPPED = catalog.spec("gpufleet_gpu_job_mapping_skipped_files")
+_STALE = catalog.spec("gpufleet_gpu_job_mapping_stale_files")
 #: Largest mapping file read; a bigger file is not a job list and is skipped.
 MAX_FILE_BYTES = 64 * 1024
 #: Longest job id accepted (Slurm and Kubernetes ids are far shorter).
@@ -95,8 +110,12 @@ class JobsCollector:
 
     name = "jobs"
 
-    def __init__(self, mapping_dir: str) -> None:
+    def __init__(self, mapping_dir: str, usage: GpuUsage | None = None, cgroupfs: str | None = None) -> None:
+        """``usage``: the processes on the GPUs (jobs from their cgroups); ``cgroupfs``: where Slurm's
+        job cgroups are looked for (stale mapping files). Without them: the mapping directory alone."""
         self.mapping_dir = mapping_dir
+        self.usage = usage
+        self.cgroupfs = cgroupfs
         self._warned: set[tuple[str, str]] = set()  # (file, problem) already logged at warning level
 
     def _skip(self, path: str, problem: str) -> None:
@@ -105,11 +124,53 @@ class JobsCollector:
         log.log(level, "job mapping %s skipped: %s", path, problem)
 
     def describe(self) -> Iterable[Metric]:
-        return [_SPEC.family(), _SKIPPED.family()]
+        fams = [_SPEC.family(), _SKIPPED.family()]
+        if self.usage is not None or self.cgroupfs is not None:
+            fams.append(_STALE.family())
+        return fams
 
     def mapping(self) -> dict[str, list[str]]:
         """GPU index -> job ids, for the GPUs that have a readable, non-empty mapping file."""
         return self._read()[0]
+
+    def process_jobs(self) -> dict[str, list[str]] | None:
+        """GPU index -> the Slurm jobs of the processes on it (every GPU NVML listed processes of);
+        None without process data (no usage reader, NVML down)."""
+        if self.usage is None:
+            return None
+        snap = self.usage.snapshot()
+        if not snap.up:
+            return None
+        out: dict[str, list[str]] = {}
+        for use in snap.gpus:
+            if use.processes is not None:
+                out[use.gpu] = sorted({o.id for _, o in use.processes if o.kind == SLURM_JOB}, key=_job_key)
+        return out
+
+    def attribution(self) -> tuple[dict[str, list[str]], int | None, int | None]:
+        """(GPU index -> job ids, mapping files skipped, mapping files stale); skipped and stale are
+        None when the mapping directory does not exist. Raises :class:`MappingDirError`."""
+        mapping, skipped = self._read()
+        from_procs = self.process_jobs()
+        running = {j for jobs in (from_procs or {}).values() for j in jobs}
+        out: dict[str, dict[str, None]] = {g: dict.fromkeys(jobs) for g, jobs in (from_procs or {}).items() if jobs}
+        stale = None if skipped is None else 0
+        for gpu, jobs in mapping.items():
+            live = [j for j in jobs if j in running or not self._gone(j)]
+            if len(live) < len(jobs):
+                assert stale is not None
+                stale += 1
+                self._skip(os.path.join(self.mapping_dir, gpu), "stale: its job has no process and no cgroup")
+            for j in live:
+                out.setdefault(gpu, {})[j] = None
+        ordered = {g: list(out[g]) for g in sorted(out, key=_job_key)}
+        return ordered, skipped, stale
+
+    def _gone(self, job: str) -> bool:
+        """True when Slurm's cgroup tree exists and has no cgroup for ``job`` (False: not known)."""
+        if self.cgroupfs is None or not job.isdigit():
+            return False
+        return slurm_job_exists(self.cgroupfs, job) is False
 
     def _read(self) -> tuple[dict[str, list[str]], int | None]:
         """(GPU index -> job ids, files skipped); skipped is None when the directory does not exist.
@@ -136,7 +197,7 @@ class JobsCollector:
         return out, skipped
 
     def collect(self) -> Iterable[Metric]:
-        mapping, skipped = self._read()
+        mapping, skipped, stale = self.attribution()
         out: list[Metric] = []
         if mapping:
             fam = cast(GaugeMetricFamily, _SPEC.family())
@@ -148,4 +209,12 @@ class JobsCollector:
             skip = cast(GaugeMetricFamily, _SKIPPED.family())
             skip.add_metric([], skipped)
             out.append(skip)
+        if stale is not None and (self.usage is not None or self.cgroupfs is not None):
+            st = cast(GaugeMetricFamily, _STALE.family())
+            st.add_metric([], stale)
+            out.append(st)
         return out
+
+
+def _job_key(text: str) -> tuple[int, str]:
+    return (int(text), "") if text.isdigit() and len(text) < 19 else (1 << 63, text)

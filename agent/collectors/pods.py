@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -34,9 +35,10 @@ _INFO = catalog.spec("gpufleet_gpu_pod_info")
 _ERRORS = catalog.spec("gpufleet_kubelet_errors_total")
 
 
-def backend_gpu_ids(backend: Any) -> Callable[[], GpuIds]:
+def backend_gpu_ids(backend: Any, mig_uuids: Callable[[], dict[str, str]] | None = None) -> Callable[[], GpuIds]:
     """This host's GPUs from an :class:`~gpufleet.agent.nvml.backend.NvmlBackend`'s devices
-    (the facts it read when it opened them; empty while NVML is down)."""
+    (the facts it read when it opened them; empty while NVML is down); ``mig_uuids``: MIG device
+    UUID -> parent GPU index (the MIG reader's last read), so ``MIG-<uuid>`` devices resolve."""
 
     def ids() -> GpuIds:
         devices = list(getattr(backend, "devices", ()) or ())
@@ -45,7 +47,10 @@ def backend_gpu_ids(backend: Any) -> Callable[[], GpuIds]:
             uuid = dev.fact("uuid")
             minor = dev.fact("minor_number")
             out.append((dev.label, str(uuid or ""), int(minor) if isinstance(minor, int) else None))
-        return GpuIds.of(out)
+        ids = GpuIds.of(out)
+        if mig_uuids is not None:
+            ids = replace(ids, by_mig_uuid={u.lower(): g for u, g in mig_uuids().items()})
+        return ids
 
     return ids
 

@@ -19,9 +19,11 @@ from gpufleet.agent.fake.core import FakeCore
 from gpufleet.agent.fake.ctypes_io import (
     ARGUMENT_VERSION_MISMATCH,
     INVALID_ARGUMENT,
+    NOT_FOUND,
     NOT_SUPPORTED,
     SUCCESS,
     address,
+    as_int,
     set_pointer,
     target,
 )
@@ -70,6 +72,8 @@ class _GpmSample:
     index: int | None = None
     timestamp: float = 0.0
     counters: GpmCounters | None = None
+    #: the GPU instance sampled by nvmlGpmMigSampleGet (None: the whole GPU)
+    gpu_instance: int | None = None
 
 
 class GpmEntryPoints(FakeCore):
@@ -111,6 +115,31 @@ class GpmEntryPoints(FakeCore):
         if not d.inv.gpm_supported or d.sample.gpm is None:
             return NOT_SUPPORTED
         slot.index, slot.timestamp, slot.counters = d.index, d.sample.timestamp, replace(d.sample.gpm)
+        slot.gpu_instance = None
+        return SUCCESS
+
+    def _c_nvmlGpmMigSampleGet(self, handle: Any, gpu_instance: Any, sample: Any) -> int:
+        """A GPM sample of one GPU instance of a GPU in MIG mode (its MIG devices' GpmCounters)."""
+        d = self._dev("nvmlGpmMigSampleGet", handle)
+        if isinstance(d, int):
+            return d
+        slot = self._gpm.get(address(sample) or 0)
+        if slot is None:
+            return INVALID_ARGUMENT
+        if not d.inv.gpm_supported:
+            return NOT_SUPPORTED
+        gi = as_int(gpu_instance)
+        if d.inv.mig_mode_current != 1:
+            return INVALID_ARGUMENT
+        ks = [k for k, m in enumerate(d.inv.mig_devices) if m.gpu_instance_id == gi]
+        if not ks:
+            return NOT_FOUND
+        mig = d.sample.mig
+        counters = mig[ks[0]].gpm if ks[0] < len(mig) else None
+        if counters is None:
+            return NOT_SUPPORTED
+        slot.index, slot.timestamp, slot.counters = d.index, d.sample.timestamp, replace(counters)
+        slot.gpu_instance = gi
         return SUCCESS
 
     def _c_nvmlGpmMetricsGet(self, ref: Any) -> int:
@@ -119,7 +148,8 @@ class GpmEntryPoints(FakeCore):
             return ARGUMENT_VERSION_MISMATCH
         a, b = self._gpm.get(address(mg.sample1) or 0), self._gpm.get(address(mg.sample2) or 0)
         n = int(mg.numMetrics)
-        if a is None or b is None or a.counters is None or b.counters is None or a.index != b.index:
+        if (a is None or b is None or a.counters is None or b.counters is None or a.index != b.index
+                or a.gpu_instance != b.gpu_instance):
             return INVALID_ARGUMENT
         if not 0 < n <= pynvml.NVML_GPM_METRIC_MAX:
             return INVALID_ARGUMENT

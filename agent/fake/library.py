@@ -65,6 +65,7 @@ from gpufleet.agent.fake.errors import make_rule, system_code
 from gpufleet.agent.fake.events import EventEntryPoints
 from gpufleet.agent.fake.fields import FieldValueEntryPoints
 from gpufleet.agent.fake.gpm import GpmEntryPoints
+from gpufleet.agent.fake.processes import ProcessEntryPoints
 from gpufleet.agent.fake.readings import ReadingEntryPoints
 from gpufleet.agent.nvml.model import DeviceSource
 
@@ -156,7 +157,8 @@ class _FakeLib:
 
 
 
-class FakeNvml(DeviceEntryPoints, ReadingEntryPoints, FieldValueEntryPoints, GpmEntryPoints, EventEntryPoints):
+class FakeNvml(ProcessEntryPoints, DeviceEntryPoints, ReadingEntryPoints, FieldValueEntryPoints, GpmEntryPoints,
+               EventEntryPoints):
     """A fake libnvidia-ml backed by ``source``; see the module docstring."""
 
     def __init__(self, source: DeviceSource) -> None:

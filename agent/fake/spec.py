@@ -12,6 +12,11 @@ Specs:
 * ``trace:PATH`` — :class:`~gpufleet.agent.fake.trace_source.TraceSource`: replay a recorded
   trace in a loop, starting at the first read; ``trace:PATH@N`` freezes it at sample line N
   (0-based) for deterministic output.
+* ``mig:N[:LAYOUT]`` — :class:`~gpufleet.agent.fake.shared_source.SharedSource` on ``sim:N``: every GPU
+  in MIG mode with the MIG devices of LAYOUT (profiles joined by ``+``, ``PROFILE*K`` repeats; default
+  ``1g.10gb*7``), one compute process per MIG device, their cgroups in a fake /proc.
+* ``procs:N:P`` — ``sim:N`` with P compute processes spread over the GPUs (no MIG), their cgroups
+  (Slurm jobs, Kubernetes pods, systemd services) in a fake /proc.
 * ``live:PATH`` — :class:`~gpufleet.agent.fake.live_source.LiveSource`: serve a snapshot file
   (model.Snapshot) that another process (the fleet simulator) rewrites; re-read when it changes.
 
@@ -26,6 +31,7 @@ import re
 
 from gpufleet.agent.fake.library import FakeNvml
 from gpufleet.agent.fake.live_source import LiveSource
+from gpufleet.agent.fake.shared_source import SharedSource, parse_layout
 from gpufleet.agent.fake.sim_source import SimSource
 from gpufleet.agent.fake.smi_xml import SmiXmlError, load_smi_xml
 from gpufleet.agent.fake.trace_source import TraceSource
@@ -58,11 +64,30 @@ def _sim_from_spec(spec: str, arg: str) -> SimSource:
         raise ValueError(f"--nvml.fake={spec!r}: {e}") from None
 
 
+def _shared_from_spec(spec: str, kind: str, arg: str) -> SharedSource:
+    n_text, _, rest = arg.partition(":")
+    forms = "mig:N[:LAYOUT] (LAYOUT e.g. 3g.40gb+2g.20gb+1g.10gb*2)" if kind == "mig" else "procs:N:P"
+    if not re.fullmatch(r"\d{1,4}", n_text) or not 1 <= int(n_text) <= 4096:
+        raise ValueError(f"--nvml.fake={spec!r}: expected {forms}, N a number of GPUs 1..4096")
+    n = int(n_text)
+    try:
+        if kind == "mig":
+            layout = parse_layout(rest or "1g.10gb*7")
+            return SharedSource(SimSource(n, sysfs=True), layout=layout, processes=n * len(layout))
+        if not re.fullmatch(r"\d{1,7}", rest):
+            raise ValueError(f"expected {forms}, P a number of processes")
+        return SharedSource(SimSource(n, sysfs=True), processes=int(rest))
+    except ValueError as e:
+        raise ValueError(f"--nvml.fake={spec!r}: {e}") from None
+
+
 def source_from_spec(spec: str) -> DeviceSource:
     """Build the source named by ``--nvml.fake`` (see the module docstring); ValueError on a bad spec."""
     kind, sep, arg = spec.strip().partition(":")
     if kind == "sim":
         return _sim_from_spec(spec, arg) if sep else SimSource(sysfs=True)
+    if kind in ("mig", "procs"):
+        return _shared_from_spec(spec, kind, arg)
     if kind in ("trace", "live"):
         if not arg:
             raise ValueError(f"--nvml.fake={spec!r}: expected {kind}:PATH")
@@ -79,7 +104,7 @@ def source_from_spec(spec: str) -> DeviceSource:
             return TraceSource(arg, pin=pin)
         except ValueError as e:
             raise ValueError(f"--nvml.fake={spec!r}: {e}") from e
-    raise ValueError(f"--nvml.fake={spec!r}: expected sim, sim:N, trace:PATH or live:PATH")
+    raise ValueError(f"--nvml.fake={spec!r}: expected sim, sim:N, trace:PATH or live:PATH (or mig:N, procs:N:P)")
 
 
 def fake_library(spec: str) -> FakeNvml:

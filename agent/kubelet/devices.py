@@ -5,7 +5,8 @@ The kubelet names a device the way its device plugin or DRA driver announced it:
 =====================================  ==========================================================
 ``GPU-<uuid>``                         a whole GPU (NVIDIA device plugin): its NVML UUID
 ``GPU-<uuid>::N``                      replica N of a GPU shared by time-slicing
-``MIG-<uuid>``                         a MIG device (NVIDIA device plugin, driver R470 and later)
+``MIG-<uuid>``                         a MIG device (NVIDIA device plugin, driver R470 and later): its parent
+                                      GPU from NVML's MIG devices (``GpuIds.by_mig_uuid``)
 ``MIG-GPU-<uuid>/<gi>/<ci>``           a MIG device, older drivers: the parent GPU's UUID is in it
 ``nvidiaN``                            a whole GPU by minor number (/dev/nvidiaN; GKE's plugin)
 ``nvidiaN/giG``                        a MIG device on GPU minor N (GKE's plugin)
@@ -54,6 +55,7 @@ class GpuIds:
     by_uuid: Mapping[str, str] = field(default_factory=dict)  # lower-cased UUID -> index
     by_minor: Mapping[int, str] = field(default_factory=dict)  # minor number -> index
     uuid_of: Mapping[str, str] = field(default_factory=dict)  # index -> UUID as NVML reports it
+    by_mig_uuid: Mapping[str, str] = field(default_factory=dict)  # lower-cased MIG device UUID -> parent index
 
     @classmethod
     def of(cls, gpus: Iterable[tuple[str, str, int | None]]) -> GpuIds:
@@ -88,9 +90,9 @@ def resolve(holder: Holder, ids: GpuIds) -> Resolved:
     elif m := _OLD_MIG_RE.match(device):
         parent = m.group(1)
         index = ids.by_uuid.get(parent.lower())
-    else:  # GPU-<uuid>; a current MIG-<uuid> is not in the map
+    else:  # GPU-<uuid>, or a current MIG-<uuid> (its parent from NVML's MIG devices)
         parent = device if device.startswith("GPU-") else ""
-        index = ids.by_uuid.get(device.lower())
+        index = ids.by_uuid.get(device.lower()) or ids.by_mig_uuid.get(device.lower())
     if index is None:
         return Resolved("", parent, device)
     return Resolved(index, ids.uuid_of.get(index, parent), device)

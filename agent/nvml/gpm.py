@@ -40,7 +40,10 @@ class _GpmMetricsGet(ctypes.Structure):
 assert ctypes.sizeof(_GpmMetricsGet) == ctypes.sizeof(pynvml.c_nvmlGpmMetricsGet_t)
 
 
-def read_gpm(b: NvmlBackend, dev: Device, h: pynvml.c_nvmlDevice_t, state: ReaderState) -> GpmRates | None:
+def read_gpm(b: NvmlBackend, dev: Device, h: pynvml.c_nvmlDevice_t, state: ReaderState,
+             gpu_instance: int | None = None) -> GpmRates | None:
+    """GPM rates of the GPU, or with ``gpu_instance`` of that GPU instance of a GPU in MIG mode
+    (nvmlGpmMigSampleGet; ``state`` is then that instance's)."""
     if not dev.gpm_supported or state.gpm_broken:
         return None
     if not state.buffers:
@@ -54,7 +57,11 @@ def read_gpm(b: NvmlBackend, dev: Device, h: pynvml.c_nvmlDevice_t, state: Reade
             return None
     cur = state.buffers[state.current]
     now = time.monotonic()
-    if b.call(pynvml.nvmlGpmSampleGet, h, cur) is None:
+    if gpu_instance is None:
+        got = b.call(pynvml.nvmlGpmSampleGet, h, cur)
+    else:
+        got = b.call(pynvml.nvmlGpmMigSampleGet, h, gpu_instance, cur)
+    if got is None:
         state.prev_valid = False
         state.last_rates = None
         state.gpm_pcie_ok = False  # fall back to nvmlDeviceGetPcieThroughput until GPM answers again

@@ -39,6 +39,22 @@ class DriverInfo:
 
 
 @dataclass
+class MigDeviceInventory:
+    """One MIG device (a compute instance inside a GPU instance) of a GPU in MIG mode."""
+
+    gpu_instance_id: int
+    compute_instance_id: int = 0
+    #: NVML GPU instance profile id (NVML_GPU_INSTANCE_PROFILE_*) and its name as nvidia-smi shows it
+    profile_id: int = 0
+    profile_name: str = "1g.10gb"
+    uuid: str = ""
+    memory_total_bytes: int = 10 * 2**30
+    slice_count: int = 1  # GPU slices of the GPU instance (of 7 on an H100)
+    multiprocessor_count: int = 16
+    placement_start: int = 0
+
+
+@dataclass
 class GpuInventory:
     """Static facts about one GPU (what ``nvidia-smi -q`` shows that does not change)."""
 
@@ -72,6 +88,11 @@ class GpuInventory:
     gpm_supported: bool = True  # Hopper and newer
     row_remap_supported: bool = True
     retired_pages_supported: bool = False  # Ampere+ use row remapping instead
+    #: MIG mode (nvmlDeviceGetMigMode): None = the GPU has no MIG (NOT_SUPPORTED), 0 disabled, 1 enabled
+    mig_mode_current: int | None = None
+    mig_mode_pending: int | None = None
+    #: The MIG devices while MIG mode is enabled (nvmlDeviceGetMigDeviceHandleByIndex order)
+    mig_devices: list[MigDeviceInventory] = field(default_factory=list)
 
 
 @dataclass
@@ -101,6 +122,30 @@ class GpmCounters:
     nvlink_rx_bytes: int = 0
     pcie_tx_bytes: int = 0
     pcie_rx_bytes: int = 0
+
+
+@dataclass
+class MigSample:
+    """The time-varying state of one MIG device (aligned with ``GpuInventory.mig_devices``)."""
+
+    memory_used_bytes: int | None = 0
+    #: GPM counters of the device's GPU instance (nvmlGpmMigSampleGet); None: no GPM for it
+    gpm: GpmCounters | None = field(default_factory=GpmCounters)
+
+
+@dataclass
+class ProcessSample:
+    """One compute process on a GPU (nvmlDeviceGetComputeRunningProcesses) and its utilization sample."""
+
+    pid: int
+    used_memory_bytes: int | None = 0  # None: NVML_VALUE_NOT_AVAILABLE
+    #: the MIG device it runs on (GPU instance, compute instance); None outside MIG mode
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
+    #: nvmlDeviceGetProcessUtilization: SM and memory utilization (percent) over the last sample period;
+    #: None: no utilization sample for this process (NVML has none, e.g. in MIG mode)
+    sm_util_pct: int | None = None
+    mem_util_pct: int | None = None
 
 
 @dataclass
@@ -142,6 +187,10 @@ class GpuSample:
     pcie_rx_kbps: int | None = 0
     nvlink: list[NvLinkSample] | None = field(default_factory=list)
     gpm: GpmCounters | None = field(default_factory=GpmCounters)
+    #: per MIG device of the inventory (empty outside MIG mode)
+    mig: list[MigSample] = field(default_factory=list)
+    #: running compute processes; None: the source does not model processes (NOT_SUPPORTED)
+    processes: list[ProcessSample] | None = None
 
 
 @dataclass
@@ -187,6 +236,7 @@ def inventory_from_dict(data: dict[str, Any]) -> GpuInventory:
     inv = _from_dict(GpuInventory, data)
     cc = inv.cuda_compute_capability
     inv.cuda_compute_capability = None if cc is None else (int(cc[0]), int(cc[1]))
+    inv.mig_devices = [_from_dict(MigDeviceInventory, m) if isinstance(m, dict) else m for m in inv.mig_devices]
     return inv
 
 
@@ -196,7 +246,17 @@ def sample_from_dict(data: dict[str, Any]) -> GpuSample:
         s.gpm = _from_dict(GpmCounters, s.gpm)
     if s.nvlink is not None:
         s.nvlink = [_from_dict(NvLinkSample, x) if isinstance(x, dict) else x for x in s.nvlink]
+    s.mig = [_mig_sample_from_dict(m) if isinstance(m, dict) else m for m in s.mig]
+    if s.processes is not None:
+        s.processes = [_from_dict(ProcessSample, p) if isinstance(p, dict) else p for p in s.processes]
     return s
+
+
+def _mig_sample_from_dict(data: dict[str, Any]) -> MigSample:
+    m = _from_dict(MigSample, data)
+    if isinstance(m.gpm, dict):
+        m.gpm = _from_dict(GpmCounters, m.gpm)
+    return m
 
 
 def driver_from_dict(data: dict[str, Any]) -> DriverInfo:

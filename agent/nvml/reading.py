@@ -13,7 +13,8 @@ from gpufleet.agent.nvml.model import GpuSample
 
 _BLANK: dict[str, Any] = {f.name: None for f in fields(GpuSample)}
 #: Every reading field of a GpuSample (not its time, lost flag or GPM counters).
-READINGS = tuple(k for k in _BLANK if k not in ("timestamp", "lost", "gpm"))
+#: (MIG devices and processes are read by :mod:`.mig` and :mod:`.processes`, not per reading.)
+READINGS = tuple(k for k in _BLANK if k not in ("timestamp", "lost", "gpm", "mig", "processes"))
 
 
 @dataclass
@@ -103,5 +104,6 @@ def blank_sample(timestamp: float) -> GpuSample:
     s.__dict__.update(_BLANK)
     s.timestamp = timestamp
     s.lost = False
+    s.mig = []
     return s
 

@@ -42,6 +42,8 @@ GROUPS = (
     "host",  # psutil host context and node GPU totals
     "pcie",  # PCIe AER counters and link state of the GPUs, NICs and the ports above them (sysfs)
     "pressure",  # pressure stall information (PSI) of the host and of the attributed jobs' cgroups
+    "mig",  # MIG mode and MIG devices (NVML)
+    "processes",  # compute processes per GPU, aggregated to their owners (NVML + /proc/PID/cgroup)
     "site",  # facility data (BMS/DCIM); produced by the simulator in recordings
     "detector",  # gpufleet-detector findings and health
 )
@@ -222,6 +224,29 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("gpufleet_gpu_nvlink_throughput_bytes_per_second", _G, "bytes_per_second",
                "NVLink throughput over all links (GPM).", ("gpu", "direction"), "gpu",
                label_values={"direction": ("tx", "rx")}),
+    # ---------------------------------------------------------------- MIG (Multi-Instance GPU)
+    MetricSpec("gpufleet_gpu_mig_mode_enabled", _G, "",
+               "1 if MIG mode is enabled on the GPU, 0 if disabled; state pending is the mode after the next GPU "
+               "reset. Absent on GPUs without MIG.", ("gpu", "state"), "mig",
+               label_values={"state": ("current", "pending")}),
+    MetricSpec("gpufleet_mig_device_info", _G, "",
+               "MIG device (a compute instance of a GPU instance) of a GPU in MIG mode; value is 1. Join on gpu "
+               "and gpu_instance; profile as nvidia-smi names it (1g.10gb), uuid the MIG device's UUID.",
+               ("gpu", "gpu_instance", "compute_instance", "profile", "uuid"), "mig"),
+    MetricSpec("gpufleet_mig_memory_used_bytes", _G, "bytes", "Device memory used in the GPU instance.",
+               ("gpu", "gpu_instance"), "mig"),
+    MetricSpec("gpufleet_mig_memory_total_bytes", _G, "bytes", "Device memory of the GPU instance.",
+               ("gpu", "gpu_instance"), "mig"),
+    MetricSpec("gpufleet_mig_sm_active_ratio", _G, "ratio",
+               "Fraction of the GPU instance's SMs busy between the last two samples (GPM, Hopper and newer).",
+               ("gpu", "gpu_instance"), "mig"),
+    MetricSpec("gpufleet_mig_sm_occupancy_ratio", _G, "ratio",
+               "Resident warps against the theoretical maximum in the GPU instance (GPM).", ("gpu", "gpu_instance"),
+               "mig"),
+    MetricSpec("gpufleet_mig_tensor_active_ratio", _G, "ratio",
+               "Fraction of cycles the GPU instance's tensor pipes were active (GPM).", ("gpu", "gpu_instance"), "mig"),
+    MetricSpec("gpufleet_mig_dram_active_ratio", _G, "ratio",
+               "Fraction of the GPU instance's peak DRAM bandwidth used (GPM).", ("gpu", "gpu_instance"), "mig"),
     # ---------------------------------------------------------------- XID
     MetricSpec("gpufleet_gpu_xid_errors_total", _C, "", "XID errors reported by the driver, per XID code.",
                ("gpu", "xid"), "xid"),
@@ -235,6 +260,35 @@ SPECS: tuple[MetricSpec, ...] = (
                "Files of the job mapping directory skipped on this scrape: not a regular file, unreadable, too "
                "large, or not a list of job ids (invalid UTF-8, control characters). Absent without the directory.",
                (), "jobs"),
+    # ---------------------------------------------------------------- processes and their owners (NVML + /proc/PID/cgroup)
+    MetricSpec("gpufleet_gpu_processes", _G, "", "Compute processes running on the GPU.", ("gpu",), "processes"),
+    MetricSpec("gpufleet_gpu_owner_processes", _G, "",
+               "Compute processes on the GPU (MIG: GPU instance; gpu_instance empty outside MIG) by owner, read from "
+               "/proc/PID/cgroup: owner_kind slurm_job (owner: job id), k8s_pod (pod UID), systemd_unit (unit name), "
+               "unknown (owner empty).", ("gpu", "gpu_instance", "owner_kind", "owner"), "processes",
+               label_values={"owner_kind": ("slurm_job", "k8s_pod", "systemd_unit", "unknown")}),
+    MetricSpec("gpufleet_gpu_owner_memory_used_bytes", _G, "bytes",
+               "Device memory used by the owner's processes on the GPU (or GPU instance).", ("gpu", "gpu_instance", "owner_kind", "owner"), "processes"),
+    MetricSpec("gpufleet_gpu_owner_sm_utilization_ratio", _G, "ratio",
+               "Sum over the owner's processes of their SM utilization on the GPU since the last scrape (NVML "
+               "process utilization samples; absent in MIG mode and without samples).", ("gpu", "gpu_instance", "owner_kind", "owner"), "processes"),
+    MetricSpec("gpufleet_gpu_owner_memory_utilization_ratio", _G, "ratio",
+               "Sum over the owner's processes of their memory controller utilization since the last scrape.",
+               ("gpu", "gpu_instance", "owner_kind", "owner"), "processes"),
+    MetricSpec("gpufleet_gpu_process_owner_errors_total", _C, "",
+               "Processes whose /proc/PID/cgroup could not be read (not_found: exited or hidden by hidepid or "
+               "ProtectProc; permission_denied; unreadable; unparsable): counted under owner_kind unknown.",
+               ("error",), "processes",
+               label_values={"error": ("not_found", "permission_denied", "unreadable", "unparsable")}),
+    MetricSpec("gpufleet_gpu_process_memory_used_bytes", _G, "bytes",
+               "Per-PID detail (only with --collector.processes.per-pid): device memory used by the process.",
+               ("gpu", "gpu_instance", "pid", "owner_kind", "owner"), "processes"),
+    MetricSpec("gpufleet_gpu_process_sm_utilization_ratio", _G, "ratio",
+               "Per-PID detail (only with --collector.processes.per-pid): SM utilization of the process since the "
+               "last scrape.", ("gpu", "gpu_instance", "pid"), "processes"),
+    MetricSpec("gpufleet_gpu_job_mapping_stale_files", _G, "",
+               "Job mapping files ignored on this scrape because their job no longer exists (no process on a GPU "
+               "and no Slurm cgroup). Absent without the directory.", (), "jobs"),
     # ---------------------------------------------------------------- Kubernetes pods (kubelet pod-resources API)
     MetricSpec("gpufleet_gpu_pod_info", _G, "",
                "Kubernetes container holding the GPU (kubelet pod-resources API); value is 1. Join on gpu. gpu and "

@@ -1,0 +1,260 @@
+"""Per-process use and owners: fake NVML processes on GPUs, a fake /proc with cgroup files (Slurm, Kubernetes,
+systemd), the processes collector's series one by one, and the jobs collector attributing from cgroups."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pynvml
+import pytest
+from test_gpu_collector import FakeHost, Series, scrape
+
+from gpufleet.agent.cgroups import (
+    K8S_POD,
+    NO_OWNER,
+    SLURM_JOB,
+    SYSTEMD_UNIT,
+    Owner,
+    parse_cgroup,
+    slurm_job_exists,
+)
+from gpufleet.agent.collectors.jobs import JobsCollector
+from gpufleet.agent.collectors.processes import ProcessesCollector
+from gpufleet.agent.collectors.usage import GpuUsage
+from gpufleet.agent.fake.library import FakeNvml
+from gpufleet.agent.nvml.backend import NvmlBackend
+from gpufleet.agent.nvml.model import MigDeviceInventory, MigSample, ProcessSample
+
+POD_UID = "0e1f2a3b-4c5d-6e7f-8091-a2b3c4d5e6f7"
+#: Real-format /proc/PID/cgroup contents.
+CGROUPS = {
+    # Slurm, cgroup v2 (slurmstepd.scope), two steps of job 1234
+    101: "0::/system.slice/slurmstepd.scope/job_1234/step_0/user/task_0\n",
+    102: "0::/system.slice/slurmstepd.scope/job_1234/step_1/user/task_0\n",
+    # Slurm, cgroup v1 (hybrid host: the v2 line is at the root, the job is in the controllers' hierarchy)
+    103: ("12:freezer:/slurm/uid_1000/job_77/step_batch/task_0\n11:memory:/slurm/uid_1000/job_77/step_batch\n"
+          "1:name=systemd:/system.slice/slurmd.service\n0::/\n"),
+    # Kubernetes, systemd cgroup driver (pod UID with _) and cgroupfs driver
+    104: (f"0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{POD_UID.replace('-', '_')}.slice/"
+          "cri-containerd-5f1c0d2e9a.scope\n"),
+    105: f"0::/kubepods/besteffort/pod{POD_UID}/5f1c0d2e9a\n",
+    # systemd service, and a login session's scope
+    106: "0::/system.slice/vllm-inference.service\n",
+    107: "0::/user.slice/user-1000.slice/session-4.scope\n",
+    # the root cgroup: no owner
+    108: "0::/\n",
+}
+
+
+def test_parse_cgroup_owners() -> None:
+    got = {pid: parse_cgroup(text) for pid, text in CGROUPS.items()}
+    assert got == {
+        101: Owner(SLURM_JOB, "1234", "0"),
+        102: Owner(SLURM_JOB, "1234", "1"),
+        103: Owner(SLURM_JOB, "77", "batch"),
+        104: Owner(K8S_POD, POD_UID),
+        105: Owner(K8S_POD, POD_UID),
+        106: Owner(SYSTEMD_UNIT, "vllm-inference.service"),
+        107: Owner(SYSTEMD_UNIT, "session-4.scope"),
+        108: NO_OWNER,
+    }
+    for bad in ("garbage", "0:/x", "x::/y", ""):
+        with pytest.raises(ValueError):
+            parse_cgroup(bad)
+
+
+def write_proc(root: Path, cgroups: dict[int, str]) -> None:
+    for pid, text in cgroups.items():
+        (root / str(pid)).mkdir(parents=True)
+        (root / str(pid) / "cgroup").write_text(text)
+
+
+def proc_host(tmp_path: Path) -> tuple[FakeHost, Path]:
+    """GPU 0: job 1234 (2 procs) + the pod (2) + a hidden process (pid 999: no /proc entry);
+    GPU 1: job 77, the service, the session, the root-cgroup process; GPU 2: in MIG mode, one process per slice."""
+    src = FakeHost()
+    s = src.samples
+    s[0].processes = [ProcessSample(101, 10 * 2**30, sm_util_pct=30, mem_util_pct=10),
+                      ProcessSample(102, 2 * 2**30, sm_util_pct=20, mem_util_pct=5),
+                      ProcessSample(104, 3 * 2**30, sm_util_pct=15, mem_util_pct=1),
+                      ProcessSample(105, 1 * 2**30, sm_util_pct=None),  # no sample this interval
+                      ProcessSample(999, 2**20, sm_util_pct=5, mem_util_pct=0)]
+    s[1].processes = [ProcessSample(103, 4 * 2**30, sm_util_pct=50, mem_util_pct=20),
+                      ProcessSample(106, None, sm_util_pct=10, mem_util_pct=2),  # memory not available
+                      ProcessSample(107, 2**20, sm_util_pct=1, mem_util_pct=1),
+                      ProcessSample(108, 2**21, sm_util_pct=2, mem_util_pct=1)]
+    src.inv[2].mig_mode_current = src.inv[2].mig_mode_pending = 1
+    src.inv[2].mig_devices = [MigDeviceInventory(gpu_instance_id=gi, uuid=f"MIG-{gi}") for gi in (7, 8)]
+    s[2].mig = [MigSample(memory_used_bytes=2**30), MigSample(memory_used_bytes=2**30)]
+    s[2].processes = [ProcessSample(101, 2**30, gpu_instance_id=7, compute_instance_id=0),
+                      ProcessSample(106, 2**29, gpu_instance_id=8, compute_instance_id=0)]
+    proc = tmp_path / "proc"
+    write_proc(proc, CGROUPS)
+    return src, proc
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[tuple[FakeHost, FakeNvml, NvmlBackend, GpuUsage]]:
+    src, proc = proc_host(tmp_path)
+    fake = FakeNvml(src).install()
+    backend = NvmlBackend()
+    assert backend.start(), backend.init_error
+    try:
+        yield src, fake, backend, GpuUsage(backend, str(proc), max_age=0.0)
+    finally:
+        backend.close()
+        fake.uninstall()
+
+
+def owner_series(series: Series) -> Series:
+    return {k: v for k, v in series.items() if k[0].startswith(("gpufleet_gpu_owner", "gpufleet_gpu_process_"))}
+
+
+def test_owner_series_one_by_one(procs: tuple[FakeHost, FakeNvml, NvmlBackend, GpuUsage]) -> None:
+    src, _, _, usage = procs
+    got = scrape(ProcessesCollector(usage))
+    exp: Series = {}
+
+    def own(g: str, gi: str, kind: str, owner: str, n: int, mem: float | None, sm: float | None,
+            memutil: float | None) -> None:
+        labels = frozenset({("gpu", g), ("gpu_instance", gi), ("owner_kind", kind), ("owner", owner)})
+        exp[("gpufleet_gpu_owner_processes", labels)] = n
+        for name, v in (("memory_used_bytes", mem), ("sm_utilization_ratio", sm),
+                        ("memory_utilization_ratio", memutil)):
+            if v is not None:
+                exp[(f"gpufleet_gpu_owner_{name}", labels)] = v
+
+    own("0", "", SLURM_JOB, "1234", 2, 12 * 2**30, 0.5, 0.15)  # two steps of one job: one owner
+    own("0", "", K8S_POD, POD_UID, 2, 4 * 2**30, 0.15, 0.01)  # pid 105 had no sample: only 104's
+    own("0", "", "unknown", "", 1, 2**20, 0.05, 0.0)  # pid 999: no /proc entry (exited or hidden)
+    own("1", "", SLURM_JOB, "77", 1, 4 * 2**30, 0.5, 0.2)
+    own("1", "", SYSTEMD_UNIT, "vllm-inference.service", 1, None, 0.1, 0.02)  # memory N/A: no series
+    own("1", "", SYSTEMD_UNIT, "session-4.scope", 1, 2**20, 0.01, 0.01)
+    own("1", "", "unknown", "", 1, 2**21, 0.02, 0.01)
+    own("2", "7", SLURM_JOB, "1234", 1, 2**30, None, None)  # MIG: per slice, no per-process utilization
+    own("2", "8", SYSTEMD_UNIT, "vllm-inference.service", 1, 2**29, None, None)
+    exp[("gpufleet_gpu_process_owner_errors_total", frozenset({("error", "not_found")}))] = 1
+    assert owner_series(got).keys() == exp.keys()
+    for key, v in exp.items():
+        assert got[key] == pytest.approx(v), key
+    for g, n in (("0", 5), ("1", 4), ("2", 2)):
+        assert got[("gpufleet_gpu_processes", frozenset({("gpu", g)}))] == n
+    # The next scrape has no new utilization samples (same source time): no utilization series, not zeros.
+    again = scrape(ProcessesCollector(usage))
+    assert not any("utilization" in k[0] for k in again)
+    src.advance(1.0)
+    assert any("utilization" in k[0] for k in scrape(ProcessesCollector(usage)))
+
+
+def test_per_pid_series_only_with_the_flag(procs: tuple[FakeHost, FakeNvml, NvmlBackend, GpuUsage]) -> None:
+    _, _, _, usage = procs
+    assert not any(k[0].startswith("gpufleet_gpu_process_") and "errors" not in k[0]
+                   for k in scrape(ProcessesCollector(usage)))
+    got = scrape(ProcessesCollector(usage, per_pid=True))
+    pids = {(dict(k[1])["gpu"], dict(k[1])["pid"]) for k in got if k[0] == "gpufleet_gpu_process_memory_used_bytes"}
+    assert pids == {("0", "101"), ("0", "102"), ("0", "104"), ("0", "105"), ("0", "999"), ("1", "103"),
+                    ("1", "107"), ("1", "108"), ("2", "101"), ("2", "106")}  # 106 on GPU 1: memory N/A ...
+    assert ("gpufleet_gpu_process_memory_used_bytes",
+            frozenset({("gpu", "2"), ("gpu_instance", "8"), ("pid", "106"), ("owner_kind", SYSTEMD_UNIT),
+                       ("owner", "vllm-inference.service")})) in got  # ... but known on its MIG slice
+
+
+def test_hidden_proc_degrades_to_unknown_owners_and_errors(
+    procs: tuple[FakeHost, FakeNvml, NvmlBackend, GpuUsage], tmp_path: Path,
+) -> None:
+    """ProtectProc=invisible / hidepid: other users' /proc/PID are absent. No per-owner series, the
+    processes still counted under unknown, every failed read counted."""
+    _, _, backend, _ = procs
+    empty = tmp_path / "hidden-proc"
+    empty.mkdir()
+    got = scrape(ProcessesCollector(GpuUsage(backend, str(empty), max_age=0.0)))
+    kinds = {dict(k[1])["owner_kind"] for k in got if k[0] == "gpufleet_gpu_owner_processes"}
+    assert kinds == {"unknown"}
+    assert got[("gpufleet_gpu_process_owner_errors_total", frozenset({("error", "not_found")}))] == 11
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_unreadable_cgroup_file_is_permission_denied(
+    procs: tuple[FakeHost, FakeNvml, NvmlBackend, GpuUsage], tmp_path: Path,
+) -> None:
+    _, _, _, usage = procs
+    (tmp_path / "proc" / "101" / "cgroup").chmod(0)
+    got = scrape(ProcessesCollector(usage))
+    assert got[("gpufleet_gpu_process_owner_errors_total", frozenset({("error", "permission_denied")}))] >= 1
+
+
+def test_running_processes_need_privilege_in_mig_mode(procs: tuple[FakeHost, FakeNvml, NvmlBackend, GpuUsage]) -> None:
+    """Unprivileged, the whole-GPU list of a MIG GPU is NO_PERMISSION: the reader asks each MIG device."""
+    _, fake, backend, usage = procs
+    fake.privileged = False
+    with pytest.raises(pynvml.NVMLError_NoPermission):
+        pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(2))
+    got = scrape(ProcessesCollector(usage))
+    assert got[("gpufleet_gpu_processes", frozenset({("gpu", "2")}))] == 2
+    assert got[("gpufleet_gpu_owner_processes", frozenset({("gpu", "2"), ("gpu_instance", "8"),
+               ("owner_kind", SYSTEMD_UNIT), ("owner", "vllm-inference.service")}))] == 1
+    assert ("nvmlDeviceGetComputeRunningProcesses", "NO_PERMISSION") not in backend.errors()
+
+
+def test_nvml_without_process_support_gives_no_series(tmp_path: Path) -> None:
+    src = FakeHost()  # processes None: NOT_SUPPORTED
+    with FakeNvml(src):
+        backend = NvmlBackend()
+        assert backend.start()
+        try:
+            got = scrape(ProcessesCollector(GpuUsage(backend, str(tmp_path), max_age=0.0)))
+        finally:
+            backend.close()
+    assert got == {}
+
+
+# ---------------------------------------------------------------------- jobs: cgroups first, mapping a hint
+
+
+def jobs_of(series: Series) -> set[tuple[str, str]]:
+    return {(dict(k[1])["gpu"], dict(k[1])["job_id"]) for k in series if k[0] == "gpufleet_gpu_job_info"}
+
+
+def test_jobs_from_cgroups_without_mapping_files(procs: tuple[FakeHost, FakeNvml, NvmlBackend, GpuUsage],
+                                                 tmp_path: Path) -> None:
+    _, _, _, usage = procs
+    got = scrape(JobsCollector(str(tmp_path / "no-mapping"), usage, str(tmp_path / "cgroup")))
+    assert jobs_of(got) == {("0", "1234"), ("1", "77"), ("2", "1234")}
+    assert not any("mapping" in k[0] for k in got)  # no directory: no file counts
+
+
+def test_stale_mapping_files_are_ignored_and_counted(procs: tuple[FakeHost, FakeNvml, NvmlBackend, GpuUsage],
+                                                     tmp_path: Path) -> None:
+    _, _, _, usage = procs
+    cg = tmp_path / "cgroup"
+    (cg / "system.slice" / "slurmstepd.scope" / "job_555").mkdir(parents=True)  # allocated, no CUDA context yet
+    mapping = tmp_path / "mapping"
+    mapping.mkdir()
+    (mapping / "0").write_text("1234\n")  # running on the GPU: agrees with the cgroups
+    (mapping / "3").write_text("555\n")  # no process yet but its cgroup exists: kept (the hint's purpose)
+    (mapping / "4").write_text("9001\n")  # crashed node / no epilog: no process, no cgroup: stale
+    (mapping / "5").write_text("9002\n77\n")  # one stale id: the file counts once, its live job stays
+    got = scrape(JobsCollector(str(mapping), usage, str(cg)))
+    assert jobs_of(got) == {("0", "1234"), ("1", "77"), ("2", "1234"), ("3", "555"), ("5", "77")}
+    assert got[("gpufleet_gpu_job_mapping_stale_files", frozenset())] == 2
+    assert slurm_job_exists(str(cg), "555") is True and slurm_job_exists(str(cg), "9001") is False
+
+
+def test_mapping_trusted_without_a_slurm_cgroup_tree(procs: tuple[FakeHost, FakeNvml, NvmlBackend, GpuUsage],
+                                                    tmp_path: Path) -> None:
+    _, _, _, usage = procs
+    mapping = tmp_path / "mapping"
+    mapping.mkdir()
+    (mapping / "4").write_text("other-scheduler-job\n")
+    got = scrape(JobsCollector(str(mapping), usage, str(tmp_path / "no-slurm-here")))
+    assert ("4", "other-scheduler-job") in jobs_of(got)
+    assert got[("gpufleet_gpu_job_mapping_stale_files", frozenset())] == 0
+    assert slurm_job_exists(str(tmp_path / "no-slurm-here"), "1") is None
+
+
+def test_cgroup_v1_slurm_tree(tmp_path: Path) -> None:
+    (tmp_path / "freezer" / "slurm" / "uid_1000" / "job_77").mkdir(parents=True)
+    assert slurm_job_exists(str(tmp_path), "77") is True
+    assert slurm_job_exists(str(tmp_path), "78") is False

@@ -1,0 +1,104 @@
+"""Shared-GPU scrape benchmark (not a test): agent CPU and RSS per scrape on a MIG host and on a host with many
+processes, beside the plain host of bench_agent.py, with the same targets (5 ms agent CPU per scrape, 60 MB RSS).
+
+Run from the repository root::
+
+    .venv/bin/python tests/bench/bench_shared.py [--scrapes 100] [--gpus 8] [--processes 200] [--interval 15]
+
+For each host a fresh subprocess builds the real agent (every collector on, default configuration) on
+
+* ``sim:N``: the plain simulated host (the baseline, as bench_agent.py measures it);
+* ``mig:N``: every GPU in MIG mode with 7 ``1g.10gb`` slices, one process per slice (7 N processes);
+* ``procs:N:P``: P compute processes spread over the N GPUs (Slurm jobs, pods, services in a fake /proc),
+
+and scrapes it ``--scrapes`` times as the HTTP server does (``Agent.exposition``), the simulated clock moved on by
+``--interval`` before each scrape. Agent CPU per scrape is process CPU minus the CPU inside the fake NVML and the
+simulator (``FakeNvml.cpu_accounting``): on a real host that is the driver's library. Mean over the run, as
+bench_agent.py's headline; RSS after the run. Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+CPU_TARGET_MS = 5.0
+RSS_TARGET_MB = 60.0
+
+
+def child(spec: str, scrapes: int, interval: float) -> dict[str, Any]:
+    import psutil
+
+    from gpufleet.agent.app import Agent
+    from gpufleet.agent.config import AgentConfig
+    from gpufleet.agent.modes import tune_gc
+    from gpufleet.agent.nvml import reader
+
+    agent: Any = Agent(AgentConfig(nvml_fake=spec))
+    agent.start()
+    tune_gc()
+    now = [time.time()]
+    src = agent.backend.source
+    inner = getattr(src, "inner", src)
+    inner._clock = lambda: now[0]
+    reader.slow_clock = lambda: now[0]
+    usage = agent._usage
+    if usage is not None:
+        usage._clock = lambda: now[0]
+    fake = agent.backend.fake
+    fake.cpu_accounting = True
+    try:
+        for _ in range(3):
+            now[0] += interval
+            body = agent.exposition(None)[0]
+        own: list[float] = []
+        for _ in range(scrapes):
+            now[0] += interval
+            f0, c0 = fake.cpu_seconds, time.process_time()
+            body = agent.exposition(None)[0]
+            own.append((time.process_time() - c0) - (fake.cpu_seconds - f0))
+        series = sum(1 for line in body.splitlines() if line and not line.startswith(b"#"))
+        failed = [line.decode() for line in body.splitlines()
+                  if line.startswith(b"gpufleet_scrape_collector_success") and line.endswith(b" 0.0")]
+        rss = psutil.Process().memory_info().rss
+    finally:
+        agent.close()
+    return {"spec": spec, "own_mean_ms": statistics.fmean(own) * 1e3, "own_median_ms": statistics.median(own) * 1e3,
+            "series": series, "rss_mb": rss / 2**20, "failed": failed}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--scrapes", type=int, default=100)
+    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--processes", type=int, default=200)
+    p.add_argument("--interval", type=float, default=15.0)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        print(json.dumps(child(a.child, a.scrapes, a.interval)))
+        return
+    n = a.gpus
+    hosts = [(f"sim:{n}", f"{n} GPUs, no MIG, no processes (baseline)"),
+             (f"mig:{n}:1g.10gb*7", f"{n} GPUs x 7 MIG slices (1g.10gb), {7 * n} processes"),
+             (f"procs:{n}:{a.processes}", f"{n} GPUs, {a.processes} processes (jobs, pods, services)")]
+    print(f"| host | series | agent CPU/scrape at {a.interval:g} s (mean) | median | per GPU | vs 5 ms target | RSS |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for spec, what in hosts:
+        out = subprocess.run([sys.executable, __file__, "--child", spec, "--scrapes", str(a.scrapes),
+                              "--interval", str(a.interval)], capture_output=True, text=True, check=True)
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        if r["failed"]:
+            print(f"collectors failed on {spec}: {r['failed']}", file=sys.stderr)
+        print(f"| {what} | {r['series']} | **{r['own_mean_ms']:.2f} ms** | {r['own_median_ms']:.2f} ms "
+              f"| {r['own_mean_ms'] / n:.3f} ms | {r['own_mean_ms'] / CPU_TARGET_MS:.2f}x "
+              f"| {r['rss_mb']:.1f} MB{' (over 60 MB)' if r['rss_mb'] > RSS_TARGET_MB else ''} |")
+
+
+if __name__ == "__main__":
+    main()
