@@ -121,6 +121,19 @@ class Agent:
             jobs = JobsCollector(self.cfg.job_mapping_dir, self.gpu_usage(), self.cfg.cgroupfs_path)
             return PressureCollector(self.cfg.procfs_path, self.cfg.cgroupfs_path,
                                      lambda: {j for ids in jobs.attribution()[0].values() for j in ids})
+        if name == "ethtool":
+            from gpufleet.agent.collectors.ethtool import EthtoolCollector, TextReader
+
+            # A fake source's hosts keep their NICs' `ethtool -S` outputs as files; a real host reads the ioctl.
+            recorded: object = getattr(getattr(self.backend, "source", None), "ethtool_dir", None)
+            return EthtoolCollector(self.sysfs_path, TextReader(str(recorded)) if recorded else None,
+                                    interfaces=self.cfg.ethtool_interfaces, all_stats=self.cfg.ethtool_all_stats)
+        if name == "nccl":
+            from gpufleet.agent.collectors.jobs import JobsCollector
+            from gpufleet.agent.collectors.nccl import NcclCollector
+
+            nccl_jobs = JobsCollector(self.cfg.job_mapping_dir, self.gpu_usage(), self.cfg.cgroupfs_path)
+            return NcclCollector(self.cfg.nccl_directory, lambda: nccl_jobs.attribution()[0])
         if name == "host":
             from gpufleet.agent.collectors.host import HostCollector
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 #: Every collector the agent knows, in scrape order. All are on by default.
-COLLECTORS = ("gpu", "xid", "nic", "topology", "pcie", "jobs", "pods", "host", "pressure", "mig", "processes")
+COLLECTORS = ("gpu", "xid", "nic", "topology", "pcie", "jobs", "pods", "host", "pressure", "mig", "processes",
+              "ethtool", "nccl")
 
 DEFAULT_PORT = 9445
 DEFAULT_LISTEN = f":{DEFAULT_PORT}"
@@ -23,6 +24,14 @@ class AgentConfig:
     cgroupfs_path: str = "/sys/fs/cgroup"  # --path.cgroupfs; job cgroups (job_<id>) searched below it
     #: --collector.pcie.interval: AER counters and PCIe link state are re-read at most this often (0: every scrape)
     pcie_interval: float = 60.0
+    #: --collector.ethtool.interfaces: the NICs whose ethtool statistics are read; empty: the network
+    #: interfaces of the RDMA devices (<sysfs>/class/infiniband/*/device/net/*)
+    ethtool_interfaces: tuple[str, ...] = ()
+    #: --collector.ethtool.all-stats: every ethtool -S statistic, not only the allowlist (many series)
+    ethtool_all_stats: bool = False
+    #: --collector.nccl.directory: where NCCL's example profiler plugin dumps its traces
+    #: (NCCL_PROFILE_DUMP_FILE=<dir>/<prefix>); empty: no collective timing
+    nccl_directory: str = ""
     job_mapping_dir: str = "/var/lib/dcgm-exporter/job-mapping"  # --collector.jobs.mapping-dir
     pods_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"  # --collector.pods.socket
     #: --collector.pods.resources: extended resource / DRA driver name patterns whose devices count

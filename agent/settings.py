@@ -104,6 +104,18 @@ def _patterns(v: Any) -> tuple[str, ...]:
     return out
 
 
+def _ifnames(v: Any) -> tuple[str, ...]:
+    """A comma-separated string (flag, environment) or a list of strings (TOML) of interface names."""
+    items = v.split(",") if isinstance(v, str) else v
+    if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
+        raise ValueError(f"expected a comma-separated string or a list of strings, got {v!r}")
+    out = tuple(i.strip() for i in items if i.strip())
+    for i in out:  # the kernel's rule (dev_valid_name): under IFNAMSIZ, no '/', ':' or space
+        if len(i) > 15 or i in (".", "..") or any(c in i for c in "/: ") or not i.isprintable():
+            raise ValueError(f"{i!r} is not a network interface name")
+    return out
+
+
 def _bool(v: Any) -> bool:
     if isinstance(v, bool):
         return v
@@ -155,6 +167,17 @@ OPTIONS: tuple[Option, ...] = (
            help="re-read the PCIe AER counters and link state of the GPUs, NICs and the ports above them at most "
                 f"every S seconds, serving the last read in between; 0 reads them on every scrape "
                 f"(default {_D.pcie_interval:g})"),
+    Option("--collector.ethtool.interfaces", "ethtool_interfaces", ("collector.ethtool", "interfaces"), _ifnames,
+           metavar="NAMES",
+           help="comma-separated network interfaces whose ethtool statistics (PFC pause, discards, PHY errors) "
+                "are read; default: the network interfaces of the RDMA devices"),
+    Option("--collector.ethtool.all-stats", "ethtool_all_stats", ("collector.ethtool", "all_stats"), _bool,
+           metavar="BOOL",
+           help="export every ethtool -S statistic as gpufleet_nic_ethtool_stat, not only the allowlist "
+                "(hundreds of series per port; default false)"),
+    Option("--collector.nccl.directory", "nccl_directory", ("collector.nccl", "directory"), metavar="DIR",
+           help="directory where NCCL's profiler plugin dumps its traces (NCCL_PROFILE_DUMP_FILE=DIR/nccl); "
+                "per-rank collective time and bus bandwidth. Default: none"),
     Option("--collector.jobs.mapping-dir", "job_mapping_dir", ("collector.jobs", "mapping_dir"), metavar="DIR",
            help=f"dcgm-exporter job mapping directory (default {_D.job_mapping_dir})"),
     Option("--collector.pods.socket", "pods_socket", ("collector.pods", "socket"), metavar="PATH",

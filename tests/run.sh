@@ -12,6 +12,7 @@ command -v victoria-metrics >/dev/null 2>&1 || need+=(victoria-metrics)
 command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
 command -v curl >/dev/null 2>&1 || need+=(curl)
 command -v openssl >/dev/null 2>&1 || need+=(openssl)
+command -v ethtool >/dev/null 2>&1 || need+=(ethtool)
 if ((${#need[@]})); then
   sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"

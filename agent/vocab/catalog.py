@@ -44,6 +44,7 @@ GROUPS = (
     "pressure",  # pressure stall information (PSI) of the host and of the attributed jobs' cgroups
     "mig",  # MIG mode and MIG devices (NVML)
     "processes",  # compute processes per GPU, aggregated to their owners (NVML + /proc/PID/cgroup)
+    "nccl",  # NCCL collective timing from the profiler plugin's trace dumps
     "site",  # facility data (BMS/DCIM); produced by the simulator in recordings
     "detector",  # gpufleet-detector findings and health
 )
@@ -330,6 +331,38 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("gpufleet_net_packets_total", _C, "", "Network interface packets.", ("interface", "direction"), "nic"),
     MetricSpec("gpufleet_net_errors_total", _C, "", "Network interface errors.", ("interface", "direction"), "nic"),
     MetricSpec("gpufleet_net_drops_total", _C, "", "Network interface dropped packets.", ("interface", "direction"), "nic"),
+    # ---------------------------------------------------------------- NIC: RoCE/Ethernet driver statistics (ethtool -S)
+    MetricSpec("gpufleet_nic_pause_frames_total", _C, "",
+               "Pause frames of a NIC carrying GPU traffic (ethtool -S): PFC per priority (rx_prioN_pause, "
+               "tx_prioN_pause) and 802.3x global pause (priority=global: rx/tx_pause_ctrl_phy). direction=receive: "
+               "the peer paused this port; transmit: this port paused the peer. Only priorities the driver counts.",
+               ("interface", "priority", "direction"), "nic",
+               label_values={"direction": ("receive", "transmit")}),
+    MetricSpec("gpufleet_nic_pause_duration_seconds_total", _C, "seconds",
+               "Time a NIC port was paused (direction=receive) or asked its peer to pause (transmit), per PFC "
+               "priority (ethtool -S *_pause_duration, microseconds in the driver); rate() is the paused fraction.",
+               ("interface", "priority", "direction"), "nic",
+               label_values={"direction": ("receive", "transmit")}),
+    MetricSpec("gpufleet_nic_pause_storm_events_total", _C, "",
+               "The NIC's pause-storm watermark events (tx_pause_storm_warning_events, tx_pause_storm_error_events): "
+               "it could not drain its receive buffer for too long and kept pausing the fabric.",
+               ("interface", "level"), "nic", label_values={"level": ("warning", "error")}),
+    MetricSpec("gpufleet_nic_discards_total", _C, "",
+               "Packets a NIC dropped for lack of buffer or by congestion (ethtool -S rx_discards_phy, "
+               "tx_discards_phy, rx_out_of_buffer, rx_prioN_discards, rx_prioN_buf_discard, rx_prioN_cong_discard), "
+               "by the driver's statistic name. On a lossless (PFC) priority any is an incident.",
+               ("interface", "stat"), "nic"),
+    MetricSpec("gpufleet_nic_phy_errors_total", _C, "",
+               "Physical-layer error counters of a NIC port (ethtool -S rx_crc_errors_phy, rx_symbol_err_phy, "
+               "rx_pcs_symbol_err_phy, rx_corrected_bits_phy: FEC-corrected bits, link_down_events_phy), by name.",
+               ("interface", "stat"), "nic"),
+    MetricSpec("gpufleet_nic_ethtool_stat", _G, "",
+               "Any other ethtool -S statistic of a NIC carrying GPU traffic, by name, as the driver reports it "
+               "(counter or gauge); only with --collector.ethtool.all-stats (hundreds of series per port).",
+               ("interface", "stat"), "nic"),
+    MetricSpec("gpufleet_nic_ethtool_read_errors_total", _C, "",
+               "Failed reads of a NIC's ethtool statistics (the interface vanished, the driver refused, a bad "
+               "recorded output), by interface.", ("interface",), "nic"),
     # ---------------------------------------------------------------- topology
     MetricSpec("gpufleet_nic_gpu_info", _G, "",
                "NIC nearest to a GPU by PCI topology (deepest common PCI ancestor); value is 1.",
@@ -394,6 +427,29 @@ SPECS: tuple[MetricSpec, ...] = (
                "Pressure files that could not be read or parsed (scope=host: /proc/pressure, scope=job: a job "
                "cgroup), by resource. A missing file is no error (kernel without PSI).",
                ("scope", "resource"), "pressure", label_values={"scope": ("host", "job")}),
+    # ---------------------------------------------------------------- NCCL collective timing (profiler plugin)
+    MetricSpec("gpufleet_nccl_collectives_total", _C, "",
+               "Collectives a rank completed, from NCCL's profiler plugin traces in --collector.nccl.directory "
+               "(the files present); gpu and job_id from the trace file name or the job mapping.",
+               ("gpu", "job_id", "collective"), "nccl",
+               label_values={"collective": ("AllReduce", "AllGather", "ReduceScatter", "Broadcast", "Reduce",
+                                            "AllToAll", "other")}),
+    MetricSpec("gpufleet_nccl_collective_seconds_total", _C, "seconds",
+               "Time a rank spent in collectives (COLL event start to stop; with proxy events on, until its network "
+               "operations finished). The rank whose peers wait shows the shortest; its peers the longest.",
+               ("gpu", "job_id", "collective"), "nccl"),
+    MetricSpec("gpufleet_nccl_collective_bus_bytes_total", _C, "bytes",
+               "Bus bytes of a rank's collectives as nccl-tests counts them (payload x the collective's factor; the "
+               "communicator size is the highest rank seen + 1, a lower bound across hosts).",
+               ("gpu", "job_id", "collective"), "nccl"),
+    MetricSpec("gpufleet_nccl_collective_bus_bandwidth_bytes_per_second", _G, "bytes_per_second",
+               "Bus bandwidth of a rank's collectives in the traces present (bus bytes / collective seconds).",
+               ("gpu", "job_id", "collective"), "nccl"),
+    MetricSpec("gpufleet_nccl_read_errors_total", _C, "",
+               "NCCL trace dumps that could not be used: reason=directory (not listable), unreadable, too_large, "
+               "malformed_line (lines that are not trace events).",
+               ("reason",), "nccl",
+               label_values={"reason": ("directory", "unreadable", "too_large", "malformed_line")}),
     # ---------------------------------------------------------------- site (facility, from BMS/DCIM)
     MetricSpec("gpufleet_site_facility_power_watts", _G, "watts",
                "Total facility power of a site (utility meter).", ("site",), "site"),

@@ -1,0 +1,238 @@
+"""Ethtool collector: RoCE/Ethernet driver statistics (``ethtool -S``) of the NICs that carry GPU traffic.
+
+Which NICs: by default the network interfaces of the RDMA devices
+(``<sysfs>/class/infiniband/<dev>/device/net/<ifname>``: a RoCE port's netdev, or an IB port's
+IPoIB netdev), found again at most every :data:`DISCOVER_SECONDS`; ``--collector.ethtool.interfaces``
+names them instead. Each scrape reads every statistic of each interface as ``(name, value)`` pairs
+and keeps the allowlist of :mod:`~gpufleet.agent.collectors.ethtool_stats` (PFC pause frames and
+duration, pause storms, discards, physical-layer errors); ``--collector.ethtool.all-stats`` keeps
+everything else as ``gpufleet_nic_ethtool_stat``.
+
+Live reads use the kernel's ``SIOCETHTOOL`` ioctl (``ETHTOOL_GSSET_INFO``, ``ETHTOOL_GSTRINGS``,
+``ETHTOOL_GSTATS``, what ``ethtool -S`` itself does) through pyroute2, on an ``AF_INET`` datagram
+socket, without a subprocess. Those three commands need no capability (the kernel's
+``dev_ethtool`` lets anyone run them), so the hardened unit needs none: only ``AF_INET`` in
+``RestrictAddressFamilies`` and the host's network namespace (no ``PrivateNetwork=``). The names
+are fetched once per interface and again whenever the driver's count changes (checked on every
+read, as ethtool does). An interface that vanished or a driver without statistics gives no
+series; any other failure is counted in ``gpufleet_nic_ethtool_read_errors_total``.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol, cast
+
+from prometheus_client.core import CounterMetricFamily, Metric
+
+from gpufleet.agent.collectors.ethtool_stats import Kind, Malformed, parse_ethtool_s, select
+from gpufleet.agent.collectors.series import SeriesCache
+from gpufleet.agent.vocab import catalog
+
+log = logging.getLogger(__name__)
+
+_FAMILIES: dict[Kind, catalog.MetricSpec] = {
+    "pause_frames": catalog.spec("gpufleet_nic_pause_frames_total"),
+    "pause_seconds": catalog.spec("gpufleet_nic_pause_duration_seconds_total"),
+    "storm": catalog.spec("gpufleet_nic_pause_storm_events_total"),
+    "discards": catalog.spec("gpufleet_nic_discards_total"),
+    "phy_errors": catalog.spec("gpufleet_nic_phy_errors_total"),
+    "other": catalog.spec("gpufleet_nic_ethtool_stat"),
+}
+_ERRORS = catalog.spec("gpufleet_nic_ethtool_read_errors_total")
+#: Seconds between looks for the RDMA devices' network interfaces.
+DISCOVER_SECONDS = 60.0
+_IB_CLASS = os.path.join("class", "infiniband")
+
+
+class Gone(Exception):
+    """The interface does not exist (any more) or its driver has no statistics: no series, no error."""
+
+
+class ReadError(Exception):
+    """The statistics could not be read: counted and logged."""
+
+
+class StatsReader(Protocol):
+    """Reads one interface's statistics as ``(name, value)`` pairs; raises :class:`Gone` or :class:`ReadError`."""
+
+    def read(self, interface: str) -> list[tuple[str, int]]: ...
+
+    def close(self) -> None: ...
+
+
+class IoctlReader:
+    """The live reader: pyroute2's ``SIOCETHTOOL`` wrapper, one socket, names cached per interface."""
+
+    def __init__(self) -> None:
+        from pyroute2.ethtool.ioctl import ETH_SS_STATS, IoctlEthtool
+
+        self._set = int(ETH_SS_STATS)
+        self._io = IoctlEthtool()
+        self._names: dict[str, list[str]] = {}
+
+    def read(self, interface: str) -> list[tuple[str, int]]:
+        from pyroute2.ethtool.ioctl import NoSuchDevice, NotSupportedError
+
+        io = self._io
+        try:
+            io.change_ifname(interface)
+            count = int(io.get_stringset_length(self._set))
+            names = self._names.get(interface)
+            if names is None or len(names) != count:
+                names = [str(n) for n in io.get_stringset(set_id=self._set)]
+                self._names[interface] = names
+            io.stat_names = names
+            pairs = io.get_statistics()
+        except NoSuchDevice as e:
+            self._names.pop(interface, None)
+            raise Gone(f"{interface}: no such interface") from e
+        except NotSupportedError as e:
+            self._names.pop(interface, None)
+            raise Gone(f"{interface}: the driver has no statistics") from e
+        except OSError as e:
+            self._names.pop(interface, None)
+            if e.errno in (errno.ENODEV, errno.ENXIO):
+                raise Gone(f"{interface}: no such interface") from e
+            if e.errno == errno.EOPNOTSUPP:
+                raise Gone(f"{interface}: the driver has no statistics") from e
+            raise ReadError(e.strerror or str(e)) from e
+        except (ValueError, AssertionError) as e:  # the count changed between the calls
+            self._names.pop(interface, None)
+            raise ReadError(f"statistics changed while reading: {e}") from e
+        return [(str(n), int(v)) for n, v in cast(Iterable[tuple[str, int]], pairs)]
+
+    def close(self) -> None:
+        self._io.close()
+
+
+class TextReader:
+    """Reads recorded ``ethtool -S`` outputs, ``<directory>/<interface>`` (the simulator's hosts, tests)."""
+
+    MAX_BYTES = 4 << 20
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def read(self, interface: str) -> list[tuple[str, int]]:
+        path = os.path.join(self.directory, interface)
+        try:
+            with open(path, "rb") as f:
+                data = f.read(self.MAX_BYTES + 1)
+        except (FileNotFoundError, NotADirectoryError) as e:
+            raise Gone(f"no {path}") from e
+        except OSError as e:
+            raise ReadError(f"{path}: {e.strerror or e}") from e
+        if len(data) > self.MAX_BYTES:
+            raise ReadError(f"{path}: larger than {self.MAX_BYTES} bytes")
+        try:
+            return parse_ethtool_s(data.decode("utf-8"))
+        except (UnicodeDecodeError, Malformed) as e:
+            raise ReadError(f"{path}: {e}") from e
+
+    def close(self) -> None:
+        pass
+
+
+def rdma_interfaces(sysfs: str) -> list[str]:
+    """The network interfaces of the RDMA devices under ``<sysfs>/class/infiniband``, sorted, each once."""
+    base = os.path.join(sysfs, _IB_CLASS)
+    try:
+        devices = os.listdir(base)
+    except OSError:
+        return []
+    found: set[str] = set()
+    for dev in devices:
+        try:
+            found.update(n for n in os.listdir(os.path.join(base, dev, "device", "net")) if not n.startswith("."))
+        except OSError:
+            continue
+    return sorted(found)
+
+
+class EthtoolCollector:
+    """``gpufleet_nic_pause_*``, ``_discards_total``, ``_phy_errors_total`` (see the module docstring)."""
+
+    name = "ethtool"
+
+    def __init__(self, sysfs_path: str, reader: StatsReader | Callable[[], StatsReader] | None = None,
+                 interfaces: Sequence[str] = (), all_stats: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.sysfs_path = sysfs_path
+        self._reader_arg = reader
+        self._reader: StatsReader | None = None
+        self._fixed = tuple(interfaces)
+        self.all_stats = all_stats
+        self._clock = clock
+        self._found: list[str] = []
+        self._found_at = -float("inf")
+        self._errors: dict[str, int] = {}
+        self._warned: set[tuple[str, str]] = set()
+        self._unavailable = False
+        specs = (*_FAMILIES.values(), _ERRORS)
+        self._put = SeriesCache(specs).put
+
+    def describe(self) -> Iterable[Metric]:
+        return [s.family() for s in (*_FAMILIES.values(), _ERRORS)]
+
+    def interfaces(self) -> list[str]:
+        if self._fixed:
+            return list(self._fixed)
+        now = self._clock()
+        if now - self._found_at >= DISCOVER_SECONDS:
+            self._found = rdma_interfaces(self.sysfs_path)
+            self._found_at = now
+        return self._found
+
+    def _get_reader(self) -> StatsReader | None:
+        if self._reader is None and not self._unavailable:
+            arg = self._reader_arg
+            try:
+                if arg is None:
+                    self._reader = IoctlReader()
+                elif callable(arg) and not hasattr(arg, "read"):
+                    self._reader = arg()
+                else:
+                    self._reader = cast(StatsReader, arg)
+            except (ImportError, OSError) as e:
+                self._unavailable = True
+                log.warning("ethtool statistics unavailable: %s", e)
+        return self._reader
+
+    def collect(self) -> Iterable[Metric]:
+        names = self.interfaces()
+        reader = self._get_reader() if names else None
+        if reader is None:
+            return []
+        put = self._put
+        fams = {k: s.family() for k, s in _FAMILIES.items()}
+        for ifname in names:
+            try:
+                pairs = reader.read(ifname)
+            except Gone as e:
+                log.debug("ethtool %s: %s", ifname, e)
+                continue
+            except ReadError as e:
+                self._errors[ifname] = self._errors.get(ifname, 0) + 1
+                level = logging.DEBUG if (ifname, str(e)) in self._warned else logging.WARNING
+                self._warned.add((ifname, str(e)))
+                log.log(level, "ethtool statistics of %s: %s", ifname, e)
+                continue
+            self._errors.setdefault(ifname, 0)
+            for st, value in select(pairs, self.all_stats):
+                put(fams[st.kind], [ifname, *st.labels], value)
+        out: list[Metric] = [f for f in fams.values() if f.samples]
+        if self._errors:
+            errors = cast(CounterMetricFamily, _ERRORS.family())
+            for ifname in sorted(self._errors):
+                put(errors, [ifname], float(self._errors[ifname]))
+            out.append(errors)
+        return out
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
