@@ -60,18 +60,35 @@ class RecordingSource:
         raw: RawSeries = {}
         for path in paths:
             try:
-                with open(path, encoding="utf-8") as fd:
+                with open(path, "rb") as f:
+                    data = f.read()
+                try:
+                    fast = _load_fast(data.decode("utf-8"), wanted)
+                except UnicodeDecodeError:
+                    fast = None
+                if fast is not None:
+                    for name, by_labels in fast.items():
+                        into = raw.setdefault(name, {})
+                        for key, (ts, vs) in by_labels.items():
+                            have = into.setdefault(key, ([], []))
+                            have[0].extend(ts)
+                            have[1].extend(vs)
+                    continue
+                del data
+                with open(path, encoding="utf-8") as fd:  # anything unusual: the strict line-by-line reader
                     _load_file(fd, wanted, raw, str(path))
             except OSError as e:
                 raise RecordingError(f"cannot read {path}: {e.strerror or e}") from e
         series: dict[str, list[Series]] = {}
         for name, by_labels in raw.items():
             out = series.setdefault(name, [])
-            for key, (ts_list, vs_list) in by_labels.items():
-                t_arr = np.asarray(ts_list, dtype=np.float64)
-                v_arr = np.asarray(vs_list, dtype=np.float64)
-                order = np.argsort(t_arr, kind="stable")
-                out.append(Series(dict(key), t_arr[order], v_arr[order]))
+            for key, (ts_chunks, vs_chunks) in by_labels.items():
+                t_arr = np.concatenate([np.asarray(c, dtype=np.float64) for c in ts_chunks])
+                v_arr = np.concatenate([np.asarray(c, dtype=np.float64) for c in vs_chunks])
+                if len(t_arr) > 1 and not (t_arr[1:] >= t_arr[:-1]).all():
+                    order = np.argsort(t_arr, kind="stable")
+                    t_arr, v_arr = t_arr[order], v_arr[order]
+                out.append(Series(dict(key), t_arr, v_arr))
         return cls(series)
 
     def time_range(self) -> tuple[float, float]:
@@ -134,7 +151,111 @@ class RecordingSource:
         return out
 
 
-RawSeries = dict[str, dict[tuple[tuple[str, str], ...], tuple[list[float], list[float]]]]
+#: Per sample name and label set: chunks of timestamps and of values (lists or arrays), in file order.
+RawSeries = dict[str, dict[tuple[tuple[str, str], ...], tuple[list[FloatArray], list[FloatArray]]]]
+
+
+def _load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
+    """Parse one well-formed recording quickly; None when anything is unusual (the strict reader then reports it).
+
+    As in :func:`_load_file`, the OpenMetrics parser validates the metadata and the first line of every
+    series. The lines of a series are contiguous and repeat its ``name{labels}`` text, so a series is one
+    block of text: its end is found line by line with ``str.startswith``/``str.find`` only, the repeated text
+    is removed with one ``str.replace`` and the ``value timestamp`` pairs are converted by numpy at once.
+    """
+    meta: list[str] = []
+    order: list[str] = []
+    blocks: dict[str, tuple[FloatArray, FloatArray]] = {}
+    n = len(text)
+    p = 0
+    eof = False
+    while p < n:
+        eol = text.find("\n", p)
+        if eol < 0:
+            return None  # a last line without a newline (or no '# EOF'): let the strict reader say what is wrong
+        if eof:
+            return None  # data after '# EOF'
+        c = text[p]
+        if c == "#" or eol == p:
+            line = text[p:eol]
+            meta.append(line + "\n")
+            eof = line == "# EOF"
+            p = eol + 1
+            continue
+        if c not in _NAME_START:
+            return None
+        line = text[p:eol]
+        brace = line.rfind("}")
+        prefix = line[: brace + 1] if brace >= 0 else line[: line.find(" ")] if " " in line else ""
+        if not prefix:
+            return None
+        lead = prefix + " "
+        # The block ends at the first line not starting with this series' text: a binary search over offsets
+        # (the line holding an offset starts with it before the end, not after), checked below.
+        lo, hi = eol + 1, n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if text.startswith(lead, text.rfind("\n", 0, mid) + 1):
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo >= n:
+            return None
+        q = text.rfind("\n", 0, lo) + 1
+        brace_at = prefix.find("{")
+        name = prefix[:brace_at] if brace_at >= 0 else prefix
+        if wanted is not None and name not in wanted:
+            p = q
+            continue
+        if prefix in blocks:
+            return None  # samples of one series not contiguous
+        block = text[p:q]
+        lines = block.count("\n")
+        if block.count("\n" + lead) != lines - 1:
+            return None  # another line within the block: the series is not contiguous
+        if "#" in block[len(line):]:
+            return None  # exemplars
+        if _SPACE.search(prefix) is None:  # the usual case: each line is three fields
+            parts = block.split()
+            if len(parts) != 3 * lines:
+                return None
+            values, stamps = parts[1::3], parts[2::3]
+        else:
+            parts = block.replace(lead, "").split()
+            if len(parts) != 2 * lines:
+                return None
+            values, stamps = parts[0::2], parts[1::2]
+        try:
+            vs, ts = np.array(values, dtype=np.float64), np.array(stamps, dtype=np.float64)
+        except ValueError:
+            return None
+        if not np.isfinite(ts).all():
+            return None
+        blocks[prefix] = (ts, vs)
+        order.append(prefix)
+        meta.append(line + "\n")
+        p = q
+    if not eof:
+        return None
+    try:
+        families = text_fd_to_metric_families(iter(meta))  # type: ignore[no-untyped-call]
+        parsed = [s for family in families for s in family.samples]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+    if len(parsed) != len(order):
+        return None
+    raw: RawSeries = {}
+    for sample, prefix in zip(parsed, order, strict=True):
+        if sample.name.endswith("_created") or (wanted is not None and sample.name not in wanted):
+            continue
+        if sample.timestamp is None:
+            return None
+        ts, vs = blocks[prefix]
+        key = tuple(sorted(sample.labels.items()))
+        have = raw.setdefault(sample.name, {}).setdefault(key, ([], []))
+        have[0].append(ts)
+        have[1].append(vs)
+    return raw
 
 
 def _load_file(fd: Iterable[str], wanted: set[str] | None, raw: RawSeries, path: str) -> None:
@@ -236,13 +357,12 @@ def _load_file(fd: Iterable[str], wanted: set[str] | None, raw: RawSeries, path:
             raise RecordingError(f"{path}:{where}: sample {sample.name}: the timestamp is not a finite number")
         key = tuple(sorted(sample.labels.items()))
         more_t, more_v = points[prefix]
-        ts, vs = raw.setdefault(sample.name, {}).setdefault(key, ([], []))
-        ts.append(float(sample.timestamp))
-        vs.append(float(sample.value))
-        ts.extend(more_t)
-        vs.extend(more_v)
+        t_chunks, v_chunks = raw.setdefault(sample.name, {}).setdefault(key, ([], []))
+        t_chunks.append(np.array([float(sample.timestamp), *more_t], dtype=np.float64))
+        v_chunks.append(np.array([float(sample.value), *more_v], dtype=np.float64))
 
 
+_SPACE = re.compile(r"\s")
 #: Characters that may start a metric name, so a sample line.
 _NAME_START = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_:")
 
