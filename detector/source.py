@@ -34,6 +34,8 @@ class SeriesTable:
     def __init__(self) -> None:
         self._ids: dict[LabelKey, int] = {}
         self.labels: list[dict[str, str]] = []
+        #: A source's own lookup from the label pairs as it receives them (any order) to the id.
+        self.ids: dict[Hashable, int] = {}
         self.derived: dict[Hashable, object] = {}
         self._columns: dict[str, list[str | None]] = {}
 

@@ -66,16 +66,22 @@ class PrometheusSource:
         table = self.table
         ids: list[int] = []
         values: list[float] = []
+        known = table.ids
         for item in items:
             try:
                 value = float(item["value"][1])
                 metric = item["metric"]
-                key = tuple(sorted((str(k), str(v)) for k, v in metric.items() if k != "__name__"))
+                # The label pairs as the server sent them (Prometheus sorts them): a known series is one dict
+                # lookup; a new one is checked and interned in the table's order.
+                raw = tuple(metric.items())
+                i = known.get(raw)
+                if i is None:
+                    i = known[raw] = table.intern({str(k): str(v) for k, v in raw if k != "__name__"})
             except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
                 self.query_errors += 1
                 raise SourceError(f"{expr}: malformed result {item!r:.200}") from e
             if not math.isnan(value):
-                ids.append(table.intern_key(key))
+                ids.append(i)
                 values.append(value)
         vals = np.array(values, dtype=np.float64)
         if scale != 1.0:
