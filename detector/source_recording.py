@@ -158,14 +158,16 @@ RawSeries = dict[str, dict[tuple[tuple[str, str], ...], tuple[list[FloatArray], 
 def _load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
     """Parse one well-formed recording quickly; None when anything is unusual (the strict reader then reports it).
 
-    As in :func:`_load_file`, the OpenMetrics parser validates the metadata and the first line of every
-    series. The lines of a series are contiguous and repeat its ``name{labels}`` text, so a series is one
-    block of text: its end is found line by line with ``str.startswith``/``str.find`` only, the repeated text
-    is removed with one ``str.replace`` and the ``value timestamp`` pairs are converted by numpy at once.
+    The OpenMetrics parser validates the metadata (``# TYPE``/``# HELP``/``# UNIT``, ``# EOF``); each series'
+    ``name{labels}`` is checked here against the OpenMetrics grammar (names, quoting, escapes, duplicate
+    labels) and against its family's type (a counter's samples are ``<family>_total``). The lines of a series
+    are contiguous and repeat that text, so a series is one block: its end is found by binary search, and its
+    ``value timestamp`` pairs are converted by numpy at once.
     """
     meta: list[str] = []
-    order: list[str] = []
-    blocks: dict[str, tuple[FloatArray, FloatArray]] = {}
+    raw: RawSeries = {}
+    seen: set[str] = set()
+    family, ftype = "", ""
     n = len(text)
     p = 0
     eof = False
@@ -180,6 +182,12 @@ def _load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
             line = text[p:eol]
             meta.append(line + "\n")
             eof = line == "# EOF"
+            parts = line.split(" ", 3)
+            if len(parts) >= 3 and parts[1] in ("TYPE", "HELP", "UNIT"):
+                if parts[2] != family:
+                    family, ftype = parts[2], "unknown"
+                if parts[1] == "TYPE" and len(parts) == 4:
+                    ftype = parts[3]
             p = eol + 1
             continue
         if c not in _NAME_START:
@@ -207,8 +215,12 @@ def _load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
         if wanted is not None and name not in wanted:
             p = q
             continue
-        if prefix in blocks:
+        if prefix in seen:
             return None  # samples of one series not contiguous
+        seen.add(prefix)
+        labels = _series_labels(prefix, name)
+        if labels is None or _SAMPLE_SUFFIX.get(ftype) is None or name != family + _SAMPLE_SUFFIX[ftype]:
+            return None  # unusual labels, or a sample outside its family: the strict reader decides
         block = text[p:q]
         lines = block.count("\n")
         if block.count("\n" + lead) != lines - 1:
@@ -231,31 +243,56 @@ def _load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
             return None
         if not np.isfinite(ts).all():
             return None
-        blocks[prefix] = (ts, vs)
-        order.append(prefix)
-        meta.append(line + "\n")
+        have = raw.setdefault(name, {}).setdefault(tuple(sorted(labels.items())), ([], []))
+        if have[0]:
+            return None  # the same label set twice
+        have[0].append(ts)
+        have[1].append(vs)
         p = q
     if not eof:
         return None
     try:
-        families = text_fd_to_metric_families(iter(meta))  # type: ignore[no-untyped-call]
-        parsed = [s for family in families for s in family.samples]
+        for _ in text_fd_to_metric_families(iter(meta)):  # type: ignore[no-untyped-call]
+            pass
     except (ValueError, TypeError, KeyError, IndexError, AttributeError):
         return None
-    if len(parsed) != len(order):
-        return None
-    raw: RawSeries = {}
-    for sample, prefix in zip(parsed, order, strict=True):
-        if sample.name.endswith("_created") or (wanted is not None and sample.name not in wanted):
-            continue
-        if sample.timestamp is None:
-            return None
-        ts, vs = blocks[prefix]
-        key = tuple(sorted(sample.labels.items()))
-        have = raw.setdefault(sample.name, {}).setdefault(key, ([], []))
-        have[0].append(ts)
-        have[1].append(vs)
     return raw
+
+
+#: The sample name of a series, per family type, that the fast reader accepts (others go to the strict one).
+_SAMPLE_SUFFIX = {"gauge": "", "unknown": "", "counter": "_total", "info": "_info", "stateset": ""}
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\[\\"n])*)"')
+_ESCAPE = re.compile(r"\\(.)")
+
+
+def _series_labels(prefix: str, name: str) -> dict[str, str] | None:
+    """The labels of a series line's ``name{labels}`` text; None unless it is plainly valid OpenMetrics."""
+    if not _METRIC_NAME.fullmatch(name):
+        return None
+    if len(prefix) == len(name):
+        return {}
+    body = prefix[len(name) + 1: -1]
+    labels: dict[str, str] = {}
+    pos = 0
+    while pos < len(body):
+        m = _LABEL.match(body, pos)
+        if m is None:
+            return None
+        k, v = m.group(1), m.group(2)
+        if k in labels:
+            return None
+        labels[k] = _ESCAPE.sub(lambda e: "\n" if e.group(1) == "n" else e.group(1), v) if "\\" in v else v
+        pos = m.end()
+        if pos < len(body):
+            if body[pos] != ",":
+                return None
+            pos += 1
+            if pos == len(body):
+                return None  # a trailing comma
+    return labels
+
+
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 
 def _load_file(fd: Iterable[str], wanted: set[str] | None, raw: RawSeries, path: str) -> None:
