@@ -53,8 +53,8 @@ def serve(cfg: DetectorConfig, once: bool) -> int:
     server = MetricsServer(cfg.listen, Exposer(registry_for(det, health), health),
                            load_web_config(cfg.web_config_file or None), title="gpufleet detector")
     thread = server.serve_in_thread()
-    log.info("serving /metrics on %s://%s, evaluating every %ss against %s", server.scheme, cfg.listen,
-             cfg.interval_seconds, cfg.prometheus_url)
+    log.info("serving /metrics on %s://%s, evaluating every %ss against %s%s", server.scheme, cfg.listen,
+             cfg.interval_seconds, cfg.prometheus_url, f" (shard {cfg.shard})" if cfg.shard else "")
     sdnotify.ready(f"serving on {server.scheme}://{cfg.listen}; evaluating against {cfg.prometheus_url}")
     watchdog = live.watchdog(thread)
     if watchdog.timeout is not None and cfg.timeout_seconds >= watchdog.timeout:
