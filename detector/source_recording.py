@@ -63,9 +63,15 @@ class RecordingSource:
                 with open(path, "rb") as f:
                     data = f.read()
                 try:
-                    fast = _load_fast(data.decode("utf-8"), wanted)
+                    text = data.decode("utf-8")
                 except UnicodeDecodeError:
-                    fast = None
+                    text = ""
+                del data
+                fast = _load_fast(text, wanted) if text else None
+                del text
+                if fast is not None and not raw:
+                    raw = fast
+                    continue
                 if fast is not None:
                     for name, by_labels in fast.items():
                         into = raw.setdefault(name, {})
@@ -74,7 +80,6 @@ class RecordingSource:
                             have[0].extend(ts)
                             have[1].extend(vs)
                     continue
-                del data
                 with open(path, encoding="utf-8") as fd:  # anything unusual: the strict line-by-line reader
                     _load_file(fd, wanted, raw, str(path))
             except OSError as e:
@@ -83,8 +88,8 @@ class RecordingSource:
         for name, by_labels in raw.items():
             out = series.setdefault(name, [])
             for key, (ts_chunks, vs_chunks) in by_labels.items():
-                t_arr = np.concatenate([np.asarray(c, dtype=np.float64) for c in ts_chunks])
-                v_arr = np.concatenate([np.asarray(c, dtype=np.float64) for c in vs_chunks])
+                t_arr = ts_chunks[0] if len(ts_chunks) == 1 else np.concatenate(ts_chunks)
+                v_arr = vs_chunks[0] if len(vs_chunks) == 1 else np.concatenate(vs_chunks)
                 if len(t_arr) > 1 and not (t_arr[1:] >= t_arr[:-1]).all():
                     order = np.argsort(t_arr, kind="stable")
                     t_arr, v_arr = t_arr[order], v_arr[order]
