@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_detector_core import Fault, Synth, synth
 
 from gpufleet.detector import source_recording as sr
@@ -74,3 +77,34 @@ def test_a_file_the_fast_reader_declines_still_loads(tmp_path: Path) -> None:
     assert sr._load_fast(text, None) is None
     src = sr.RecordingSource.load([path])
     np.testing.assert_array_equal(src.series["other"][0].values, [2.0, 3.0])
+
+
+_DOC = ('# TYPE m gauge\n# HELP m A gauge.\n'
+        + "".join(f'm{{gpu="0",instance="n1:9445"}} {500 + i} {1_700_000_000 + 15 * i}\n' for i in range(5))
+        + 'm{gpu="1",instance="n1:9445"} 480 1700000000\nm{gpu="1",instance="n1:9445"} 481 1700000015\n'
+        + '# TYPE c counter\nc_total{gpu="0"} 1 1700000000\nc_total{gpu="0"} 2 1700000015\n# EOF\n')
+
+
+@settings(derandomize=True, max_examples=300, deadline=2000, database=None)
+@given(edits=st.lists(st.tuples(st.integers(0, len(_DOC) - 1), st.sampled_from(["replace", "insert", "delete"]),
+                                st.sampled_from(list(' {}"=,#\n\\aZ0.-+e'))), min_size=1, max_size=3),
+       wanted=st.sampled_from([None, frozenset({"m"}), frozenset({"m", "c_total"})]))
+def test_whatever_the_fast_reader_accepts_the_strict_reader_reads_alike(
+        edits: list[tuple[int, str, str]], wanted: frozenset[str] | None) -> None:
+    doc = list(_DOC)
+    for i, op, c in edits:
+        i = min(i, len(doc) - 1)
+        if op == "replace":
+            doc[i] = c
+        elif op == "insert":
+            doc.insert(i, c)
+        elif len(doc) > 1:
+            del doc[i]
+    text = "".join(doc)
+    fast = sr._load_fast(text, set(wanted) if wanted is not None else None)
+    if fast is None:
+        return
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "f.om"
+        path.write_text(text)
+        same(fast, strict(path, set(wanted) if wanted is not None else None))  # the strict reader accepts it too
