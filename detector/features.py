@@ -131,11 +131,21 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
     naming = naming or NodeNaming()
     results: dict[str, list[tuple[Query, Result]]] = defaultdict(list)
     errors: list[str] = []
-    for q in queries:
-        try:
-            results[q.feature].append((q, source.query(q, t, window)))
-        except SourceError as e:
-            errors.append(str(e))
+    batch = getattr(source, "query_all", None)  # a source that runs its queries concurrently (BatchSource)
+    answers: list[Result | SourceError] = []
+    if callable(batch):
+        answers = batch(queries, t, window)
+    else:
+        for q in queries:
+            try:
+                answers.append(source.query(q, t, window))
+            except SourceError as e:
+                answers.append(e)
+    for q, got in zip(queries, answers, strict=True):
+        if isinstance(got, SourceError):
+            errors.append(str(got))
+        else:
+            results[q.feature].append((q, got))
     missing = {q.metric for feat, rs in results.items() if not any(r for _, r in rs) for q, _ in rs}
     if errors and not any(r for rs in results.values() for _, r in rs):
         raise SourceError(f"every query failed; first: {errors[0]}")

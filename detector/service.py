@@ -38,7 +38,7 @@ def _source(cfg: DetectorConfig) -> PrometheusSource:
     except OSError as e:
         raise ConfigError(f"cannot read credentials file: {e}") from e
     return PrometheusSource(cfg.prometheus_url, timeout=cfg.timeout_seconds, headers=headers, auth=auth,
-                            verify=cfg.ca_file or True)
+                            verify=cfg.ca_file or True, parallel=cfg.parallel_queries)
 
 
 def serve(cfg: DetectorConfig, once: bool) -> int:

@@ -85,14 +85,16 @@ def main() -> None:
             print(f"per evaluation: {len(rows)} queries, {tot['series']:.0f} series returned, {tot['samples']:.0f} "
                   f"samples touched, Prometheus eval {tot['eval']:.2f} s, client wall {tot['wall']:.2f} s, "
                   f"{tot['bytes'] / 1e6:.1f} MB of JSON")
-            walls = []
-            for _ in range(args.repeat):
-                w0 = time.perf_counter()
-                ev = det.evaluate(t)
-                walls.append(time.perf_counter() - w0)
-            print(f"Detector.evaluate against Prometheus, {nodes * 8} GPUs: median {statistics.median(walls):.2f} s "
-                  f"over {args.repeat} ({len(ev.features.gpu)} GPUs in the frame, "
-                  f"{sum(1 for k, _ in ev.candidates if k == 'straggler')} straggler candidates)")
+            for parallel in (1, 4):
+                det = Detector(cfg, PrometheusSource(url, timeout=120, parallel=parallel))
+                walls = []
+                for _ in range(args.repeat):
+                    w0 = time.perf_counter()
+                    ev = det.evaluate(t)
+                    walls.append(time.perf_counter() - w0)
+                print(f"Detector.evaluate against Prometheus, {nodes * 8} GPUs, {parallel} queries in flight: median "
+                      f"{statistics.median(walls):.2f} s over {args.repeat} ({len(ev.features.gpu)} GPUs in the frame, "
+                      f"{sum(1 for k, _ in ev.candidates if k == 'straggler')} straggler candidates)")
 
 
 if __name__ == "__main__":

@@ -65,3 +65,29 @@ def test_malformed_answers_are_counted_errors(body: Any) -> None:
     with pytest.raises(SourceError, match=r"^avg_over_time\(gpufleet_gpu_power_watts\[60s\]\): "):
         src.query(Q, 1.0, 60.0)
     assert src.query_errors == 1
+
+
+class ByQuery(requests.Session):
+    """Answers by the query text, from any thread."""
+
+    def __init__(self, answers: dict[str, Any]) -> None:
+        super().__init__()
+        self.answers = answers
+
+    def post(self, url: str | bytes, data: Any = None, json: Any = None, **kwargs: Any) -> Any:
+        return Answer(self.answers[data["query"]])
+
+
+def test_concurrent_queries_keep_their_order_and_their_errors() -> None:
+    qs = [Query(f"f{i}", f"m{i}", "last") for i in range(12)]
+    answers: dict[str, Any] = {q.promql(60.0): vector({"metric": {"gpu": str(i)}, "value": [1.0, str(i)]})
+                               for i, q in enumerate(qs)}
+    answers[qs[5].promql(60.0)] = {"status": "error", "error": "boom"}
+    done: list[int] = []
+    src = PrometheusSource("http://127.0.0.1:1", session=ByQuery(answers), parallel=4)
+    got = src.query_all(qs, 1.0, 60.0, lambda: done.append(1))
+    assert len(done) == 12 and src.query_errors == 1
+    assert isinstance(got[5], SourceError) and "boom" in str(got[5])
+    for i, r in enumerate(got):
+        if i != 5:
+            assert r == [({"gpu": str(i)}, float(i))]
