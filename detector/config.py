@@ -17,7 +17,7 @@ except its 4-hour PUE baseline)::
     [prometheus]
     url = "http://127.0.0.1:9090"
     timeout_seconds = 10
-    parallel_queries = 4          # queries in flight at once (an evaluation runs about forty)
+    parallel_queries = 1          # queries in flight at once (an evaluation runs about forty)
     bearer_token_file = ""
     username = ""
     password_file = ""
@@ -106,7 +106,7 @@ class DetectorConfig:
     shard: Shard | None = None
     prometheus_url: str = "http://127.0.0.1:9090"
     timeout_seconds: float = 10.0
-    parallel_queries: int = 4
+    parallel_queries: int = 1
     bearer_token_file: str = ""
     username: str = ""
     password_file: str = ""
