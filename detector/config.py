@@ -17,6 +17,7 @@ except its 4-hour PUE baseline)::
     [prometheus]
     url = "http://127.0.0.1:9090"
     timeout_seconds = 10
+    parallel_queries = 1          # queries in flight at once (an evaluation runs about forty)
     bearer_token_file = ""
     username = ""
     password_file = ""
@@ -105,6 +106,7 @@ class DetectorConfig:
     shard: Shard | None = None
     prometheus_url: str = "http://127.0.0.1:9090"
     timeout_seconds: float = 10.0
+    parallel_queries: int = 1
     bearer_token_file: str = ""
     username: str = ""
     password_file: str = ""
@@ -120,7 +122,7 @@ class DetectorConfig:
 _TOP = {
     "detector": {"profile": str, "interval_seconds": float, "window_seconds": float, "listen": str,
                  "web_config_file": str, "node_label": str, "strip_port": bool, "coverage": float, "shard": str},
-    "prometheus": {"url": str, "timeout_seconds": float, "bearer_token_file": str, "username": str,
+    "prometheus": {"url": str, "timeout_seconds": float, "parallel_queries": int, "bearer_token_file": str, "username": str,
                    "password_file": str, "ca_file": str},
 }
 _PARAMS = {"findings": FindingParams, "straggler": StragglerParams, "throttling": ThrottleParams,
@@ -176,6 +178,8 @@ def parse(data: dict[str, Any], source: str = "config") -> DetectorConfig:
         raise ConfigError(f"{source}: [detector] profile must be one of {', '.join(PROFILES)}, got {cfg.profile!r}")
     if cfg.window_seconds <= 0 or cfg.interval_seconds <= 0:
         raise ConfigError(f"{source}: [detector] interval_seconds and window_seconds must be > 0")
+    if cfg.parallel_queries < 1:
+        raise ConfigError(f"{source}: [prometheus] parallel_queries must be at least 1, got {cfg.parallel_queries}")
     if not 0 < cfg.coverage <= 1:
         raise ConfigError(f"{source}: [detector] coverage must be in (0, 1], got {cfg.coverage}")
     if not cfg.prometheus_url.startswith(("http://", "https://")):

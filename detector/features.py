@@ -15,6 +15,7 @@ import re
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -130,18 +131,28 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
     naming = naming or NodeNaming()
     results: dict[str, list[tuple[Query, Result]]] = defaultdict(list)
     errors: list[str] = []
-    for q in queries:
-        try:
-            results[q.feature].append((q, source.query(q, t, window)))
-        except SourceError as e:
-            errors.append(str(e))
+    batch = getattr(source, "query_all", None)  # a source that runs its queries concurrently (BatchSource)
+    answers: list[Result | SourceError] = []
+    if callable(batch):
+        answers = batch(queries, t, window)
+    else:
+        for q in queries:
+            try:
+                answers.append(source.query(q, t, window))
+            except SourceError as e:
+                answers.append(e)
+    for q, got in zip(queries, answers, strict=True):
+        if isinstance(got, SourceError):
+            errors.append(str(got))
+        else:
+            results[q.feature].append((q, got))
     missing = {q.metric for feat, rs in results.items() if not any(r for _, r in rs) for q, _ in rs}
     if errors and not any(r for rs in results.values() for _, r in rs):
         raise SourceError(f"every query failed; first: {errors[0]}")
 
     node_vals: dict[str, dict[str, float]] = defaultdict(dict)
     site_vals: dict[str, dict[str, float]] = defaultdict(dict)
-    nicmap: dict[tuple[str, str], list[str]] = defaultdict(list)
+    nicmap_rs: list[Result] = []
     meta: dict[str, Result] = {}
     gpu_rs: list[tuple[str, Query, Result]] = []
     nic_rs: list[tuple[str, Query, Result]] = []
@@ -160,12 +171,7 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
                     if node is not None:
                         node_vals[node][feat] = _combine(q.agg, node_vals[node].get(feat), value)
             elif q.entity == "nicmap":
-                col = _node_column(res.table, naming)
-                devs, gpus_ = res.table.column("device"), res.table.column("gpu")
-                for i in res.ids.tolist():
-                    node, dev, g = col[i], devs[i], gpus_[i]
-                    if node is not None and dev and g:
-                        nicmap[(node, dev)].append(g)
+                nicmap_rs.append(res)
             elif q.entity == "meta":
                 meta[feat] = _concat(meta[feat], res) if feat in meta else res
             elif q.entity == "nic":
@@ -209,8 +215,8 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
     full = float(np.nanmax(samples)) if len(samples) else 0.0
     valid = samples >= coverage * full if full > 0 else np.zeros(n, dtype=bool)
     job_list, churn = jobs_of.resolve(n, job_pos, job_code, job_count, samples, coverage, profile == "dcgm")
-    gpu = GpuFrame([k[0] for k in gpus.keys], [k[1] for k in gpus.keys], gpus.site_list(), job_list,
-                   models.tolist(), values, valid, churn)
+    g_nodes, g_gpus = gpus.columns(2)
+    gpu = GpuFrame(g_nodes, g_gpus, gpus.site_list(), job_list, models.tolist(), values, valid, churn)
 
     # NICs: every (node, device, port) any NIC query returns.
     nics = _Frame(naming, ("device", "port"), ("", "1"), [res for _, _, res in nic_rs])
@@ -219,10 +225,43 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
         pos = nics.positions(res)
         if feat in nvalues:
             _accumulate(nvalues[feat], pos, res.values, q.agg)
-    nkeys = [(k[0], k[1], k[2]) for k in nics.keys]
-    nic = NicFrame([k[0] for k in nkeys], [k[1] for k in nkeys], [k[2] for k in nkeys], nics.site_list(), nvalues,
-                   _nic_gpus(nkeys, nicmap, gpu))
+    nicmap = _nicmap(nicmap_rs, naming)
+    cache = nics.cache
+    served: list[list[str]] | None = None
+    if cache is not None and cache.get("nic_gpus_for") == (nics.keys, gpus.keys, nicmap):
+        served = cache["nic_gpus"]  # the same NICs, GPUs and map as last time
+    if served is None:
+        nkeys = [(k[0], k[1], k[2]) for k in nics.keys]
+        served = _nic_gpus(nkeys, nicmap, gpu)
+        if cache is not None:
+            cache["nic_gpus_for"], cache["nic_gpus"] = (nics.keys, gpus.keys, nicmap), served
+    n_nodes, n_devices, n_ports = nics.columns(3)
+    nic = NicFrame(n_nodes, n_devices, n_ports, nics.site_list(), nvalues, [list(g) for g in served])
     return FeatureFrame(t, gpu, nic, dict(node_vals), dict(site_vals), missing, errors, meta)
+
+
+def _nicmap(results: list[Result], naming: NodeNaming) -> dict[tuple[str, str], list[str]]:
+    """(node, device) -> the GPUs it serves, from gpufleet_nic_gpu_info; the same object while the series are."""
+    if len(results) == 1:
+        res = results[0]
+        key = ("nicmap", naming)
+        last = res.table.derived.get(key)
+        ids = res.ids.tobytes()
+        if isinstance(last, tuple) and last[0] == ids:
+            out: dict[tuple[str, str], list[str]] = last[1]
+            return out
+    nicmap: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for res in results:
+        col = _node_column(res.table, naming)
+        devs, gpus_ = res.table.column("device"), res.table.column("gpu")
+        for i in res.ids.tolist():
+            node, dev, g = col[i], devs[i], gpus_[i]
+            if node is not None and dev and g:
+                nicmap[(node, dev)].append(g)
+    nicmap = dict(nicmap)
+    if len(results) == 1:
+        results[0].table.derived[key] = (ids, nicmap)
+    return nicmap
 
 
 def _concat(a: Result, b: Result) -> Result:
@@ -287,6 +326,7 @@ class _Entities:
         self.present: IntArray | None = None
         self.frame_keys: list[tuple[str, ...]] = []
         self.code_pos = np.zeros(0, dtype=np.int64)
+        self.memo: dict[str, Any] = {}
 
     def get(self, table: SeriesTable) -> IntArray:
         if len(self.codes) < len(table):
@@ -334,6 +374,8 @@ class _Frame:
             self.keys = ents.frame_keys
             self._index: dict[tuple[str, ...], int] | None = None
             self._pos_by_table[id(table)] = ents.code_pos
+            #: Per-table memo of things derived from this frame's entities (valid while ``keys`` is the same list).
+            self.cache: dict[str, Any] | None = ents.memo
         else:
             found: set[tuple[str, ...]] = set()
             for r in defining:
@@ -342,6 +384,7 @@ class _Frame:
                 found.update(ents.keys[c] for c in np.unique(codes[codes >= 0]).tolist())
             self.keys = sorted(found)
             self._index = {k: i for i, k in enumerate(self.keys)}
+            self.cache = None
         self.sites = np.full(len(self.keys), None, dtype=object)
         self.unsited = len(self.keys)
 
@@ -378,6 +421,15 @@ class _Frame:
 
     def site_list(self) -> list[str]:
         return [s or "" for s in self.sites.tolist()]
+
+    def columns(self, width: int) -> list[list[str]]:
+        """The entity keys as ``width`` lists (node, then the identifying labels); fresh lists each call."""
+        cols = self.cache.get("columns") if self.cache is not None else None
+        if cols is None or cols[0] is not self.keys:
+            cols = (self.keys, [[k[j] for k in self.keys] for j in range(width)])
+            if self.cache is not None:
+                self.cache["columns"] = cols
+        return [list(c) for c in cols[1]]
 
 
 class _Jobs:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 
 from gpufleet.agent.serving import sdnotify
 from gpufleet.detector.profiles import Query
-from gpufleet.detector.source import Result, Source
+from gpufleet.detector.source import Result, Source, SourceError
 
 
 class Liveness:
@@ -80,3 +81,26 @@ class TrackedSource:
             return self.source.query(query, t, window)
         finally:
             self.liveness.progress()
+
+    def query_all(self, queries: Sequence[Query], t: float, window: float,
+                  done: Callable[[], None] | None = None) -> list[Result | SourceError]:
+        """The wrapped source's concurrent queries when it has them (each finished query is progress)."""
+        batch = getattr(self.source, "query_all", None)
+
+        def finished() -> None:
+            self.liveness.progress()
+            if done is not None:
+                done()
+
+        if callable(batch):
+            out: list[Result | SourceError] = batch(queries, t, window, finished)
+            return out
+        answers: list[Result | SourceError] = []
+        for q in queries:
+            try:
+                answers.append(self.source.query(q, t, window))
+            except SourceError as e:
+                answers.append(e)
+            finally:
+                finished()
+        return answers

@@ -38,7 +38,7 @@ def _source(cfg: DetectorConfig) -> PrometheusSource:
     except OSError as e:
         raise ConfigError(f"cannot read credentials file: {e}") from e
     return PrometheusSource(cfg.prometheus_url, timeout=cfg.timeout_seconds, headers=headers, auth=auth,
-                            verify=cfg.ca_file or True)
+                            verify=cfg.ca_file or True, parallel=cfg.parallel_queries)
 
 
 def serve(cfg: DetectorConfig, once: bool) -> int:
@@ -53,8 +53,8 @@ def serve(cfg: DetectorConfig, once: bool) -> int:
     server = MetricsServer(cfg.listen, Exposer(registry_for(det, health), health),
                            load_web_config(cfg.web_config_file or None), title="gpufleet detector")
     thread = server.serve_in_thread()
-    log.info("serving /metrics on %s://%s, evaluating every %ss against %s", server.scheme, cfg.listen,
-             cfg.interval_seconds, cfg.prometheus_url)
+    log.info("serving /metrics on %s://%s, evaluating every %ss against %s%s", server.scheme, cfg.listen,
+             cfg.interval_seconds, cfg.prometheus_url, f" (shard {cfg.shard})" if cfg.shard else "")
     sdnotify.ready(f"serving on {server.scheme}://{cfg.listen}; evaluating against {cfg.prometheus_url}")
     watchdog = live.watchdog(thread)
     if watchdog.timeout is not None and cfg.timeout_seconds >= watchdog.timeout:

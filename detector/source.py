@@ -9,7 +9,7 @@ is array indexing over ids, not per-series dict work. A Result still iterates as
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -34,6 +34,8 @@ class SeriesTable:
     def __init__(self) -> None:
         self._ids: dict[LabelKey, int] = {}
         self.labels: list[dict[str, str]] = []
+        #: A source's own lookup from the label pairs as it receives them (any order) to the id.
+        self.ids: dict[Hashable, int] = {}
         self.derived: dict[Hashable, object] = {}
         self._columns: dict[str, list[str | None]] = {}
 
@@ -129,4 +131,11 @@ class Source(Protocol):
 
     def query(self, query: Query, t: float, window: float) -> Result:
         """Evaluate ``query`` at time ``t`` over ``window`` seconds; raise SourceError on failure."""
+        ...
+
+
+class BatchSource(Source, Protocol):
+    def query_all(self, queries: Sequence[Query], t: float, window: float,
+                  done: Callable[[], None] | None = None) -> list[Result | SourceError]:
+        """Every query at ``t`` (in order; a failed one's entry is its SourceError), ``done`` after each."""
         ...

@@ -9,6 +9,9 @@ mock); every failed query raises :class:`SourceError` and is counted.
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -21,7 +24,8 @@ from gpufleet.detector.source import Result, SeriesTable, SourceError
 class PrometheusSource:
     def __init__(self, url: str, *, timeout: float = 10.0, session: requests.Session | None = None,
                  headers: dict[str, str] | None = None, auth: tuple[str, str] | None = None,
-                 verify: bool | str = True, max_series: int = 4_000_000) -> None:
+                 verify: bool | str = True, max_series: int = 4_000_000, parallel: int = 1) -> None:
+        """``parallel``: queries in flight at once in :meth:`query_all` (each evaluation's forty-odd queries)."""
         self.url = url.rstrip("/") + "/api/v1/query"
         self.timeout = timeout
         self.session = session or requests.Session()
@@ -35,47 +39,100 @@ class PrometheusSource:
         #: table is started when this many series have been seen (series churn over a long run).
         self.table = SeriesTable()
         self.max_series = max_series
+        self.parallel = max(1, parallel)
+        self._lock = threading.Lock()
 
     def query(self, query: Query, t: float, window: float) -> Result:
         return self.instant(query.promql(window), t, query.scale)
 
+    def query_all(self, queries: Sequence[Query], t: float, window: float,
+                  done: Callable[[], None] | None = None) -> list[Result | SourceError]:
+        """Every query at ``t``, up to ``parallel`` in flight (HTTP and JSON decoding in worker threads; the
+        answers are interned here, in order). A failed query's entry is its SourceError; ``done`` is called
+        as each query finishes."""
+        exprs = [q.promql(window) for q in queries]
+
+        def fetch(expr: str) -> list[Any] | SourceError:
+            try:
+                return self._fetch(expr, t)
+            except SourceError as e:
+                return e
+            finally:
+                if done is not None:
+                    done()
+
+        if self.parallel > 1 and len(exprs) > 1:
+            with ThreadPoolExecutor(self.parallel, thread_name_prefix="prometheus-query") as pool:
+                items = list(pool.map(fetch, exprs))
+        else:
+            items = [fetch(e) for e in exprs]
+        out: list[Result | SourceError] = []
+        for expr, q, got in zip(exprs, queries, items, strict=True):
+            if isinstance(got, SourceError):
+                out.append(got)
+                continue
+            try:
+                out.append(self._build(expr, got, q.scale))
+            except SourceError as e:
+                out.append(e)
+        return out
+
     def instant(self, expr: str, t: float, scale: float = 1.0) -> Result:
+        return self._build(expr, self._fetch(expr, t), scale)
+
+    def _error(self) -> None:
+        with self._lock:
+            self.query_errors += 1
+
+    def _fetch(self, expr: str, t: float) -> list[Any]:
+        """The result items of one instant query (thread-safe: touches no shared state but the error count)."""
         try:
             r = self.session.post(self.url, data={"query": expr, "time": f"{t:.3f}"}, timeout=self.timeout)
         except requests.RequestException as e:
-            self.query_errors += 1
+            self._error()
             raise SourceError(f"{expr}: {type(e).__name__}: {e}") from e
         try:
             body: Any = r.json()
         except ValueError:
             body = None
         if r.status_code != 200 or not isinstance(body, dict) or body.get("status") != "success":
-            self.query_errors += 1
+            self._error()
             detail = body.get("error") if isinstance(body, dict) else r.text[:200]
             raise SourceError(f"{expr}: HTTP {r.status_code}: {detail}")
         data = body.get("data") or {}
-        if data.get("resultType") != "vector":
-            self.query_errors += 1
-            raise SourceError(f"{expr}: expected a vector, got {data.get('resultType')!r}")
+        if not isinstance(data, dict) or data.get("resultType") != "vector":
+            self._error()
+            kind = data.get("resultType") if isinstance(data, dict) else None
+            raise SourceError(f"{expr}: expected a vector, got {kind!r}")
         items = data.get("result", [])
         if not isinstance(items, list):
-            self.query_errors += 1
+            self._error()
             raise SourceError(f"{expr}: malformed result {items!r:.200}")
+        return items
+
+    def _build(self, expr: str, items: list[Any], scale: float) -> Result:
+        """The columnar Result of ``items`` (series interned into the source's table; not thread-safe)."""
         if len(self.table) > self.max_series:  # series churn: start over rather than grow without bound
             self.table = SeriesTable()
         table = self.table
         ids: list[int] = []
         values: list[float] = []
+        known = table.ids
         for item in items:
             try:
                 value = float(item["value"][1])
                 metric = item["metric"]
-                key = tuple(sorted((str(k), str(v)) for k, v in metric.items() if k != "__name__"))
+                # The label pairs as the server sent them (Prometheus sorts them): a known series is one dict
+                # lookup; a new one is checked and interned in the table's order.
+                raw = tuple(metric.items())
+                i = known.get(raw)
+                if i is None:
+                    i = known[raw] = table.intern({str(k): str(v) for k, v in raw if k != "__name__"})
             except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
-                self.query_errors += 1
+                self._error()
                 raise SourceError(f"{expr}: malformed result {item!r:.200}") from e
             if not math.isnan(value):
-                ids.append(table.intern_key(key))
+                ids.append(i)
                 values.append(value)
         vals = np.array(values, dtype=np.float64)
         if scale != 1.0:

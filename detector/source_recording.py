@@ -60,18 +60,40 @@ class RecordingSource:
         raw: RawSeries = {}
         for path in paths:
             try:
-                with open(path, encoding="utf-8") as fd:
+                with open(path, "rb") as f:
+                    data = f.read()
+                try:
+                    text = data.decode("utf-8")
+                except UnicodeDecodeError:
+                    text = ""
+                del data
+                fast = _load_fast(text, wanted) if text else None
+                del text
+                if fast is not None and not raw:
+                    raw = fast
+                    continue
+                if fast is not None:
+                    for name, by_labels in fast.items():
+                        into = raw.setdefault(name, {})
+                        for key, (ts, vs) in by_labels.items():
+                            have = into.setdefault(key, ([], []))
+                            have[0].extend(ts)
+                            have[1].extend(vs)
+                    continue
+                with open(path, encoding="utf-8") as fd:  # anything unusual: the strict line-by-line reader
                     _load_file(fd, wanted, raw, str(path))
             except OSError as e:
                 raise RecordingError(f"cannot read {path}: {e.strerror or e}") from e
         series: dict[str, list[Series]] = {}
         for name, by_labels in raw.items():
             out = series.setdefault(name, [])
-            for key, (ts_list, vs_list) in by_labels.items():
-                t_arr = np.asarray(ts_list, dtype=np.float64)
-                v_arr = np.asarray(vs_list, dtype=np.float64)
-                order = np.argsort(t_arr, kind="stable")
-                out.append(Series(dict(key), t_arr[order], v_arr[order]))
+            for key, (ts_chunks, vs_chunks) in by_labels.items():
+                t_arr = ts_chunks[0] if len(ts_chunks) == 1 else np.concatenate(ts_chunks)
+                v_arr = vs_chunks[0] if len(vs_chunks) == 1 else np.concatenate(vs_chunks)
+                if len(t_arr) > 1 and not (t_arr[1:] >= t_arr[:-1]).all():
+                    order = np.argsort(t_arr, kind="stable")
+                    t_arr, v_arr = t_arr[order], v_arr[order]
+                out.append(Series(dict(key), t_arr, v_arr))
         return cls(series)
 
     def time_range(self) -> tuple[float, float]:
@@ -134,7 +156,148 @@ class RecordingSource:
         return out
 
 
-RawSeries = dict[str, dict[tuple[tuple[str, str], ...], tuple[list[float], list[float]]]]
+#: Per sample name and label set: chunks of timestamps and of values (lists or arrays), in file order.
+RawSeries = dict[str, dict[tuple[tuple[str, str], ...], tuple[list[FloatArray], list[FloatArray]]]]
+
+
+def _load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
+    """Parse one well-formed recording quickly; None when anything is unusual (the strict reader then reports it).
+
+    The OpenMetrics parser validates the metadata (``# TYPE``/``# HELP``/``# UNIT``, ``# EOF``); each series'
+    ``name{labels}`` is checked here against the OpenMetrics grammar (names, quoting, escapes, duplicate
+    labels) and against its family's type (a counter's samples are ``<family>_total``). The lines of a series
+    are contiguous and repeat that text, so a series is one block: its end is found by binary search, and its
+    ``value timestamp`` pairs are converted by numpy at once.
+    """
+    meta: list[str] = []
+    raw: RawSeries = {}
+    seen: set[str] = set()
+    family, ftype = "", ""
+    n = len(text)
+    p = 0
+    eof = False
+    while p < n:
+        eol = text.find("\n", p)
+        if eol < 0:
+            return None  # a last line without a newline (or no '# EOF'): let the strict reader say what is wrong
+        if eof:
+            return None  # data after '# EOF'
+        c = text[p]
+        if c == "#" or eol == p:
+            line = text[p:eol]
+            meta.append(line + "\n")
+            eof = line == "# EOF"
+            parts = line.split(" ", 3)
+            if len(parts) >= 3 and parts[1] in ("TYPE", "HELP", "UNIT"):
+                if parts[2] != family:
+                    family, ftype = parts[2], "unknown"
+                if parts[1] == "TYPE" and len(parts) == 4:
+                    ftype = parts[3]
+            p = eol + 1
+            continue
+        if c not in _NAME_START:
+            return None
+        line = text[p:eol]
+        brace = line.rfind("}")
+        prefix = line[: brace + 1] if brace >= 0 else line[: line.find(" ")] if " " in line else ""
+        if not prefix:
+            return None
+        lead = prefix + " "
+        # The block ends at the first line not starting with this series' text: a binary search over offsets
+        # (the line holding an offset starts with it before the end, not after), checked below.
+        lo, hi = eol + 1, n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if text.startswith(lead, text.rfind("\n", 0, mid) + 1):
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo >= n:
+            return None
+        q = text.rfind("\n", 0, lo) + 1
+        brace_at = prefix.find("{")
+        name = prefix[:brace_at] if brace_at >= 0 else prefix
+        if wanted is not None and name not in wanted:
+            p = q
+            continue
+        if prefix in seen:
+            return None  # samples of one series not contiguous
+        seen.add(prefix)
+        labels = _series_labels(prefix, name)
+        if labels is None or _SAMPLE_SUFFIX.get(ftype) is None or name != family + _SAMPLE_SUFFIX[ftype]:
+            return None  # unusual labels, or a sample outside its family: the strict reader decides
+        block = text[p:q]
+        lines = block.count("\n")
+        if block.count("\n" + lead) != lines - 1:
+            return None  # another line within the block: the series is not contiguous
+        if "#" in block[len(line):]:
+            return None  # exemplars
+        if _SPACE.search(prefix) is None:  # the usual case: each line is three fields
+            parts = block.split()
+            if len(parts) != 3 * lines:
+                return None
+            values, stamps = parts[1::3], parts[2::3]
+        else:
+            parts = block.replace(lead, "").split()
+            if len(parts) != 2 * lines:
+                return None
+            values, stamps = parts[0::2], parts[1::2]
+        try:
+            vs, ts = np.array(values, dtype=np.float64), np.array(stamps, dtype=np.float64)
+        except ValueError:
+            return None
+        if not np.isfinite(ts).all():
+            return None
+        have = raw.setdefault(name, {}).setdefault(tuple(sorted(labels.items())), ([], []))
+        if have[0]:
+            return None  # the same label set twice
+        have[0].append(ts)
+        have[1].append(vs)
+        p = q
+    if not eof:
+        return None
+    try:
+        for _ in text_fd_to_metric_families(iter(meta)):  # type: ignore[no-untyped-call]
+            pass
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+    return raw
+
+
+#: The sample name of a series, per family type, that the fast reader accepts (others go to the strict one).
+_SAMPLE_SUFFIX = {"gauge": "", "unknown": "", "counter": "_total", "info": "_info", "stateset": ""}
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\[\\"n])*)"')
+_ESCAPE = re.compile(r"\\(.)")
+
+
+def _series_labels(prefix: str, name: str) -> dict[str, str] | None:
+    """The labels of a series line's ``name{labels}`` text; None unless it is plainly valid OpenMetrics."""
+    if not _METRIC_NAME.fullmatch(name):
+        return None
+    if len(prefix) == len(name):
+        return {}
+    body = prefix[len(name) + 1: -1]
+    labels: dict[str, str] = {}
+    pos = 0
+    while pos < len(body):
+        m = _LABEL.match(body, pos)
+        if m is None:
+            return None
+        k, v = m.group(1), m.group(2)
+        if k in labels:
+            return None
+        labels[k] = _ESCAPE.sub(lambda e: "\n" if e.group(1) == "n" else e.group(1), v) if "\\" in v else v
+        pos = m.end()
+        if pos < len(body):
+            if body[pos] != ",":
+                return None
+            pos += 1
+            if pos == len(body):
+                return None  # a trailing comma
+    return labels
+
+
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 
 def _load_file(fd: Iterable[str], wanted: set[str] | None, raw: RawSeries, path: str) -> None:
@@ -236,13 +399,12 @@ def _load_file(fd: Iterable[str], wanted: set[str] | None, raw: RawSeries, path:
             raise RecordingError(f"{path}:{where}: sample {sample.name}: the timestamp is not a finite number")
         key = tuple(sorted(sample.labels.items()))
         more_t, more_v = points[prefix]
-        ts, vs = raw.setdefault(sample.name, {}).setdefault(key, ([], []))
-        ts.append(float(sample.timestamp))
-        vs.append(float(sample.value))
-        ts.extend(more_t)
-        vs.extend(more_v)
+        t_chunks, v_chunks = raw.setdefault(sample.name, {}).setdefault(key, ([], []))
+        t_chunks.append(np.array([float(sample.timestamp), *more_t], dtype=np.float64))
+        v_chunks.append(np.array([float(sample.value), *more_v], dtype=np.float64))
 
 
+_SPACE = re.compile(r"\s")
 #: Characters that may start a metric name, so a sample line.
 _NAME_START = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_:")
 

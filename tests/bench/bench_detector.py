@@ -4,7 +4,8 @@ Run: ``.venv/bin/python tests/bench/bench_detector.py [--gpus 10000 30000 100000
 Evaluation = the full Detector.evaluate (feature frames from query results, straggler robust z + IsolationForest,
 throttling, network, findings) over a fleet of 8-GPU nodes in 256-GPU jobs with one straggler per job; the
 source answers every query from memory, so the figure excludes Prometheus' own query time.
-Replay = parse a synthetic OpenMetrics recording and replay it (samples per second of wall time).
+Replay = ``gpufleet-detector replay`` of a synthetic OpenMetrics recording in a fresh process (imports, parse,
+every evaluation), timed beside ``promtool tsdb create-blocks-from openmetrics`` on the same file.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -21,11 +24,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "detector"))
 
 from gpufleet.detector.config import parse
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.profiles import Query, queries
-from gpufleet.detector.replay import replay
 from gpufleet.detector.source import Pairs, Result, SeriesTable
 
 BASE = {"util": 0.97, "samples": 20, "sm_clock": 1.98e9, "mem_clock": 2.6e9, "power": 600.0, "temp": 62.0,
@@ -93,29 +96,53 @@ def bench_eval(n: int, repeat: int) -> None:
           f"(planted {len(range(5, n, 256))})")
 
 
-def bench_replay() -> None:
+def bench_replay(nodes: int, repeat: int) -> None:
+    """Replay (``gpufleet-detector replay``, a fresh process: imports, load, every evaluation) beside
+    ``promtool tsdb create-blocks-from openmetrics`` on the same file, alternately, medians of ``repeat``."""
     from test_detector_core import Fault, Synth, synth
 
+    promtool = shutil.which("promtool")
     with tempfile.TemporaryDirectory() as d:
-        rec = synth(Path(d) / "r.om", Synth(nodes=8, seconds=3600.0, faults=[Fault("clock", 2, 5, 1800.0)]))
-        cfg = parse({"detector": {"window_seconds": 120.0, "interval_seconds": 15.0}})
-        w0 = time.perf_counter()
-        det, findings = replay([str(rec)], cfg, 15.0)
-        wall = time.perf_counter() - w0
-        samples = det.source.samples  # type: ignore[attr-defined]
-        print(f"replay: {samples} samples ({os.path.getsize(rec) / 1e6:.1f} MB), 64 GPUs x 1 h at 15 s, "
-              f"evaluated every 15 s: {wall:.2f} s wall = {samples / wall:,.0f} samples/s; findings {len(findings)}")
+        rec = synth(Path(d) / "r.om", Synth(nodes=nodes, seconds=3600.0, faults=[Fault("clock", 2, 5, 1800.0)]))
+        samples = sum(1 for line in rec.read_text().splitlines() if line and not line.startswith("#"))
+        cfg = Path(d) / "d.toml"
+        cfg.write_text("[detector]\nwindow_seconds = 120.0\ninterval_seconds = 15.0\n")
+        ours, theirs = [], []
+        found = ""
+        for i in range(repeat):
+            w0 = time.perf_counter()
+            out = subprocess.run([sys.executable, "-m", "gpufleet.detector.cli", "replay", str(rec), "--config",
+                                  str(cfg)], capture_output=True, text=True, check=True)
+            ours.append(time.perf_counter() - w0)
+            found = out.stdout
+            if promtool:
+                w0 = time.perf_counter()
+                subprocess.run([promtool, "tsdb", "create-blocks-from", "openmetrics", str(rec),
+                                str(Path(d) / f"blocks{i}")], capture_output=True, check=True)
+                theirs.append(time.perf_counter() - w0)
+        ours_s = statistics.median(ours)
+        line = (f"replay: {samples:,} samples ({os.path.getsize(rec) / 1e6:.1f} MB), {nodes * 8} GPUs x 1 h at 15 s, "
+                f"evaluated every 15 s: median {ours_s:.2f} s = {samples / ours_s:,.0f} samples/s "
+                f"({len(found.splitlines())} findings)")
+        if theirs:
+            theirs_s = statistics.median(theirs)
+            line += (f"; promtool create-blocks-from openmetrics: {theirs_s:.2f} s = {samples / theirs_s:,.0f} "
+                     f"samples/s; ratio {theirs_s / ours_s:.2f}x promtool")
+        else:
+            line += "; promtool not installed (Debian package prometheus)"
+        print(line)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gpus", type=int, nargs="+", default=[10_000, 30_000, 100_000])
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--replay-nodes", type=int, default=16, help="nodes (8 GPUs each) of the replayed recording")
     args = ap.parse_args()
     print(f"cpus available: {len(os.sched_getaffinity(0))}")
     for n in args.gpus:
         bench_eval(n, args.repeat)
-    bench_replay()
+    bench_replay(args.replay_nodes, args.repeat)
     print(f"max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
 
 

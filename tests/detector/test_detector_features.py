@@ -106,3 +106,45 @@ def test_evaluation_leaves_the_garbage_collector_as_it_was() -> None:
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_meta_queries_are_kept_raw_on_the_frame() -> None:
+    q_pod = Query("@pod", "kube_pod_info", "last", "meta")
+    q_pod2 = Query("@pod", "kube_pod_info_other", "last", "meta")
+    answers = {Q_SAMPLES: [(lab("a", "0"), 20.0)],
+               q_pod: [({"pod": "p1", "node": "a"}, 1.0)], q_pod2: [({"pod": "p2", "node": "b"}, 1.0)]}
+    snap = collect(Fixed(answers), [Q_SAMPLES, q_pod, q_pod2], 0.0, 60.0)
+    assert list(snap.meta) == ["@pod"]
+    assert list(snap.meta["@pod"]) == [({"node": "a", "pod": "p1"}, 1.0), ({"node": "b", "pod": "p2"}, 1.0)]
+    assert snap.meta["@pod"].column("pod") == ["p1", "p2"]
+    assert len(snap.gpu) == 1  # meta series never become GPUs
+
+
+def test_results_intern_label_sets_and_frames_stay_right_as_the_table_grows() -> None:
+    table = SeriesTable()
+    r = Result.from_pairs([({"b": "2", "a": "1"}, 1.0), ({"a": "1", "b": "2"}, 2.0), ({"a": "3"}, 3.0)], table)
+    assert r.ids.tolist() == [0, 0, 1] and len(table) == 2  # one id per label set, whatever the order
+    assert r == [({"a": "1", "b": "2"}, 1.0), ({"a": "1", "b": "2"}, 2.0), ({"a": "3"}, 3.0)]
+    src = Fixed({Q_SAMPLES: [(lab("a", "0"), 20.0), (lab("a", "1"), 20.0)], Q_UTIL: [(lab("a", "1"), 0.5)]})
+    first = collect(src, [Q_SAMPLES, Q_UTIL], 0.0, 60.0)
+    assert first.gpu.gpus == ["0", "1"]
+    # a GPU appears (new series ids) and one disappears: positions follow, cached per series id
+    src.answers = {Q_SAMPLES: [(lab("a", "2"), 20.0), (lab("a", "1"), 20.0)],
+                   Q_UTIL: [(lab("a", "2"), 0.9), (lab("a", "1"), 0.4)]}
+    second = collect(src, [Q_SAMPLES, Q_UTIL], 60.0, 60.0)
+    assert second.gpu.gpus == ["1", "2"]
+    np.testing.assert_array_equal(second.gpu.get("util"), [0.4, 0.9])
+    # results from another table (a source that started a new one) land on the same entities
+    other = SeriesTable()
+    mixed = Fixed({})
+    mixed.table = other
+    mixed.answers = {Q_UTIL: [(lab("a", "2"), 0.7)]}
+
+    class Two:
+        query_errors = 0
+
+        def query(self, query: Query, t: float, window: float) -> Result:
+            return (src if query == Q_SAMPLES else mixed).query(query, t, window)
+
+    third = collect(Two(), [Q_SAMPLES, Q_UTIL], 120.0, 60.0)
+    np.testing.assert_array_equal(third.gpu.get("util"), [np.nan, 0.7])

@@ -131,6 +131,8 @@ def test_two_shards_find_exactly_what_one_detector_finds(prometheus: str) -> Non
     assert parts[0] | parts[1] == one
     # an HA pair (two replicas of one shard) reports identical findings: nothing replica-specific in them
     assert run(fast_cfg(detector__shard="1/2"), PrometheusSource(prometheus)) == parts[1]
+    # queries in flight at once change nothing
+    assert run(fast_cfg(), PrometheusSource(prometheus, parallel=4)) == one
 
 
 def test_victoriametrics_gives_the_same_features_and_findings(prometheus: str, victoria: str) -> None:
