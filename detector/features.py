@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +30,8 @@ GPU_FEATURES = ("util", "samples", "sm_clock", "mem_clock", "power", "temp", "me
                 "xid", "power_limit", "nvlink_crc_flit", "nvlink_crc_data", "nvlink_replay", "nvlink_recovery")
 #: Per-GPU NVLink error counters (increase over the window, all links): dcgm-exporter's optional fields.
 NVLINK_ERROR_FEATURES = ("nvlink_crc_flit", "nvlink_crc_data", "nvlink_replay", "nvlink_recovery")
+#: Features whose absence is normal (no MIG GPU in the fleet), never a missing input.
+OPTIONAL_FEATURES = frozenset({"@mig"})
 NIC_FEATURES = ("nic_tx", "nic_xmit_wait", "nic_symbol_errors", "nic_link_downed", "nic_link_recovery",
                 "nic_rate", "nic_ecn")
 
@@ -128,7 +130,8 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
             results[q.feature].append((q, source.query(q, t, window)))
         except SourceError as e:
             errors.append(str(e))
-    missing = {q.metric for feat, rs in results.items() if not any(r for _, r in rs) for q, _ in rs}
+    missing = {q.metric for feat, rs in results.items() if not any(r for _, r in rs) and feat not in OPTIONAL_FEATURES
+               for q, _ in rs}
     if errors and not any(r for rs in results.values() for _, r in rs):
         raise SourceError(f"every query failed; first: {errors[0]}")
 
@@ -165,6 +168,7 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
     values = {f: np.full(n, np.nan) for f in GPU_FEATURES}
     jobs: dict[int, dict[str, float]] = defaultdict(dict)
     models = [""] * n
+    migs: dict[int, list[str]] = defaultdict(list)
     job_labels = JOB_LABELS.get(profile, ("job_id",))
     model_labels = MODEL_LABELS.get(profile, ("name",))
     for feat, q, res in gpu_rs:
@@ -178,6 +182,10 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
             for i, (labels, _) in zip(pos.tolist(), res, strict=True):
                 if i >= 0:
                     models[i] = next((labels[m] for m in model_labels if labels.get(m)), "")
+        elif feat == "@mig":  # one series per MIG device: the GPU's layout, e.g. "MIG 1g.10gb*7"
+            for i, (labels, _) in zip(pos.tolist(), res, strict=True):
+                if i >= 0:
+                    migs[i].append(labels.get("profile") or "?")
         elif feat == "@mask":
             sel = pos >= 0
             mask = np.zeros(n, dtype=np.int64)
@@ -192,6 +200,9 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
         elif feat in values:
             _accumulate(values[feat], pos, _values(res), q.agg)
 
+    for i, profiles in migs.items():
+        layout = "+".join(f"{p}*{k}" if k > 1 else p for p, k in sorted(Counter(profiles).items()))
+        models[i] = f"{models[i]} MIG {layout}"
     samples = values["samples"]
     full = float(np.nanmax(samples)) if len(samples) else 0.0
     valid = samples >= coverage * full if full > 0 else np.zeros(n, dtype=bool)

@@ -90,6 +90,8 @@ GPUFLEET: tuple[Query, ...] = (
     _q("samples", "gpufleet_gpu_utilization_ratio", "count"),
     _q("@job", "gpufleet_gpu_job_info", "count"),
     _q("@model", "gpufleet_gpu_info", "last"),
+    # MIG layout of GPUs in MIG mode (their profiles join the model: peers only with the same slices)
+    _q("@mig", "gpufleet_mig_device_info", "last"),
     _q("sm_clock", "gpufleet_gpu_clock_hertz", "avg", matchers=_eq("clock", "sm")),
     _q("mem_clock", "gpufleet_gpu_clock_hertz", "avg", matchers=_eq("clock", "memory")),
     _q("power", "gpufleet_gpu_power_watts", "avg"),
