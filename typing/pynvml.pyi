@@ -309,6 +309,12 @@ class c_nvmlProcessesUtilizationInfo_v1_t(ctypes.Structure):
     lastSeenTimeStamp: int
     procUtilArray: ctypes._Pointer[c_nvmlProcessUtilizationInfo_v1_t]
 
+class c_nvmlProcessInfo_v2_t(ctypes.Structure):
+    pid: int
+    usedGpuMemory: int
+    gpuInstanceId: int
+    computeInstanceId: int
+
 class nvmlFriendlyObject:
     pid: int
     usedGpuMemory: int | None

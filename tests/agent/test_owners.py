@@ -258,3 +258,30 @@ def test_cgroup_v1_slurm_tree(tmp_path: Path) -> None:
     (tmp_path / "freezer" / "slurm" / "uid_1000" / "job_77").mkdir(parents=True)
     assert slurm_job_exists(str(tmp_path), "77") is True
     assert slurm_job_exists(str(tmp_path), "78") is False
+
+
+def test_the_real_pynvml_wrappers_read_the_fake(procs: tuple[FakeHost, FakeNvml, NvmlBackend, GpuUsage]) -> None:
+    """The fake implements the C entry points and struct layouts pynvml's own wrappers use."""
+    src, _, _, _ = procs
+    h0, h2 = pynvml.nvmlDeviceGetHandleByIndex(0), pynvml.nvmlDeviceGetHandleByIndex(2)
+    got = [(p.pid, p.usedGpuMemory) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h0)]
+    assert got == [(p.pid, p.used_memory_bytes) for p in src.samples[0].processes or []]
+    assert [(p.pid, p.gpuInstanceId) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h2)] == [(101, 7), (106, 8)]
+    mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h2, 1)
+    assert [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(mig)] == [106]
+    new = {(s.pid, s.smUtil, s.memUtil) for s in pynvml.nvmlDeviceGetProcessesUtilizationInfo(h0, 0)}
+    old = {(s.pid, s.smUtil, s.memUtil) for s in pynvml.nvmlDeviceGetProcessUtilization(h0, 0)}
+    assert new == old == {(101, 30, 10), (102, 20, 5), (104, 15, 1), (999, 5, 0)}
+    with pytest.raises(pynvml.NVMLError_NotFound):  # nothing newer than the last seen timestamp
+        pynvml.nvmlDeviceGetProcessesUtilizationInfo(h0, int(src.t * 1e6))
+    with pytest.raises(pynvml.NVMLError_NotSupported):  # no per-process utilization in MIG mode
+        pynvml.nvmlDeviceGetProcessUtilization(h2, 0)
+
+
+def test_older_drivers_use_the_older_utilization_call(procs: tuple[FakeHost, FakeNvml, NvmlBackend, GpuUsage]) -> None:
+    _, fake, backend, usage = procs
+    fake.inject_error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND, function="nvmlDeviceGetProcessesUtilizationInfo")
+    got = scrape(ProcessesCollector(usage))
+    key = frozenset({("gpu", "1"), ("gpu_instance", ""), ("owner_kind", SLURM_JOB), ("owner", "77")})
+    assert got[("gpufleet_gpu_owner_sm_utilization_ratio", key)] == pytest.approx(0.5)
+    assert not backend.errors()
