@@ -30,8 +30,8 @@ GPU_FEATURES = ("util", "samples", "sm_clock", "mem_clock", "power", "temp", "me
                 "xid", "power_limit", "nvlink_crc_flit", "nvlink_crc_data", "nvlink_replay", "nvlink_recovery")
 #: Per-GPU NVLink error counters (increase over the window, all links): dcgm-exporter's optional fields.
 NVLINK_ERROR_FEATURES = ("nvlink_crc_flit", "nvlink_crc_data", "nvlink_replay", "nvlink_recovery")
-#: Features whose absence is normal (no MIG GPU in the fleet), never a missing input.
-OPTIONAL_FEATURES = frozenset({"@mig"})
+#: Inputs whose absence is normal (no MIG GPU, no Kubernetes in the fleet), never a missing input.
+OPTIONAL_METRICS = frozenset({"gpufleet_mig_device_info", "gpufleet_gpu_pod_info"})
 NIC_FEATURES = ("nic_tx", "nic_xmit_wait", "nic_symbol_errors", "nic_link_downed", "nic_link_recovery",
                 "nic_rate", "nic_ecn")
 
@@ -130,8 +130,8 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
             results[q.feature].append((q, source.query(q, t, window)))
         except SourceError as e:
             errors.append(str(e))
-    missing = {q.metric for feat, rs in results.items() if not any(r for _, r in rs) and feat not in OPTIONAL_FEATURES
-               for q, _ in rs}
+    missing = {q.metric for feat, rs in results.items() if not any(r for _, r in rs)
+               for q, _ in rs if q.metric not in OPTIONAL_METRICS}
     if errors and not any(r for rs in results.values() for _, r in rs):
         raise SourceError(f"every query failed; first: {errors[0]}")
 

@@ -43,3 +43,18 @@ def test_no_mig_fleet_reports_nothing_missing_for_mig() -> None:
     frame = collect(Fixed(answers), [Q_SAMPLES, Q_UTIL, Q_MIG], t=1000.0, window=300.0)
     assert frame.missing == set()
     assert frame.gpu.models == [""]
+
+
+def test_the_kubelet_pod_is_the_job_without_a_job_id() -> None:
+    q_job, q_pod = (q for q in GPUFLEET if q.feature == "@job")
+    assert (q_job.metric, q_pod.metric) == ("gpufleet_gpu_job_info", "gpufleet_gpu_pod_info")
+    answers: dict[Query, list[tuple[dict[str, str], float]]] = {
+        Q_SAMPLES: [(lab("a", g), 20.0) for g in "0123"],
+        q_job: [(lab("a", "0", job_id="1234"), 20.0)],  # Slurm job from cgroups (or a mapping file)
+        q_pod: [(lab("a", g, namespace="ml", pod="trainer-0", container="c"), 20.0) for g in "123"],
+    }
+    frame = collect(Fixed(answers), [Q_SAMPLES, q_job, q_pod, Q_MIG], t=1000.0, window=300.0, profile="gpufleet")
+    assert frame.gpu.jobs == ["1234", "trainer-0", "trainer-0", "trainer-0"]
+    assert frame.missing == set()
+    empty = collect(Fixed({Q_SAMPLES: answers[Q_SAMPLES]}), [Q_SAMPLES, q_job, q_pod], t=1000.0, window=300.0)
+    assert empty.missing == {"gpufleet_gpu_job_info"}  # no job attribution at all is still reported
