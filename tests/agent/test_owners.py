@@ -285,3 +285,23 @@ def test_older_drivers_use_the_older_utilization_call(procs: tuple[FakeHost, Fak
     key = frozenset({("gpu", "1"), ("gpu_instance", ""), ("owner_kind", SLURM_JOB), ("owner", "77")})
     assert got[("gpufleet_gpu_owner_sm_utilization_ratio", key)] == pytest.approx(0.5)
     assert not backend.errors()
+
+
+def test_nvml_and_proc_errors_are_counted_never_a_crash(
+    procs: tuple[FakeHost, FakeNvml, NvmlBackend, GpuUsage], tmp_path: Path,
+) -> None:
+    _, fake, backend, usage = procs
+    (tmp_path / "proc" / "103" / "cgroup").write_bytes(b"\xff\xfe not a cgroup file \x00")
+    fake.inject_error(pynvml.NVML_ERROR_UNKNOWN, function="nvmlDeviceGetComputeRunningProcesses", gpu=0)
+    fake.inject_error(pynvml.NVML_ERROR_UNKNOWN, function="nvmlDeviceGetMigMode", gpu=2)
+    got = scrape(ProcessesCollector(usage))
+    assert ("gpufleet_gpu_processes", frozenset({("gpu", "0")})) not in got  # no list: no series, not 0
+    assert got[("gpufleet_gpu_owner_processes", frozenset({("gpu", "1"), ("gpu_instance", ""),
+                                                          ("owner_kind", "unknown"), ("owner", "")}))] == 2
+    assert got[("gpufleet_gpu_process_owner_errors_total", frozenset({("error", "unparsable")}))] == 1
+    errors = backend.errors()
+    assert errors[("nvmlDeviceGetComputeRunningProcesses", "UNKNOWN")] == 1
+    assert errors[("nvmlDeviceGetMigMode", "UNKNOWN")] == 1
+    fake.inject_error(pynvml.NVML_ERROR_GPU_IS_LOST, gpu=1)
+    got = scrape(ProcessesCollector(usage))
+    assert ("gpufleet_gpu_processes", frozenset({("gpu", "1")})) not in got
