@@ -278,8 +278,9 @@ SPECS: tuple[MetricSpec, ...] = (
                "Sum over the owner's processes of their memory controller utilization since the last scrape.",
                ("gpu", "gpu_instance", "owner_kind", "owner"), "processes"),
     MetricSpec("gpufleet_gpu_process_owner_errors_total", _C, "",
-               "Processes whose /proc/PID/cgroup could not be read (not_found: exited or hidden by hidepid or "
-               "ProtectProc; permission_denied; unreadable; unparsable): counted under owner_kind unknown.",
+               "Reads of a GPU process' /proc/PID/cgroup that failed (not_found: exited or hidden by hidepid or "
+               "ProtectProc; permission_denied; unreadable; unparsable); a failed pid is read again after 60 s; "
+               "meanwhile its process counts under owner_kind unknown.",
                ("error",), "processes",
                label_values={"error": ("not_found", "permission_denied", "unreadable", "unparsable")}),
     MetricSpec("gpufleet_gpu_process_memory_used_bytes", _G, "bytes",
