@@ -140,8 +140,9 @@ def _reason(e: OSError) -> str:
 
 
 class OwnerCache:
-    """``read_owner`` with each pid's answer kept ``ttl`` seconds (a process keeps its cgroup), and
-    errors counted by reason (``gpufleet_gpu_process_owner_errors_total``)."""
+    """``read_owner`` with each pid's answer (owner, or unknown after a failed read) kept ``ttl`` seconds
+    while the pid runs on a GPU (a process keeps its cgroup), and failed reads counted by reason
+    (``gpufleet_gpu_process_owner_errors_total``)."""
 
     def __init__(self, procfs: str, ttl: float = 60.0) -> None:
         self.procfs = procfs
@@ -156,9 +157,9 @@ class OwnerCache:
             return hit[1]
         try:
             owner = read_owner(self.procfs, pid)
-        except OwnerError as e:
+        except OwnerError as e:  # counted once per read; not read again before ttl (a hidden /proc stays hidden)
             self.errors[e.reason] = self.errors.get(e.reason, 0) + 1
-            self._cache.pop(pid, None)
+            self._cache[pid] = (t, NO_OWNER)
             return NO_OWNER
         self._cache[pid] = (t, owner)
         return owner

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +33,8 @@ GPU_FEATURES = ("util", "samples", "sm_clock", "mem_clock", "power", "temp", "me
                 "xid", "power_limit", "nvlink_crc_flit", "nvlink_crc_data", "nvlink_replay", "nvlink_recovery")
 #: Per-GPU NVLink error counters (increase over the window, all links): dcgm-exporter's optional fields.
 NVLINK_ERROR_FEATURES = ("nvlink_crc_flit", "nvlink_crc_data", "nvlink_replay", "nvlink_recovery")
+#: Inputs whose absence is normal (no MIG GPU, no Kubernetes in the fleet), never a missing input.
+OPTIONAL_METRICS = frozenset({"gpufleet_mig_device_info", "gpufleet_gpu_pod_info"})
 NIC_FEATURES = ("nic_tx", "nic_xmit_wait", "nic_symbol_errors", "nic_link_downed", "nic_link_recovery",
                 "nic_rate", "nic_ecn")
 
@@ -146,7 +148,8 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
             errors.append(str(got))
         else:
             results[q.feature].append((q, got))
-    missing = {q.metric for feat, rs in results.items() if not any(r for _, r in rs) for q, _ in rs}
+    missing = {q.metric for feat, rs in results.items() if not any(r for _, r in rs)
+               for q, _ in rs if q.metric not in OPTIONAL_METRICS}
     if errors and not any(r for rs in results.values() for _, r in rs):
         raise SourceError(f"every query failed; first: {errors[0]}")
 
@@ -188,6 +191,7 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
     job_count: list[FloatArray] = []
     jobs_of = _Jobs(JOB_LABELS.get(profile, ("job_id",)))
     models = np.full(n, "", dtype=object)
+    migs: dict[int, list[str]] = defaultdict(list)
     model_labels = MODEL_LABELS.get(profile, ("name",))
     for feat, q, res in gpu_rs:
         pos = gpus.positions(res)
@@ -198,6 +202,10 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
             job_count.append(res.values[sel])
         elif feat == "@model":
             models[pos[sel]] = _first_label_column(res.table, model_labels)[res.ids[sel]]
+        elif feat == "@mig":  # one series per MIG device: the GPU's layout, e.g. "MIG 1g.10gb*7"
+            for i, prof in zip(pos.tolist(), res.column("profile"), strict=True):
+                if i >= 0:
+                    migs[i].append(prof or "?")
         elif feat == "@mask":
             mask = np.zeros(n, dtype=np.int64)
             np.bitwise_or.at(mask, pos[sel], res.values[sel].astype(np.int64))
@@ -211,6 +219,9 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
         elif feat in values:
             _accumulate(values[feat], pos, res.values, q.agg)
 
+    for i, profiles in migs.items():
+        layout = "+".join(f"{p}*{k}" if k > 1 else p for p, k in sorted(Counter(profiles).items()))
+        models[i] = f"{models[i]} MIG {layout}"
     samples = values["samples"]
     full = float(np.nanmax(samples)) if len(samples) else 0.0
     valid = samples >= coverage * full if full > 0 else np.zeros(n, dtype=bool)

@@ -90,7 +90,11 @@ GPUFLEET: tuple[Query, ...] = (
     _q("util", "gpufleet_gpu_utilization_ratio", "avg"),
     _q("samples", "gpufleet_gpu_utilization_ratio", "count"),
     _q("@job", "gpufleet_gpu_job_info", "count"),
+    # Kubernetes: the pod holding the GPU (kubelet) is its job where no job id is attributed (as the dcgm profile's pod)
+    _q("@job", "gpufleet_gpu_pod_info", "count"),
     _q("@model", "gpufleet_gpu_info", "last"),
+    # MIG layout of GPUs in MIG mode (their profiles join the model: peers only with the same slices)
+    _q("@mig", "gpufleet_mig_device_info", "last"),
     _q("sm_clock", "gpufleet_gpu_clock_hertz", "avg", matchers=_eq("clock", "sm")),
     _q("mem_clock", "gpufleet_gpu_clock_hertz", "avg", matchers=_eq("clock", "memory")),
     _q("power", "gpufleet_gpu_power_watts", "avg"),
@@ -176,7 +180,7 @@ SITE_DEFAULTS = {
 }
 
 #: Label carrying the training job id, per profile (first present wins).
-JOB_LABELS = {"gpufleet": ("job_id",), "dcgm": (exporters.DCGM_JOB_LABEL, exporters.DCGM_POD_LABEL)}
+JOB_LABELS = {"gpufleet": ("job_id", "pod"), "dcgm": (exporters.DCGM_JOB_LABEL, exporters.DCGM_POD_LABEL)}
 MODEL_LABELS = {"gpufleet": ("name",), "dcgm": (exporters.DCGM_MODEL_LABEL,)}
 #: dcgm-exporter's throttle / clock-event reason bits.
 MASK_BITS = {"thr_power": reason_bits("sw_power_cap"), "thr_hw": reason_bits("hw_slowdown"),

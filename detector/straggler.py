@@ -86,8 +86,8 @@ def _groups(frame: GpuFrame, eligible: FloatArray, p: StragglerParams) -> FloatA
     for i in range(len(frame)):
         if not eligible[i]:
             names.append(None)
-        elif frame.jobs[i]:
-            names.append(f"job:{frame.jobs[i]}")
+        elif frame.jobs[i]:  # GPUs in MIG mode: job peers only with the same model and MIG layout
+            names.append(f"job:{frame.jobs[i]}" + (f"@{frame.models[i]}" if " MIG " in frame.models[i] else ""))
         elif p.compare_jobless:
             names.append(f"model:{frame.models[i]}")
         else:

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 from prometheus_client.core import Metric
 
+from gpufleet.agent.collectors.series import SeriesCache
 from gpufleet.agent.collectors.usage import GpuUsage
 from gpufleet.agent.vocab import catalog
 
@@ -26,6 +27,8 @@ _GPM = (("gpufleet_mig_sm_active_ratio", "sm_active_pct"), ("gpufleet_mig_sm_occ
         ("gpufleet_mig_tensor_active_ratio", "tensor_active_pct"), ("gpufleet_mig_dram_active_ratio", "dram_active_pct"))
 _SPECS = (_MODE, _INFO, _USED, _TOTAL, *(catalog.spec(n) for n, _ in _GPM))
 _PER_PCT = 100
+#: Label sets built once, unchanged samples reused (the encoder then reuses their rendered lines).
+_put = SeriesCache(_SPECS).put
 
 
 class MigCollector:
@@ -45,24 +48,24 @@ class MigCollector:
                 continue
             g = r.gpu
             if r.mode_current is not None:
-                f[_MODE.name].add_metric([g, "current"], 1 if r.mode_current else 0)
+                _put(f[_MODE.name], [g, "current"], 1 if r.mode_current else 0)
             if r.mode_pending is not None:
-                f[_MODE.name].add_metric([g, "pending"], 1 if r.mode_pending else 0)
+                _put(f[_MODE.name], [g, "pending"], 1 if r.mode_pending else 0)
             seen: set[int] = set()
             for u in r.devices:
                 d = u.device
                 gi = str(d.gpu_instance)
-                f[_INFO.name].add_metric([g, gi, str(d.compute_instance), d.profile, d.uuid], 1)
+                _put(f[_INFO.name], [g, gi, str(d.compute_instance), d.profile, d.uuid], 1)
                 if d.gpu_instance in seen:
                     continue  # memory and activity are the GPU instance's: once per instance
                 seen.add(d.gpu_instance)
                 if u.memory_used_bytes is not None:
-                    f[_USED.name].add_metric([g, gi], u.memory_used_bytes)
+                    _put(f[_USED.name], [g, gi], u.memory_used_bytes)
                 if u.memory_total_bytes is not None:
-                    f[_TOTAL.name].add_metric([g, gi], u.memory_total_bytes)
+                    _put(f[_TOTAL.name], [g, gi], u.memory_total_bytes)
                 if u.gpm is not None:
                     for name, attr in _GPM:
                         v = getattr(u.gpm, attr)
                         if v is not None:
-                            f[name].add_metric([g, gi], v / _PER_PCT)
+                            _put(f[name], [g, gi], v / _PER_PCT)
         return [fam for fam in f.values() if fam.samples]

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from prometheus_client.core import Metric
 
 from gpufleet.agent.cgroups import Owner
+from gpufleet.agent.collectors.series import SeriesCache
 from gpufleet.agent.collectors.usage import GpuUsage
 from gpufleet.agent.nvml.processes import GpuProcess
 from gpufleet.agent.vocab import catalog
@@ -35,6 +36,8 @@ _PID_MEM = catalog.spec("gpufleet_gpu_process_memory_used_bytes")
 _PID_SM = catalog.spec("gpufleet_gpu_process_sm_utilization_ratio")
 _SPECS = (_COUNT, _OWNER, _MEM, _SM, _MEMUTIL, _ERRORS)
 _PER_PCT = 100
+#: Label sets built once, unchanged samples reused (the encoder then reuses their rendered lines).
+_put = SeriesCache((*_SPECS, _PID_MEM, _PID_SM)).put
 
 
 class _Agg:
@@ -87,25 +90,25 @@ class ProcessesCollector:
             if use.processes is None:
                 continue
             g = use.gpu
-            f[_COUNT.name].add_metric([g], len(use.processes))
+            _put(f[_COUNT.name], [g], len(use.processes))
             for (gi, kind, owner), a in sorted(aggregate(use.processes).items()):
                 labels = [g, gi, kind, owner]
-                f[_OWNER.name].add_metric(labels, a.n)
+                _put(f[_OWNER.name], labels, a.n)
                 if a.mem is not None:
-                    f[_MEM.name].add_metric(labels, a.mem)
+                    _put(f[_MEM.name], labels, a.mem)
                 if a.sm is not None:
-                    f[_SM.name].add_metric(labels, a.sm / _PER_PCT)
+                    _put(f[_SM.name], labels, a.sm / _PER_PCT)
                 if a.memutil is not None:
-                    f[_MEMUTIL.name].add_metric(labels, a.memutil / _PER_PCT)
+                    _put(f[_MEMUTIL.name], labels, a.memutil / _PER_PCT)
             if self.per_pid:
                 for p, o in use.processes:
                     gi = "" if p.gpu_instance is None else str(p.gpu_instance)
                     if p.used_memory_bytes is not None:
-                        f[_PID_MEM.name].add_metric([g, gi, str(p.pid), o.kind, o.id], p.used_memory_bytes)
+                        _put(f[_PID_MEM.name], [g, gi, str(p.pid), o.kind, o.id], p.used_memory_bytes)
                     if p.sm_util_pct is not None:
-                        f[_PID_SM.name].add_metric([g, gi, str(p.pid)], p.sm_util_pct / _PER_PCT)
+                        _put(f[_PID_SM.name], [g, gi, str(p.pid)], p.sm_util_pct / _PER_PCT)
         if snap.up:
             err = f[_ERRORS.name]
             for reason, n in sorted(snap.owner_errors.items()):
-                err.add_metric([reason], n)
+                _put(err, [reason], n)
         return [fam for fam in f.values() if fam.samples]

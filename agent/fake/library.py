@@ -32,7 +32,8 @@ Behaviour mirrors NVML where it matters to a monitoring agent:
 
 The entry points live in one module per group, mixed into :class:`FakeNvml`:
 :mod:`.devices` (enumeration, identity), :mod:`.readings`, :mod:`.fields`
-(``nvmlDeviceGetFieldValues``), :mod:`.gpm`, :mod:`.events` (XID); the shared state
+(``nvmlDeviceGetFieldValues``), :mod:`.gpm`, :mod:`.events` (XID), :mod:`.mig` (MIG mode and MIG device
+handles) and :mod:`.processes` (running processes, per-process utilization); the shared state
 and device lookup in :mod:`.core`, error injection in :mod:`.errors`, ctypes
 conversions in :mod:`.ctypes_io`. This module installs the library into pynvml and
 dispatches pynvml's calls to the entry points.

@@ -96,20 +96,7 @@ class SharedSource:
             if not self._layout:
                 self._inv.append(inv)
                 continue
-            migs = []
-            start = 0
-            used: set[int] = set()
-            for k, p in enumerate(self._layout):
-                gi = _gpu_instance_id(p, start)
-                while gi in used:
-                    gi += 1
-                used.add(gi)
-                migs.append(MigDeviceInventory(
-                    gpu_instance_id=gi, compute_instance_id=0, profile_id=p.profile_id, profile_name=p.name,
-                    uuid=f"MIG-{_uuid(seed, inv.index, k)}", memory_total_bytes=p.memory_gib * _GIB,
-                    slice_count=p.slices, multiprocessor_count=p.sms, placement_start=start))
-                start += p.slices
-            self._inv.append(replace(inv, mig_mode_current=1, mig_mode_pending=1, mig_devices=migs))
+            self._inv.append(mig_inventory(inv, self._layout, seed))
         n = len(self._inv)
         if not 0 <= processes <= _PER_GPU_PROCESSES_MAX * n:
             raise ValueError(f"processes must be 0..{_PER_GPU_PROCESSES_MAX * n}")
@@ -200,6 +187,24 @@ class SharedSource:
         if self.procfs_root is not None:
             shutil.rmtree(self.procfs_root, ignore_errors=True)
             self.procfs_root = None
+
+
+def mig_inventory(inv: GpuInventory, layout: list[Profile], seed: int) -> GpuInventory:
+    """``inv`` in MIG mode with one MIG device (one compute instance) per profile of ``layout``, placed in order."""
+    migs = []
+    start = 0
+    used: set[int] = set()
+    for k, p in enumerate(layout):
+        gi = _gpu_instance_id(p, start)
+        while gi in used:
+            gi += 1
+        used.add(gi)
+        migs.append(MigDeviceInventory(
+            gpu_instance_id=gi, compute_instance_id=0, profile_id=p.profile_id, profile_name=p.name,
+            uuid=f"MIG-{_uuid(seed, inv.index, k)}", memory_total_bytes=p.memory_gib * _GIB,
+            slice_count=p.slices, multiprocessor_count=p.sms, placement_start=start))
+        start += p.slices
+    return replace(inv, mig_mode_current=1, mig_mode_pending=1, mig_devices=migs)
 
 
 def _gpu_instance_id(p: Profile, start: int) -> int:

@@ -20,6 +20,10 @@ from gpufleet.agent.vocab import nvml as nv
 
 #: GPM metric ids (nvmlGpmMetricId_t) -> GpmRates attribute.
 GPM_METRICS: tuple[tuple[int, str], ...] = tuple((m.value, m.attr) for m in nv.GPM_METRICS)
+#: What a GPU instance (MIG) is asked: the activity metrics (no NVLink/PCIe per instance).
+MIG_GPM_METRICS: tuple[tuple[int, str], ...] = tuple(
+    (mid, attr) for mid, attr in GPM_METRICS if attr in ("sm_active_pct", "sm_occupancy_pct", "tensor_active_pct",
+                                                       "dram_active_pct"))
 
 _SUCCESS = pynvml.NVML_SUCCESS
 
@@ -68,7 +72,8 @@ def read_gpm(b: NvmlBackend, dev: Device, h: pynvml.c_nvmlDevice_t, state: Reade
         return None
     if state.prev_valid:
         try:
-            rates = _gpm_metrics(b, state, state.buffers[state.current ^ 1], cur, now - state.prev_t)
+            rates = _gpm_metrics(b, state, state.buffers[state.current ^ 1], cur, now - state.prev_t,
+                                 GPM_METRICS if gpu_instance is None else MIG_GPM_METRICS)
         except _NoNewInterval:
             # Both samples carry the same time (a source that did not move on since the last scrape):
             # keep the older sample as the start of the interval and report the last rates again.
@@ -86,12 +91,13 @@ class _NoNewInterval(Exception):
     pass
 
 
-def _gpm_metrics(b: NvmlBackend, state: ReaderState, prev: Any, cur: Any, interval: float) -> GpmRates | None:
+def _gpm_metrics(b: NvmlBackend, state: ReaderState, prev: Any, cur: Any, interval: float,
+                 metrics: tuple[tuple[int, str], ...] = GPM_METRICS) -> GpmRates | None:
     mg = state.metrics_get
-    if mg.numMetrics != len(GPM_METRICS):  # fill the request once; NVML only writes the results
+    if mg.numMetrics != len(metrics):  # fill the request once; NVML only writes the results
         mg.version = pynvml.NVML_GPM_METRICS_GET_VERSION
-        mg.numMetrics = len(GPM_METRICS)
-        for i, (mid, _) in enumerate(GPM_METRICS):
+        mg.numMetrics = len(metrics)
+        for i, (mid, _) in enumerate(metrics):
             mg.metrics[i].metricId = mid
     mg.sample1 = prev
     mg.sample2 = cur
@@ -107,9 +113,9 @@ def _gpm_metrics(b: NvmlBackend, state: ReaderState, prev: Any, cur: Any, interv
         return None
     rates = GpmRates(interval_s=interval)
     lost = False
-    metrics = mg.metrics
-    for i, (_, attr) in enumerate(GPM_METRICS):
-        m = metrics[i]
+    results = mg.metrics
+    for i, (_, attr) in enumerate(metrics):
+        m = results[i]
         if m.nvmlReturn == pynvml.NVML_SUCCESS:
             setattr(rates, attr, float(m.value))
         else:

@@ -119,9 +119,10 @@ def read_mig(b: NvmlBackend, dev: Device, state: MigState, *, clock: Callable[[]
         failed = False
         for d in state.devices:
             use = MigUse(d)
+            errors = b.error_total
             mem = b.call(pynvml.nvmlDeviceGetMemoryInfo, d.handle)
             if mem is None:
-                failed = True
+                failed = failed or b.error_total != errors  # an error, not NOT_SUPPORTED: the handle may be gone
             else:
                 use.memory_used_bytes, use.memory_total_bytes = int(mem.used), int(mem.total)
             if d.gpu_instance not in seen_gi:

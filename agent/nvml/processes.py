@@ -13,13 +13,39 @@ utilization in MIG mode and none for a process that did not run in the interval:
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import pynvml
 
 from gpufleet.agent.nvml.backend import Device, GpuLost, NvmlBackend
 from gpufleet.agent.nvml.mig import MigDevice
+
+
+class _ProcessInfo(ctypes.Structure):
+    """nvmlProcessInfo_v2_t with pynvml's layout, without its per-attribute hooks (hundreds per scrape)."""
+
+    _fields_ = list(pynvml.c_nvmlProcessInfo_v2_t._fields_)
+
+
+class _UtilInfo(ctypes.Structure):
+    """nvmlProcessUtilizationInfo_v1_t, plain (see _ProcessInfo)."""
+
+    _fields_ = list(pynvml.c_nvmlProcessUtilizationInfo_v1_t._fields_)
+
+
+class _UtilsInfo(ctypes.Structure):
+    """nvmlProcessesUtilizationInfo_t (v1) pointing at an array of _UtilInfo."""
+
+    _fields_ = [("procUtilArray", ctypes.POINTER(_UtilInfo)) if f[0] == "procUtilArray" else f
+                for f in pynvml.c_nvmlProcessesUtilizationInfo_v1_t._fields_]
+
+
+assert ctypes.sizeof(_ProcessInfo) == ctypes.sizeof(pynvml.c_nvmlProcessInfo_v2_t)
+assert ctypes.sizeof(_UtilInfo) == ctypes.sizeof(pynvml.c_nvmlProcessUtilizationInfo_v1_t)
+assert ctypes.sizeof(_UtilsInfo) == ctypes.sizeof(pynvml.c_nvmlProcessesUtilizationInfo_v1_t)
 
 _TOO_OLD = frozenset({pynvml.NVML_ERROR_FUNCTION_NOT_FOUND, pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH})
 _NO_ID = 0xFFFFFFFF
@@ -44,7 +70,9 @@ class ProcessState:
     last_seen_us: int = 0
     legacy_util: bool = False
     util_supported: bool = True
-    seen: dict[int, int] = field(default_factory=dict)
+    #: Reused buffers of the direct calls (grown when NVML answers INSUFFICIENT_SIZE).
+    procs_buf: Any = None
+    util_buf: Any = None
 
 
 def read_processes(b: NvmlBackend, dev: Device, state: ProcessState,
@@ -54,7 +82,7 @@ def read_processes(b: NvmlBackend, dev: Device, state: ProcessState,
     if h is None or dev.lost:
         return None
     try:
-        procs = _running(b, h, mig_devices)
+        procs = _running(b, h, state, mig_devices)
         if procs is None:
             return None
         if procs and state.util_supported and not mig_devices:
@@ -64,34 +92,53 @@ def read_processes(b: NvmlBackend, dev: Device, state: ProcessState,
         return None
 
 
-def _running(b: NvmlBackend, h: pynvml.c_nvmlDevice_t, mig_devices: Sequence[MigDevice]) -> list[GpuProcess] | None:
-    try:
-        raw = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
-    except pynvml.NVMLError as e:
-        if e.value != pynvml.NVML_ERROR_NO_PERMISSION or not mig_devices:
-            b.failed("nvmlDeviceGetComputeRunningProcesses", e.value)
+def _running(b: NvmlBackend, h: pynvml.c_nvmlDevice_t, state: ProcessState,
+             mig_devices: Sequence[MigDevice]) -> list[GpuProcess] | None:
+    code, raw = _list(h, state)
+    if code == pynvml.NVML_SUCCESS:
+        return [GpuProcess(int(p.pid), _memory(int(p.usedGpuMemory)), _id(int(p.gpuInstanceId)),
+                           _id(int(p.computeInstanceId))) for p in raw]
+    if code != pynvml.NVML_ERROR_NO_PERMISSION or not mig_devices:
+        b.failed("nvmlDeviceGetComputeRunningProcesses", code)
+        return None
+    out: list[GpuProcess] = []  # MIG mode without privileges: ask each MIG device
+    for d in mig_devices:
+        code, raw = _list(d.handle, state)
+        if code != pynvml.NVML_SUCCESS:
+            b.failed("nvmlDeviceGetComputeRunningProcesses", code)
             return None
-        out: list[GpuProcess] = []  # MIG mode without privileges: ask each MIG device
-        for d in mig_devices:
-            part = b.call(pynvml.nvmlDeviceGetComputeRunningProcesses, d.handle)
-            if part is None:
-                return None
-            out.extend(_process(p, d) for p in part)
-        return out
-    return [_process(p, None) for p in raw]
+        out.extend(GpuProcess(int(p.pid), _memory(int(p.usedGpuMemory)), d.gpu_instance, d.compute_instance)
+                   for p in raw)
+    return out
 
 
-def _process(p: pynvml.nvmlFriendlyObject, mig: MigDevice | None) -> GpuProcess:
-    mem = p.usedGpuMemory
-    gi, ci = getattr(p, "gpuInstanceId", _NO_ID), getattr(p, "computeInstanceId", _NO_ID)
-    if mig is not None:
-        gi, ci = mig.gpu_instance, mig.compute_instance
-    return GpuProcess(
-        pid=int(p.pid),
-        used_memory_bytes=int(mem) if mem is not None and 0 <= mem <= _MAX_MEMORY else None,
-        gpu_instance=None if gi is None or gi == _NO_ID else int(gi),
-        compute_instance=None if ci is None or ci == _NO_ID else int(ci),
-    )
+def _list(h: pynvml.c_nvmlDevice_t, state: ProcessState) -> tuple[int, list[Any]]:
+    """(return code, the processes) of nvmlDeviceGetComputeRunningProcesses_v3 on a reused plain buffer:
+    what pynvml's wrapper does, without building a Python object per process and attribute."""
+    try:
+        fn = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetComputeRunningProcesses_v3")
+    except pynvml.NVMLError as e:
+        return int(e.value), []
+    for _ in range(3):  # processes may start between the calls: grow and ask again
+        buf = state.procs_buf
+        cap = len(buf) if buf is not None else 0
+        count = ctypes.c_uint(cap)
+        ret = int(fn(h, ctypes.byref(count), buf))
+        if ret == pynvml.NVML_SUCCESS:
+            n = int(count.value)
+            return ret, list(buf[:n]) if n and buf is not None else []
+        if ret != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
+            return ret, []
+        state.procs_buf = (_ProcessInfo * (int(count.value) * 2 + 8))()
+    return pynvml.NVML_ERROR_INSUFFICIENT_SIZE, []
+
+
+def _memory(v: int) -> int | None:
+    return v if 0 <= v <= _MAX_MEMORY else None  # NVML_VALUE_NOT_AVAILABLE (and garbage): no value
+
+
+def _id(v: int) -> int | None:
+    return None if v == _NO_ID else v
 
 
 def _utilization(b: NvmlBackend, h: pynvml.c_nvmlDevice_t, state: ProcessState, by_pid: dict[int, GpuProcess]) -> None:
@@ -99,8 +146,7 @@ def _utilization(b: NvmlBackend, h: pynvml.c_nvmlDevice_t, state: ProcessState, 
     try:
         if not state.legacy_util:
             try:
-                got = pynvml.nvmlDeviceGetProcessesUtilizationInfo(h, state.last_seen_us)
-                samples = [(int(s.pid), int(s.timeStamp), int(s.smUtil), int(s.memUtil)) for s in got]
+                samples = _util_info(h, state)
             except pynvml.NVMLError as e:
                 if e.value not in _TOO_OLD:
                     raise
@@ -117,6 +163,31 @@ def _utilization(b: NvmlBackend, h: pynvml.c_nvmlDevice_t, state: ProcessState, 
         name = "nvmlDeviceGetProcessUtilization" if state.legacy_util else "nvmlDeviceGetProcessesUtilizationInfo"
         b.failed(name, e.value)
         return
+    _fold(state, samples, by_pid)
+
+
+def _util_info(h: pynvml.c_nvmlDevice_t, state: ProcessState) -> list[tuple[int, int, int, int]]:
+    """nvmlDeviceGetProcessesUtilizationInfo as pynvml's wrapper calls it, on reused plain structs;
+    raises NVMLError as the wrapper does."""
+    fn = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetProcessesUtilizationInfo")
+    for _ in range(3):
+        buf = state.util_buf
+        info = _UtilsInfo(version=pynvml.ProcessesUtilizationInfo_v1, processSamplesCount=len(buf) if buf else 0,
+                          lastSeenTimeStamp=state.last_seen_us)
+        if buf is not None:
+            info.procUtilArray = ctypes.cast(buf, ctypes.POINTER(_UtilInfo))
+        ret = int(fn(h, ctypes.byref(info)))
+        if ret == pynvml.NVML_SUCCESS:
+            n = int(info.processSamplesCount)
+            return [(int(u.pid), int(u.timeStamp), int(u.smUtil), int(u.memUtil)) for u in buf[:n]] if n else []
+        if ret != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
+            raise pynvml.NVMLError(ret)
+        state.util_buf = (_UtilInfo * (int(info.processSamplesCount) * 2 + 8))()
+    raise pynvml.NVMLError(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
+
+
+def _fold(state: ProcessState, samples: list[tuple[int, int, int, int]], by_pid: dict[int, GpuProcess]) -> None:
+    """Mean SM and memory utilization per pid of the samples newer than the last seen; moves it on."""
     sums: dict[int, list[int]] = {}
     for pid, ts, sm, mem in samples:
         if ts <= state.last_seen_us or not (0 <= sm <= 100 and 0 <= mem <= 100):

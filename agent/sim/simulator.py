@@ -37,6 +37,7 @@ from gpufleet.agent.nvml import model
 from gpufleet.agent.serving.files import write_atomic
 from gpufleet.agent.sim.faults import FAULTS, Fault, FaultSchedule, fault_doc, severity_class
 from gpufleet.agent.sim.fleet import GPU_MODELS, Fleet, Job, Node, Site, schedule_jobs
+from gpufleet.agent.sim.mig import layout_of, mig_snapshot
 from gpufleet.agent.sim.physics import (
     ECC_KEYS,
     NIC_ERRORS,
@@ -134,6 +135,8 @@ class Simulator:
         self._blips = sorted((b["at"], k) for k, b in enumerate(sc.blips))
         self._uuids = [self._uuid(g) for g in range(self.fleet.n_gpus)]
         self._sysfs_cache: dict[str, ValueWriter] = {}
+        #: node index -> MIG layout (profile names) of its GPUs (set_mig)
+        self.mig_nodes: dict[int, list[str]] = {}
 
     # ---------------------------------------------------------------- time
     @property
@@ -265,7 +268,16 @@ class Simulator:
         events = [model.XidEvent(gpu=k, xid=x, timestamp=ts) for k, x, ts in self.physics.xid_pending[i]]
         self.physics.xid_pending[i] = []
         samples = [self.gpu_sample(int(g)) for g in self.fleet.node_gpus(i)]
-        return model.Snapshot(driver=model.DriverInfo(), gpus=self.inventory(i), samples=samples, xid=events)
+        snap = model.Snapshot(driver=model.DriverInfo(), gpus=self.inventory(i), samples=samples, xid=events)
+        layout = self.mig_nodes.get(i)
+        return snap if layout is None else mig_snapshot(snap, layout, self.seed, i)
+
+    def set_mig(self, node: int, layout: str | None) -> None:
+        """Put node ``node``'s GPUs in MIG mode with ``layout`` ("3g.40gb+2g.20gb+1g.10gb*2"; None: out of MIG)."""
+        if layout is None:
+            self.mig_nodes.pop(node, None)
+        else:
+            self.mig_nodes[node] = layout_of(layout)
 
     # ---------------------------------------------------------------- sysfs view
     def _pci_paths(self, i: int) -> tuple[dict[int, str], dict[int, str]]:

@@ -255,7 +255,9 @@ SPECS: tuple[MetricSpec, ...] = (
                "Unix time the XID code was last seen on the GPU.", ("gpu", "xid"), "xid"),
     # ---------------------------------------------------------------- jobs
     MetricSpec("gpufleet_gpu_job_info", _G, "",
-               "Job running on the GPU (dcgm-exporter mapping directory); value is 1. Join on gpu. The label is job_id because Prometheus owns `job`.",
+               "Job running on the GPU: the Slurm job of its processes (their cgroups), or a dcgm-exporter mapping "
+               "directory file whose job still exists; value is 1. Join on gpu. The label is job_id because "
+               "Prometheus owns `job`.",
                ("gpu", "job_id"), "jobs"),
     MetricSpec("gpufleet_gpu_job_mapping_skipped_files", _G, "",
                "Files of the job mapping directory skipped on this scrape: not a regular file, unreadable, too "
@@ -277,8 +279,9 @@ SPECS: tuple[MetricSpec, ...] = (
                "Sum over the owner's processes of their memory controller utilization since the last scrape.",
                ("gpu", "gpu_instance", "owner_kind", "owner"), "processes"),
     MetricSpec("gpufleet_gpu_process_owner_errors_total", _C, "",
-               "Processes whose /proc/PID/cgroup could not be read (not_found: exited or hidden by hidepid or "
-               "ProtectProc; permission_denied; unreadable; unparsable): counted under owner_kind unknown.",
+               "Reads of a GPU process' /proc/PID/cgroup that failed (not_found: exited or hidden by hidepid or "
+               "ProtectProc; permission_denied; unreadable; unparsable); a failed pid is read again after 60 s; "
+               "meanwhile its process counts under owner_kind unknown.",
                ("error",), "processes",
                label_values={"error": ("not_found", "permission_denied", "unreadable", "unparsable")}),
     MetricSpec("gpufleet_gpu_process_memory_used_bytes", _G, "bytes",
@@ -293,8 +296,8 @@ SPECS: tuple[MetricSpec, ...] = (
     # ---------------------------------------------------------------- Kubernetes pods (kubelet pod-resources API)
     MetricSpec("gpufleet_gpu_pod_info", _G, "",
                "Kubernetes container holding the GPU (kubelet pod-resources API); value is 1. Join on gpu. gpu and "
-               "uuid name the physical GPU (empty when this host's NVML cannot resolve the device: a MIG UUID, a GPU "
-               "NVML does not list); device is the id the kubelet reported, without a time-slicing replica suffix "
+               "uuid name the physical GPU (empty when this host's NVML cannot resolve the device: a MIG UUID "
+               "before the mig collector listed it, a GPU NVML does not list); device is the id the kubelet reported, without a time-slicing replica suffix "
                "(a GPU or MIG UUID, nvidiaN, a DRA device name); resource is the extended resource or DRA driver "
                "name. A GPU shared by time-slicing or MIG has one row per container holding it. Absent without "
                "the kubelet socket.",

@@ -27,6 +27,35 @@ def _bands(name: str, extra: str = "") -> list[Q]:
     ]
 
 
+#: Per owner on the selected nodes: Slurm jobs among the selected job ids, every pod and systemd unit.
+OWNER = f'{SITE},{NODE},owner_kind!="unknown"'
+#: A MIG slice's series with its profile (from gpufleet_mig_device_info).
+MIG_PROFILE = (f"* on (instance, gpu, gpu_instance) group_left (profile) "
+               f"max by (instance, gpu, gpu_instance, profile) (gpufleet_mig_device_info{{{SITE},{NODE}}})")
+PER_SLICE = "{{instance}} gpu {{gpu}} slice {{gpu_instance}} ({{profile}})"
+
+
+def _shared() -> list[tuple[g.Panel, int, int]]:
+    """Per-job and per-MIG-slice use of shared GPUs (time-slicing, MPS, MIG)."""
+    jobs = f'{OWNER},owner_kind="slurm_job",owner=~"$job_id"'
+    return [
+        (p.timeseries("gpufleet_gpu_owner_sm_utilization_ratio", "SM utilization per job",
+                      Q(f"sum by (owner) (gpufleet_gpu_owner_sm_utilization_ratio{{{jobs}}})", "job {{owner}}"),
+                      note="Summed over the job's processes on every GPU it runs on (1 = one whole GPU). "
+                           "NVML has no per-process utilization in MIG mode: see the slice panels."), 12, 9),
+        (p.timeseries("gpufleet_gpu_owner_memory_used_bytes", "GPU memory per owner",
+                      Q(f"sum by (owner_kind, owner) (gpufleet_gpu_owner_memory_used_bytes{{{OWNER}}})",
+                        "{{owner_kind}} {{owner}}"), stack=True, fill=20), 12, 9),
+        (p.timeseries("gpufleet_mig_sm_active_ratio", "SM activity per MIG slice",
+                      Q(f"gpufleet_mig_sm_active_ratio{{{SITE},{NODE}}} {MIG_PROFILE}", PER_SLICE),
+                      note="Compare a slice only with slices of the same profile."), 12, 9),
+        (p.timeseries("gpufleet_mig_memory_used_bytes", "Memory used per MIG slice",
+                      Q(f"gpufleet_mig_memory_used_bytes{{{SITE},{NODE}}} {MIG_PROFILE}", PER_SLICE)), 12, 9),
+        (p.table("gpufleet_gpu_owner_processes", "Who runs on which GPU or slice",
+                 f"gpufleet_gpu_owner_processes{{{SITE},{NODE}}}"), 24, 7),
+    ]
+
+
 def _views(name: str, title: str, extra: str = "") -> list[tuple[g.Panel, int, int]]:
     return [
         (p.gpu_heatmap(name, f"{title} per GPU", Q(_of_job(name, extra), PER_GPU)), 12, 10),
@@ -56,5 +85,6 @@ dashboard = p.build(
         ("Power", _views("gpufleet_gpu_power_watts", "Power")),
         ("Temperature", _views("gpufleet_gpu_temperature_celsius", "GPU temperature", 'sensor="gpu"')),
         ("Utilization", _views("gpufleet_gpu_utilization_ratio", "Utilization")),
+        ("Shared GPUs: per job, per owner and per MIG slice", _shared()),
     ],
 )

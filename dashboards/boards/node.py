@@ -15,6 +15,7 @@ GROUPS = (
     ("GPU", "gpu"), ("XID", "xid"), ("Jobs", "jobs"), ("InfiniBand / RoCE and Ethernet", "nic"),
     ("GPU / NIC topology", "topology"), ("PCIe (AER, links)", "pcie"), ("Host", "host"),
     ("Pressure (PSI)", "pressure"), ("Agent", "exporter"),
+    ("MIG", "mig"), ("Processes and their owners", "processes"),
 )
 
 

@@ -204,3 +204,12 @@ def test_mig_host_exposition_passes_promtool_and_matches_golden(tmp_path: Path) 
     assert GOLDEN.exists(), "no golden file: run with GPUFLEET_UPDATE_GOLDEN=1"
     assert mine == GOLDEN.read_text()
     assert 'gpufleet_mig_device_info{compute_instance="0",gpu="1",gpu_instance="2",profile="3g.40gb"' in mine
+
+
+def test_unsupported_mig_memory_has_no_series_and_no_error(mig: tuple[FakeHost, FakeNvml, NvmlBackend, GpuUsage]) -> None:
+    src, _, backend, usage = mig
+    src.samples[0].mig[1].memory_used_bytes = None  # the driver answers NOT_SUPPORTED for this MIG device
+    got = scrape(MigCollector(usage))
+    used = {dict(k[1])["gpu_instance"] for k in got if k[0] == "gpufleet_mig_memory_used_bytes" and ("gpu", "0") in k[1]}
+    assert used == {"2", "10"}
+    assert backend.errors() == {}

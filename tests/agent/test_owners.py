@@ -169,10 +169,13 @@ def test_hidden_proc_degrades_to_unknown_owners_and_errors(
     _, _, backend, _ = procs
     empty = tmp_path / "hidden-proc"
     empty.mkdir()
-    got = scrape(ProcessesCollector(GpuUsage(backend, str(empty), max_age=0.0)))
+    hidden = ProcessesCollector(GpuUsage(backend, str(empty), max_age=0.0))
+    got = scrape(hidden)
     kinds = {dict(k[1])["owner_kind"] for k in got if k[0] == "gpufleet_gpu_owner_processes"}
     assert kinds == {"unknown"}
-    assert got[("gpufleet_gpu_process_owner_errors_total", frozenset({("error", "not_found")}))] == 11
+    errors = ("gpufleet_gpu_process_owner_errors_total", frozenset({("error", "not_found")}))
+    assert got[errors] == 9  # one failed read per pid (101 and 106 run on two GPUs each)
+    assert scrape(hidden)[errors] == 9  # not read again on every scrape
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
@@ -258,3 +261,50 @@ def test_cgroup_v1_slurm_tree(tmp_path: Path) -> None:
     (tmp_path / "freezer" / "slurm" / "uid_1000" / "job_77").mkdir(parents=True)
     assert slurm_job_exists(str(tmp_path), "77") is True
     assert slurm_job_exists(str(tmp_path), "78") is False
+
+
+def test_the_real_pynvml_wrappers_read_the_fake(procs: tuple[FakeHost, FakeNvml, NvmlBackend, GpuUsage]) -> None:
+    """The fake implements the C entry points and struct layouts pynvml's own wrappers use."""
+    src, _, _, _ = procs
+    h0, h2 = pynvml.nvmlDeviceGetHandleByIndex(0), pynvml.nvmlDeviceGetHandleByIndex(2)
+    got = [(p.pid, p.usedGpuMemory) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h0)]
+    assert got == [(p.pid, p.used_memory_bytes) for p in src.samples[0].processes or []]
+    assert [(p.pid, p.gpuInstanceId) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h2)] == [(101, 7), (106, 8)]
+    mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h2, 1)
+    assert [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(mig)] == [106]
+    new = {(s.pid, s.smUtil, s.memUtil) for s in pynvml.nvmlDeviceGetProcessesUtilizationInfo(h0, 0)}
+    old = {(s.pid, s.smUtil, s.memUtil) for s in pynvml.nvmlDeviceGetProcessUtilization(h0, 0)}
+    assert new == old == {(101, 30, 10), (102, 20, 5), (104, 15, 1), (999, 5, 0)}
+    with pytest.raises(pynvml.NVMLError_NotFound):  # nothing newer than the last seen timestamp
+        pynvml.nvmlDeviceGetProcessesUtilizationInfo(h0, int(src.t * 1e6))
+    with pytest.raises(pynvml.NVMLError_NotSupported):  # no per-process utilization in MIG mode
+        pynvml.nvmlDeviceGetProcessUtilization(h2, 0)
+
+
+def test_older_drivers_use_the_older_utilization_call(procs: tuple[FakeHost, FakeNvml, NvmlBackend, GpuUsage]) -> None:
+    _, fake, backend, usage = procs
+    fake.inject_error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND, function="nvmlDeviceGetProcessesUtilizationInfo")
+    got = scrape(ProcessesCollector(usage))
+    key = frozenset({("gpu", "1"), ("gpu_instance", ""), ("owner_kind", SLURM_JOB), ("owner", "77")})
+    assert got[("gpufleet_gpu_owner_sm_utilization_ratio", key)] == pytest.approx(0.5)
+    assert not backend.errors()
+
+
+def test_nvml_and_proc_errors_are_counted_never_a_crash(
+    procs: tuple[FakeHost, FakeNvml, NvmlBackend, GpuUsage], tmp_path: Path,
+) -> None:
+    _, fake, backend, usage = procs
+    (tmp_path / "proc" / "103" / "cgroup").write_bytes(b"\xff\xfe not a cgroup file \x00")
+    fake.inject_error(pynvml.NVML_ERROR_UNKNOWN, function="nvmlDeviceGetComputeRunningProcesses", gpu=0)
+    fake.inject_error(pynvml.NVML_ERROR_UNKNOWN, function="nvmlDeviceGetMigMode", gpu=2)
+    got = scrape(ProcessesCollector(usage))
+    assert ("gpufleet_gpu_processes", frozenset({("gpu", "0")})) not in got  # no list: no series, not 0
+    assert got[("gpufleet_gpu_owner_processes", frozenset({("gpu", "1"), ("gpu_instance", ""),
+                                                          ("owner_kind", "unknown"), ("owner", "")}))] == 2
+    assert got[("gpufleet_gpu_process_owner_errors_total", frozenset({("error", "unparsable")}))] == 1
+    errors = backend.errors()
+    assert errors[("nvmlDeviceGetComputeRunningProcesses", "UNKNOWN")] == 1
+    assert errors[("nvmlDeviceGetMigMode", "UNKNOWN")] == 1
+    fake.inject_error(pynvml.NVML_ERROR_GPU_IS_LOST, gpu=1)
+    got = scrape(ProcessesCollector(usage))
+    assert ("gpufleet_gpu_processes", frozenset({("gpu", "1")})) not in got

@@ -97,6 +97,8 @@ NO_DATA_EXPECTED = (
     re.compile(r"gpufleet_detector_missing_inputs\b"),  # empty when the detector finds all it needs
     re.compile(r"gpufleet_pcie_aer_errors_total\b"),  # per-type AER series exist only once an error was seen
     re.compile(r"gpufleet_job_pressure_stalled_seconds_total\b"),  # simulated hosts have no job cgroups
+    # no MIG and no GPU processes in the simulated fleet: test_shared_gpu_dashboards.py checks these panels
+    re.compile(r"gpufleet_(mig_|gpu_mig_|gpu_owner_|gpu_processes\b|gpu_process_)"),
 )
 
 
