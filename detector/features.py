@@ -66,6 +66,11 @@ class GpuFrame:
     values: dict[str, FloatArray]
     valid: FloatArray  # bool: enough fresh samples in the window
     churn: FloatArray  # bool: job started, ended or changed within the window
+    # Kubernetes (detector.jobs): the pod holding each GPU, its namespace, and whether the GPU's job runs in
+    # lock-step (None: every job does; a False GPU is never a straggler peer).
+    pods: list[str | None] = field(default_factory=list)
+    namespaces: list[str | None] = field(default_factory=list)
+    sync: FloatArray | None = None
 
     def __len__(self) -> int:
         return len(self.gpus)
@@ -100,6 +105,8 @@ class FeatureFrame:
     site: dict[str, dict[str, float]]
     missing: set[str] = field(default_factory=set)
     errors: list[str] = field(default_factory=list)
+    #: Raw results of the queries whose entity is "meta" (e.g. kube-state-metrics' series), by feature.
+    meta: dict[str, list[Result]] = field(default_factory=dict)
 
 
 def _combine(agg: str, old: float | None, new: float) -> float:
@@ -128,7 +135,9 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
             results[q.feature].append((q, source.query(q, t, window)))
         except SourceError as e:
             errors.append(str(e))
-    missing = {q.metric for feat, rs in results.items() if not any(r for _, r in rs) for q, _ in rs}
+    missing = {q.metric for feat, rs in results.items() if not any(r for _, r in rs) for q, _ in rs
+               if q.entity != "meta"}
+    meta: dict[str, list[Result]] = defaultdict(list)
     if errors and not any(r for rs in results.values() for _, r in rs):
         raise SourceError(f"every query failed; first: {errors[0]}")
 
@@ -139,7 +148,9 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
     nic_rs: list[tuple[str, Query, Result]] = []
     for feat, rs in results.items():
         for q, res in rs:
-            if q.entity == "site":
+            if q.entity == "meta":
+                meta[feat].append(res)
+            elif q.entity == "site":
                 for labels, value in res:
                     site = q.site or labels.get("site", "")
                     if site:
@@ -164,6 +175,7 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
     n = len(gpus.keys)
     values = {f: np.full(n, np.nan) for f in GPU_FEATURES}
     jobs: dict[int, dict[str, float]] = defaultdict(dict)
+    pod_counts: dict[int, dict[tuple[str, str], float]] = defaultdict(dict)
     models = [""] * n
     job_labels = JOB_LABELS.get(profile, ("job_id",))
     model_labels = MODEL_LABELS.get(profile, ("name",))
@@ -174,6 +186,14 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
                 if i >= 0:
                     job = next((labels[j] for j in job_labels if labels.get(j)), "")
                     jobs[i][job] = jobs[i].get(job, 0.0) + value
+                    if labels.get(exporters.DCGM_POD_LABEL):
+                        pk = (labels.get("namespace", ""), labels[exporters.DCGM_POD_LABEL])
+                        pod_counts[i][pk] = pod_counts[i].get(pk, 0.0) + value
+        elif feat == "@pod":  # gpufleet_gpu_pod_info: the pod is the GPU's job unless the Slurm mapping names one
+            for i, (labels, value) in zip(pos.tolist(), res, strict=True):
+                if i >= 0 and labels.get(exporters.DCGM_POD_LABEL):
+                    pk = (labels.get("namespace", ""), labels[exporters.DCGM_POD_LABEL])
+                    pod_counts[i][pk] = pod_counts[i].get(pk, 0.0) + value
         elif feat == "@model":
             for i, (labels, _) in zip(pos.tolist(), res, strict=True):
                 if i >= 0:
@@ -197,6 +217,12 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
     valid = samples >= coverage * full if full > 0 else np.zeros(n, dtype=bool)
     job_list: list[str | None] = []
     churn = np.zeros(n, dtype=bool)
+    pod_list: list[str | None] = [None] * n
+    ns_list: list[str | None] = [None] * n
+    for i, pcs in pod_counts.items():
+        ns_list[i], pod_list[i] = max(pcs, key=lambda k: pcs[k])
+        if not any(jobs.get(i, {})):
+            jobs[i] = {p: c for (_, p), c in pcs.items()}
     for i in range(n):
         counts = jobs.get(i, {})
         named = {j: c for j, c in counts.items() if j}
@@ -206,7 +232,7 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
             churn[i] = True  # the GPU was idle (no job label) for part of the window
         job_list.append(max(named, key=lambda j: named[j]) if named else None)
     gpu = GpuFrame([k[0] for k in gpus.keys], [k[1] for k in gpus.keys], gpus.site_list(), job_list, models,
-                   values, valid, churn)
+                   values, valid, churn, pod_list, ns_list)
 
     # NICs: every (node, device, port) any NIC query returns.
     nics = _Entities(naming, ("device", "port"), [res for _, _, res in nic_rs], defaults=("", "1"))
@@ -218,7 +244,7 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
     nkeys = [(k[0], k[1], k[2]) for k in nics.keys]
     nic = NicFrame([k[0] for k in nkeys], [k[1] for k in nkeys], [k[2] for k in nkeys], nics.site_list(), nvalues,
                    _nic_gpus(nkeys, nicmap, gpu))
-    return FeatureFrame(t, gpu, nic, dict(node_vals), dict(site_vals), missing, errors)
+    return FeatureFrame(t, gpu, nic, dict(node_vals), dict(site_vals), missing, errors, dict(meta))
 
 
 class _Entities:

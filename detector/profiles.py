@@ -22,7 +22,7 @@ from gpufleet.agent.vocab import catalog, exporters
 from gpufleet.agent.vocab.nvml import reason_bits
 
 Op = Literal["avg", "max", "min", "last", "count", "rate", "increase"]
-Entity = Literal["gpu", "nic", "node", "site", "nicmap"]
+Entity = Literal["gpu", "nic", "node", "site", "nicmap", "meta"]
 Agg = Literal["max", "min", "sum", "mean"]
 PROFILES = ("gpufleet", "dcgm")
 
@@ -167,6 +167,16 @@ DCGM: tuple[Query, ...] = (
     _x("node_power", "ipmi_dcmi_power_consumption_watts", "avg", "node"),
 )
 
+#: Kubernetes (both profiles): kube-state-metrics' pod owners and labels and the batch Jobs' owners, passed
+#: through to :mod:`gpufleet.detector.jobs` (features named as its POD_OWNER, POD_LABELS, JOB_OWNER).
+KUBE: tuple[Query, ...] = (
+    _x("@kube_pod_owner", "kube_pod_owner", "last", "meta"),
+    _x("@kube_pod_labels", "kube_pod_labels", "last", "meta"),
+    _x("@kube_job_owner", "kube_job_owner", "last", "meta"),
+)
+#: gpufleet: the pod holding each GPU (the agent's pods collector).
+GPUFLEET_PODS: tuple[Query, ...] = (_q("@pod", "gpufleet_gpu_pod_info", "count"),)
+
 #: Site metrics used when no [[sites]] are configured (the simulator and DCIM bridges export these).
 SITE_DEFAULTS = {
     "facility_power": "gpufleet_site_facility_power_watts",
@@ -185,9 +195,9 @@ MASK_BITS = {"thr_power": reason_bits("sw_power_cap"), "thr_hw": reason_bits("hw
 
 def queries(profile: str) -> tuple[Query, ...]:
     if profile == "gpufleet":
-        return GPUFLEET
+        return GPUFLEET + GPUFLEET_PODS + KUBE
     if profile == "dcgm":
-        return DCGM
+        return DCGM + KUBE
     raise ValueError(f"unknown profile {profile!r}; profiles: {', '.join(PROFILES)}")
 
 

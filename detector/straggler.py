@@ -72,6 +72,8 @@ class Candidate:
     score: float
     evidence: dict[str, float] = field(default_factory=dict)
     nic: str = ""  # "device/port" for network findings
+    namespace: str = ""  # Kubernetes: the GPU's (or node's single) pod and its namespace (detector.jobs)
+    pod: str = ""
 
 
 @dataclass
@@ -84,11 +86,13 @@ class StragglerResult:
 
 def _groups(frame: GpuFrame, eligible: FloatArray, p: StragglerParams) -> FloatArray:
     names: list[str | None] = []
+    sync = frame.sync
     for i in range(len(frame)):
-        if not eligible[i]:
-            names.append(None)
+        if not eligible[i] or (sync is not None and not sync[i]):
+            names.append(None)  # not synchronous (inference pods): never a straggler peer
         elif frame.jobs[i]:
-            names.append(f"job:{frame.jobs[i]}")
+            ns = frame.namespaces[i] if i < len(frame.namespaces) else None
+            names.append(f"job:{ns}/{frame.jobs[i]}" if ns else f"job:{frame.jobs[i]}")
         elif p.compare_jobless:
             names.append(f"model:{frame.models[i]}")
         else:
