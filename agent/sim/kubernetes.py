@@ -30,13 +30,14 @@ import hashlib
 import json
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from gpufleet.agent.sim.faults import Fault, FaultSchedule
 from gpufleet.agent.sim.physics import Physics
 from gpufleet.agent.sim.recording import FILES, RecordingResult, write_profile
 from gpufleet.agent.sim.recording.capture import Context, Frames, run
@@ -92,7 +93,7 @@ class KubeScenario:
 
     def simulator(self) -> Simulator:
         sim = Simulator(self.scenario, seed=self.seed)
-        sim.fault_schedule = _Workloads(sim.fault_schedule, self, sim)  # type: ignore[assignment]  # same call
+        sim.fault_schedule = _Workloads(sim.faults, self, sim)
         return sim
 
     def labels(self, sim: Simulator) -> dict[str, Any]:
@@ -169,11 +170,11 @@ def build(name: str, *, faults: list[dict[str, Any]] | None = None, hours: float
     return KubeScenario(sc, pods, job_owners, inference, training if checkpoints else set(), seed)
 
 
-class _Workloads:
+class _Workloads(FaultSchedule):
     """The fault schedule plus the workloads' own rhythm: bursty inference load and synchronous checkpoints."""
 
-    def __init__(self, faults: Callable[[Physics, float, float], None], ks: KubeScenario, sim: Simulator) -> None:
-        self.faults = faults
+    def __init__(self, faults: Iterable[Fault], ks: KubeScenario, sim: Simulator) -> None:
+        super().__init__(faults)
         self.rng = np.random.default_rng(ks.seed + 7)
         f = sim.fleet
         idx = {j.id: j for j in f.jobs}
@@ -181,7 +182,7 @@ class _Workloads:
         self.ckpt = [np.concatenate([f.node_gpus(n) for n in idx[j].nodes]) for j in sorted(ks.checkpoint_jobs)]
 
     def __call__(self, p: Physics, t: float, dt: float) -> None:
-        self.faults(p, t, dt)
+        super().__call__(p, t, dt)
         m = p.mods
         # Requests arrive in bursts: every GPU of an inference pod waits for work a different, changing share
         # of the time (0 to 3x its compute per request).

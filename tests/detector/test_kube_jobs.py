@@ -168,12 +168,13 @@ def _fleet(ticks: int, *, slow_node: int | None, inference: bool, restart_at: in
         yield t, samples
 
 
-def _run(**kw: object) -> list[dict[str, object]]:
+def _run(*, slow_node: int | None, inference: bool, restart_at: int | None) -> list[dict[str, object]]:
     cfg = parse({"detector": {"profile": "dcgm", "window_seconds": 120.0},
                  "findings": {"open_after": 2, "close_after": 4}})
     src = MemorySource()
     det = Detector(cfg, src)
-    for k, (t, samples) in enumerate(_fleet(60, rng=np.random.default_rng(1), **kw)):  # type: ignore[arg-type]
+    for k, (t, samples) in enumerate(_fleet(60, slow_node=slow_node, inference=inference, restart_at=restart_at,
+                                            rng=np.random.default_rng(1))):
         src.add(t, samples)
         if k >= 8:
             det.evaluate(t)
