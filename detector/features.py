@@ -186,14 +186,11 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
                 if i >= 0:
                     job = next((labels[j] for j in job_labels if labels.get(j)), "")
                     jobs[i][job] = jobs[i].get(job, 0.0) + value
+                    # dcgm-exporter's pod labels or gpufleet_gpu_pod_info: the pod is the GPU's job unless
+                    # hpc_job or the Slurm mapping names one (detector.jobs resolves it to its training job).
                     if labels.get(exporters.DCGM_POD_LABEL):
                         pk = (labels.get("namespace", ""), labels[exporters.DCGM_POD_LABEL])
                         pod_counts[i][pk] = pod_counts[i].get(pk, 0.0) + value
-        elif feat == "@pod":  # gpufleet_gpu_pod_info: the pod is the GPU's job unless the Slurm mapping names one
-            for i, (labels, value) in zip(pos.tolist(), res, strict=True):
-                if i >= 0 and labels.get(exporters.DCGM_POD_LABEL):
-                    pk = (labels.get("namespace", ""), labels[exporters.DCGM_POD_LABEL])
-                    pod_counts[i][pk] = pod_counts[i].get(pk, 0.0) + value
         elif feat == "@model":
             for i, (labels, _) in zip(pos.tolist(), res, strict=True):
                 if i >= 0:
@@ -221,7 +218,7 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
     ns_list: list[str | None] = [None] * n
     for i, pcs in pod_counts.items():
         ns_list[i], pod_list[i] = max(pcs, key=lambda k: pcs[k])
-        if not any(jobs.get(i, {})):
+        if not any(jobs.get(i, {})):  # no named job ("" from pod-only series): the pods are the jobs
             jobs[i] = {p: c for (_, p), c in pcs.items()}
     for i in range(n):
         counts = jobs.get(i, {})

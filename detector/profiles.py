@@ -174,8 +174,9 @@ KUBE: tuple[Query, ...] = (
     _x("@kube_pod_labels", "kube_pod_labels", "last", "meta"),
     _x("@kube_job_owner", "kube_job_owner", "last", "meta"),
 )
-#: gpufleet: the pod holding each GPU (the agent's pods collector).
-GPUFLEET_PODS: tuple[Query, ...] = (_q("@pod", "gpufleet_gpu_pod_info", "count"),)
+#: gpufleet: the pod holding each GPU (the agent's pods collector); an alternative to the Slurm job mapping, so
+#: a Kubernetes fleet without gpufleet_gpu_job_info misses no input.
+GPUFLEET_PODS: tuple[Query, ...] = (_q("@job", "gpufleet_gpu_pod_info", "count"),)
 
 #: Site metrics used when no [[sites]] are configured (the simulator and DCIM bridges export these).
 SITE_DEFAULTS = {
