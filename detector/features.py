@@ -185,12 +185,17 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
             for i, (labels, value) in zip(pos.tolist(), res, strict=True):
                 if i >= 0:
                     job = next((labels[j] for j in job_labels if labels.get(j)), "")
-                    jobs[i][job] = jobs[i].get(job, 0.0) + value
                     # dcgm-exporter's pod labels or gpufleet_gpu_pod_info: the pod is the GPU's job unless
                     # hpc_job or the Slurm mapping names one (detector.jobs resolves it to its training job).
-                    if labels.get(exporters.DCGM_POD_LABEL):
-                        pk = (labels.get("namespace", ""), labels[exporters.DCGM_POD_LABEL])
-                        pod_counts[i][pk] = pod_counts[i].get(pk, 0.0) + value
+                    # exported_pod (honor_labels false): the workload's pod; pod is then the exporter's.
+                    pod = labels.get(exporters.EXPORTED_POD_LABEL)
+                    ns = labels.get(exporters.EXPORTED_NAMESPACE_LABEL, "") if pod else labels.get("namespace", "")
+                    if pod and job == labels.get(exporters.DCGM_POD_LABEL):
+                        job = pod
+                    pod = pod or labels.get(exporters.DCGM_POD_LABEL)
+                    jobs[i][job] = jobs[i].get(job, 0.0) + value
+                    if pod:
+                        pod_counts[i][(ns, pod)] = pod_counts[i].get((ns, pod), 0.0) + value
         elif feat == "@model":
             for i, (labels, _) in zip(pos.tolist(), res, strict=True):
                 if i >= 0:

@@ -55,11 +55,13 @@ class JobRules:
 
 @dataclass(frozen=True)
 class PodJob:
-    """A pod's job: its name (without namespace), whether its ranks run in lock-step, and how it was found."""
+    """A pod's job: its name (without namespace), whether its ranks run in lock-step, and how it was found.
+
+    ``via`` "exporter": the pod is the exporter's own (a DaemonSet's), not a workload: the GPU holds no pod."""
 
     job: str
     sync: bool
-    via: str  # "label", "owner", "name" or "pod"
+    via: str  # "label", "owner", "name", "pod" or "exporter"
 
 
 class Resolver:
@@ -121,6 +123,8 @@ class Resolver:
                 return PodJob(name, True, "owner")
             if kind in r.service_kinds:
                 return PodJob(_service_name(kind, name), False, "owner")
+            if kind in exporters.KSM_EXPORTER_OWNER_KINDS:
+                return PodJob("", True, "exporter")
         m = self.worker.match(pod)
         if m and m.group("job"):
             return PodJob(m.group("job"), True, "name")
@@ -143,9 +147,16 @@ def resolve(frame: GpuFrame, meta: Mapping[str, Sequence[Result]], rules: JobRul
     sync = np.ones(n, dtype=bool) if frame.sync is None else np.asarray(frame.sync, dtype=bool).copy()
     for i in range(n):
         pod = frame.pods[i] if i < len(frame.pods) else None
-        if not pod or frame.jobs[i] not in (None, pod):
-            continue  # no pod, or the job came from hpc_job / the Slurm mapping
+        if not pod:
+            continue
         pj = res.job_of(frame.namespaces[i] or "", pod)
+        own = frame.jobs[i] in (None, pod)  # else the job came from hpc_job / the Slurm mapping
+        if pj.via == "exporter":  # the scraping exporter's pod (a target label): no workload holds the GPU
+            frame.pods[i] = frame.namespaces[i] = None
+            frame.jobs[i] = None if own else frame.jobs[i]
+            continue
+        if not own:
+            continue
         frame.jobs[i] = pj.job
         sync[i] = pj.sync
     frame.sync = sync

@@ -167,8 +167,15 @@ KSM_TRAINING_JOB_LABELS = (
 #: JobSet.
 KSM_TRAINING_OWNER_KINDS = ("PyTorchJob", "TFJob", "MPIJob", "XGBoostJob", "PaddleJob", "JAXJob", "TrainJob",
                             "JobSet", "LeaderWorkerSet", "Job")
-#: Owner kinds of services (inference servers, daemons): their pods are never straggler peers.
-KSM_SERVICE_OWNER_KINDS = ("ReplicaSet", "Deployment", "StatefulSet", "DaemonSet", "ReplicationController")
+#: Owner kinds of services (inference servers): their pods are never straggler peers.
+KSM_SERVICE_OWNER_KINDS = ("ReplicaSet", "Deployment", "StatefulSet", "ReplicationController")
+#: A GPU series naming a DaemonSet's pod names the exporter that scraped it (the Prometheus Operator adds the
+#: target's namespace/pod to series that lack them), not a workload: such a GPU holds no pod.
+KSM_EXPORTER_OWNER_KINDS = ("DaemonSet",)
+#: Prometheus renames a scraped label that clashes with a target label (honor_labels false) to exported_<label>:
+#: dcgm-exporter's pod/namespace then arrive as these, and pod/namespace name the exporter's own pod.
+EXPORTED_POD_LABEL = "exported_pod"
+EXPORTED_NAMESPACE_LABEL = "exported_namespace"
 
 #: Every external family by name (sample names included), for look-ups and checks.
 BY_NAME: dict[str, ExternalMetric] = {

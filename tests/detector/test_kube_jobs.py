@@ -10,7 +10,7 @@ import pytest
 from gpufleet.agent.vocab import exporters
 from gpufleet.detector.config import ConfigError, parse
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.features import GpuFrame
+from gpufleet.detector.features import GpuFrame, collect
 from gpufleet.detector.jobs import JOB_OWNER, POD_LABELS, POD_OWNER, JobRules, Resolver, resolve
 from gpufleet.detector.profiles import queries
 from gpufleet.detector.source import Result
@@ -110,6 +110,26 @@ def test_resolve_leaves_slurm_and_hpc_jobs_alone() -> None:
     resolve(frame, {POD_OWNER: [[owner("p-worker-0", "Deployment", "p", ns="ns")]]})
     assert frame.jobs == ["slurm-1", "p", None]
     assert frame.sync is not None and frame.sync.tolist() == [True, False, True]
+
+
+def test_the_exporters_own_pod_is_not_a_workload() -> None:
+    """Scraped through the Prometheus Operator, dcgm-exporter's series carry the exporter's pod as target labels:
+    renamed pod labels (exported_pod, honor_labels false) are the workload's; a DaemonSet's pod is no workload."""
+    src = MemorySource()
+    exp = {"namespace": "gpu-operator", "pod": "nvidia-dcgm-exporter-x7k2p", "instance": "node-0:9400", "site": "dc1"}
+    for k in range(10):
+        src.add(T0 + 15 * k, [
+            ("DCGM_FI_DEV_GPU_UTIL", exp | {"gpu": "0", "exported_namespace": NS, "exported_pod": "llama-worker-0"}, 97),
+            ("DCGM_FI_DEV_GPU_UTIL", exp | {"gpu": "1"}, 0),  # idle: only the target's labels
+            ("kube_pod_owner", {"namespace": "gpu-operator", "pod": "nvidia-dcgm-exporter-x7k2p",
+                                "owner_kind": "DaemonSet", "owner_name": "nvidia-dcgm-exporter"}, 1),
+            ("kube_pod_owner", {"namespace": NS, "pod": "llama-worker-0", "owner_kind": "PyTorchJob",
+                                "owner_name": "llama"}, 1),
+        ])
+    snap = collect(src, queries("dcgm"), T0 + 135, 120.0, profile="dcgm")
+    assert (snap.gpu.pods, snap.gpu.namespaces) == (["llama-worker-0", "nvidia-dcgm-exporter-x7k2p"], [NS, "gpu-operator"])
+    resolve(snap.gpu, snap.meta)
+    assert (snap.gpu.jobs, snap.gpu.pods, snap.gpu.namespaces) == (["llama", None], ["llama-worker-0", None], [NS, None])
 
 
 # ---------------------------------------------------------------- the detector on a dcgm-exporter Kubernetes fleet
