@@ -164,27 +164,29 @@ def resolve(frame: GpuFrame, meta: Mapping[str, Sequence[Result]], rules: JobRul
 
 
 def attribute(cands: Sequence[tuple[str, Candidate]], frame: GpuFrame) -> None:
-    """Name the namespace and pod of each GPU or node candidate (a node's only pod of that job), in place."""
+    """Name the namespace and pod of each GPU or node candidate, in place.
+
+    A node candidate (a node-wide straggler, a NIC without a GPU map) names the node's only pod of its job; one
+    without a job whose node runs a single pod also takes that pod's job."""
     if not any(frame.pods):
         return
     by_gpu: dict[tuple[str, str], int] = {(nd, g): i for i, (nd, g) in enumerate(zip(frame.nodes, frame.gpus,
                                                                                          strict=True))}
-    by_node: dict[tuple[str, str | None], set[tuple[str, str]]] = {}
+    by_node: dict[str, set[tuple[str, str, str | None]]] = {}
     for i, nd in enumerate(frame.nodes):
         pod = frame.pods[i]
         if pod:
-            by_node.setdefault((nd, frame.jobs[i]), set()).add((frame.namespaces[i] or "", pod))
+            by_node.setdefault(nd, set()).add((frame.namespaces[i] or "", pod, frame.jobs[i]))
     for _, c in cands:
         if c.gpu is not None:
             i = by_gpu.get((c.node, c.gpu), -1)
             if i >= 0 and frame.pods[i]:
                 c.namespace, c.pod = frame.namespaces[i] or "", frame.pods[i] or ""
         elif c.node:
-            pods = by_node.get((c.node, c.job), set())
-            if not pods and c.job is None:
-                pods = {p for (nd, _), ps in by_node.items() if nd == c.node for p in ps}
-            namespaces = {ns for ns, _ in pods}
+            pods = {p for p in by_node.get(c.node, set()) if c.job is None or p[2] == c.job}
+            namespaces = {ns for ns, _, _ in pods}
             if len(namespaces) == 1:
                 c.namespace = next(iter(namespaces))
             if len(pods) == 1:
-                c.pod = next(iter(pods))[1]
+                _, c.pod, job = next(iter(pods))
+                c.job = c.job or job

@@ -114,22 +114,49 @@ def kube_summary(results: Sequence[tuple[Outcome, tuple[int, int]]]) -> dict[str
     extra: dict[str, Any] = {}
     for profile in PROFILES:
         faults = [o for o in outs if o.profile == profile and o.run.kind == "fault"]
-        per_fault = [len(o.findings) / max(1, len(o.faults)) for o in faults]
+        per_fault = [len(o.findings) / max(1, len(o.faults)) for o in faults if o.run.severity != "marginal"]
+        marginal = [len(o.findings) / max(1, len(o.faults)) for o in faults if o.run.severity == "marginal"]
         named = sum(a[0] for o, a in results if o.profile == profile)
         total = sum(a[1] for o, a in results if o.profile == profile)
         extra[profile] = {"findings_per_fault_max": max(per_fault, default=None),
                           "findings_per_fault_median": statistics.median(per_fault) if per_fault else None,
+                          "findings_per_fault_max_marginal": max(marginal, default=None),
                           "attribution": named / total if total else None, "attributed_findings": total}
     summary["kubernetes"] = extra
     return summary
 
 
+def by_case(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per fault case and profile (moderate or worse): faults, detected, median latency in scrape intervals."""
+    out: dict[str, Any] = {}
+    for r in runs:
+        if r["severity"] in ("-", "marginal"):
+            continue
+        row = out.setdefault(f"{r['scenario']}/{r['profile']}", {"faults": 0, "detected": 0, "latencies": []})
+        for _, lat, _ in r["detected"]:
+            row["faults"] += 1
+            if lat is not None:
+                row["detected"] += 1
+                row["latencies"].append(lat)
+    for row in out.values():
+        lats = row.pop("latencies")
+        row["median_latency_intervals"] = statistics.median(lats) if lats else None
+    return dict(sorted(out.items()))
+
+
 def kube_markdown(summary: dict[str, Any]) -> str:
-    lines = [markdown(summary), "| profile | findings per fault (median, max) | attribution (namespace, pod, job) |",
-             "| --- | --- | --- |"]
+    lines = [markdown(summary), "| profile | findings per fault, moderate+ (median, max) | marginal (max) | "
+             "attribution (namespace, pod, job) |", "| --- | --- | --- | --- |"]
     for p, r in summary["kubernetes"].items():
         att = "-" if r["attribution"] is None else f"{r['attribution']:.3f} of {r['attributed_findings']}"
-        lines.append(f"| {p} | {r['findings_per_fault_median']}, {r['findings_per_fault_max']} | {att} |")
+        lines.append(f"| {p} | {r['findings_per_fault_median']}, {r['findings_per_fault_max']} | "
+                     f"{r.get('findings_per_fault_max_marginal', '-')} | {att} |")
+    if summary.get("cases"):
+        lines += ["", "| case/profile (moderate or worse) | faults | detected | median latency (scrapes) |",
+                  "| --- | --- | --- | --- |"]
+        for k, r in summary["cases"].items():
+            lat = "-" if r["median_latency_intervals"] is None else f"{r['median_latency_intervals']:.1f}"
+            lines.append(f"| {k} | {r['faults']} | {r['detected']} | {lat} |")
     return "\n".join(lines) + "\n"
 
 
@@ -141,7 +168,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="parallel worker processes")
     ap.add_argument("--only", nargs="*", choices=(*FAULTS, *CONTROLS), help="only these cases")
     ap.add_argument("--out", default="quality-results", help="directory for quality-kubernetes.json")
+    ap.add_argument("--from-json", metavar="FILE", help="only print the tables of an earlier run's JSON")
     args = ap.parse_args(argv)
+    if args.from_json:
+        try:
+            doc = json.loads(Path(args.from_json).read_text())
+            sys.stdout.write(kube_markdown(dict(doc["summary"], cases=by_case(doc["runs"]))))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            ap.exit(2, f"{ap.prog}: cannot read {args.from_json}: {e}\n")
+        return 0
     if args.seeds is not None and args.seeds < 1:
         ap.error("--seeds must be at least 1")
     runs = plan(args.quick, args.seeds or (1 if args.quick else 3))
@@ -163,6 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for f in o.false_findings[:3]:
                 sys.stderr.write(f"    false: {f['kind']}/{f['cause']} {f['node']} gpu {f['gpu']} {f['summary']}\n")
         summary = kube_summary(results)
+        summary["cases"] = by_case([{"scenario": o.run.scenario, "severity": o.run.severity, "profile": o.profile,
+                                     "detected": o.detected} for o, _ in results])
         summary["wall_seconds"] = round(time.perf_counter() - started, 1)
         summary["config"] = QUALITY_CONFIG
         summary["completed_runs"] = f"{i}/{len(runs)}"

@@ -11,10 +11,11 @@ from gpufleet.agent.vocab import exporters
 from gpufleet.detector.config import ConfigError, parse
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.features import GpuFrame, collect
-from gpufleet.detector.jobs import JOB_OWNER, POD_LABELS, POD_OWNER, JobRules, Resolver, resolve
+from gpufleet.detector.jobs import JOB_OWNER, POD_LABELS, POD_OWNER, JobRules, Resolver, attribute, resolve
 from gpufleet.detector.profiles import queries
 from gpufleet.detector.source import Result
 from gpufleet.detector.source_memory import MemorySource
+from gpufleet.detector.straggler import Candidate
 
 NS = "ml"
 
@@ -130,6 +131,22 @@ def test_the_exporters_own_pod_is_not_a_workload() -> None:
     assert (snap.gpu.pods, snap.gpu.namespaces) == (["llama-worker-0", "nvidia-dcgm-exporter-x7k2p"], [NS, "gpu-operator"])
     resolve(snap.gpu, snap.meta)
     assert (snap.gpu.jobs, snap.gpu.pods, snap.gpu.namespaces) == (["llama", None], ["llama-worker-0", None], [NS, None])
+
+
+def test_node_findings_name_the_nodes_only_pod() -> None:
+    n = 4
+    frame = GpuFrame(["a", "a", "b", "b"], ["0", "1", "0", "1"], [""] * n, ["llama", "llama", "llama", "gpt"],
+                     ["m"] * n, {}, np.ones(n, bool), np.zeros(n, bool),
+                     ["llama-worker-0", "llama-worker-0", "llama-worker-1", "gpt-0"], [NS] * n)
+    nic_a = Candidate("a", None, None, "", "network", 9.0, nic="mlx5_0/1")  # dcgm: a NIC without a GPU map
+    nic_b = Candidate("b", None, None, "", "network", 9.0, nic="mlx5_0/1")
+    node_b = Candidate("b", None, "llama", "", "host", 9.0)
+    gpu_b = Candidate("b", "1", "gpt", "", "clock", 9.0)
+    attribute([("network", nic_a), ("network", nic_b), ("straggler", node_b), ("straggler", gpu_b)], frame)
+    assert (nic_a.namespace, nic_a.pod, nic_a.job) == (NS, "llama-worker-0", "llama")
+    assert (nic_b.namespace, nic_b.pod, nic_b.job) == (NS, "", None)  # two pods on b: neither is named
+    assert (node_b.pod, node_b.job) == ("llama-worker-1", "llama")
+    assert (gpu_b.pod, gpu_b.job) == ("gpt-0", "gpt")
 
 
 # ---------------------------------------------------------------- the detector on a dcgm-exporter Kubernetes fleet

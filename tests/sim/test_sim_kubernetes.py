@@ -133,8 +133,9 @@ def test_harness_finds_a_slow_pod_names_it_and_nothing_else(tmp_path: Path) -> N
 
 
 def test_cli_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv in (["--seeds", "0"], ["--only", "nonsense"]):
+    for argv in (["--seeds", "0"], ["--only", "nonsense"], ["--from-json", "/nonexistent/quality-kubernetes.json"]):
         with pytest.raises(SystemExit) as e:
             quality_kubernetes.main(argv)
         assert e.value.code == 2
-    assert "--seeds must be at least 1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--seeds must be at least 1" in err and "cannot read /nonexistent/quality-kubernetes.json" in err
