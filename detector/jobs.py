@@ -9,7 +9,8 @@ this order:
    Volcano's, LeaderWorkerSet's, batch Job's, ... first present wins) names the job;
 2. the pod's owner (``kube_pod_owner``; a batch Job lifted to its JobSet through ``kube_job_owner``): a
    training kind (PyTorchJob, MPIJob, JobSet, LeaderWorkerSet, batch or Volcano Job, ...) is the job; a
-   service kind (ReplicaSet/Deployment, StatefulSet, DaemonSet: inference servers) is *not synchronous*;
+   service kind (ReplicaSet/Deployment, StatefulSet: inference servers) is *not synchronous*; a DaemonSet's pod
+   is the exporter's own (the Prometheus Operator's target labels), so the GPU holds no pod;
 3. the pod-name convention ``<job>-worker-N`` (also ``-master-N``, ``-launcher-N``, ``-leader-N``);
 4. otherwise the pod is its own job (its GPUs compare with each other, as without Kubernetes).
 
