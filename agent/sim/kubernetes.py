@@ -26,11 +26,13 @@ each fault's ``namespace``, ``pod`` and ``k8s_job``.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
+import sys
 import uuid
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +58,13 @@ RESTART_AT_S = 2400.0
 RESTART_GAP_S = 45.0
 CHECKPOINT_EVERY_S = 600.0
 CHECKPOINT_S = 60.0
+#: Fault cases (the simulator's fault tables, onset 30 minutes): one slow GPU in pod llama-worker-2, a slow host
+#: under JobSet pod gpt-trainer-1 (the whole pod lags), a degraded rail NIC of llama-worker-4.
+FAULT_CASES: dict[str, dict[str, Any]] = {
+    "slow_gpu": {"kind": "clock_stuck_low", "node": "node-002", "gpu": 5, "onset": "30m"},
+    "slow_pod": {"kind": "slow_host", "node": "node-007", "onset": "30m"},
+    "degraded_nic": {"kind": "ib_link_degraded", "node": "node-004", "nic": 3, "onset": "30m"},
+}
 KSM_TARGET = {"instance": f"kube-state-metrics:{exporters.KUBE_STATE_METRICS.port}",
               "job": exporters.KUBE_STATE_METRICS.job}
 
@@ -235,6 +244,37 @@ def _uid(ks: KubeScenario, p: Pod) -> str:
     return str(uuid.UUID(bytes=hashlib.md5(f"{ks.seed}/{p.namespace}/{p.name}/{p.start}".encode()).digest()))
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m gpufleet.agent.sim.kubernetes OUT_DIR [--fault CASE] ...``: write a Kubernetes recording."""
+    ap = argparse.ArgumentParser(prog="python -m gpufleet.agent.sim.kubernetes",
+                                 description="Record a simulated Kubernetes GPU cluster (both profiles, "
+                                             "kube-state-metrics, labels.json).")
+    ap.add_argument("out", help="output directory")
+    ap.add_argument("--fault", choices=sorted(FAULT_CASES), help="inject this fault case at 30 minutes")
+    ap.add_argument("--severity", default="moderate", choices=("marginal", "moderate", "obvious"))
+    ap.add_argument("--hours", type=float, default=1.25)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--restart", action="store_true", help="re-create the training jobs at 40 minutes")
+    ap.add_argument("--checkpoints", action="store_true", help="checkpoint every 10 minutes")
+    ap.add_argument("--series", choices=("core", "full"), default="core")
+    args = ap.parse_args(argv)
+    if not 0 < args.hours <= 48:
+        ap.error("--hours must be in (0, 48]")
+    if args.fault and args.hours <= 0.5:
+        ap.error("a fault case starts at 30 minutes: --hours must be more than 0.5")
+    faults = [dict(FAULT_CASES[args.fault], severity=args.severity)] if args.fault else []
+    try:
+        ks = build(args.fault or "cluster", faults=faults, hours=args.hours, seed=args.seed, restart=args.restart,
+                   checkpoints=args.checkpoints)
+        res = record(ks, args.out, series=args.series)
+    except (OSError, ValueError) as e:
+        sys.stderr.write(f"{ap.prog}: {e}\n")
+        return 2
+    sys.stdout.write(f"{res.ticks} ticks x {res.gpus} GPUs: {', '.join(str(p) for p in res.files.values())}, "
+                     f"{res.labels}\n")
+    return 0
+
+
 def record(ks: KubeScenario, out_dir: str | Path, profiles: tuple[str, ...] = ("gpufleet", "dcgm"),
            series: str = "core") -> RecordingResult:
     """Run ``ks`` and write its recordings (both profiles, with kube-state-metrics) and ``labels.json``."""
@@ -258,3 +298,7 @@ def record(ks: KubeScenario, out_dir: str | Path, profiles: tuple[str, ...] = ("
     path = out / "labels.json"
     path.write_text(json.dumps(labels, indent=2) + "\n", encoding="utf-8")
     return RecordingResult(files, path, samples, len(fr.times), sim.fleet.n_gpus)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -39,11 +39,7 @@ from gpufleet.detector.profiles import PROFILES
 from gpufleet.detector.replay import replay
 
 #: Fault cases: the simulator's fault table (onset 30 minutes) on a pod of a training job.
-FAULTS: dict[str, dict[str, Any]] = {
-    "slow_gpu": {"kind": "clock_stuck_low", "node": "node-002", "gpu": 5, "onset": "30m"},
-    "slow_pod": {"kind": "slow_host", "node": "node-007", "onset": "30m"},
-    "degraded_nic": {"kind": "ib_link_degraded", "node": "node-004", "nic": 3, "onset": "30m"},
-}
+FAULTS = kubernetes.FAULT_CASES
 #: Control cases: (hours, restart, checkpoints).
 CONTROLS: dict[str, tuple[float, bool, bool]] = {
     "inference": (3.0, False, False),

@@ -132,6 +132,19 @@ def test_harness_finds_a_slow_pod_names_it_and_nothing_else(tmp_path: Path) -> N
     assert "attribution (namespace, pod, job)" in quality_kubernetes.kube_markdown(summary)
 
 
+def test_record_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert kubernetes.main([str(tmp_path / "rec"), "--hours", "0.1", "--checkpoints"]) == 0
+    doc = json.loads((tmp_path / "rec" / "labels.json").read_text())
+    assert len(doc["kubernetes"]["pods"]) == 11 and doc["faults"] == []
+    assert "metrics.dcgm.om" in capsys.readouterr().out
+    for argv in (["x", "--hours", "0"], ["x", "--fault", "slow_pod", "--hours", "0.4"], ["x", "--fault", "nope"]):
+        with pytest.raises(SystemExit) as e:
+            kubernetes.main(argv)
+        assert e.value.code == 2
+    assert kubernetes.main([str(tmp_path / "rec" / "labels.json" / "sub"), "--hours", "0.1"]) == 2
+    assert "labels.json" in capsys.readouterr().err
+
+
 def test_cli_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["--seeds", "0"], ["--only", "nonsense"], ["--from-json", "/nonexistent/quality-kubernetes.json"]):
         with pytest.raises(SystemExit) as e:
