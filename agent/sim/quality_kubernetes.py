@@ -56,7 +56,8 @@ def _config(profile: str) -> DetectorConfig:
 
 def scenario(run: Run) -> kubernetes.KubeScenario:
     if run.kind == "fault":
-        fault = dict(FAULTS[run.scenario], severity=run.severity)
+        # at 30 minutes (the plan's 75-minute runs), mid-run in shorter ones
+        fault = dict(FAULTS[run.scenario], severity=run.severity, onset=f"{min(30.0, run.hours * 30.0):g}m")
         return kubernetes.build(run.scenario, faults=[fault], hours=run.hours, seed=run.seed)
     hours, restart, checkpoints = CONTROLS[run.scenario]
     return kubernetes.build(run.scenario, hours=run.hours or hours, seed=run.seed, restart=restart,

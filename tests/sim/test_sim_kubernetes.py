@@ -119,7 +119,7 @@ def test_checkpoints_pause_every_rank_together() -> None:
 
 
 def test_harness_finds_a_slow_pod_names_it_and_nothing_else(tmp_path: Path) -> None:
-    run = Run("slow_pod", "obvious", 1, 0.6, "fault")
+    run = Run("slow_pod", "obvious", 1, 0.3, "fault")  # fault at 9 minutes
     outs = quality_kubernetes.execute(run, str(tmp_path))
     assert {o.profile for o, _ in outs} == set(PROFILES)
     for o, (named, total) in outs:
