@@ -48,6 +48,8 @@ JOB = 'job_id=~"$job_id"'
 GPU_SEL = f"{SITE},{NODE},{GPU}"
 #: Detector series carry node/site labels themselves (honor_labels).
 DET_NODE = 'node=~"$node"'
+#: Kubernetes: the namespace variable (All = ".*" also matches series without a namespace label).
+NAMESPACE = 'namespace=~"$namespace"'
 
 Op = Literal["value", "rate", "increase", "count", "age"]
 
@@ -251,6 +253,11 @@ def job_var() -> g.Template:
     return _query_var("job_id", "Job", f"label_values(gpufleet_gpu_job_info{{{SITE}}}, job_id)")
 
 
+def namespace_var(metric_name: str = "gpufleet_gpu_pod_info") -> g.Template:
+    """Kubernetes namespaces of the pods holding GPUs (gpufleet_gpu_pod_info, or dcgm-exporter's pod labels)."""
+    return _query_var("namespace", "Namespace", f"label_values({metric_name}{{{SITE}}}, namespace)")
+
+
 def node_var(metric_name: str = "gpufleet_gpu_up") -> g.Template:
     return _query_var("node", "Node", f"label_values({metric_name}{{{SITE}}}, instance)", regex="/^([^:]+)/")
 
@@ -277,8 +284,8 @@ def findings_annotation() -> dict[str, Any]:
         "name": "Detector findings",
         "expr": f'gpufleet_detector_finding{{{SITE},{DET_NODE}}}',
         "step": "60s", "titleFormat": "{{kind}} ({{cause}})",
-        "textFormat": "node {{node}} gpu {{gpu}} job {{job_id}} score {{__value}}",
-        "tagKeys": "kind,cause,node,gpu,job_id,site", "useValueForTime": False,
+        "textFormat": "node {{node}} gpu {{gpu}} job {{job_id}} pod {{namespace}}/{{pod}} score {{__value}}",
+        "tagKeys": "kind,cause,node,gpu,job_id,site,namespace,pod", "useValueForTime": False,
     }
 
 

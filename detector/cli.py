@@ -17,13 +17,15 @@
          "cause": "thermal" | "power" | "clock" | "network" | "pcie" | "memory" | "host" | "unknown" | null,
          "node": str | null,      # instance without :port (null for site findings)
          "gpu": str | null,       # the GPU index as in the gpu label; null for node-wide and site findings
-         "job": str | null,       # training job id (job_id / hpc_job) of the GPU, if any
+         "job": str | null,       # training job of the GPU (job_id / hpc_job / Kubernetes job), if any
          "site": str | null,
          "start": float,          # unix seconds: first evaluation of the run that opened it
                                   # (pue_drift: the CUSUM's onset estimate)
          "end": float | null,     # first clear evaluation; null while still open at the end of the recording
          "score": float,          # peak score while open (straggler: combined robust/IsolationForest score)
-         "summary": str}          # one human sentence
+         "summary": str,          # one human sentence
+         "namespace": str | null, # Kubernetes: the pod's namespace and the pod (a node finding: the node's
+         "pod": str | null}       # only pod of the job), null elsewhere
 
     Missing inputs are reported on stderr. Exit status 0 on success, 2 on bad
     arguments, configuration or recordings.

@@ -54,17 +54,25 @@ except its 4-hour PUE baseline)::
     facility_power = { metric = "gpufleet_site_facility_power_watts", labels = { site = "dc1" } }
     it_power = { metric = "ipmi_dcmi_power_consumption_watts", labels = { site = "dc1" } }  # summed
     outdoor_temperature = { metric = "gpufleet_site_outdoor_temperature_celsius", labels = { site = "dc1" } }
+
+    [kubernetes]                  # how pods become training jobs (gpufleet.detector.jobs); defaults need no setup
+    job_labels = ["label_training_kubeflow_org_job_name", "label_jobset_sigs_k8s_io_jobset_name", ...]
+    training_kinds = ["PyTorchJob", "MPIJob", "JobSet", "LeaderWorkerSet", "Job", ...]  # owner kinds: synchronous
+    service_kinds = ["ReplicaSet", "Deployment", "StatefulSet", "DaemonSet", ...]     # never straggler peers
+    worker_pattern = "^(?P<job>.+?)-(?:worker|master|launcher|leader|chief|ps)-\\d+$"  # pod-name fallback
 """
 
 from __future__ import annotations
 
+import re
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from gpufleet.detector import shard
 from gpufleet.detector.findings import Tracker
+from gpufleet.detector.jobs import JobRules
 from gpufleet.detector.network import NetworkParams
 from gpufleet.detector.profiles import PROFILES, Query
 from gpufleet.detector.pue import PueParams
@@ -117,6 +125,7 @@ class DetectorConfig:
     network: NetworkParams = field(default_factory=NetworkParams)
     pue: PueParams = field(default_factory=PueParams)
     sites: list[SiteConfig] = field(default_factory=list)
+    kubernetes: JobRules = field(default_factory=JobRules)
 
 
 _TOP = {
@@ -148,7 +157,7 @@ def _check(where: str, value: Any, typ: type) -> Any:
 
 def parse(data: dict[str, Any], source: str = "config") -> DetectorConfig:
     cfg = DetectorConfig()
-    known = set(_TOP) | set(_PARAMS) | {"sites"}
+    known = set(_TOP) | set(_PARAMS) | {"sites", "kubernetes"}
     for section in data:
         if section not in known:
             raise ConfigError(f"{source}: unknown section [{section}]; known: {', '.join(sorted(known))}")
@@ -184,6 +193,7 @@ def parse(data: dict[str, Any], source: str = "config") -> DetectorConfig:
         raise ConfigError(f"{source}: [detector] coverage must be in (0, 1], got {cfg.coverage}")
     if not cfg.prometheus_url.startswith(("http://", "https://")):
         raise ConfigError(f"{source}: [prometheus] url must start with http:// or https://, got {cfg.prometheus_url!r}")
+    cfg.kubernetes = _kubernetes(f"{source}: [kubernetes]", data.get("kubernetes", {}))
     sites = data.get("sites", [])
     if not isinstance(sites, list):
         raise ConfigError(f"{source}: sites must be an array of tables ([[sites]])")
@@ -200,6 +210,37 @@ def parse_shard_option(where: str, text: str) -> Shard | None:
         return shard.parse(text)
     except ValueError as e:
         raise ConfigError(f"{where}: {e}") from None
+
+
+def _kubernetes(where: str, table: Any) -> JobRules:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where} must be a table")
+    rules = JobRules()
+    lists = ("job_labels", "training_kinds", "service_kinds")
+    for k, v in table.items():
+        if k in lists:
+            if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+                raise ConfigError(f"{where} {k}: expected an array of non-empty strings, got {v!r}")
+            vals = tuple(str(x) for x in v)
+            if k == "job_labels":
+                rules = replace(rules, job_labels=vals)
+            elif k == "training_kinds":
+                rules = replace(rules, training_kinds=vals)
+            else:
+                rules = replace(rules, service_kinds=vals)
+        elif k == "worker_pattern":
+            if not isinstance(v, str):
+                raise ConfigError(f"{where} worker_pattern: expected a string, got {v!r}")
+            try:
+                compiled = re.compile(v)
+            except re.error as e:
+                raise ConfigError(f"{where} worker_pattern: invalid regex: {e}") from e
+            if "job" not in compiled.groupindex:
+                raise ConfigError(f"{where} worker_pattern: needs a named group (?P<job>...)")
+            rules = replace(rules, worker_pattern=v)
+        else:
+            raise ConfigError(f"{where} unknown key {k!r}; known: {', '.join((*lists, 'worker_pattern'))}")
+    return rules
 
 
 def _site(where: str, s: Any) -> SiteConfig:

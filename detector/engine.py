@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpufleet.detector import network, shard, straggler, throttling
+from gpufleet.detector import jobs, network, shard, straggler, throttling
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.features import FeatureFrame, NodeNaming, collect
 from gpufleet.detector.findings import Key, Tracker
@@ -42,11 +42,13 @@ def summarize(kind: str, c: Candidate) -> str:
         dev = ", ".join(f"{k} {v:+.1f} sigma" for k, v in devs)
         who = f"GPU {c.gpu} on {c.node}" if c.gpu is not None else f"{int(ev.get('gpus', 0))} GPUs of {c.node}"
         job = f" in job {c.job}" if c.job else ""
+        job += f" (pod {c.namespace}/{c.pod})" if c.pod else (f" (namespace {c.namespace})" if c.namespace else "")
         verb = "lags its" if c.gpu is not None else "lag their"
         return f"{who}{job} {verb} peers ({dev}); likely cause: {c.cause}"
     if kind == "throttling":
         fr = max((v for k, v in ev.items() if k.startswith("thr_")), default=0.0)
         who = f"GPU {c.gpu} on {c.node}" if c.gpu is not None else f"{int(ev.get('gpus', 0))} GPUs of {c.node}"
+        who += f" (pod {c.namespace}/{c.pod})" if c.pod else ""
         return f"{who} throttled ({c.cause}) {fr:.0%} of the window"
     if kind == "network":
         what = ", ".join(k for k in ev if ":" not in k)
@@ -77,6 +79,7 @@ class Detector:
         cfg = self.cfg
         snap = collect(self.source, self.queries, t, cfg.window_seconds, profile=cfg.profile, naming=self.naming,
                        coverage=cfg.coverage)
+        jobs.resolve(snap.gpu, snap.meta, cfg.kubernetes)
         nets = network.find(snap.nic, snap.gpu, cfg.network)
         nic_flags = {(c.node, c.gpu): c.score for c in nets if c.gpu is not None}
         snap = shard.select(snap, cfg.shard)  # --shard i/N: this replica's jobs only (NIC peers span the fleet)
@@ -111,6 +114,7 @@ class Detector:
                 return (node, nic) in nics_ok
             return (node, gpu) in gpus_ok if gpu else node in nodes_ok
 
+        jobs.attribute(cands, snap.gpu)
         self.tracker.update(t, cands, observed)
         result = Evaluation(t, snap, st, pue_states, cands, time.perf_counter() - started)
         self.last = result

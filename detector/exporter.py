@@ -3,7 +3,7 @@
 Series (names, labels and help from :mod:`gpufleet.agent.vocab.catalog`, group
 ``detector``): per-GPU straggler score and per-feature robust z-score, one
 ``gpufleet_detector_finding`` per active finding (value = score; labels kind,
-cause, node, gpu, job_id, site; "" when not applicable) with its start time,
+cause, node, gpu, job_id, site, namespace, pod; "" when not applicable) with its start time,
 each site's PUE and expected PUE, and the detector's health (last successful
 evaluation, evaluation duration, evaluations by result, query errors, missing
 inputs). The HTTP(S) server is the agent's (TLS and basic auth from an
@@ -55,7 +55,8 @@ class DetectorCollector:
         finding = spec("gpufleet_detector_finding").family()
         start = spec("gpufleet_detector_finding_start_timestamp_seconds").family()
         for fd in list(det.tracker.active.values()):
-            labels = [fd.kind, fd.cause or "", fd.node or "", fd.gpu or "", fd.job or "", fd.site or ""]
+            labels = [fd.kind, fd.cause or "", fd.node or "", fd.gpu or "", fd.job or "", fd.site or "", fd.namespace,
+                      fd.pod]
             finding.add_metric(labels, fd.score)
             start.add_metric(labels, fd.start)
         yield finding

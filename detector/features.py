@@ -71,6 +71,11 @@ class GpuFrame:
     values: dict[str, FloatArray]
     valid: FloatArray  # bool: enough fresh samples in the window
     churn: FloatArray  # bool: job started, ended or changed within the window
+    # Kubernetes (detector.jobs): the pod holding each GPU, its namespace, and whether the GPU's job runs in
+    # lock-step (None: every job does; a False GPU is never a straggler peer).
+    pods: list[str | None] = field(default_factory=list)
+    namespaces: list[str | None] = field(default_factory=list)
+    sync: FloatArray | None = None
 
     def __len__(self) -> int:
         return len(self.gpus)
@@ -149,7 +154,7 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
         else:
             results[q.feature].append((q, got))
     missing = {q.metric for feat, rs in results.items() if not any(r for _, r in rs)
-               for q, _ in rs if q.metric not in OPTIONAL_METRICS}
+               for q, _ in rs if q.metric not in OPTIONAL_METRICS and q.entity != "meta"}
     if errors and not any(r for rs in results.values() for _, r in rs):
         raise SourceError(f"every query failed; first: {errors[0]}")
 
@@ -192,6 +197,7 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
     jobs_of = _Jobs(JOB_LABELS.get(profile, ("job_id",)))
     models = np.full(n, "", dtype=object)
     migs: dict[int, list[str]] = defaultdict(list)
+    pod_counts: dict[int, dict[tuple[str, str], float]] = defaultdict(dict)
     model_labels = MODEL_LABELS.get(profile, ("name",))
     for feat, q, res in gpu_rs:
         pos = gpus.positions(res)
@@ -200,6 +206,14 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
             job_pos.append(pos[sel])
             job_code.append(jobs_of.codes(res.table)[res.ids[sel]])
             job_count.append(res.values[sel])
+            has_pod = _cached(res.table, "has_pod", lambda: _Growing(lambda lb: _pod_key(lb) is not None, bool))
+            hit = np.flatnonzero(has_pod[res.ids[sel]])
+            if len(hit):  # Kubernetes: the pod holding the GPU (dcgm-exporter's labels or gpufleet_gpu_pod_info)
+                for i, sid, v in zip(pos[sel][hit].tolist(), res.ids[sel][hit].tolist(),
+                                     res.values[sel][hit].tolist(), strict=True):
+                    pk = _pod_key(res.table.labels[sid])
+                    if pk is not None:
+                        pod_counts[i][pk] = pod_counts[i].get(pk, 0.0) + v
         elif feat == "@model":
             models[pos[sel]] = _first_label_column(res.table, model_labels)[res.ids[sel]]
         elif feat == "@mig":  # one series per MIG device: the GPU's layout, e.g. "MIG 1g.10gb*7"
@@ -226,8 +240,17 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
     full = float(np.nanmax(samples)) if len(samples) else 0.0
     valid = samples >= coverage * full if full > 0 else np.zeros(n, dtype=bool)
     job_list, churn = jobs_of.resolve(n, job_pos, job_code, job_count, samples, coverage, profile == "dcgm")
+    pod_list: list[str | None] = [None] * n
+    ns_list: list[str | None] = [None] * n
+    for i, pcs in pod_counts.items():
+        ns_list[i], pod_list[i] = max(pcs, key=lambda k: pcs[k])
+        if job_list[i] is None:  # no job named (pod-only series): the pods are the jobs (detector.jobs resolves
+            # each to its training job); several pods over the window is churn, as several jobs is
+            job_list[i] = pod_list[i]
+            churn[i] |= len(pcs) > 1 or max(pcs.values()) < coverage * samples[i]
     g_nodes, g_gpus = gpus.columns(2)
-    gpu = GpuFrame(g_nodes, g_gpus, gpus.site_list(), job_list, models.tolist(), values, valid, churn)
+    gpu = GpuFrame(g_nodes, g_gpus, gpus.site_list(), job_list, models.tolist(), values, valid, churn,
+                   pod_list, ns_list)
 
     # NICs: every (node, device, port) any NIC query returns.
     nics = _Frame(naming, ("device", "port"), ("", "1"), [res for _, _, res in nic_rs])
@@ -443,6 +466,16 @@ class _Frame:
         return [list(c) for c in cols[1]]
 
 
+def _pod_key(lb: dict[str, str]) -> tuple[str, str] | None:
+    """(namespace, pod) of a job/pod-info series. ``exported_pod`` (a ServiceMonitor with honor_labels false)
+    is the workload's pod; ``pod`` is then the exporter's own."""
+    pod = lb.get(exporters.EXPORTED_POD_LABEL)
+    if pod:
+        return lb.get(exporters.EXPORTED_NAMESPACE_LABEL, ""), pod
+    pod = lb.get(exporters.DCGM_POD_LABEL)
+    return (lb.get("namespace", ""), pod) if pod else None
+
+
 class _Jobs:
     """Each GPU's training job over the window from the job-info sample counts (and job churn)."""
 
@@ -513,6 +546,9 @@ class _JobCodes:
         if len(self._codes) < len(table):
             for lb in table.labels[len(self._codes):]:
                 job = next((lb[j] for j in self.labels if lb.get(j)), "")
+                exported = lb.get(exporters.EXPORTED_POD_LABEL)
+                if exported and job == lb.get(exporters.DCGM_POD_LABEL):
+                    job = exported  # honor_labels false: "pod" is the exporter's, exported_pod the workload's
                 code = self._index.get(job)
                 if code is None:
                     code = self._index[job] = len(self.names)

@@ -35,12 +35,14 @@ class Finding:
     causes: Counter[str] = field(default_factory=Counter)
     last_seen: float = 0.0
     opened: float = 0.0  # evaluation time at which it opened (start + the hysteresis)
+    namespace: str = ""  # Kubernetes: the pod the finding is about, and its namespace ("" when none)
+    pod: str = ""
 
     def to_json(self) -> dict[str, Any]:
         """The stable replay record (see :mod:`gpufleet.detector.cli`)."""
         return {"kind": self.kind, "cause": self.cause, "node": self.node, "gpu": self.gpu, "job": self.job,
                 "site": self.site, "start": self.start, "end": self.end, "score": round(self.score, 3),
-                "summary": self.summary}
+                "summary": self.summary, "namespace": self.namespace or None, "pod": self.pod or None}
 
 
 def key_of(kind: str, c: Candidate) -> Key:
@@ -101,7 +103,7 @@ class Tracker:
                 start = min(p.first, best.evidence.get("onset", p.first))
                 self.active[k] = Finding(kind, cause or None, c.node or None, c.gpu, c.job, c.site or None, start,
                                          None, best.score, self.summarize(kind, best), c.nic, best.evidence,
-                                         p.causes, t, t)
+                                         p.causes, t, t, best.namespace, best.pod)
         for k in [k for k in self.pending if k not in seen]:
             if observed(k):
                 del self.pending[k]  # a clear, observed evaluation resets the run

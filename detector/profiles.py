@@ -172,6 +172,17 @@ DCGM: tuple[Query, ...] = (
     _x("node_power", "ipmi_dcmi_power_consumption_watts", "avg", "node"),
 )
 
+#: Kubernetes (both profiles): kube-state-metrics' pod owners and labels and the batch Jobs' owners, passed
+#: through to :mod:`gpufleet.detector.jobs` (features named as its POD_OWNER, POD_LABELS, JOB_OWNER).
+KUBE: tuple[Query, ...] = (
+    _x("@kube_pod_owner", "kube_pod_owner", "last", "meta"),
+    _x("@kube_pod_labels", "kube_pod_labels", "last", "meta"),
+    _x("@kube_job_owner", "kube_job_owner", "last", "meta"),
+)
+#: gpufleet: the pod holding each GPU (the agent's pods collector); an alternative to the Slurm job mapping, so
+#: a Kubernetes fleet without gpufleet_gpu_job_info misses no input.
+GPUFLEET_PODS: tuple[Query, ...] = (_q("@job", "gpufleet_gpu_pod_info", "count"),)
+
 #: Site metrics used when no [[sites]] are configured (the simulator and DCIM bridges export these).
 SITE_DEFAULTS = {
     "facility_power": "gpufleet_site_facility_power_watts",
@@ -180,7 +191,7 @@ SITE_DEFAULTS = {
 }
 
 #: Label carrying the training job id, per profile (first present wins).
-JOB_LABELS = {"gpufleet": ("job_id", "pod"), "dcgm": (exporters.DCGM_JOB_LABEL, exporters.DCGM_POD_LABEL)}
+JOB_LABELS = {"gpufleet": ("job_id",), "dcgm": (exporters.DCGM_JOB_LABEL, exporters.DCGM_POD_LABEL)}
 MODEL_LABELS = {"gpufleet": ("name",), "dcgm": (exporters.DCGM_MODEL_LABEL,)}
 #: dcgm-exporter's throttle / clock-event reason bits.
 MASK_BITS = {"thr_power": reason_bits("sw_power_cap"), "thr_hw": reason_bits("hw_slowdown"),
@@ -190,9 +201,9 @@ MASK_BITS = {"thr_power": reason_bits("sw_power_cap"), "thr_hw": reason_bits("hw
 
 def queries(profile: str) -> tuple[Query, ...]:
     if profile == "gpufleet":
-        return GPUFLEET
+        return GPUFLEET + GPUFLEET_PODS + KUBE
     if profile == "dcgm":
-        return DCGM
+        return DCGM + KUBE
     raise ValueError(f"unknown profile {profile!r}; profiles: {', '.join(PROFILES)}")
 
 

@@ -32,7 +32,8 @@ def replay(files: Sequence[str], cfg: DetectorConfig, step: float | None = None,
     present = src.metric_names()
     by_feature: dict[str, set[str]] = {}
     for q in det.queries:
-        by_feature.setdefault(q.feature, set()).add(q.metric)
+        if q.entity != "meta":  # optional context (kube-state-metrics), not an input
+            by_feature.setdefault(q.feature, set()).add(q.metric)
     # an alternative name (e.g. DCGM_FI_DEV_CLOCKS_EVENT_REASONS for ..._CLOCK_THROTTLE_REASONS) is not missing
     missing = {m for names in by_feature.values() if not names & present for m in names}
     if progress:

@@ -71,6 +71,8 @@ class Candidate:
     score: float
     evidence: dict[str, float] = field(default_factory=dict)
     nic: str = ""  # "device/port" for network findings
+    namespace: str = ""  # Kubernetes: the GPU's (or node's single) pod and its namespace (detector.jobs)
+    pod: str = ""
 
 
 @dataclass
@@ -83,11 +85,14 @@ class StragglerResult:
 
 def _groups(frame: GpuFrame, eligible: FloatArray, p: StragglerParams) -> FloatArray:
     names: list[str | None] = []
+    sync = frame.sync
     for i in range(len(frame)):
-        if not eligible[i]:
-            names.append(None)
+        if not eligible[i] or (sync is not None and not sync[i]):
+            names.append(None)  # not synchronous (inference pods): never a straggler peer
         elif frame.jobs[i]:  # GPUs in MIG mode: job peers only with the same model and MIG layout
-            names.append(f"job:{frame.jobs[i]}" + (f"@{frame.models[i]}" if " MIG " in frame.models[i] else ""))
+            ns = frame.namespaces[i] if i < len(frame.namespaces) else None
+            name = f"job:{ns}/{frame.jobs[i]}" if ns else f"job:{frame.jobs[i]}"
+            names.append(name + (f"@{frame.models[i]}" if " MIG " in frame.models[i] else ""))
         elif p.compare_jobless:
             names.append(f"model:{frame.models[i]}")
         else:

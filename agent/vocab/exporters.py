@@ -146,11 +146,42 @@ KUBE_POD_LABELS = ExternalMetric("kube_pod_labels", "gauge", "Kubernetes labels 
                                  KUBE_STATE_METRICS)
 KUBE_POD_INFO = ExternalMetric("kube_pod_info", "gauge", "Information about pod.", KUBE_STATE_METRICS)
 
+# ---------------------------------------------------------------- kube-state-metrics: training-job resolution
+#: The batch Job's owner (a JobSet's child Jobs name their JobSet here); labels job_name, owner_kind, owner_name.
+KUBE_JOB_OWNER = ExternalMetric("kube_job_owner", "gauge", "Information about the Job's owner.", KUBE_STATE_METRICS)
+#: Labels of kube_pod_owner / kube_job_owner (kube-state-metrics' pod and job metrics).
+KSM_OWNER_KIND_LABEL = "owner_kind"
+KSM_OWNER_NAME_LABEL = "owner_name"
+KSM_JOB_NAME_LABEL = "job_name"
+#: kube_pod_labels turns a pod label into ``label_<name>`` (non-alphanumerics to ``_``) when kube-state-metrics'
+#: ``--metric-labels-allowlist`` lets it through. These name a pod's training job, first present wins.
+KSM_TRAINING_JOB_LABELS = (
+    "label_training_kubeflow_org_job_name",      # Kubeflow training operator (PyTorchJob, MPIJob, ...)
+    "label_jobset_sigs_k8s_io_jobset_name",      # JobSet
+    "label_volcano_sh_job_name",                 # Volcano Job
+    "label_leaderworkerset_sigs_k8s_io_name",    # LeaderWorkerSet
+    "label_batch_kubernetes_io_job_name",        # batch/v1 Job (Kubernetes 1.27+)
+)
+#: Owner kinds whose pods run one synchronous (training) job: Kubeflow's jobs, MPIJob, Volcano's Job, a
+#: LeaderWorkerSet and a batch Job (a JobSet's child Job, an indexed Job); kube_job_owner lifts a Job to its
+#: JobSet.
+KSM_TRAINING_OWNER_KINDS = ("PyTorchJob", "TFJob", "MPIJob", "XGBoostJob", "PaddleJob", "JAXJob", "TrainJob",
+                            "JobSet", "LeaderWorkerSet", "Job")
+#: Owner kinds of services (inference servers): their pods are never straggler peers.
+KSM_SERVICE_OWNER_KINDS = ("ReplicaSet", "Deployment", "StatefulSet", "ReplicationController")
+#: A GPU series naming a DaemonSet's pod names the exporter that scraped it (the Prometheus Operator adds the
+#: target's namespace/pod to series that lack them), not a workload: such a GPU holds no pod.
+KSM_EXPORTER_OWNER_KINDS = ("DaemonSet",)
+#: Prometheus renames a scraped label that clashes with a target label (honor_labels false) to exported_<label>:
+#: dcgm-exporter's pod/namespace then arrive as these, and pod/namespace name the exporter's own pod.
+EXPORTED_POD_LABEL = "exported_pod"
+EXPORTED_NAMESPACE_LABEL = "exported_namespace"
+
 #: Every external family by name (sample names included), for look-ups and checks.
 BY_NAME: dict[str, ExternalMetric] = {
     n: m
     for m in (*DCGM_METRICS, DCGM_CLOCKS_EVENT_REASONS, *NODE_INFINIBAND_METRICS, IPMI_DCMI_POWER, KUBE_POD_OWNER,
-              KUBE_POD_LABELS, KUBE_POD_INFO)
+              KUBE_POD_LABELS, KUBE_POD_INFO, KUBE_JOB_OWNER)
     for n in {m.name, m.sample}
 }
 

@@ -10,7 +10,7 @@ from grafanalib import core as g
 
 from gpufleet.agent.vocab import exporters
 from gpufleet.dashboards import panels as p
-from gpufleet.dashboards.panels import DET_NODE, SITE, Q
+from gpufleet.dashboards.panels import DET_NODE, NAMESPACE, SITE, Q
 
 
 def _sample(name: str) -> str:
@@ -27,8 +27,8 @@ THROTTLE_REASONS = _sample("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS")
 IB_XMIT_WAIT = _sample("node_infiniband_port_transmit_wait")
 JOB = exporters.DCGM_JOB_LABEL
 
-D = f'{SITE},instance=~"$node(:[0-9]+)?",{JOB}=~"$job_id"'
-PER_GPU = p.legend([JOB, "instance", "gpu"])
+D = f'{SITE},{NAMESPACE},instance=~"$node(:[0-9]+)?",{JOB}=~"$job_id"'
+PER_GPU = p.legend([JOB, "pod", "instance", "gpu"])
 
 
 def _views(name: str, title: str) -> list[tuple[g.Panel, int, int]]:
@@ -45,6 +45,7 @@ def _views(name: str, title: str) -> list[tuple[g.Panel, int, int]]:
 _TEMPLATES = [
     p.datasource_var(),
     p.site_var(SM_CLOCK),
+    p.namespace_var(SM_CLOCK),
     p._query_var("job_id", f"Job ({JOB})", f"label_values({SM_CLOCK}{{{SITE}}}, {JOB})"),
     p.node_var(SM_CLOCK),
 ]
@@ -60,7 +61,7 @@ dashboard = p.build(
                           f'gpufleet_detector_straggler_score{{{SITE},{DET_NODE},job_id=~"$job_id"}}',
                           links=[p.node_link("dcgm")]), 12, 9),
             (p.table("gpufleet_detector_finding", "Findings",
-                     f'gpufleet_detector_finding{{{SITE},{DET_NODE},job_id=~"$job_id"}}'), 12, 9),
+                     f'gpufleet_detector_finding{{{SITE},{DET_NODE},{NAMESPACE},job_id=~"$job_id"}}'), 12, 9),
         ]),
         ("SM clock", _views(SM_CLOCK, "SM clock")),
         ("Graphics engine activity", _views(ENGINE_ACTIVE, "Engine activity")),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from grafanalib import core as g
 
 from gpufleet.dashboards import panels as p
-from gpufleet.dashboards.panels import DET_NODE, JOB, NODE, SITE, Q
+from gpufleet.dashboards.panels import DET_NODE, JOB, NAMESPACE, NODE, SITE, Q
 
 #: The selected jobs' GPUs; a GPU shared by several jobs appears once per job.
 JOB_INFO = f"gpufleet_gpu_job_info{{{SITE},{JOB}}}"
@@ -68,7 +68,7 @@ dashboard = p.build(
     "job", "gpufleet / Jobs and stragglers",
     "Each job's GPUs side by side. In a synchronous job every GPU waits for the slowest: utilization stays "
     "high everywhere, healthy peers drop power and tensor activity, and the straggler looks busier.",
-    p.standard_vars(gpu=False),
+    [*p.standard_vars(gpu=False)[:2], p.namespace_var(), *p.standard_vars(gpu=False)[2:]],
     [
         ("Detector", [
             (p.timeseries("gpufleet_detector_straggler_score", "Straggler score",
@@ -76,8 +76,10 @@ dashboard = p.build(
             (p.timeseries("gpufleet_detector_feature_deviation", "Feature deviation (robust z)",
                           f"gpufleet_detector_feature_deviation{{{DET}}}"), 12, 9),
             (p.table("gpufleet_detector_finding", "Straggler and throttling findings",
-                     f'gpufleet_detector_finding{{{DET},kind=~"straggler|throttling"}}', links=[p.node_link()]),
-             24, 7),
+                     f'gpufleet_detector_finding{{{DET},{NAMESPACE},kind=~"straggler|throttling"}}',
+                     links=[p.node_link()]), 24, 7),
+            (p.table("gpufleet_gpu_pod_info", "Kubernetes pods holding GPUs",
+                     f"gpufleet_gpu_pod_info{{{SITE},{NODE},{NAMESPACE}}}", links=[p.node_link()]), 24, 7),
         ]),
         ("SM clock", _views("gpufleet_gpu_clock_hertz", "SM clock", 'clock="sm"')),
         ("SM activity", _views("gpufleet_gpu_sm_active_ratio", "SM activity")),

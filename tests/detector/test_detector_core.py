@@ -274,7 +274,8 @@ def test_dcgm_profile_finds_the_straggler(tmp_path: Path) -> None:
 REPLAY_KEYS: dict[str, type | tuple[type, ...]] = {
     "kind": str, "cause": (str, type(None)), "node": (str, type(None)), "gpu": (str, type(None)),
     "job": (str, type(None)), "site": (str, type(None)), "start": (int, float),
-    "end": (int, float, type(None)), "score": (int, float), "summary": str}
+    "end": (int, float, type(None)), "score": (int, float), "summary": str,
+    "namespace": (str, type(None)), "pod": (str, type(None))}
 
 
 def test_replay_json_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -185,6 +185,11 @@ def test_amtool_check_config_is_clean() -> None:
     (["severity=warning", "alertname=GpufleetThermalThrottling", "node=node-003"], "ticket"),
     (["severity=info", "alertname=GpufleetRetiredPagesPending"], "null"),
     (["alertname=SomethingWithoutSeverity"], "null"),
+    (["severity=critical", "alertname=GpufleetStragglerFound", "namespace=research", "pod=llama-worker-2",
+      "job_id=llama"], "team-research"),
+    (["severity=warning", "alertname=GpufleetStragglerFound", "namespace=research-eval"], "team-research"),
+    (["severity=info", "alertname=GpufleetStragglerFound", "namespace=research"], "null"),
+    (["severity=critical", "alertname=GpufleetStragglerFound", "namespace=serving"], "pager"),
 ])
 def test_routing(labels: list[str], receiver: str) -> None:
     proc = amtool("config", "routes", "test", f"--config.file={AM_CONFIG}", f"--verify.receivers={receiver}", *labels)
@@ -194,7 +199,9 @@ def test_routing(labels: list[str], receiver: str) -> None:
 
 def test_routes_group_by_job_and_node() -> None:
     route = yaml.safe_load(AM_CONFIG.read_text())["route"]
-    assert set(route["group_by"]) == {"job_id", "node"}
+    assert set(route["group_by"]) == {"namespace", "job_id", "node"}
+    team = next(r for r in route["routes"] if r["receiver"] == "team-research")
+    assert set(team["group_by"]) == {"namespace", "job_id"}
 
 
 class _Sink(BaseHTTPRequestHandler):

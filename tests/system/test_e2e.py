@@ -95,6 +95,7 @@ NO_DATA_EXPECTED = (
     re.compile(r'gpufleet_detector_finding\{.*kind="(network|pue_drift)"'),  # fault kinds not injected here
     re.compile(r"gpufleet_detector_site_pue_expected\b"),  # the PUE model needs hours of baseline
     re.compile(r"gpufleet_detector_missing_inputs\b"),  # empty when the detector finds all it needs
+    re.compile(r"gpufleet_gpu_pod_info\b"),  # not a Kubernetes node: no pods hold the GPUs
     re.compile(r"gpufleet_pcie_aer_errors_total\b"),  # per-type AER series exist only once an error was seen
     re.compile(r"gpufleet_job_pressure_stalled_seconds_total\b"),  # simulated hosts have no job cgroups
     # no MIG and no GPU processes in the simulated fleet: test_shared_gpu_dashboards.py checks these panels
@@ -293,7 +294,7 @@ def logs(tmp_path: Path) -> str:
 
 # ------------------------------------------------------------------------------------------ the tests
 DASH_VARS = {"$__rate_interval": "30s", "$__interval": "5s", "$__range": "1m",
-             "$site": ".*", "$node": ".*", "$gpu": ".*", "$job_id": ".*"}
+             "$site": ".*", "$node": ".*", "$gpu": ".*", "$job_id": ".*", "$namespace": ".*"}
 
 
 def dashboard_queries(dcgm: bool = False, **values: str) -> Iterator[tuple[str, str, str]]:

@@ -86,12 +86,20 @@ class RecordingResult:
     gpus: int
 
 
-def write_profile(path: Path, profile: str, sim: Simulator, fr: Frames, series: str = "full") -> int:
-    """Write the captured ``fr`` of ``sim`` as one profile's OpenMetrics file; returns the number of samples."""
+def write_profile(path: Path, profile: str, sim: Simulator, fr: Frames, series: str = "full", *,
+                  pod_of: Callable[[str, int], dict[str, str] | None] | None = None,
+                  extra: Callable[[OmWriter, Context], None] | None = None) -> int:
+    """Write the captured ``fr`` of ``sim`` as one profile's OpenMetrics file; returns the number of samples.
+
+    ``pod_of`` and ``extra``: the Kubernetes mode's pod labels (see ``Context.pod_of``) and further families
+    (kube-state-metrics), from :mod:`gpufleet.agent.sim.kubernetes`."""
     ctx = Context(sim, fr, series == "full")
+    ctx.pod_of = pod_of
     with path.open("wb", buffering=1 << 20) as out:
         w = OmWriter(out, fr.times)
         _WRITERS[profile](w, ctx)
+        if extra is not None:
+            extra(w, ctx)
         w.eof()
     return w.samples
 

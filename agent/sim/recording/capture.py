@@ -148,6 +148,9 @@ class Context:
         self.sim = sim
         self.full = full
         self.fr = fr
+        #: Kubernetes mode (agent.sim.kubernetes): the pod labels (namespace, pod, container) of a simulator job's
+        #: rank on a node, written instead of the Slurm job (hpc_job, gpufleet_gpu_job_info); None: no pods.
+        self.pod_of: Callable[[str, int], dict[str, str] | None] | None = None
         f = sim.fleet
         self.f = f
         self.nodes = sim.nodes

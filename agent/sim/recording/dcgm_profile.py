@@ -72,7 +72,10 @@ def _dcgm_exporter(w: OmWriter, c: Context) -> None:
         identity = (str(k), c.sim.uuid(int(g)), c.sim.pci_bus_id(node, k), f"nvidia{k}", f.nodes[node].model.name,
                     c.nodes[node])
         labels = dict(zip(DCGM.labels, identity, strict=True))
-        if j >= 0:
+        pod = c.pod_of(fr.job_ids[j], node) if j >= 0 and c.pod_of is not None else None
+        if pod is not None:
+            labels.update(pod)  # Kubernetes: dcgm-exporter's namespace, pod, container instead of hpc_job
+        elif j >= 0:
             labels[DCGM_JOB_LABEL] = fr.job_ids[j]
         labels.update(_target(DCGM, c.nodes[node], c.site_of_node[node]))
         base.append(labels)

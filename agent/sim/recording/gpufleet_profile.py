@@ -62,12 +62,17 @@ def write(w: OmWriter, c: Context) -> None:
         fam("gpufleet_gpu_info")
         w.block(info, np.ones((w.n_ticks, f.n_gpus)), 0, c.gpu_present)
     gpu_metric("gpufleet_gpu_up", (~fr["lost"]).astype(float), 0, mask=c.node_present_gpu)
-    jobs_fam = fam("gpufleet_gpu_job_info")
+    pod_of = c.pod_of  # Kubernetes mode: the pods collector's info series instead of the Slurm mapping's
+    jobs_fam = fam("gpufleet_gpu_job_info" if pod_of is None else "gpufleet_gpu_pod_info")
     pairs = np.unique(np.stack([fr["gpu_job"].ravel(), np.tile(np.arange(f.n_gpus), w.n_ticks)], 1), axis=0)
     pairs = pairs[pairs[:, 0] >= 0]
     for lo in range(0, len(pairs), 512):
         chunk = pairs[lo:lo + 512]
-        pre = [prefix(jobs_fam, {"gpu": str(c.gpu_local[g]), "job_id": fr.job_ids[j], **target(int(c.gpu_node[g]))})
+        pre = [prefix(jobs_fam, {"gpu": str(c.gpu_local[g]), "job_id": fr.job_ids[j], **target(int(c.gpu_node[g]))}
+                      if pod_of is None else
+                      {"gpu": str(c.gpu_local[g]), "uuid": c.sim.uuid(int(g)), "device": f"nvidia{c.gpu_local[g]}",
+                       **(pod_of(fr.job_ids[j], int(c.gpu_node[g])) or {}), "resource": "nvidia.com/gpu",
+                       **target(int(c.gpu_node[g]))})
                for j, g in chunk]
         mask = (fr["gpu_job"][:, chunk[:, 1]] == chunk[:, 0][None, :]) & c.gpu_present[:, chunk[:, 1]]
         w.block(pre, np.ones((w.n_ticks, 1)), 0, mask, cols=np.zeros(len(chunk), np.int64))

@@ -1,0 +1,64 @@
+"""The detector on a Kubernetes cluster's series served by a real Prometheus (dcgm-exporter + kube-state-metrics).
+
+A simulated cluster (:mod:`gpufleet.agent.sim.kubernetes`) is recorded, backfilled with ``promtool tsdb
+create-blocks-from openmetrics`` and served by Prometheus on 127.0.0.1; the detector's Prometheus source must
+resolve the same training jobs and find the same slow pod as the recording source, naming namespace and pod.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from support import free_port, need_binary, running, wait_http
+
+from gpufleet.agent.sim import kubernetes
+from gpufleet.detector.config import parse
+from gpufleet.detector.engine import Detector
+from gpufleet.detector.profiles import sample_names
+from gpufleet.detector.source_prometheus import PrometheusSource
+from gpufleet.detector.source_recording import RecordingSource
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_prometheus_source_resolves_pods_into_jobs_and_names_the_slow_pod(tmp_path: Path) -> None:
+    ks = kubernetes.build("prom", hours=0.4, seed=2,
+                          faults=[{"kind": "slow_host", "node": "node-003", "onset": "12m", "severity": "obvious"}])
+    res = kubernetes.record(ks, tmp_path / "rec", ("dcgm",))
+    rec = res.files["dcgm"]
+    data = tmp_path / "data"
+    subprocess.run([need_binary("promtool"), "tsdb", "create-blocks-from", "openmetrics", str(rec), str(data)],
+                   check=True, capture_output=True, timeout=180)
+    (tmp_path / "prometheus.yml").write_text("global:\n  scrape_interval: 1h\nscrape_configs: []\n")
+    port = free_port()
+    argv = [need_binary("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={data}", f"--web.listen-address=127.0.0.1:{port}",
+            "--storage.tsdb.retention.time=100y"]
+    cfg = parse({"detector": {"profile": "dcgm", "window_seconds": 120.0},
+                 "findings": {"open_after": 2, "close_after": 4}})
+    start = float(json.loads(res.labels.read_text())["start"])
+    with running(argv, log=tmp_path / "prometheus.log"):
+        url = f"http://127.0.0.1:{port}"
+        wait_http(f"{url}/-/ready", timeout=60)
+        prom = PrometheusSource(url)
+        live = Detector(cfg, prom)
+        offline = Detector(cfg, RecordingSource.load([rec], sample_names("dcgm")))
+        for i in range(8):
+            t = start + 12 * 60 + 150 + 15 * i
+            a, b = live.evaluate(t), offline.evaluate(t)
+            ga, gb = a.features.gpu, b.features.gpu
+            assert (ga.jobs, ga.pods, ga.namespaces) == (gb.jobs, gb.pods, gb.namespaces)
+            assert ga.sync is not None and gb.sync is not None and ga.sync.tolist() == gb.sync.tolist()
+            assert sorted((c.node, c.pod) for _, c in a.candidates) == sorted((c.node, c.pod) for _, c in b.candidates)
+        assert prom.query_errors == 0
+    sync = ga.sync.tolist() if ga.sync is not None else []
+    jobs = dict(zip(ga.pods, zip(ga.namespaces, ga.jobs, sync, strict=True), strict=True))
+    assert jobs["llama-worker-3"] == ("research", "llama", True)
+    assert next(v for k, v in jobs.items() if k and k.startswith("gpt-trainer-2-0-")) == ("team-b", "gpt", True)
+    assert next(v for k, v in jobs.items() if k and k.startswith("vllm-")) == ("serving", "vllm", False)
+    found = [f for f in live.tracker.active.values() if f.kind == "straggler"]
+    assert [(f.node, f.gpu, f.job, f.namespace, f.pod, f.cause) for f in found] == [
+        ("node-003", None, "llama", "research", "llama-worker-3", "host")]
