@@ -61,6 +61,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from gpufleet.detector.causes import CauseParams
 from gpufleet.detector.findings import Tracker
 from gpufleet.detector.network import NetworkParams
 from gpufleet.detector.profiles import PROFILES, Query
@@ -107,6 +108,7 @@ class DetectorConfig:
     ca_file: str = ""
     findings: FindingParams = field(default_factory=FindingParams)
     straggler: StragglerParams = field(default_factory=StragglerParams)
+    causes: CauseParams = field(default_factory=CauseParams)
     throttling: ThrottleParams = field(default_factory=ThrottleParams)
     network: NetworkParams = field(default_factory=NetworkParams)
     pue: PueParams = field(default_factory=PueParams)
@@ -120,7 +122,7 @@ _TOP = {
                    "password_file": str, "ca_file": str},
 }
 _PARAMS = {"findings": FindingParams, "straggler": StragglerParams, "throttling": ThrottleParams,
-           "network": NetworkParams, "pue": PueParams}
+           "network": NetworkParams, "pue": PueParams, "causes": CauseParams}
 
 
 def _check(where: str, value: Any, typ: type) -> Any:

@@ -203,6 +203,9 @@ class NetworkCongestion(Fault):
         n = self.nics(p)
         p.mods.nic_factor[n] *= lerp(0.85, 0.35, self.severity)
         p.mods.congestion[n] = max(float(p.mods.congestion[n].max()), lerp(0.3, 1.0, self.severity))
+        # RoCE: the congested ports are paused by PFC on the lossless priority; an obvious case overflows.
+        p.mods.pfc_pause[n] = max(float(p.mods.pfc_pause[n].max()), lerp(0.05, 0.4, self.severity))
+        p.mods.discards_per_s[n] += 2.0 if self.severity >= 0.67 else 0.0
 
 
 class PcieDowngrade(Fault):
@@ -221,6 +224,7 @@ class PcieDowngrade(Fault):
         p.mods.pcie_gen[g] = gen
         p.mods.pcie_width[g] = width
         p.mods.pcie_replay_per_s[g] += lerp(0.02, 1.0, self.severity)
+        p.mods.aer_cor_per_s[g] += lerp(0.1, 3.0, self.severity)  # the link throws correctable errors
 
 
 class NvlinkDown(Fault):
@@ -291,6 +295,8 @@ class SlowHost(Fault):
 
     def apply(self, p: Physics, t: float, dt: float) -> None:
         p.mods.loader[self.gpus(p)] = lerp(0.05, 0.6, self.severity)
+        assert self.node is not None
+        p.mods.cpu_pressure[self.node] = lerp(0.15, 0.7, self.severity)  # the data loaders wait for CPU
 
 
 class PueDrift(Fault):
