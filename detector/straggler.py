@@ -151,12 +151,13 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
     flags = nic_flags or {}
     hit = np.nan_to_num(combined, nan=0.0) >= p.threshold
     cands = [_candidate(frame, int(i), combined[i], z, p, flags, node_causes or {}) for i in np.flatnonzero(hit)]
-    cands += _link_stragglers(frame, scored & ~hit, p, flags, z)
+    cands += _link_stragglers(frame, scored & ~hit, p, flags, z, node_causes or {})
     return StragglerResult(scored, combined, z, _collapse_nodes(frame, groups, cands, p))
 
 
 def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
-                     nic_flags: dict[tuple[str, str], float], z: dict[str, FloatArray]) -> list[Candidate]:
+                     nic_flags: dict[tuple[str, str], float], z: dict[str, FloatArray],
+                     node_causes: dict[str, tuple[str, dict[str, float]]] | None = None) -> list[Candidate]:
     """Ranks of a job slowed by their links: the GPU computes normally, the job's collectives wait for it.
 
     A degraded, flapping or congested NIC (from the network detector), an NVLink link down, or a PCIe link
@@ -183,8 +184,11 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
             continue
         key = (frame.nodes[i], frame.gpus[i])
         ev: dict[str, float] = {}
+        fabric = (node_causes or {}).get(frame.nodes[i])
         if key in nic_flags:
             cause, sc = "network", nic_flags[key]
+        elif fabric is not None and fabric[0] == "network":  # PFC pause storm or drops on its node's ports
+            cause, sc, ev = "network", p.threshold + 1.0, dict(fabric[1])
         elif np.isfinite(nvl[i]) and nvl[i] < 1:
             cause, sc, ev = "network", p.threshold + 2.0, {"value:nvlink_up_min": float(nvl[i])}
         elif not np.isfinite(nvl[i]) and nvl_err[i] >= 1:

@@ -2,8 +2,8 @@
 
 Run ``.venv/bin/python -m gpufleet.agent.sim.quality_fabric [--seeds N] [--severities moderate,obvious]``.
 
-For the faults whose cause lies outside the GPU (``slow_host``: host, ``network_congestion``:
-network, ``pcie_downgrade``: pcie) it records each scenario once (:func:`gpufleet.agent.sim.quality.execute`'s
+For the faults whose cause lies outside the GPU (``slow_host``: host; ``network_congestion`` and
+``roce_pause_storm``: network; ``pcie_downgrade``: pcie) it records each scenario once (:func:`gpufleet.agent.sim.quality.execute`'s
 recording, ``gpufleet`` profile) and replays it through the detector twice: *with* every query, and
 *without* the queries of the new evidence (CPU pressure and steal, PFC pause, NIC discards, pause
 storms, PCIe AER, NCCL collective time: :data:`NEW_FEATURES`), i.e. as the detector was before those
@@ -28,7 +28,7 @@ from gpufleet.detector import engine
 from gpufleet.detector.profiles import Query
 from gpufleet.detector.replay import replay
 
-SCENARIOS = ("slow_host", "network_congestion", "pcie_downgrade")
+SCENARIOS = ("slow_host", "network_congestion", "roce_pause_storm", "pcie_downgrade")
 NEW_FEATURES = frozenset({"host_cpu_pressure", "host_steal", "host_cpus", "node_pause", "node_discards",
                           "node_pause_storm", "node_aer_cor", "coll_frac"})
 PROFILE = "gpufleet"
