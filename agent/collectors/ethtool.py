@@ -125,7 +125,7 @@ class IoctlReader:
 
 
 class TextReader:
-    """Reads recorded ``ethtool -S`` outputs, ``<directory>/<interface>`` (the simulator's hosts, tests)."""
+    """Reads recorded ``ethtool -S`` outputs, ``<directory>/<interface>`` (tests; a host's outputs saved for a look)."""
 
     MAX_BYTES = 4 << 20
 
@@ -241,9 +241,10 @@ class EthtoolCollector:
             cached = self._plans.get(ifname)
             if cached is None or (cached[0] is not names and cached[0] != names):
                 cached = self._plans[ifname] = (names, plan(names, self.all_stats))
-            self._errors.setdefault(ifname, 0)
             if len(values) != len(names):
+                self._errors[ifname] = self._errors.get(ifname, 0) + 1
                 continue
+            self._errors.setdefault(ifname, 0)
             for i, st in cached[1]:
                 put(fams[st.kind], [ifname, *st.labels], base_value(st, values[i]))
         out: list[Metric] = [f for f in fams.values() if f.samples]
