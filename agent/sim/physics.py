@@ -188,8 +188,10 @@ class Physics:
         self.nic_hw = np.zeros((n, len(NIC_HW)))
         # Fabric and host evidence (issue 13): PSI cpu "some" seconds per node (a small, node-specific baseline
         # of system daemons), PFC pause seconds received and buffer discards per NIC, correctable AER reports.
+        # Their own random stream, so the rest of the simulation draws exactly what it drew before them.
+        self._fabric_rng = np.random.default_rng([int(start_unix), len(f.nodes), 13])
         self.host_psi_cpu = np.zeros(len(f.nodes))
-        self.host_psi_base = rng.uniform(0.002, 0.02, len(f.nodes))
+        self.host_psi_base = self._fabric_rng.uniform(0.002, 0.02, len(f.nodes))
         self.nic_pause_s = np.zeros(n)
         self.nic_discards = np.zeros(n, dtype=np.int64)
         self.aer_cor = np.zeros(g, dtype=np.int64)
@@ -444,8 +446,8 @@ class Physics:
         self.nic_err[:, 2] += m.nic_down.astype(np.int64) + rng.poisson(m.symbol_errors_per_s * dt * 0.02)
         # PFC: a congested fabric pauses the ports on the hot priority; a baseline of brief pauses at load.
         self.nic_pause_s += dt * np.clip(np.where(nic_tx > 0, 2e-4, 0.0) + m.pfc_pause, 0.0, 1.0)
-        self.nic_discards += rng.poisson(m.discards_per_s * dt)
-        self.aer_cor += rng.poisson(m.aer_cor_per_s * dt)
+        self.nic_discards += self._fabric_rng.poisson(m.discards_per_s * dt)
+        self.aer_cor += self._fabric_rng.poisson(m.aer_cor_per_s * dt)
         self.nic_rate = m.nic_rate_gbps
         self.nic_state = np.where(m.nic_down, 1, 4)
         self.nic_phys = np.where(m.nic_down, 2, 5)
