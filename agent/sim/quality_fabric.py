@@ -73,11 +73,13 @@ def compare(run: Run, workdir: str) -> dict[str, Outcome]:
 
 
 def summarize(results: Sequence[dict[str, Outcome]]) -> dict[str, dict[str, dict[str, Any]]]:
-    """scenario -> variant -> {faults, detected, cause_ok, recall, cause_accuracy}."""
+    """scenario -> variant -> {faults, detected, cause_ok, false_findings, recall, cause_accuracy}."""
     table: dict[str, dict[str, dict[str, Any]]] = {}
     for r in results:
         for variant, o in r.items():
-            row = table.setdefault(o.run.scenario, {}).setdefault(variant, {"faults": 0, "detected": 0, "cause_ok": 0})
+            row = table.setdefault(o.run.scenario, {}).setdefault(
+                variant, {"faults": 0, "detected": 0, "cause_ok": 0, "false_findings": 0})
+            row["false_findings"] += len(o.false_findings)
             for _, latency, cause_ok in o.detected:
                 row["faults"] += 1
                 if latency is not None:
@@ -91,7 +93,8 @@ def summarize(results: Sequence[dict[str, Outcome]]) -> dict[str, dict[str, dict
 
 
 def markdown(table: dict[str, dict[str, dict[str, Any]]]) -> str:
-    lines = ["| fault | evidence | faults | recall | cause accuracy |", "| --- | --- | --- | --- | --- |"]
+    lines = ["| fault | evidence | faults | recall | cause accuracy | false findings |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for scenario in sorted(table):
         for variant in ("without", "with"):
             row = table[scenario].get(variant)
@@ -102,7 +105,7 @@ def markdown(table: dict[str, dict[str, dict[str, Any]]]) -> str:
                 return "-" if v is None else f"{100 * v:.0f} %"
 
             lines.append(f"| {scenario} | {variant} | {row['faults']} | {pct(row['recall'])} | "
-                         f"{pct(row['cause_accuracy'])} ({row['cause_ok']}/{row['detected']}) |")
+                         f"{pct(row['cause_accuracy'])} ({row['cause_ok']}/{row['detected']}) | {row['false_findings']} |")
     return "\n".join(lines)
 
 

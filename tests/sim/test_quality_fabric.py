@@ -23,4 +23,4 @@ def test_pause_storm_is_found_only_with_the_new_evidence(tmp_path: Path) -> None
     table = summarize([out])
     assert table["roce_pause_storm"]["with"]["cause_accuracy"] == 1.0
     assert table["roce_pause_storm"]["without"]["recall"] == 0.0
-    assert "| roce_pause_storm | with | 1 | 100 % | 100 % (1/1) |" in markdown(table)
+    assert "| roce_pause_storm | with | 1 | 100 % | 100 % (1/1) | 0 |" in markdown(table)
