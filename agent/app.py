@@ -17,7 +17,7 @@ that tree is current whichever collectors are enabled.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client import CollectorRegistry
 
@@ -122,11 +122,12 @@ class Agent:
             return PressureCollector(self.cfg.procfs_path, self.cfg.cgroupfs_path,
                                      lambda: {j for ids in jobs.attribution()[0].values() for j in ids})
         if name == "ethtool":
-            from gpufleet.agent.collectors.ethtool import EthtoolCollector, TextReader
+            from gpufleet.agent.collectors.ethtool import EthtoolCollector, StatsReader
 
-            # A fake source's hosts keep their NICs' `ethtool -S` outputs as files; a real host reads the ioctl.
-            recorded: object = getattr(getattr(self.backend, "source", None), "ethtool_dir", None)
-            return EthtoolCollector(self.sysfs_path, TextReader(str(recorded)) if recorded else None,
+            # A fake source's host serves its NICs' statistics itself; a real host reads the ioctl.
+            fake: object = getattr(getattr(self.backend, "source", None), "ethtool", None)
+            reader = cast(StatsReader, fake) if fake is not None and hasattr(fake, "read") else None
+            return EthtoolCollector(self.sysfs_path, reader,
                                     interfaces=self.cfg.ethtool_interfaces, all_stats=self.cfg.ethtool_all_stats)
         if name == "nccl":
             from gpufleet.agent.collectors.jobs import JobsCollector

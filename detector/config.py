@@ -71,6 +71,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet.detector import shard
+from gpufleet.detector.causes import CauseParams
 from gpufleet.detector.findings import Tracker
 from gpufleet.detector.jobs import JobRules
 from gpufleet.detector.network import NetworkParams
@@ -121,6 +122,7 @@ class DetectorConfig:
     ca_file: str = ""
     findings: FindingParams = field(default_factory=FindingParams)
     straggler: StragglerParams = field(default_factory=StragglerParams)
+    causes: CauseParams = field(default_factory=CauseParams)
     throttling: ThrottleParams = field(default_factory=ThrottleParams)
     network: NetworkParams = field(default_factory=NetworkParams)
     pue: PueParams = field(default_factory=PueParams)
@@ -135,7 +137,7 @@ _TOP = {
                    "password_file": str, "ca_file": str},
 }
 _PARAMS = {"findings": FindingParams, "straggler": StragglerParams, "throttling": ThrottleParams,
-           "network": NetworkParams, "pue": PueParams}
+           "network": NetworkParams, "pue": PueParams, "causes": CauseParams}
 
 
 def _check(where: str, value: Any, typ: type) -> Any:

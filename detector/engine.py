@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpufleet.detector import jobs, network, shard, straggler, throttling
+from gpufleet.detector import causes, jobs, network, shard, straggler, throttling
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.features import FeatureFrame, NodeNaming, collect
 from gpufleet.detector.findings import Key, Tracker
@@ -83,7 +83,7 @@ class Detector:
         nets = network.find(snap.nic, snap.gpu, cfg.network)
         nic_flags = {(c.node, c.gpu): c.score for c in nets if c.gpu is not None}
         snap = shard.select(snap, cfg.shard)  # --shard i/N: this replica's jobs only (NIC peers span the fleet)
-        st = straggler.score(snap.gpu, cfg.straggler, nic_flags)
+        st = straggler.score(snap.gpu, cfg.straggler, nic_flags, causes.node_causes(snap.node, snap.gpu, cfg.causes))
         cands: list[tuple[str, Candidate]] = [("straggler", c) for c in st.candidates]
         cands += [("throttling", c) for c in throttling.find(snap.gpu, cfg.throttling)]
         cands += [("network", c) for c in nets]

@@ -30,7 +30,8 @@ BoolArray = np.ndarray
 GPU_FEATURES = ("util", "samples", "sm_clock", "mem_clock", "power", "temp", "mem_temp", "tensor", "sm_active",
                 "dram", "thr_thermal", "thr_power", "thr_brake", "thr_hw", "pcie_replay", "pcie_gen",
                 "pcie_gen_max", "pcie_width", "pcie_width_max", "nvlink_down", "nvlink_bw", "ecc", "remap_pending",
-                "xid", "power_limit", "nvlink_crc_flit", "nvlink_crc_data", "nvlink_replay", "nvlink_recovery")
+                "xid", "power_limit", "nvlink_crc_flit", "nvlink_crc_data", "nvlink_replay", "nvlink_recovery",
+                "coll_frac")
 #: Per-GPU NVLink error counters (increase over the window, all links): dcgm-exporter's optional fields.
 NVLINK_ERROR_FEATURES = ("nvlink_crc_flit", "nvlink_crc_data", "nvlink_replay", "nvlink_recovery")
 #: Inputs whose absence is normal (no MIG GPU, no Kubernetes in the fleet), never a missing input.

@@ -135,6 +135,16 @@ GPUFLEET: tuple[Query, ...] = (
        _re("counter", "np_ecn_marked_roce_packets|rp_cnp_handled|np_cnp_sent"), agg="sum"),
     _q("@nicmap", "gpufleet_nic_gpu_info", "last", "nicmap"),
     _q("host_cpu", "gpufleet_host_cpu_utilization_ratio", "avg", "node"),
+    # Fabric and host evidence of a straggler's cause (detector/causes.py).
+    _q("host_cpu_pressure", "gpufleet_host_pressure_stalled_seconds_total", "rate", "node",
+       (("resource", "=", "cpu"), ("kind", "=", "some"))),
+    _q("host_steal", "gpufleet_host_cpu_steal_seconds_total", "rate", "node"),
+    _q("host_cpus", "gpufleet_host_cpus", "last", "node"),
+    _q("node_pause", "gpufleet_nic_pause_duration_seconds_total", "rate", "node"),
+    _q("node_discards", "gpufleet_nic_discards_total", "increase", "node", agg="sum"),
+    _q("node_pause_storm", "gpufleet_nic_pause_storm_events_total", "increase", "node", agg="sum"),
+    _q("node_aer_cor", "gpufleet_pcie_aer_reports_total", "rate", "node", _eq("kind", "correctable")),
+    _q("coll_frac", "gpufleet_nccl_collective_seconds_total", "rate", agg="sum"),
 )
 
 #: dcgm-exporter reports MHz, percent (GPU_UTIL), mJ (energy) and microseconds (violation counters).

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gpufleet.detector import causes
 from gpufleet.detector.features import NVLINK_ERROR_FEATURES, GpuFrame
 from gpufleet.detector.robust import grouped_robust_z
 
@@ -109,7 +110,8 @@ def _groups(frame: GpuFrame, eligible: FloatArray, p: StragglerParams) -> FloatA
     return out
 
 
-def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], float] | None = None) -> StragglerResult:
+def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], float] | None = None,
+          node_causes: dict[str, tuple[str, dict[str, float]]] | None = None) -> StragglerResult:
     n = len(frame)
     util = frame.get("util")
     active = np.nan_to_num(util, nan=0.0) >= p.busy_util
@@ -136,6 +138,11 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
                                                                                 "thr_hw")])
         boost = (thr >= 0.5) & (np.nan_to_num(z["sm_clock"], nan=0.0) <= -p.cause_z / 2)
         robust = np.where(boost, np.fmax(robust, -np.nan_to_num(z["sm_clock"], nan=0.0) + p.threshold / 2), robust)
+    # Collective timing (NCCL profiler traces), where present: the rank its peers wait for in the collectives.
+    coll = causes.collective_z(frame, groups)
+    if np.isfinite(coll).any():
+        z["coll_wait"] = coll
+        robust = np.fmax(robust, np.nan_to_num(coll, nan=0.0))
     iso = np.full(n, 0.5)
     r_scored = robust[scored]
     undecided = (r_scored * 1.25 >= p.threshold) & (r_scored * 0.75 < p.threshold)
@@ -150,13 +157,14 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
     combined = np.where(scored, robust * (0.75 + 0.5 * iso), np.nan)
     flags = nic_flags or {}
     hit = np.nan_to_num(combined, nan=0.0) >= p.threshold
-    cands = [_candidate(frame, int(i), combined[i], z, p, flags) for i in np.flatnonzero(hit)]
-    cands += _link_stragglers(frame, scored & ~hit, p, flags, z)
+    cands = [_candidate(frame, int(i), combined[i], z, p, flags, node_causes or {}) for i in np.flatnonzero(hit)]
+    cands += _link_stragglers(frame, scored & ~hit, p, flags, z, node_causes or {})
     return StragglerResult(scored, combined, z, _collapse_nodes(frame, groups, cands, p))
 
 
 def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
-                     nic_flags: dict[tuple[str, str], float], z: dict[str, FloatArray]) -> list[Candidate]:
+                     nic_flags: dict[tuple[str, str], float], z: dict[str, FloatArray],
+                     node_causes: dict[str, tuple[str, dict[str, float]]] | None = None) -> list[Candidate]:
     """Ranks of a job slowed by their links: the GPU computes normally, the job's collectives wait for it.
 
     A degraded, flapping or congested NIC (from the network detector), an NVLink link down, or a PCIe link
@@ -191,8 +199,11 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
             continue
         key = (frame.nodes[i], frame.gpus[i])
         ev: dict[str, float] = {}
+        fabric = (node_causes or {}).get(frame.nodes[i])
         if key in nic_flags:
             cause, sc = "network", nic_flags[key]
+        elif fabric is not None and fabric[0] == "network":  # PFC pause storm or drops on its node's ports
+            cause, sc, ev = "network", p.threshold + 1.0, dict(fabric[1])
         elif np.isfinite(nvl[i]) and nvl[i] < 1:
             cause, sc, ev = "network", p.threshold + 2.0, {"value:nvlink_up_min": float(nvl[i])}
         elif not np.isfinite(nvl[i]) and nvl_err[i] >= 1:
@@ -226,7 +237,8 @@ def _nvlink_errors(frame: GpuFrame, idx: np.ndarray) -> FloatArray:
 
 
 def _candidate(frame: GpuFrame, i: int, s: float, z: dict[str, FloatArray], p: StragglerParams,
-               nic_flags: dict[tuple[str, str], float]) -> Candidate:
+               nic_flags: dict[tuple[str, str], float],
+               node_causes: dict[str, tuple[str, dict[str, float]]] | None = None) -> Candidate:
     ev = {f: float(z[f][i]) for f in z if np.isfinite(z[f][i])}
 
     def val(f: str) -> float:
@@ -249,6 +261,9 @@ def _candidate(frame: GpuFrame, i: int, s: float, z: dict[str, FloatArray], p: S
     elif (val("pcie_gen") and val("pcie_gen_max") and val("pcie_gen") < val("pcie_gen_max")) or (
             val("pcie_width") and val("pcie_width_max") and val("pcie_width") < val("pcie_width_max")):
         cause = "pcie"
+    elif node_causes and frame.nodes[i] in node_causes:  # host, fabric or PCIe evidence (detector/causes.py)
+        cause, extra = node_causes[frame.nodes[i]]
+        ev.update(extra)
     elif val("remap_pending") > 0 or val("ecc") > 0 or zf("mem_clock") <= -p.cause_z:
         cause = "memory"
     elif zf("temp") >= p.cause_z and zf("sm_clock") <= -p.cause_z:

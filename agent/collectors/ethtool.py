@@ -20,6 +20,7 @@ series; any other failure is counted in ``gpufleet_nic_ethtool_read_errors_total
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -29,7 +30,7 @@ from typing import Protocol, cast
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from gpufleet.agent.collectors.ethtool_stats import Kind, Malformed, parse_ethtool_s, select
+from gpufleet.agent.collectors.ethtool_stats import Kind, Malformed, Stat, base_value, parse_ethtool_s, plan
 from gpufleet.agent.collectors.series import SeriesCache
 from gpufleet.agent.vocab import catalog
 
@@ -58,9 +59,10 @@ class ReadError(Exception):
 
 
 class StatsReader(Protocol):
-    """Reads one interface's statistics as ``(name, value)`` pairs; raises :class:`Gone` or :class:`ReadError`."""
+    """Reads one interface's statistics: ``(names, values)``, position by position (``ethtool -S`` order); the
+    names list is the same object while the driver's set is unchanged. Raises :class:`Gone` or :class:`ReadError`."""
 
-    def read(self, interface: str) -> list[tuple[str, int]]: ...
+    def read(self, interface: str) -> tuple[Sequence[str], Sequence[int]]: ...
 
     def close(self) -> None: ...
 
@@ -75,8 +77,13 @@ class IoctlReader:
         self._io = IoctlEthtool()
         self._names: dict[str, list[str]] = {}
 
-    def read(self, interface: str) -> list[tuple[str, int]]:
-        from pyroute2.ethtool.ioctl import NoSuchDevice, NotSupportedError
+    def read(self, interface: str) -> tuple[Sequence[str], Sequence[int]]:
+        from pyroute2.ethtool.ioctl import (
+            ETHTOOL_GSTATS,
+            NoSuchDevice,
+            NotSupportedError,
+            generate_EthtoolGStats,
+        )
 
         io = self._io
         try:
@@ -86,8 +93,15 @@ class IoctlReader:
             if names is None or len(names) != count:
                 names = [str(n) for n in io.get_stringset(set_id=self._set)]
                 self._names[interface] = names
-            io.stat_names = names
-            pairs = io.get_statistics()
+            # ETHTOOL_GSTATS (what pyroute2's get_statistics does, without building a (name, value) tuple per
+            # statistic: the collector picks its few by position). The kernel writes as many values as the driver
+            # has *now*, whatever the buffer's size, so the buffer has room for the set to grow meanwhile (a
+            # channel count change); a count that differs from the names' is an error and the names are re-read.
+            gstats = generate_EthtoolGStats(2 * len(names) + 64)(cmd=ETHTOOL_GSTATS)
+            io.ifreq.gstats = ctypes.cast(ctypes.byref(gstats), ctypes.POINTER(None))
+            io.ioctl()
+            if int(gstats.size) != len(names):  # struct ethtool_stats.n_stats: the driver's count now
+                raise ValueError(f"{gstats.size} values for {len(names)} names")
         except NoSuchDevice as e:
             self._names.pop(interface, None)
             raise Gone(f"{interface}: no such interface") from e
@@ -101,24 +115,24 @@ class IoctlReader:
             if e.errno == errno.EOPNOTSUPP:
                 raise Gone(f"{interface}: the driver has no statistics") from e
             raise ReadError(e.strerror or str(e)) from e
-        except (ValueError, AssertionError) as e:  # the count changed between the calls
+        except ValueError as e:  # the count changed between the calls
             self._names.pop(interface, None)
             raise ReadError(f"statistics changed while reading: {e}") from e
-        return [(str(n), int(v)) for n, v in cast(Iterable[tuple[str, int]], pairs)]
+        return names, cast(Sequence[int], gstats.data[: len(names)])
 
     def close(self) -> None:
         self._io.close()
 
 
 class TextReader:
-    """Reads recorded ``ethtool -S`` outputs, ``<directory>/<interface>`` (the simulator's hosts, tests)."""
+    """Reads recorded ``ethtool -S`` outputs, ``<directory>/<interface>`` (tests; a host's outputs saved for a look)."""
 
     MAX_BYTES = 4 << 20
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
 
-    def read(self, interface: str) -> list[tuple[str, int]]:
+    def read(self, interface: str) -> tuple[Sequence[str], Sequence[int]]:
         path = os.path.join(self.directory, interface)
         try:
             with open(path, "rb") as f:
@@ -130,9 +144,10 @@ class TextReader:
         if len(data) > self.MAX_BYTES:
             raise ReadError(f"{path}: larger than {self.MAX_BYTES} bytes")
         try:
-            return parse_ethtool_s(data.decode("utf-8"))
+            pairs = parse_ethtool_s(data.decode("utf-8"))
         except (UnicodeDecodeError, Malformed) as e:
             raise ReadError(f"{path}: {e}") from e
+        return [n for n, _ in pairs], [v for _, v in pairs]
 
     def close(self) -> None:
         pass
@@ -173,6 +188,7 @@ class EthtoolCollector:
         self._errors: dict[str, int] = {}
         self._warned: set[tuple[str, str]] = set()
         self._unavailable = False
+        self._plans: dict[str, tuple[Sequence[str], list[tuple[int, Stat]]]] = {}
         specs = (*_FAMILIES.values(), _ERRORS)
         self._put = SeriesCache(specs).put
 
@@ -204,15 +220,15 @@ class EthtoolCollector:
         return self._reader
 
     def collect(self) -> Iterable[Metric]:
-        names = self.interfaces()
-        reader = self._get_reader() if names else None
+        ifnames = self.interfaces()
+        reader = self._get_reader() if ifnames else None
         if reader is None:
             return []
         put = self._put
         fams = {k: s.family() for k, s in _FAMILIES.items()}
-        for ifname in names:
+        for ifname in ifnames:
             try:
-                pairs = reader.read(ifname)
+                names, values = reader.read(ifname)
             except Gone as e:
                 log.debug("ethtool %s: %s", ifname, e)
                 continue
@@ -222,9 +238,15 @@ class EthtoolCollector:
                 self._warned.add((ifname, str(e)))
                 log.log(level, "ethtool statistics of %s: %s", ifname, e)
                 continue
+            cached = self._plans.get(ifname)
+            if cached is None or (cached[0] is not names and cached[0] != names):
+                cached = self._plans[ifname] = (names, plan(names, self.all_stats))
+            if len(values) != len(names):
+                self._errors[ifname] = self._errors.get(ifname, 0) + 1
+                continue
             self._errors.setdefault(ifname, 0)
-            for st, value in select(pairs, self.all_stats):
-                put(fams[st.kind], [ifname, *st.labels], value)
+            for i, st in cached[1]:
+                put(fams[st.kind], [ifname, *st.labels], base_value(st, values[i]))
         out: list[Metric] = [f for f in fams.values() if f.samples]
         if self._errors:
             errors = cast(CounterMetricFamily, _ERRORS.family())

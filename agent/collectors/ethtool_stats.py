@@ -24,7 +24,7 @@ other statistic is kept too, by its name (unbounded: hundreds per mlx5 port, per
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -54,7 +54,7 @@ class Stat:
 
     kind: Kind
     labels: tuple[str, ...]
-    scale: float = 1.0
+    divisor: float = 1.0  # to base units
 
 
 def classify(name: str, all_stats: bool = False) -> Stat | None:
@@ -63,14 +63,14 @@ def classify(name: str, all_stats: bool = False) -> Stat | None:
     if m:
         direction, prio, duration = _DIRECTION[m[1]], m[2], m[3]
         if duration:
-            return Stat("pause_seconds", (prio, direction), 1e-6)  # microseconds
+            return Stat("pause_seconds", (prio, direction), 1e6)  # microseconds
         return Stat("pause_frames", (prio, direction))
     m = _GLOBAL_PAUSE.match(name)
     if m:
         return Stat("pause_frames", ("global", _DIRECTION[m[1]]))
     m = _GLOBAL_PAUSE_DURATION.match(name)
     if m:
-        return Stat("pause_seconds", ("global", _DIRECTION[m[1]]), 1e-6)
+        return Stat("pause_seconds", ("global", _DIRECTION[m[1]]), 1e6)
     level = _STORM.get(name)
     if level is not None:
         return Stat("storm", (level,))
@@ -110,9 +110,23 @@ def parse_ethtool_s(text: str) -> list[tuple[str, int]]:
     return out
 
 
-def select(pairs: Iterable[tuple[str, int]], all_stats: bool = False) -> Iterator[tuple[Stat, float]]:
-    """The pairs that feed a series, with their values in base units."""
-    for name, value in pairs:
+def plan(names: Sequence[str], all_stats: bool = False) -> list[tuple[int, Stat]]:
+    """Where each statistic of a driver's name list goes: ``(position, Stat)`` for those that feed a series.
+    A driver's names repeat every read, so a collector computes this once per name list."""
+    out = []
+    for i, name in enumerate(names):
         st = classify(name, all_stats)
         if st is not None:
-            yield st, value * st.scale
+            out.append((i, st))
+    return out
+
+
+def select(pairs: Iterable[tuple[str, int]], all_stats: bool = False) -> Iterator[tuple[Stat, float]]:
+    """The pairs that feed a series, with their values in base units."""
+    pairs = list(pairs)
+    for i, st in plan([n for n, _ in pairs], all_stats):
+        yield st, base_value(st, pairs[i][1])
+
+
+def base_value(st: Stat, value: int) -> float:
+    return value / st.divisor if st.divisor != 1.0 else value

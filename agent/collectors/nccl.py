@@ -88,7 +88,8 @@ class NcclCollector:
             return
         except OSError as err:
             self._error("directory")
-            log.warning("NCCL trace directory %s: %s", self.directory, err.strerror or err)
+            level = logging.WARNING if self._errors["directory"] == 1 else logging.DEBUG
+            log.log(level, "NCCL trace directory %s: %s", self.directory, err.strerror or err)
             return
         stats: list[tuple[int, str, os.stat_result]] = []
         for entry in entries:

@@ -24,11 +24,13 @@ import weakref
 from pathlib import Path
 from typing import Protocol
 
+from gpufleet.agent.fake.ethtool import SimEthtool
 from gpufleet.agent.fake.noise import uniform
 from gpufleet.agent.fake.sysfs import (
     IB_COUNTER_FILES,
     ValueWriter,
     add_ib_device,
+    add_netdev,
     add_pci_function,
     add_port,
     aer_files,
@@ -75,12 +77,14 @@ class SimHostSysfs:
         self.root = tempfile.mkdtemp(prefix="gpufleet-sim-sysfs-")
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.root, True)
         self._nics: list[tuple[str, int]] = []  # (device name, gpu index)
+        self._netdevs: dict[str, int] = {}  # interface -> position in _nics
         self._values = ValueWriter(Path(self.root))
         self._refreshing = threading.Lock()
         self._refreshed_at = -math.inf
         self._closed = False
         self._build()
         self.refresh()
+        self.ethtool = SimEthtool(self._netdevs, self._port_counters)
 
     def _build(self) -> None:
         root = Path(self.root)
@@ -107,6 +111,10 @@ class SimHostSysfs:
             add_port(dev, 1, files={
                 "rate": _IB_RATE, "state": "4: ACTIVE", "phys_state": "5: LinkUp", "link_layer": "InfiniBand",
                 "lid": f"0x{0x100 + inv.index:x}"})
+            # its network interface (an Ethernet/RoCE port's netdev; ethtool statistics: fake/ethtool.py)
+            ifname = f"ens{inv.index + 1}f0np0"
+            add_netdev(root, nic_fn, ifname)
+            self._netdevs[ifname] = len(self._nics) - 1
             # PCIe Gen5 x16 everywhere and AER statistics with no errors on every function of both paths
             # (the root port, switch[1], with its root-port totals too)
             for chain in ([*switch, f"{dom:04x}:{down_bus:02x}:00.0", gpu], [*switch, f"{dom:04x}:{down_bus:02x}:01.0", nic]):
@@ -131,6 +139,13 @@ class SimHostSysfs:
         hw = dict.fromkeys(_IB_HW_COUNTERS, 0)
         hw.update(np_ecn_marked_roce_packets=ecn, np_cnp_sent=ecn, rp_cnp_handled=ecn)
         return counters, hw
+
+    def _port_counters(self, k: int) -> tuple[int, int, int, int, float]:
+        """(tx bytes, rx bytes, tx packets, rx packets, elapsed seconds) of the k-th NIC, now."""
+        _, gpu = self._nics[k]
+        counters, _ = self._counters(gpu, self._sim.elapsed())
+        data = counters["port_xmit_data"] * 4
+        return data, data, counters["port_xmit_packets"], counters["port_rcv_packets"], self._sim.elapsed()
 
     def maybe_refresh(self, now: float) -> None:
         """Rewrite the counters if ``now`` (simulator time) is REFRESH_S past the last rewrite."""

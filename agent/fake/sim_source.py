@@ -201,6 +201,8 @@ class SimSource:
         if sysfs:
             self._sysfs = SimHostSysfs(self, NVLINK_TRAIN_BYTES_S)
             self.sysfs_root = self._sysfs.root
+        #: the NICs' driver statistics (``read(interface)``), for the agent's ethtool collector
+        self.ethtool: object | None = self._sysfs.ethtool if self._sysfs is not None else None
 
     # --------------------------------------------------------------- the model
 

@@ -110,6 +110,16 @@ def add_ib_device(root: Path, name: str, function: Path, *, files: Mapping[str, 
     return dev
 
 
+def add_netdev(root: Path, function: Path, ifname: str, *, files: Mapping[str, str] | None = None) -> Path:
+    """Network interface ``ifname`` of the PCI function directory ``function``: ``<function>/net/<ifname>``
+    with its attribute ``files`` and the ``class/net/<ifname>`` link; returns its directory."""
+    d = function / "net" / ifname
+    d.mkdir(parents=True, exist_ok=True)
+    write_files(d, files or {})
+    _link(root, root / "class" / "net" / ifname, d, False)
+    return d
+
+
 def add_port(device: Path, port: int = 1, *, files: Mapping[str, str] | None = None,
              counters: Mapping[str, int] | None = None, hw_counters: Mapping[str, int] | None = None) -> Path:
     """Port ``port`` of an InfiniBand device: its attribute ``files`` (``rate``, ``state``, ``phys_state``,

@@ -30,10 +30,16 @@ Catalogue (``kind``: signature -> expected findings):
 * ``ib_link_flapping`` (NIC): the link goes down 1..30 times an hour: ``link_downed`` increments,
   state DOWN/phys Polling for the tick, collectives stall. -> network/network, straggler/network.
 * ``network_congestion`` (node's NICs): effective bandwidth 85%..35%, ``port_xmit_wait`` and the
-  RoCE ECN/CNP hw counters (np_ecn_marked_roce_packets, np_cnp_sent, rp_cnp_handled) storm.
+  RoCE ECN/CNP hw counters (np_ecn_marked_roce_packets, np_cnp_sent, rp_cnp_handled) storm;
+  PFC pauses the ports 5%..40% of the time, an obvious case drops (``rx_prio3_buf_discard``).
   -> network/network, straggler/network.
+* ``roce_pause_storm`` (node's NICs): a RoCE fabric running PFC without ECN marking (DCQCN off) in a
+  pause storm: the ports are paused 10%..50% of the time (``gpufleet_nic_pause_duration_seconds_total``,
+  priority 3, receive) and send that much less; an obvious case drops. No xmit_wait or ECN/CNP
+  signature (RoCE ports). -> straggler/network.
 * ``pcie_downgrade`` (GPU): link trains down (marginal gen4 x16, moderate gen4 x8, obvious gen3 x4);
-  ``pcie_replay`` counts; GPUDirect traffic of that rank is bounded by PCIe. -> straggler/pcie.
+  ``pcie_replay`` counts and correctable AER reports (``gpufleet_pcie_aer_reports_total``) arrive at
+  0.1..3 per second; GPUDirect traffic of that rank is bounded by PCIe. -> straggler/pcie.
 * ``nvlink_down`` (GPU): 1..6 NVLink links go down (``nvlink_up`` 0, replay/recovery errors just
   before); the GPU's NVLink bandwidth and so the job's intra-node collective slow. -> straggler/network.
 * ``hbm_ecc`` (GPU): corrected ECC errors at 2..200 per hour from onset, then (after 2 h..5 min) one
@@ -42,7 +48,8 @@ Catalogue (``kind``: signature -> expected findings):
 * ``xid79`` (GPU): the GPU falls off the bus: XID 79 once, ``gpu_up`` 0, the job on the node dies;
   at ``end`` the node reboots (all counters of the node reset, scrapes missing for the reboot). -> none.
 * ``slow_host`` (node): the data loader starves the node's GPUs (5%..60% of a step): its GPUs show
-  lower utilization and activity but no GPU-level fault, and the whole job slows. -> straggler/host.
+  lower utilization and activity but no GPU-level fault, and the whole job slows; the node's CPU
+  pressure (PSI cpu some) rises to 15%..70% of the time, its peers stay at their 0.1%..3%. -> straggler/host.
 * ``pue_drift`` (site): facility power / IT power rises by +0.03..+0.20 over 2 hours (cooling plant
   degrading), independent of weather. -> pue_drift (cause null).
 
@@ -224,6 +231,23 @@ class NetworkCongestion(Fault):
         n = self.nics(p)
         p.mods.nic_factor[n] *= lerp(0.85, 0.35, self.severity)
         p.mods.congestion[n] = max(float(p.mods.congestion[n].max()), lerp(0.3, 1.0, self.severity))
+        # RoCE: the congested ports are paused by PFC on the lossless priority; an obvious case overflows.
+        p.mods.pfc_pause[n] = max(float(p.mods.pfc_pause[n].max()), lerp(0.05, 0.4, self.severity))
+        p.mods.discards_per_s[n] += 2.0 if self.severity >= 0.67 else 0.0
+
+
+class RocePauseStorm(Fault):
+    kind = "roce_pause_storm"
+    target = "node"
+    findings = (("straggler", "network"),)
+    signals = ("gpufleet_nic_pause_duration_seconds_total{direction=receive}", "gpufleet_nic_discards_total")
+
+    def apply(self, p: Physics, t: float, dt: float) -> None:
+        n = self.nics(p)
+        paused = lerp(0.1, 0.5, self.severity)
+        p.mods.pfc_pause[n] = max(float(p.mods.pfc_pause[n].max()), paused)
+        p.mods.nic_factor[n] *= 1.0 - paused  # a paused port sends nothing
+        p.mods.discards_per_s[n] += 1.0 if self.severity >= 0.67 else 0.0
 
 
 class PcieDowngrade(Fault):
@@ -242,6 +266,7 @@ class PcieDowngrade(Fault):
         p.mods.pcie_gen[g] = gen
         p.mods.pcie_width[g] = width
         p.mods.pcie_replay_per_s[g] += lerp(0.02, 1.0, self.severity)
+        p.mods.aer_cor_per_s[g] += lerp(0.1, 3.0, self.severity)  # the link throws correctable errors
 
 
 class NvlinkDown(Fault):
@@ -312,6 +337,8 @@ class SlowHost(Fault):
 
     def apply(self, p: Physics, t: float, dt: float) -> None:
         p.mods.loader[self.gpus(p)] = lerp(0.05, 0.6, self.severity)
+        assert self.node is not None
+        p.mods.cpu_pressure[self.node] = lerp(0.15, 0.7, self.severity)  # the data loaders wait for CPU
 
 
 class PueDrift(Fault):
@@ -353,8 +380,8 @@ class FaultSchedule:
 
 FAULTS: dict[str, type[Fault]] = {
     c.kind: c for c in (
-        CoolingFailure, IntermittentThermal, PowerBrake, PowerCap, ClockStuckLow, IbLinkDegraded, IbLinkFlapping, NetworkCongestion,
-        PcieDowngrade, NvlinkDown, HbmEcc, Xid79, SlowHost, PueDrift,
+        CoolingFailure, IntermittentThermal, PowerBrake, PowerCap, ClockStuckLow, IbLinkDegraded, IbLinkFlapping,
+        NetworkCongestion, PcieDowngrade, NvlinkDown, HbmEcc, Xid79, SlowHost, PueDrift, RocePauseStorm,
     )
 }
 

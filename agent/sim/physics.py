@@ -88,6 +88,12 @@ class Mods:
         self.symbol_errors_per_s = np.zeros(n)
         self.congestion = np.zeros(n)
         self.pue_add = np.zeros(s)
+        # Fabric and host evidence (issue 13): CPU pressure stall fraction added per node, PFC paused fraction
+        # and buffer drops per NIC, correctable PCIe AER reports per GPU.
+        self.cpu_pressure = np.zeros(len(p.fleet.nodes))
+        self.pfc_pause = np.zeros(n)
+        self.discards_per_s = np.zeros(n)
+        self.aer_cor_per_s = np.zeros(g)
 
 
 @dataclass
@@ -180,6 +186,15 @@ class Physics:
         self.nic_wait = np.zeros(n)
         self.nic_err = np.zeros((n, len(NIC_ERRORS)), dtype=np.int64)
         self.nic_hw = np.zeros((n, len(NIC_HW)))
+        # Fabric and host evidence (issue 13): PSI cpu "some" seconds per node (a small, node-specific baseline
+        # of system daemons), PFC pause seconds received and buffer discards per NIC, correctable AER reports.
+        # Their own random stream, so the rest of the simulation draws exactly what it drew before them.
+        self._fabric_rng = np.random.default_rng([int(start_unix), len(f.nodes), 13])
+        self.host_psi_cpu = np.zeros(len(f.nodes))
+        self.host_psi_base = self._fabric_rng.uniform(0.002, 0.02, len(f.nodes))
+        self.nic_pause_s = np.zeros(n)
+        self.nic_discards = np.zeros(n, dtype=np.int64)
+        self.aer_cor = np.zeros(g, dtype=np.int64)
         s = len(f.sites)
         self.outdoor = np.zeros(s)
         self.it_power = np.zeros(s)
@@ -238,6 +253,10 @@ class Physics:
         self.nic_pkts[nics] = 0.0
         self.nic_wait[nics] = 0.0
         self.nic_err[nics] = 0
+        self.nic_pause_s[nics] = 0.0
+        self.nic_discards[nics] = 0
+        self.aer_cor[g] = 0
+        self.host_psi_cpu[node] = 0.0
         self.nic_hw[nics] = 0.0
         self.node_down_until[node] = t + REBOOT_DOWNTIME_S
         self.reboots.append((node, t))
@@ -447,11 +466,16 @@ class Physics:
         self.nic_err[:, 0] += rng.poisson(m.symbol_errors_per_s * dt)
         self.nic_err[:, 1] += m.nic_down.astype(np.int64)
         self.nic_err[:, 2] += m.nic_down.astype(np.int64) + rng.poisson(m.symbol_errors_per_s * dt * 0.02)
+        # PFC: a congested fabric pauses the ports on the hot priority; a baseline of brief pauses at load.
+        self.nic_pause_s += dt * np.clip(np.where(nic_tx > 0, 2e-4, 0.0) + m.pfc_pause, 0.0, 1.0)
+        self.nic_discards += self._fabric_rng.poisson(m.discards_per_s * dt)
+        self.aer_cor += self._fabric_rng.poisson(m.aer_cor_per_s * dt)
         self.nic_rate = m.nic_rate_gbps
         self.nic_state = np.where(m.nic_down, 1, 4)
         self.nic_phys = np.where(m.nic_down, 2, 5)
 
         # ---------------- nodes and sites
+        self.host_psi_cpu += dt * np.clip(self.host_psi_base * (0.5 + node_busy) + m.cpu_pressure, 0.0, 1.0)
         self.node_power = np.zeros(len(f.nodes))
         np.add.at(self.node_power, f.gpu_node, power)
         self.node_power += np.where(self.node_down_until <= t, HOST_POWER_W * (0.6 + 0.4 * node_busy), 0.0)

@@ -1,4 +1,5 @@
-"""Network: InfiniBand/RoCE throughput, xmit_wait, ECN/CNP, errors, the GPU <-> NIC mapping, Ethernet."""
+"""Network: InfiniBand/RoCE throughput, xmit_wait, ECN/CNP next to PFC pause and discards, errors, the GPU <-> NIC
+mapping, Ethernet."""
 
 from __future__ import annotations
 
@@ -38,6 +39,19 @@ dashboard = p.build(
             (p.timeseries("gpufleet_ib_hw_counters_total", "RoCE ECN / CNP",
                           Q(_rate("gpufleet_ib_hw_counters_total", 'counter=~".*(ecn|cnp).*"'),
                             PORT + " {{counter}}"), op="rate"), 12, 8),
+            # Next to ECN/CNP: PFC should fire rarely when congestion control marks first.
+            (p.timeseries("gpufleet_nic_pause_duration_seconds_total", "RoCE PFC paused fraction",
+                          Q(_rate("gpufleet_nic_pause_duration_seconds_total"),
+                            "{{instance}} {{interface}} prio {{priority}} {{direction}}"), op="rate"), 12, 8),
+            (p.timeseries("gpufleet_nic_pause_frames_total", "RoCE PFC / pause frames",
+                          Q(_rate("gpufleet_nic_pause_frames_total"),
+                            "{{instance}} {{interface}} prio {{priority}} {{direction}}"), op="rate"), 12, 8),
+            (p.timeseries("gpufleet_nic_discards_total", "RoCE discards (buffer, congestion)",
+                          Q(_rate("gpufleet_nic_discards_total"), "{{instance}} {{interface}} {{stat}}"),
+                          op="rate"), 12, 8),
+            (p.timeseries("gpufleet_nic_pause_storm_events_total", "NIC pause-storm events",
+                          Q(_rate("gpufleet_nic_pause_storm_events_total"), "{{instance}} {{interface}} {{level}}"),
+                          op="rate"), 12, 8),
         ]),
         ("Errors and state", [
             (p.timeseries("gpufleet_ib_port_errors_total", "Port errors",
@@ -46,6 +60,9 @@ dashboard = p.build(
                           Q(f"gpufleet_ib_port_state_id{{{N}}}", PORT)), 12, 8),
             (p.timeseries("gpufleet_ib_port_physical_state_id", "Physical port state (5 = LinkUp)",
                           Q(f"gpufleet_ib_port_physical_state_id{{{N}}}", PORT)), 12, 8),
+            (p.timeseries("gpufleet_nic_phy_errors_total", "RoCE/Ethernet PHY errors (CRC, symbol, FEC-corrected bits)",
+                          Q(_rate("gpufleet_nic_phy_errors_total"), "{{instance}} {{interface}} {{stat}}"),
+                          op="rate"), 12, 8),
             (p.timeseries("gpufleet_net_errors_total", "Ethernet errors",
                           Q(_rate("gpufleet_net_errors_total"), "{{instance}} {{interface}} {{direction}}"),
                           op="rate"), 12, 8),

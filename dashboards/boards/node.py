@@ -14,7 +14,7 @@ from gpufleet.dashboards.panels import GPU, NODE, SITE
 GROUPS = (
     ("GPU", "gpu"), ("XID", "xid"), ("Jobs", "jobs"), ("InfiniBand / RoCE and Ethernet", "nic"),
     ("GPU / NIC topology", "topology"), ("PCIe (AER, links)", "pcie"), ("Host", "host"),
-    ("Pressure (PSI)", "pressure"), ("Agent", "exporter"),
+    ("Pressure (PSI)", "pressure"), ("NCCL collectives (profiler plugin)", "nccl"), ("Agent", "exporter"),
     ("MIG", "mig"), ("Processes and their owners", "processes"),
 )
 

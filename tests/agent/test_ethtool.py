@@ -151,15 +151,17 @@ def test_live_ioctl_reads_what_ethtool_prints() -> None:
     try:
         for ifname in sorted(os.listdir("/sys/class/net")):
             try:
-                live = reader.read(ifname)
+                names, values = reader.read(ifname)
             except Gone:
                 continue
             out = subprocess.run([ethtool, "-S", ifname], capture_output=True, text=True, timeout=10)
             if out.returncode != 0:
                 continue
             printed = parse_ethtool_s(out.stdout)
-            assert [n for n, _ in live] == [n for n, _ in printed], ifname
-            assert all(v >= 0 for _, v in live)
+            assert list(names) == [n for n, _ in printed], ifname
+            assert len(values) == len(names) and all(v >= 0 for v in values)
+            # counters only grow: what ethtool printed after the ioctl is at least what the ioctl read
+            assert sum(v <= w for v, (_, w) in zip(values, printed, strict=True)) >= 0.9 * len(names)
             compared += 1
         with pytest.raises(Gone, match="no such interface"):
             reader.read("gpufleet-none0")
@@ -185,3 +187,25 @@ def test_flags() -> None:
     for bad in ("a/b", "x" * 16, "has space"):
         with pytest.raises(settings.UsageError, match="network interface name"):
             settings.resolve(["--collector.ethtool.interfaces", bad], env={})
+
+
+def test_simulated_host_serves_its_roce_ports() -> None:
+    """--nvml.fake=sim: the fake host's NICs have netdevs under their PCI functions and mlx5 statistics with
+    PFC on priority 3; the agent finds them through class/infiniband and exports the allowlist only."""
+    from gpufleet.agent.app import Agent
+    from gpufleet.agent.config import COLLECTORS, AgentConfig
+
+    agent = Agent(AgentConfig(nvml_fake="sim:2", collectors={c: c == "ethtool" for c in COLLECTORS}))
+    agent.start()
+    try:
+        body, _ = agent.exposition(None)
+    finally:
+        agent.close()
+    got = {(s.name, frozenset(s.labels.items())): s.value
+           for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
+    assert {dict(k[1])["interface"] for k in got if k[0] == "gpufleet_nic_pause_frames_total"} == {
+        "ens1f0np0", "ens2f0np0"}
+    assert key("gpufleet_nic_pause_duration_seconds_total", interface="ens2f0np0", priority="3",
+               direction="receive") in got
+    assert not any(k[0] == "gpufleet_nic_ethtool_stat" for k in got)
+    assert got[key("gpufleet_scrape_collector_success", collector="ethtool")] == 1

@@ -121,6 +121,10 @@ def test_partial_file_and_limits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 def test_no_directory_no_series(tmp_path: Path) -> None:
     assert scrape(NcclCollector("")) == {}
     assert scrape(NcclCollector(str(tmp_path / "absent"))) == {}
+    (tmp_path / "a-file").write_text("")
+    c = NcclCollector(str(tmp_path / "a-file"))
+    scrape(c)
+    assert scrape(c) == {key("gpufleet_nccl_read_errors_total", reason="directory"): 2}
     shutil.copy(FIXTURES / "nccl" / "readme-example-allreduce.txt", tmp_path / "job.gpu1-host-4157654.txt")
     got = scrape(NcclCollector(str(tmp_path)))
     assert got[key("gpufleet_nccl_collectives_total", gpu="1", job_id="job", collective="AllReduce")] == 1

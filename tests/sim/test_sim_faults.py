@@ -117,6 +117,9 @@ SIGNATURES: dict[str, tuple[set[str], Check]] = {
     "xid79": ({"gpufleet_gpu_up"}, lambda s: _eq(one(s, "gpufleet_gpu_up", gpu="4", **N2), 0)),
     "slow_host": ({"gpufleet_gpu_utilization_ratio"},
                   lambda s: _below(one(s, "gpufleet_gpu_utilization_ratio", gpu="2", **N2), 0.9)),
+    "roce_pause_storm": ({"gpufleet_nic_pause_duration_seconds"},
+                         lambda s: _rises(one(s, "gpufleet_nic_pause_duration_seconds_total", interface="ens1f0np0",
+                                              **N2), 5.0)),
 }
 
 

@@ -130,6 +130,12 @@ def write(w: OmWriter, c: Context) -> None:
     gpu_metric("gpufleet_gpu_pcie_link_generation_max", ones * c.sim.physics.pcie_gen_max[None, :], 0)
     gpu_metric("gpufleet_gpu_pcie_link_width_max", ones * c.sim.physics.pcie_width_max[None, :], 0)
     gpu_metric("gpufleet_gpu_pcie_replay_total", fr["pcie_replay"], 0)
+    # ---- PCIe AER (the GPU functions; the agent's pcie collector names them by PCI address)
+    fam("gpufleet_pcie_aer_reports_total")
+    w.block([prefix("gpufleet_pcie_aer_reports_total",
+                    {"device": c.sim.pci_bus_id(int(c.gpu_node[g]), int(c.gpu_local[g]))[4:].lower(),
+                     "kind": "correctable", **target(int(c.gpu_node[g]))}) for g in g_all],
+            fr["aer_cor"], 0, c.gpu_present)
     if not full:
         _xid_families(w, c, target)
         _nics(w, c, fam, target)
@@ -160,6 +166,10 @@ def _nics(w: OmWriter, c: Context, fam: Callable[[str], str], target: Callable[[
     fam("gpufleet_node_gpu_energy_joules_total")
     node_energy = fr["energy"].reshape(w.n_ticks, len(c.nodes), f.gpus_per_node).sum(axis=2)
     w.block([prefix("gpufleet_node_gpu_energy_joules_total", t) for t in node_t], node_energy, 3, fr["present"])
+    # ---- host CPU pressure (PSI)
+    fam("gpufleet_host_pressure_stalled_seconds_total")
+    w.block([prefix("gpufleet_host_pressure_stalled_seconds_total", {"resource": "cpu", "kind": "some", **t})
+             for t in node_t], fr["host_psi_cpu"], 6, fr["present"])
     # ---- NICs (InfiniBand/RoCE)
     nic_t = [{"device": f"mlx5_{int(f.nic_local[n])}", "port": "1", **target(int(f.nic_node[n]))}
              for n in range(f.n_nics)]
@@ -201,6 +211,16 @@ def _nics(w: OmWriter, c: Context, fam: Callable[[str], str], target: Callable[[
     fam("gpufleet_ib_port_errors_total")
     for k, err in enumerate(NIC_ERRORS if full else NIC_ERRORS[:2]):
         nic_metric("gpufleet_ib_port_errors_total", fr["nic_err"][:, :, k], 0, {"error": err}, header=False)
+    # RoCE driver statistics (ethtool -S) of the GPU NICs' netdevs: PFC pause on priority 3, buffer discards
+    roce = [n for n in range(f.n_nics) if not f.nic_is_host[n]]
+    if roce:
+        eth_t = [{"interface": f"ens{int(f.nic_local[n]) + 1}f0np0", **target(int(f.nic_node[n]))} for n in roce]
+        fam("gpufleet_nic_pause_duration_seconds_total")
+        w.block([prefix("gpufleet_nic_pause_duration_seconds_total", {**t, "priority": "3", "direction": "receive"})
+                 for t in eth_t], fr["nic_pause"][:, roce], 6, c.nic_present[:, roce])
+        fam("gpufleet_nic_discards_total")
+        w.block([prefix("gpufleet_nic_discards_total", {**t, "stat": "rx_prio3_buf_discard"}) for t in eth_t],
+                fr["nic_discards"][:, roce], 0, c.nic_present[:, roce])
     fam("gpufleet_ib_hw_counters_total")
     for k, counter in enumerate(NIC_HW[:3] if full else NIC_HW[:1]):
         nic_metric("gpufleet_ib_hw_counters_total", np.floor(fr["nic_hw"][:, :, k]), 0, {"counter": counter},
