@@ -191,8 +191,9 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
     with np.errstate(invalid="ignore"):
         maybe = ((nvl < 1) | (~np.isfinite(nvl) & (nvl_err >= 1)) | (gen < gen_max) | (width < width_max)
                  | ((replays >= 1) & ~np.isfinite(gen)))
-    if nic_flags:
-        flagged_nodes = {node for node, _ in nic_flags}
+    flagged_nodes = {node for node, _ in nic_flags}
+    flagged_nodes |= {node for node, (cause, _) in (node_causes or {}).items() if cause == "network"}
+    if flagged_nodes:
         maybe |= np.array([node in flagged_nodes for node in frame.nodes], dtype=bool)
     for i in np.flatnonzero(np.asarray(idx, dtype=bool) & maybe):
         if not frame.jobs[i]:
