@@ -193,6 +193,18 @@ KUBE: tuple[Query, ...] = (
 #: a Kubernetes fleet without gpufleet_gpu_job_info misses no input.
 GPUFLEET_PODS: tuple[Query, ...] = (_q("@job", "gpufleet_gpu_pod_info", "count"),)
 
+#: gpufleet: MIG slices (GPU instances) as entities of their own (detector.mig), passed through as ``meta``:
+#: each slice's identity and profile, its GPM activity, and its owner (the job of its processes' cgroups).
+MIG: tuple[Query, ...] = (
+    _q("@mig_info", "gpufleet_mig_device_info", "last", "meta"),
+    _q("@mig_samples", "gpufleet_mig_sm_active_ratio", "count", "meta"),
+    _q("mig_sm_active", "gpufleet_mig_sm_active_ratio", "avg", "meta"),
+    _q("mig_tensor", "gpufleet_mig_tensor_active_ratio", "avg", "meta"),
+    _q("mig_dram", "gpufleet_mig_dram_active_ratio", "avg", "meta"),
+    _q("@mig_owner", "gpufleet_gpu_owner_processes", "count", "meta",
+       (("gpu_instance", "=~", ".+"), ("owner_kind", "=~", "slurm_job|k8s_pod"))),
+)
+
 #: Site metrics used when no [[sites]] are configured (the simulator and DCIM bridges export these).
 SITE_DEFAULTS = {
     "facility_power": "gpufleet_site_facility_power_watts",
@@ -211,7 +223,7 @@ MASK_BITS = {"thr_power": reason_bits("sw_power_cap"), "thr_hw": reason_bits("hw
 
 def queries(profile: str) -> tuple[Query, ...]:
     if profile == "gpufleet":
-        return GPUFLEET + GPUFLEET_PODS + KUBE
+        return GPUFLEET + GPUFLEET_PODS + KUBE + MIG
     if profile == "dcgm":
         return DCGM + KUBE
     raise ValueError(f"unknown profile {profile!r}; profiles: {', '.join(PROFILES)}")
