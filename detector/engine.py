@@ -88,7 +88,7 @@ class Detector:
         snap = shard.select(snap, cfg.shard)  # --shard i/N: this replica's jobs only (NIC peers span the fleet)
         st = straggler.score(snap.gpu, cfg.straggler, nic_flags, causes.node_causes(snap.node, snap.gpu, cfg.causes))
         cands: list[tuple[str, Candidate]] = [("straggler", c) for c in st.candidates]
-        slices = mig.score(snap, cfg.straggler, self.naming, cfg.coverage)  # MIG slices: peers by job and profile
+        slices = mig.score(snap, cfg.straggler, self.naming, cfg.coverage, cfg.shard)  # MIG slices: job+profile peers
         cands += [("straggler", c) for c in slices.candidates]
         cands += [("throttling", c) for c in throttling.find(snap.gpu, cfg.throttling)]
         cands += [("network", c) for c in nets]

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from gpufleet.detector import shard as sharding
 from gpufleet.detector import straggler
 from gpufleet.detector.features import FeatureFrame, GpuFrame, NodeNaming
 from gpufleet.detector.source import Result
@@ -75,14 +76,29 @@ def _rows(res: Result | None, naming: NodeNaming) -> list[tuple[SliceKey, dict[s
     return out
 
 
-def slice_frame(snap: FeatureFrame, naming: NodeNaming, coverage: float = 0.8) -> SliceFrame:
-    """The MIG slices of ``snap`` whose parent GPU is in ``snap.gpu`` (a shard's GPUs only)."""
+def slice_frame(snap: FeatureFrame, naming: NodeNaming, coverage: float = 0.8,
+                shard: sharding.Shard | None = None) -> SliceFrame:
+    """The MIG slices of ``snap`` (with ``shard``: the slices of the jobs it owns, as detector.shard shards GPUs).
+
+    The parent GPU's readings are NaN where ``snap.gpu`` does not have it (NVML reports no utilization for a
+    GPU in MIG mode, so a parent may have no sample count); the slice is still scored on its own series.
+    """
     meta = snap.meta
     profile: dict[SliceKey, str] = {}
+    site: dict[SliceKey, str] = {}
     for key, lb, _ in _rows(meta.get("@mig_info"), naming):
         profile.setdefault(key, lb.get("profile") or "?")
+        site.setdefault(key, lb.get("site") or "")
+    owners_all: dict[SliceKey, dict[str, float]] = defaultdict(dict)
+    for key, lb, v in _rows(meta.get("@mig_owner"), naming):
+        owner = lb.get("owner")
+        if key in profile and owner:
+            o = owners_all[key]
+            o[owner] = o.get(owner, 0.0) + v
+    keys = sorted(profile)
+    if shard is not None and shard.count > 1:
+        keys = [k for k in keys if shard.owns(sharding.gpu_key(_best(owners_all.get(k)), k[0]))]
     parents = {(n, g): i for i, (n, g) in enumerate(zip(snap.gpu.nodes, snap.gpu.gpus, strict=True))}
-    keys = sorted(k for k in profile if (k[0], k[1]) in parents)
     pos = {k: i for i, k in enumerate(keys)}
     n = len(keys)
     values = {f: np.full(n, np.nan) for f in (*OWN.values(), *PARENT, "samples")}
@@ -93,40 +109,42 @@ def slice_frame(snap: FeatureFrame, naming: NodeNaming, coverage: float = 0.8) -
         for key, _, v in _rows(meta.get(feat), naming):
             if key in pos:
                 values[name][pos[key]] = np.fmax(values[name][pos[key]], v)
-    owners: dict[int, dict[str, float]] = defaultdict(dict)
-    for key, lb, v in _rows(meta.get("@mig_owner"), naming):
-        owner = lb.get("owner")
-        if key in pos and owner:
-            o = owners[pos[key]]
-            o[owner] = o.get(owner, 0.0) + v
-    par = np.array([parents[(k[0], k[1])] for k in keys], dtype=np.int64)
+    owners = {pos[k]: o for k, o in owners_all.items() if k in pos}
+    par = np.array([parents.get((k[0], k[1]), -1) for k in keys], dtype=np.int64)
+    has = par >= 0
     for f in PARENT:
-        values[f] = snap.gpu.get(f)[par] if n else np.zeros(0)
+        values[f] = np.where(has, snap.gpu.get(f)[np.where(has, par, 0)], np.nan) if len(snap.gpu) else np.full(n, np.nan)
     samples = values["samples"]
-    gpu_samples = snap.gpu.get("samples")
-    full = float(np.nanmax(gpu_samples)) if len(gpu_samples) and np.isfinite(gpu_samples).any() else 0.0
+    both = np.concatenate((snap.gpu.get("samples"), samples))  # the fleet's full sample count in the window
+    full = float(np.nanmax(both)) if np.isfinite(both).any() else 0.0
     with np.errstate(invalid="ignore"):
         valid = (samples >= coverage * full) if full > 0 else np.zeros(n, dtype=bool)
     churn = np.zeros(n, dtype=bool)
     jobs: list[str | None] = [None] * n
     for i, o in owners.items():
-        best = max(sorted(o), key=lambda j: o[j])
+        best = _best(o)
         jobs[i] = best
-        churn[i] = len(o) > 1 or o[best] < coverage * samples[i]
+        churn[i] = len(o) > 1 or (best is not None and o[best] < coverage * samples[i])
     profs = [profile[k] for k in keys]
-    base = [snap.gpu.models[i].split(" MIG ")[0] for i in par.tolist()]
+    base = [snap.gpu.models[i].split(" MIG ")[0] if i >= 0 else "" for i in par.tolist()]
     frame = GpuFrame(
         nodes=[k[0] for k in keys], gpus=[slice_id(k[1], k[2]) for k in keys],
-        sites=[snap.gpu.sites[i] for i in par.tolist()],
+        sites=[snap.gpu.sites[i] if i >= 0 else site[k] for i, k in zip(par.tolist(), keys, strict=True)],
         jobs=[f"{j}@{p}" if j else None for j, p in zip(jobs, profs, strict=True)],
         models=[f"{b} slice {p}".strip() for b, p in zip(base, profs, strict=True)],
         values=values, valid=valid & np.isfinite(values["util"]), churn=churn)
     return SliceFrame(frame, keys, profs, jobs)
 
 
-def score(snap: FeatureFrame, p: StragglerParams, naming: NodeNaming, coverage: float = 0.8) -> SliceResult:
+def _best(owners: dict[str, float] | None) -> str | None:
+    """The owner with the most samples in the window (ties: the first name)."""
+    return max(sorted(owners), key=lambda j: owners[j]) if owners else None
+
+
+def score(snap: FeatureFrame, p: StragglerParams, naming: NodeNaming, coverage: float = 0.8,
+          shard: sharding.Shard | None = None) -> SliceResult:
     """Slice stragglers of ``snap`` (candidates name node, parent GPU, GPU instance, profile and job)."""
-    sf = slice_frame(snap, naming, coverage)
+    sf = slice_frame(snap, naming, coverage, shard)
     fr = sf.frame
     out = SliceResult(observed={(n, g) for n, g, v in zip(fr.nodes, fr.gpus, fr.valid, strict=True) if v})
     if not len(fr):

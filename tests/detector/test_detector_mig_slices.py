@@ -127,3 +127,13 @@ def test_a_recovered_slice_closes_its_finding() -> None:
         det.evaluate(1000.0 + 60.0 * k)
     closed = [f for f in det.tracker.closed if f.kind == "straggler"]
     assert [(f.gpu_instance, f.end) for f in closed] == [("9", 1180.0)]
+
+
+def test_slices_are_scored_when_the_parent_gpu_reports_no_utilization() -> None:
+    answers = _fleet(0.45)
+    del answers[_q("samples")], answers[_q("util")]  # NVML: no utilization on a GPU in MIG mode
+    det = Detector(fast_cfg(), Fixed(answers))
+    for k in range(3):
+        det.evaluate(1000.0 + 60.0 * k)
+    assert [(f.kind, f.node, f.gpu, f.gpu_instance, f.site) for f in det.tracker.all_findings()] == \
+        [("straggler", "a", "1", "9", "dc1")]
