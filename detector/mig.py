@@ -156,6 +156,8 @@ def score(snap: FeatureFrame, p: StragglerParams, naming: NodeNaming, coverage: 
     owner = {f"{j}@{pr}": j for j, pr in zip(sf.jobs, sf.profiles, strict=True) if j}
     for c in st.candidates:
         job = owner.get(c.job or "", c.job)
+        # a slice's "util" is its SM activity (GPM): name it so in the evidence and the summary
+        c = replace(c, evidence={("sm_active" if k == "util" else k): v for k, v in c.evidence.items()})
         if c.gpu is None:  # most of a node's slices of one job lag for one cause: one node-level finding
             prof = (c.job or "").rpartition("@")[2]
             out.candidates.append(replace(c, job=job, mig_profile=prof))

@@ -98,7 +98,7 @@ def test_the_lagging_slice_is_the_only_straggler_and_throttling_stays_on_the_par
     assert [(f.node, f.gpu, f.gpu_instance, f.mig_profile, f.job) for f in stragglers] == \
         [("a", "1", "9", "1g.10gb", "77")]
     s = stragglers[0]
-    assert s.summary.startswith("MIG slice 9 (1g.10gb) of GPU 1 on a in job 77 lags its peers")
+    assert s.summary.startswith("MIG slice 9 (1g.10gb) of GPU 1 on a in job 77 lags its peers (sm_active -")
     assert s.to_json()["gpu_instance"] == "9" and s.to_json()["mig_profile"] == "1g.10gb"
     # power and thermal are per parent GPU: the throttled parent's finding names no slice
     throttled = [(f.node, f.gpu, f.cause, f.gpu_instance) for f in found if f.kind == "throttling"]
