@@ -137,3 +137,13 @@ def test_slices_are_scored_when_the_parent_gpu_reports_no_utilization() -> None:
         det.evaluate(1000.0 + 60.0 * k)
     assert [(f.kind, f.node, f.gpu, f.gpu_instance, f.site) for f in det.tracker.all_findings()] == \
         [("straggler", "a", "1", "9", "dc1")]
+
+
+def test_shards_split_the_slices_by_job_and_report_the_slow_slice_once() -> None:
+    found = []
+    for i in range(3):
+        det = Detector(fast_cfg(detector__shard=f"{i}/3"), Fixed(_fleet(0.45)))
+        for k in range(3):
+            det.evaluate(1000.0 + 60.0 * k)
+        found += [(f.node, f.gpu, f.gpu_instance) for f in det.tracker.all_findings() if f.kind == "straggler"]
+    assert found == [("a", "1", "9")]
