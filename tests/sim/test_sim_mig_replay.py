@@ -5,25 +5,33 @@ no finding."""
 from __future__ import annotations
 
 import json
+import math
 import re
+import subprocess
 import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support import free_port, need_binary, running, wait_http
 
 from gpufleet.agent.sim.recording import record
 from gpufleet.agent.sim.scenario import ScenarioError, parse_scenario
 from gpufleet.agent.sim.simulator import Simulator
 from gpufleet.detector.config import parse
+from gpufleet.detector.engine import Detector
 from gpufleet.detector.findings import Finding
+from gpufleet.detector.profiles import MIG, sample_names
 from gpufleet.detector.replay import replay
+from gpufleet.detector.source_prometheus import PrometheusSource
+from gpufleet.detector.source_recording import RecordingSource
 
 SCENARIO = """
 name = "mig-slices"
 seed = 5
 duration = "45m"
 step = 15
+start = "2026-07-01T00:00:00Z"
 
 [[sites]]
 name = "site-a"
@@ -92,6 +100,37 @@ def test_the_recording_has_the_mig_series_the_agent_exports(
     assert re.search(r'^gpufleet_gpu_mig_mode_enabled\{gpu="1",state="current",instance="node-001:9445",'
                      r'job="gpufleet-agent",site="site-a"\} 1 ', text, re.M)
     assert "gpufleet_mig_device_info{" not in "".join(ln for ln in text.splitlines(True) if "node-002" in ln)
+
+
+def test_a_real_prometheus_gives_the_same_slices_and_finding(
+        faulty: tuple[dict[str, Any], list[Finding], Path], tmp_path: Path) -> None:
+    """The MIG queries as PromQL against the recording backfilled into Prometheus (promtool), on 127.0.0.1."""
+    labels, _, rec = faulty
+    data = tmp_path / "data"
+    subprocess.run([need_binary("promtool"), "tsdb", "create-blocks-from", "openmetrics", str(rec), str(data)],
+                   check=True, capture_output=True, timeout=120)
+    cfg_file = tmp_path / "prometheus.yml"
+    cfg_file.write_text("global:\n  scrape_interval: 1h\nscrape_configs: []\n")
+    port = free_port()
+    argv = [need_binary("prometheus"), f"--config.file={cfg_file}", f"--storage.tsdb.path={data}",
+            f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=100y"]
+    with running(argv, log=tmp_path / "prometheus.log"):
+        url = f"http://127.0.0.1:{port}"
+        wait_http(f"{url}/-/ready", timeout=60)
+        prom = PrometheusSource(url, timeout=10)
+        local = RecordingSource.load([rec], sample_names("gpufleet"))
+        t = labels["faults"][0]["onset"] + 600.0
+        for q in MIG:
+            want = {tuple(sorted(lab.items())): v for lab, v in local.query(q, t, 300.0)}
+            got = {tuple(sorted(lab.items())): v for lab, v in prom.query(q, t, 300.0)}
+            assert len(want) == 28 and set(want) == set(got), q.promql(300.0)
+            assert all(math.isclose(v, got[k], rel_tol=1e-9, abs_tol=1e-9) for k, v in want.items()), q.promql(300.0)
+        live = Detector(parse({}), prom)
+        for k in range(3):
+            live.evaluate(labels["faults"][0]["onset"] + 300.0 + 60.0 * k)
+        assert prom.query_errors == 0
+        assert [(f.kind, f.node, f.gpu, f.gpu_instance) for f in live.tracker.active.values()] == \
+            [("straggler", "node-001", "1", "9")]
 
 
 def test_a_healthy_mig_fleet_has_no_finding(tmp_path: Path) -> None:
