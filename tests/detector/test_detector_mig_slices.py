@@ -30,11 +30,12 @@ def _layout(node: str, gpu: str) -> list[tuple[str, str]]:
     return [(str(gi), "1g.10gb") for gi in range(7, 14)]
 
 
-def _fleet(slow: float | None) -> dict[Query, list[tuple[dict[str, str], float]]]:
+def _fleet(slow: float | None, hot: str = "") -> dict[Query, list[tuple[dict[str, str], float]]]:
     """Job 77: every 1g.10gb slice but gi 13, and b/1's 3g.40gb slice (SM activity 0.4, busy for its size);
     job 88: gi 13 of a/0, a/1, b/0 (3 slices, below min_peers; one lags); b/2's gi 13 has no job; the 1g
     slices' activity 0.8 except a/1 gi 9 at ``slow``. Parents a/0, a/1, b/0, b/2 share job 77 and layout;
-    a/0's whole-GPU tensor activity stands out, and b/0 is thermally throttled."""
+    a/0's whole-GPU tensor activity stands out, and b/0 is thermally throttled (with ``hot``, that node's GPUs too,
+    their SM clocks 25 % down)."""
     info, samples, active, tensor, owner = [], [], [], [], []
     for n, g in PARENTS:
         for gi, prof in _layout(n, g):
@@ -61,10 +62,10 @@ def _fleet(slow: float | None) -> dict[Query, list[tuple[dict[str, str], float]]
         _q("@job", "gpufleet_gpu_job_info"): [(lab(n, g, job_id="77"), 20.0) for n, g in PARENTS],
         _q("@model"): [(lab(n, g, name=H100), 1.0) for n, g in PARENTS],
         _q("@mig"): info,
-        _q("sm_clock"): [(lab(n, g), 1.98e9) for n, g in PARENTS],
+        _q("sm_clock"): [(lab(n, g), 1.5e9 if n == hot else 1.98e9) for n, g in PARENTS],
         _q("tensor"): [(lab(n, g), 0.9 if (n, g) == ("a", "0") else 0.3) for n, g in PARENTS],
-        _q("thr_thermal", "gpufleet_gpu_clock_event_active"): [(lab(n, g), 1.0 if (n, g) == ("b", "0") else 0.0)
-                                                                for n, g in PARENTS],
+        _q("thr_thermal", "gpufleet_gpu_clock_event_active"): [
+            (lab(n, g), 1.0 if (n, g) == ("b", "0") or n == hot else 0.0) for n, g in PARENTS],
         _q("@mig_info"): info,
         _q("@mig_samples"): samples,
         _q("mig_sm_active"): active,
@@ -147,3 +148,16 @@ def test_shards_split_the_slices_by_job_and_report_the_slow_slice_once() -> None
             det.evaluate(1000.0 + 60.0 * k)
         found += [(f.node, f.gpu, f.gpu_instance) for f in det.tracker.all_findings() if f.kind == "straggler"]
     assert found == [("a", "1", "9")]
+
+
+def test_slices_of_a_hot_node_are_one_node_level_finding_with_the_parents_cause() -> None:
+    det = Detector(fast_cfg(), Fixed(_fleet(None, hot="a")))
+    for k in range(3):
+        det.evaluate(1000.0 + 60.0 * k)
+    found = sorted((f.kind, f.node, f.gpu, f.cause, f.job, f.mig_profile) for f in det.tracker.all_findings())
+    # job 77's twelve 1g.10gb slices on node a lag, held down by their parents' thermal slowdown: one finding
+    assert found == [("straggler", "a", None, "thermal", "77", "1g.10gb"),
+                     ("throttling", "a", None, "thermal", "77", ""),  # per parent GPU: both of node a's
+                     ("throttling", "b", "0", "thermal", "77", "")]
+    s = next(f for f in det.tracker.all_findings() if f.kind == "straggler")
+    assert s.summary.startswith("12 1g.10gb MIG slices of a in job 77 lag their peers")
