@@ -88,8 +88,7 @@ class Detector:
         snap = shard.select(snap, cfg.shard)  # --shard i/N: this replica's jobs only (NIC peers span the fleet)
         st = straggler.score(snap.gpu, cfg.straggler, nic_flags, causes.node_causes(snap.node, snap.gpu, cfg.causes))
         cands: list[tuple[str, Candidate]] = [("straggler", c) for c in st.candidates]
-        slices = mig.score(snap, cfg.straggler, self.naming, cfg.coverage, cfg.shard)  # MIG slices: job+profile peers
-        cands += [("straggler", c) for c in slices.candidates]
+        slices = mig.score(snap, cfg, self.naming)  # MIG slices: peers by job and profile (added after attribute)
         cands += [("throttling", c) for c in throttling.find(snap.gpu, cfg.throttling)]
         cands += [("network", c) for c in nets]
         pue_states: dict[str, PueState] = {}
@@ -121,6 +120,7 @@ class Detector:
             return (node, gpu) in gpus_ok if gpu else node in nodes_ok
 
         jobs.attribute(cands, snap.gpu)
+        cands += [("straggler", c) for c in slices.candidates]  # named by their own pods, not their GPU's
         self.tracker.update(t, cands, observed)
         result = Evaluation(t, snap, st, pue_states, cands, time.perf_counter() - started)
         self.last = result

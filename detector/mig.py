@@ -24,11 +24,13 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from gpufleet.agent.vocab import exporters
+from gpufleet.detector import jobs, straggler
 from gpufleet.detector import shard as sharding
-from gpufleet.detector import straggler
+from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.features import FeatureFrame, GpuFrame, NodeNaming
 from gpufleet.detector.source import Result
-from gpufleet.detector.straggler import Candidate, StragglerParams
+from gpufleet.detector.straggler import Candidate
 
 #: Slice features read from their own series (detector.profiles MIG queries) -> frame feature.
 OWN = {"mig_sm_active": "util", "mig_tensor": "tensor", "mig_dram": "dram"}
@@ -76,9 +78,31 @@ def _rows(res: Result | None, naming: NodeNaming) -> list[tuple[SliceKey, dict[s
     return out
 
 
-def slice_frame(snap: FeatureFrame, naming: NodeNaming, coverage: float = 0.8,
-                shard: sharding.Shard | None = None) -> SliceFrame:
-    """The MIG slices of ``snap`` (with ``shard``: the slices of the jobs it owns, as detector.shard shards GPUs).
+def _pod_rows(res: Result | None, naming: NodeNaming) -> list[tuple[tuple[str, str], tuple[str, str], float]]:
+    """((node, MIG UUID), (namespace, pod), samples) of each pod-info series of a MIG device."""
+    if res is None:
+        return []
+    out = []
+    for sid, v in zip(res.ids.tolist(), res.values.tolist(), strict=True):
+        lb = res.table.labels[sid]
+        node, dev = naming.node(lb), lb.get("device", "")
+        pod = lb.get(exporters.EXPORTED_POD_LABEL)  # honor_labels false: "pod" is the agent's own
+        pk = (lb.get(exporters.EXPORTED_NAMESPACE_LABEL, ""), pod) if pod else (lb.get("namespace", ""),
+                                                                               lb.get(exporters.DCGM_POD_LABEL, ""))
+        if node and dev and pk[1]:
+            out.append(((node, dev), pk, float(v)))
+    return out
+
+
+def _add(d: dict[SliceKey, dict[str, float]], key: SliceKey, name: str, v: float) -> None:
+    o = d[key]
+    o[name] = o.get(name, 0.0) + v
+
+
+def slice_frame(snap: FeatureFrame, naming: NodeNaming, coverage: float = 0.8) -> SliceFrame:
+    """The MIG slices of ``snap``, each with its job: the Slurm job of its processes' cgroups, else the
+    Kubernetes pod holding the MIG device (kubelet, ``gpufleet_gpu_pod_info`` with the MIG UUID as ``device``;
+    the frame's ``pods``, for :func:`gpufleet.detector.jobs.resolve`), else the pod UID of its processes.
 
     The parent GPU's readings are NaN where ``snap.gpu`` does not have it (NVML reports no utilization for a
     GPU in MIG mode, so a parent may have no sample count); the slice is still scored on its own series.
@@ -86,18 +110,23 @@ def slice_frame(snap: FeatureFrame, naming: NodeNaming, coverage: float = 0.8,
     meta = snap.meta
     profile: dict[SliceKey, str] = {}
     site: dict[SliceKey, str] = {}
+    by_uuid: dict[tuple[str, str], SliceKey] = {}
     for key, lb, _ in _rows(meta.get("@mig_info"), naming):
         profile.setdefault(key, lb.get("profile") or "?")
         site.setdefault(key, lb.get("site") or "")
-    owners_all: dict[SliceKey, dict[str, float]] = defaultdict(dict)
+        if lb.get("uuid"):
+            by_uuid[(key[0], lb["uuid"])] = key
+    slurm: dict[SliceKey, dict[str, float]] = defaultdict(dict)
+    uids: dict[SliceKey, dict[str, float]] = defaultdict(dict)
     for key, lb, v in _rows(meta.get("@mig_owner"), naming):
-        owner = lb.get("owner")
-        if key in profile and owner:
-            o = owners_all[key]
-            o[owner] = o.get(owner, 0.0) + v
+        if key in profile and lb.get("owner"):
+            _add(slurm if lb.get("owner_kind") == "slurm_job" else uids, key, lb["owner"], v)
+    pods: dict[SliceKey, dict[tuple[str, str], float]] = defaultdict(dict)
+    for nd, pk, v in _pod_rows(meta.get("@mig_pod"), naming):
+        sk = by_uuid.get(nd)
+        if sk is not None:
+            pods[sk][pk] = pods[sk].get(pk, 0.0) + v
     keys = sorted(profile)
-    if shard is not None and shard.count > 1:
-        keys = [k for k in keys if shard.owns(sharding.gpu_key(_best(owners_all.get(k)), k[0]))]
     parents = {(n, g): i for i, (n, g) in enumerate(zip(snap.gpu.nodes, snap.gpu.gpus, strict=True))}
     pos = {k: i for i, k in enumerate(keys)}
     n = len(keys)
@@ -109,7 +138,6 @@ def slice_frame(snap: FeatureFrame, naming: NodeNaming, coverage: float = 0.8,
         for key, _, v in _rows(meta.get(feat), naming):
             if key in pos:
                 values[name][pos[key]] = np.fmax(values[name][pos[key]], v)
-    owners = {pos[k]: o for k, o in owners_all.items() if k in pos}
     par = np.array([parents.get((k[0], k[1]), -1) for k in keys], dtype=np.int64)
     has = par >= 0
     for f in PARENT:
@@ -121,19 +149,28 @@ def slice_frame(snap: FeatureFrame, naming: NodeNaming, coverage: float = 0.8,
         valid = (samples >= coverage * full) if full > 0 else np.zeros(n, dtype=bool)
     churn = np.zeros(n, dtype=bool)
     jobs: list[str | None] = [None] * n
-    for i, o in owners.items():
-        best = _best(o)
-        jobs[i] = best
-        churn[i] = len(o) > 1 or (best is not None and o[best] < coverage * samples[i])
+    pod_list: list[str | None] = [None] * n
+    ns_list: list[str | None] = [None] * n
+    for i, k in enumerate(keys):
+        held = pods.get(k)
+        if held:
+            ns_list[i], pod_list[i] = max(sorted(held), key=lambda pk: held[pk])
+        counts: dict[str, float] | None = slurm.get(k)
+        if not counts and held:
+            counts = {pk[1]: c for pk, c in held.items()}
+        counts = counts or uids.get(k)
+        best = _best(counts)
+        if counts and best is not None:
+            jobs[i] = best
+            churn[i] = len(counts) > 1 or counts[best] < coverage * samples[i]
     profs = [profile[k] for k in keys]
     base = [snap.gpu.models[i].split(" MIG ")[0] if i >= 0 else "" for i in par.tolist()]
     frame = GpuFrame(
         nodes=[k[0] for k in keys], gpus=[slice_id(k[1], k[2]) for k in keys],
         sites=[snap.gpu.sites[i] if i >= 0 else site[k] for i, k in zip(par.tolist(), keys, strict=True)],
-        jobs=[f"{j}@{p}" if j else None for j, p in zip(jobs, profs, strict=True)],
-        models=[f"{b} slice {p}".strip() for b, p in zip(base, profs, strict=True)],
-        values=values, valid=valid & np.isfinite(values["util"]), churn=churn)
-    return SliceFrame(frame, keys, profs, jobs)
+        jobs=jobs, models=[f"{b} slice {p}".strip() for b, p in zip(base, profs, strict=True)],
+        values=values, valid=valid & np.isfinite(values["util"]), churn=churn, pods=pod_list, namespaces=ns_list)
+    return SliceFrame(frame, keys, profs, list(jobs))
 
 
 def _best(owners: dict[str, float] | None) -> str | None:
@@ -141,15 +178,24 @@ def _best(owners: dict[str, float] | None) -> str | None:
     return max(sorted(owners), key=lambda j: owners[j]) if owners else None
 
 
-def score(snap: FeatureFrame, p: StragglerParams, naming: NodeNaming, coverage: float = 0.8,
-          shard: sharding.Shard | None = None) -> SliceResult:
-    """Slice stragglers of ``snap`` (candidates name node, parent GPU, GPU instance, profile and job)."""
-    sf = slice_frame(snap, naming, coverage, shard)
+def score(snap: FeatureFrame, cfg: DetectorConfig, naming: NodeNaming) -> SliceResult:
+    """Slice stragglers of ``snap`` (candidates name node, parent GPU, GPU instance, profile, job and pod).
+
+    Pods become training jobs as a GPU's do (:func:`gpufleet.detector.jobs.resolve`, ``[kubernetes]``); with
+    ``--shard``, this replica scores the slices of the jobs it owns (as :mod:`gpufleet.detector.shard`)."""
+    sf = slice_frame(snap, naming, cfg.coverage)
+    jobs.resolve(sf.frame, snap.meta, cfg.kubernetes)
+    if cfg.shard is not None and cfg.shard.count > 1:
+        sf = _take(sf, [cfg.shard.owns(sharding.gpu_key(j, nd)) for j, nd in zip(sf.frame.jobs, sf.frame.nodes,
+                                                                                   strict=True)])
     fr = sf.frame
+    sf.jobs = list(fr.jobs)
+    # peers: the slices of one job and one profile
+    fr.jobs = [f"{j}@{p}" if j else None for j, p in zip(fr.jobs, sf.profiles, strict=True)]
     out = SliceResult(observed={(n, g) for n, g, v in zip(fr.nodes, fr.gpus, fr.valid, strict=True) if v})
     if not len(fr):
         return out
-    params = replace(p, busy_util=BUSY_SM_ACTIVE, compare_jobless=False)
+    params = replace(cfg.straggler, busy_util=BUSY_SM_ACTIVE, compare_jobless=False)
     st = straggler.score(fr, params)
     out.scored = int(st.scored.sum())
     where = {(k[0], slice_id(k[1], k[2])): i for i, k in enumerate(sf.keys)}
@@ -164,5 +210,21 @@ def score(snap: FeatureFrame, p: StragglerParams, naming: NodeNaming, coverage: 
             continue
         i = where[(c.node, c.gpu)]
         _, gpu, gi = sf.keys[i]
-        out.candidates.append(replace(c, gpu=gpu, job=job, gpu_instance=gi, mig_profile=sf.profiles[i]))
+        out.candidates.append(replace(c, gpu=gpu, job=job, gpu_instance=gi, mig_profile=sf.profiles[i],
+                                      namespace=fr.namespaces[i] or "", pod=fr.pods[i] or ""))
     return out
+
+
+def _take(sf: SliceFrame, keep: list[bool]) -> SliceFrame:
+    """The slices of ``sf`` where ``keep``."""
+    idx = [i for i, k in enumerate(keep) if k]
+    g = sf.frame
+    sel = np.array(idx, dtype=np.int64)
+
+    def pick(xs: list[str | None]) -> list[str | None]:
+        return [xs[i] for i in idx]
+
+    frame = GpuFrame([g.nodes[i] for i in idx], [g.gpus[i] for i in idx], [g.sites[i] for i in idx], pick(g.jobs),
+                     [g.models[i] for i in idx], {f: v[sel] for f, v in g.values.items()}, g.valid[sel], g.churn[sel],
+                     pick(g.pods), pick(g.namespaces), None if g.sync is None else g.sync[sel])
+    return SliceFrame(frame, [sf.keys[i] for i in idx], [sf.profiles[i] for i in idx], [sf.jobs[i] for i in idx])

@@ -203,6 +203,8 @@ MIG: tuple[Query, ...] = (
     _q("mig_dram", "gpufleet_mig_dram_active_ratio", "avg", "meta"),
     _q("@mig_owner", "gpufleet_gpu_owner_processes", "count", "meta",
        (("gpu_instance", "=~", ".+"), ("owner_kind", "=~", "slurm_job|k8s_pod"))),
+    # Kubernetes: the pod holding each MIG device (kubelet; device is the MIG UUID of gpufleet_mig_device_info)
+    _q("@mig_pod", "gpufleet_gpu_pod_info", "count", "meta", _re("device", "MIG-.+")),
 )
 
 #: Site metrics used when no [[sites]] are configured (the simulator and DCIM bridges export these).

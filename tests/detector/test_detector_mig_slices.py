@@ -13,7 +13,7 @@ from gpufleet.detector.engine import Detector
 from gpufleet.detector.exporter import Health, registry_for
 from gpufleet.detector.features import NodeNaming, collect
 from gpufleet.detector.mig import slice_frame
-from gpufleet.detector.profiles import GPUFLEET, MIG, Query
+from gpufleet.detector.profiles import GPUFLEET, KUBE, MIG, Query
 
 H100 = "NVIDIA H100 80GB HBM3"
 PARENTS = [("a", "0"), ("a", "1"), ("b", "0"), ("b", "1"), ("b", "2")]
@@ -86,7 +86,7 @@ def test_slice_frame_has_one_entity_per_slice_with_its_job_and_profile() -> None
     sf = slice_frame(snap, NodeNaming())
     assert len(sf.keys) == 7 * 4 + 5
     i = sf.keys.index(("b", "1", "2"))
-    assert (sf.profiles[i], sf.jobs[i], sf.frame.jobs[i]) == ("3g.40gb", "77", "77@3g.40gb")
+    assert (sf.profiles[i], sf.jobs[i], sf.frame.jobs[i]) == ("3g.40gb", "77", "77")
     assert sf.frame.gpus[i] == "1/2" and sf.frame.models[i] == f"{H100} slice 3g.40gb"
     assert sf.jobs[sf.keys.index(("b", "2", "13"))] is None
     assert np.isclose(sf.frame.get("util")[i], 0.4) and sf.frame.valid.all()
@@ -161,3 +161,31 @@ def test_slices_of_a_hot_node_are_one_node_level_finding_with_the_parents_cause(
                      ("throttling", "b", "0", "thermal", "77", "")]
     s = next(f for f in det.tracker.all_findings() if f.kind == "straggler")
     assert s.summary.startswith("12 1g.10gb MIG slices of a in job 77 lag their peers")
+
+
+def test_on_kubernetes_slices_are_peers_by_training_job_from_their_pods() -> None:
+    """No Slurm job: each MIG device's pod (kubelet, MIG UUID as device) resolves to its training job through
+    kube-state-metrics (a PyTorchJob of 28 single-slice pods) or is a service (a Deployment: never a peer)."""
+    answers = _fleet(0.45)
+    info = answers[_q("@mig_info")]
+    answers[_q("@mig_owner")] = []
+    pods, owners = [], []
+    for k, (lb, _) in enumerate(info):
+        job = "88" if lb["gpu_instance"] == "13" else "77"
+        pod = f"train-worker-{k}" if job == "77" else f"serve-{k}"
+        pods.append((lab(lb["instance"], lb["gpu"], uuid=f"GPU-{lb['instance']}{lb['gpu']}", device=lb["uuid"],
+                         namespace="ml", pod=pod, container="main", resource="nvidia.com/mig-1g.10gb"), 20.0))
+        kind, name = ("PyTorchJob", "train") if job == "77" else ("ReplicaSet", "serve-abc")
+        owners.append(({"namespace": "ml", "pod": pod, "owner_kind": kind, "owner_name": name,
+                        "owner_is_controller": "true"}, 1.0))
+    answers[_q("@mig_pod")] = pods
+    answers[_q("@job", "gpufleet_gpu_pod_info")] = pods  # the same series give each parent GPU its pods
+    del answers[_q("@job", "gpufleet_gpu_job_info")]
+    answers[next(q for q in KUBE if q.feature == "@kube_pod_owner")] = owners
+    det = Detector(fast_cfg(), Fixed(answers))
+    for k in range(3):
+        det.evaluate(1000.0 + 60.0 * k)
+    found = [(f.kind, f.node, f.gpu, f.gpu_instance, f.job, f.namespace, f.pod) for f in det.tracker.all_findings()
+             if f.kind == "straggler"]
+    slow = next(lb for lb, _ in pods if lb["device"] == "MIG-a19")
+    assert found == [("straggler", "a", "1", "9", "train", "ml", slow["pod"])]
