@@ -29,7 +29,7 @@ from gpufleet.detector import jobs, straggler
 from gpufleet.detector import shard as sharding
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.features import FeatureFrame, GpuFrame, NodeNaming
-from gpufleet.detector.source import Result
+from gpufleet.detector.source import Result, SeriesTable
 from gpufleet.detector.straggler import Candidate
 
 #: Slice features read from their own series (detector.profiles MIG queries) -> frame feature.
@@ -66,16 +66,45 @@ def slice_id(gpu: str, gpu_instance: str) -> str:
     return f"{gpu}/{gpu_instance}"
 
 
+class _Keys:
+    """Per series table: each series id's slice key (None: not a slice series), extended as the table grows."""
+
+    def __init__(self, naming: NodeNaming) -> None:
+        self.naming = naming
+        self.items: list[SliceKey | None] = []
+
+    def get(self, table: SeriesTable) -> list[SliceKey | None]:
+        for lb in table.labels[len(self.items):]:
+            node, gpu, gi = self.naming.node(lb), lb.get("gpu"), lb.get("gpu_instance")
+            self.items.append((node, gpu, gi) if node and gpu and gi else None)
+        return self.items
+
+
+def _keys(table: SeriesTable, naming: NodeNaming) -> list[SliceKey | None]:
+    cache = table.derived.get(("mig_slice_keys", naming))
+    if not isinstance(cache, _Keys):
+        cache = table.derived[("mig_slice_keys", naming)] = _Keys(naming)
+    return cache.get(table)
+
+
 def _rows(res: Result | None, naming: NodeNaming) -> list[tuple[SliceKey, dict[str, str], float]]:
     if res is None:
         return []
-    out = []
-    for sid, v in zip(res.ids.tolist(), res.values.tolist(), strict=True):
-        lb = res.table.labels[sid]
-        node, gpu, gi = naming.node(lb), lb.get("gpu"), lb.get("gpu_instance")
-        if node and gpu and gi:
-            out.append(((node, gpu, gi), lb, float(v)))
-    return out
+    keys = _keys(res.table, naming)
+    labels = res.table.labels
+    return [(k, labels[sid], v) for sid, v in zip(res.ids.tolist(), res.values.tolist(), strict=True)
+            if (k := keys[sid]) is not None]
+
+
+def _fold(res: Result | None, naming: NodeNaming, pos: dict[SliceKey, int], arr: np.ndarray) -> None:
+    """The max of each slice's series of ``res`` into ``arr`` (by slice position; NaN: none yet)."""
+    if res is None or not len(res):
+        return
+    keys = _keys(res.table, naming)
+    at = np.array([pos.get(k, -1) if (k := keys[sid]) is not None else -1 for sid in res.ids.tolist()],
+                  dtype=np.int64)
+    sel = at >= 0
+    np.fmax.at(arr, at[sel], res.values[sel])
 
 
 def _pod_rows(res: Result | None, naming: NodeNaming) -> list[tuple[tuple[str, str], tuple[str, str], float]]:
@@ -131,13 +160,9 @@ def slice_frame(snap: FeatureFrame, naming: NodeNaming, coverage: float = 0.8) -
     pos = {k: i for i, k in enumerate(keys)}
     n = len(keys)
     values = {f: np.full(n, np.nan) for f in (*OWN.values(), *PARENT, "samples")}
-    for key, _, v in _rows(meta.get("@mig_samples"), naming):
-        if key in pos:
-            values["samples"][pos[key]] = np.fmax(values["samples"][pos[key]], v)
+    _fold(meta.get("@mig_samples"), naming, pos, values["samples"])
     for feat, name in OWN.items():
-        for key, _, v in _rows(meta.get(feat), naming):
-            if key in pos:
-                values[name][pos[key]] = np.fmax(values[name][pos[key]], v)
+        _fold(meta.get(feat), naming, pos, values[name])
     par = np.array([parents.get((k[0], k[1]), -1) for k in keys], dtype=np.int64)
     has = par >= 0
     for f in PARENT:
