@@ -89,6 +89,9 @@ def _re(label: str, value: str) -> tuple[tuple[str, str, str], ...]:
 GPUFLEET: tuple[Query, ...] = (
     _q("util", "gpufleet_gpu_utilization_ratio", "avg"),
     _q("samples", "gpufleet_gpu_utilization_ratio", "count"),
+    # NVML reports no utilization for a GPU in MIG mode: its MIG mode series makes it a GPU entity all the same
+    # (device-level readings, throttling findings; its slices are scored in detector.mig)
+    _q("samples", "gpufleet_gpu_mig_mode_enabled", "count", matchers=_eq("state", "current")),
     _q("@job", "gpufleet_gpu_job_info", "count"),
     # Kubernetes: the pod holding the GPU (kubelet) is its job where no job id is attributed (as the dcgm profile's pod)
     _q("@job", "gpufleet_gpu_pod_info", "count"),

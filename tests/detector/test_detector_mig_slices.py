@@ -138,6 +138,13 @@ def test_slices_are_scored_when_the_parent_gpu_reports_no_utilization() -> None:
         det.evaluate(1000.0 + 60.0 * k)
     assert [(f.kind, f.node, f.gpu, f.gpu_instance, f.site) for f in det.tracker.all_findings()] == \
         [("straggler", "a", "1", "9", "dc1")]
+    # with the agent's MIG mode series the parents are GPUs all the same: the thermal throttling is found
+    answers[_q("samples", "gpufleet_gpu_mig_mode_enabled")] = [(lab(n, g, state="current"), 20.0) for n, g in PARENTS]
+    det = Detector(fast_cfg(), Fixed(answers))
+    for k in range(3):
+        det.evaluate(1000.0 + 60.0 * k)
+    assert [(f.kind, f.node, f.gpu, f.gpu_instance, f.cause) for f in det.tracker.all_findings()] == \
+        [("straggler", "a", "1", "9", "host"), ("throttling", "b", "0", "", "thermal")]
 
 
 def test_shards_split_the_slices_by_job_and_report_the_slow_slice_once() -> None:
