@@ -3,8 +3,10 @@
 A GPU in MIG mode runs unrelated workloads in its GPU instances, so its device-level utilization and
 activity are a sum that says nothing about any one job: :mod:`gpufleet.detector.straggler` never scores it
 as a whole GPU. Its slices are scored instead, here: :func:`slice_frame` turns the per-slice series the
-agent exports (``gpufleet_mig_device_info`` for identity and profile, the GPM activity per GPU instance,
-``gpufleet_gpu_owner_processes`` with a ``gpu_instance`` for the slice's job) into a
+agent exports (``gpufleet_mig_device_info`` for identity and profile, the GPM activity per GPU instance; for
+the slice's job ``gpufleet_gpu_owner_processes`` with a ``gpu_instance`` (Slurm), else on Kubernetes the pod
+holding the MIG device, ``gpufleet_gpu_pod_info`` with the MIG UUID as ``device``, resolved to its training job
+by :mod:`gpufleet.detector.jobs`) into a
 :class:`~gpufleet.detector.features.GpuFrame` with one entity per slice (parent GPU + GPU instance), and
 :func:`score` runs the same straggler machinery on it. Peers are the slices of one job *and* one profile
 (a 1g.10gb slice is never compared with a 3g.40gb one), at least ``min_peers`` of them, busy ones only;
@@ -44,8 +46,8 @@ SliceKey = tuple[str, str, str]  # node, parent GPU, GPU instance
 
 @dataclass
 class SliceFrame:
-    """The slices of one evaluation: a GpuFrame (gpus ``"<gpu>/<gpu_instance>"``, jobs ``"<job>@<profile>"``)
-    and each slice's parent GPU, GPU instance, profile and job."""
+    """The slices of one evaluation: a GpuFrame (gpus ``"<gpu>/<gpu_instance>"``; :func:`score` makes its jobs
+    ``"<job>@<profile>"``, the peer groups) and each slice's parent GPU, GPU instance, profile and job."""
 
     frame: GpuFrame
     keys: list[SliceKey]
