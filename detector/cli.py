@@ -25,7 +25,9 @@
          "score": float,          # peak score while open (straggler: combined robust/IsolationForest score)
          "summary": str,          # one human sentence
          "namespace": str | null, # Kubernetes: the pod's namespace and the pod (a node finding: the node's
-         "pod": str | null}       # only pod of the job), null elsewhere
+         "pod": str | null,       # only pod of the job), null elsewhere
+         "gpu_instance": str,     # MIG slice findings only (keys absent otherwise): the GPU instance of "gpu"
+         "mig_profile": str}      # and its profile, e.g. "1g.10gb" (detector.mig)
 
     Missing inputs are reported on stderr. Exit status 0 on success, 2 on bad
     arguments, configuration or recordings.

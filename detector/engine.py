@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpufleet.detector import causes, jobs, network, shard, straggler, throttling
+from gpufleet.detector import causes, jobs, mig, network, shard, straggler, throttling
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.features import FeatureFrame, NodeNaming, collect
 from gpufleet.detector.findings import Key, Tracker
@@ -41,6 +41,9 @@ def summarize(kind: str, c: Candidate) -> str:
         devs = sorted(((k, v) for k, v in ev.items() if ":" not in k and k != "gpus"), key=lambda kv: -abs(kv[1]))[:3]
         dev = ", ".join(f"{k} {v:+.1f} sigma" for k, v in devs)
         who = f"GPU {c.gpu} on {c.node}" if c.gpu is not None else f"{int(ev.get('gpus', 0))} GPUs of {c.node}"
+        if c.mig_profile:  # a MIG slice (detector.mig)
+            who = (f"MIG slice {c.gpu_instance} ({c.mig_profile}) of GPU {c.gpu} on {c.node}" if c.gpu_instance
+                   else f"{int(ev.get('gpus', 0))} {c.mig_profile} MIG slices of {c.node}")
         job = f" in job {c.job}" if c.job else ""
         job += f" (pod {c.namespace}/{c.pod})" if c.pod else (f" (namespace {c.namespace})" if c.namespace else "")
         verb = "lags its" if c.gpu is not None else "lag their"
@@ -85,6 +88,7 @@ class Detector:
         snap = shard.select(snap, cfg.shard)  # --shard i/N: this replica's jobs only (NIC peers span the fleet)
         st = straggler.score(snap.gpu, cfg.straggler, nic_flags, causes.node_causes(snap.node, snap.gpu, cfg.causes))
         cands: list[tuple[str, Candidate]] = [("straggler", c) for c in st.candidates]
+        slices = mig.score(snap, cfg, self.naming)  # MIG slices: peers by job and profile (added after attribute)
         cands += [("throttling", c) for c in throttling.find(snap.gpu, cfg.throttling)]
         cands += [("network", c) for c in nets]
         pue_states: dict[str, PueState] = {}
@@ -102,6 +106,7 @@ class Detector:
                                                      / max(cfg.pue.min_drift, 1e-9), ev)))
         cands = [(k, c) for k, c in cands if shard.owns_finding(cfg.shard, k, c.node, c.site)]
         gpus_ok = {(n, g) for n, g, v in zip(snap.gpu.nodes, snap.gpu.gpus, snap.gpu.valid, strict=True) if v}
+        gpus_ok |= slices.observed
         nodes_ok = {n for n, _ in gpus_ok}
         nics_ok = {(n, f"{d}/{p}") for n, d, p in zip(snap.nic.nodes, snap.nic.devices, snap.nic.ports, strict=True)}
         sites_ok = set(pue_states)
@@ -115,6 +120,7 @@ class Detector:
             return (node, gpu) in gpus_ok if gpu else node in nodes_ok
 
         jobs.attribute(cands, snap.gpu)
+        cands += [("straggler", c) for c in slices.candidates]  # named by their own pods, not their GPU's
         self.tracker.update(t, cands, observed)
         result = Evaluation(t, snap, st, pue_states, cands, time.perf_counter() - started)
         self.last = result

@@ -56,7 +56,7 @@ class DetectorCollector:
         start = spec("gpufleet_detector_finding_start_timestamp_seconds").family()
         for fd in list(det.tracker.active.values()):
             labels = [fd.kind, fd.cause or "", fd.node or "", fd.gpu or "", fd.job or "", fd.site or "", fd.namespace,
-                      fd.pod]
+                      fd.pod, fd.gpu_instance]
             finding.add_metric(labels, fd.score)
             start.add_metric(labels, fd.start)
         yield finding

@@ -35,7 +35,7 @@ GPU_FEATURES = ("util", "samples", "sm_clock", "mem_clock", "power", "temp", "me
 #: Per-GPU NVLink error counters (increase over the window, all links): dcgm-exporter's optional fields.
 NVLINK_ERROR_FEATURES = ("nvlink_crc_flit", "nvlink_crc_data", "nvlink_replay", "nvlink_recovery")
 #: Inputs whose absence is normal (no MIG GPU, no Kubernetes in the fleet), never a missing input.
-OPTIONAL_METRICS = frozenset({"gpufleet_mig_device_info", "gpufleet_gpu_pod_info"})
+OPTIONAL_METRICS = frozenset({"gpufleet_mig_device_info", "gpufleet_gpu_pod_info", "gpufleet_gpu_mig_mode_enabled"})
 NIC_FEATURES = ("nic_tx", "nic_xmit_wait", "nic_symbol_errors", "nic_link_downed", "nic_link_recovery",
                 "nic_rate", "nic_ecn")
 

@@ -37,16 +37,19 @@ class Finding:
     opened: float = 0.0  # evaluation time at which it opened (start + the hysteresis)
     namespace: str = ""  # Kubernetes: the pod the finding is about, and its namespace ("" when none)
     pod: str = ""
+    gpu_instance: str = ""  # MIG: the slice (GPU instance of ``gpu``) and its profile ("" when not a slice)
+    mig_profile: str = ""
 
     def to_json(self) -> dict[str, Any]:
         """The stable replay record (see :mod:`gpufleet.detector.cli`)."""
         return {"kind": self.kind, "cause": self.cause, "node": self.node, "gpu": self.gpu, "job": self.job,
                 "site": self.site, "start": self.start, "end": self.end, "score": round(self.score, 3),
-                "summary": self.summary, "namespace": self.namespace or None, "pod": self.pod or None}
+                "summary": self.summary, "namespace": self.namespace or None, "pod": self.pod or None,
+                **({"gpu_instance": self.gpu_instance, "mig_profile": self.mig_profile} if self.gpu_instance else {})}
 
 
 def key_of(kind: str, c: Candidate) -> Key:
-    return (kind, c.node, c.gpu or "", c.nic, c.site if kind == "pue_drift" else "", c.job or "")
+    return (kind, c.node, (c.gpu or "") + (f"/{c.gpu_instance}" if c.gpu_instance else ""), c.nic, c.site if kind == "pue_drift" else "", c.job or "")
 
 
 @dataclass
@@ -103,7 +106,8 @@ class Tracker:
                 start = min(p.first, best.evidence.get("onset", p.first))
                 self.active[k] = Finding(kind, cause or None, c.node or None, c.gpu, c.job, c.site or None, start,
                                          None, best.score, self.summarize(kind, best), c.nic, best.evidence,
-                                         p.causes, t, t, best.namespace, best.pod)
+                                         p.causes, t, t, best.namespace, best.pod, best.gpu_instance,
+                                         best.mig_profile)
         for k in [k for k in self.pending if k not in seen]:
             if observed(k):
                 del self.pending[k]  # a clear, observed evaluation resets the run

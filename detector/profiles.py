@@ -89,6 +89,9 @@ def _re(label: str, value: str) -> tuple[tuple[str, str, str], ...]:
 GPUFLEET: tuple[Query, ...] = (
     _q("util", "gpufleet_gpu_utilization_ratio", "avg"),
     _q("samples", "gpufleet_gpu_utilization_ratio", "count"),
+    # NVML reports no utilization for a GPU in MIG mode: its MIG mode series makes it a GPU entity all the same
+    # (device-level readings, throttling findings; its slices are scored in detector.mig)
+    _q("samples", "gpufleet_gpu_mig_mode_enabled", "count", matchers=_eq("state", "current")),
     _q("@job", "gpufleet_gpu_job_info", "count"),
     # Kubernetes: the pod holding the GPU (kubelet) is its job where no job id is attributed (as the dcgm profile's pod)
     _q("@job", "gpufleet_gpu_pod_info", "count"),
@@ -193,6 +196,20 @@ KUBE: tuple[Query, ...] = (
 #: a Kubernetes fleet without gpufleet_gpu_job_info misses no input.
 GPUFLEET_PODS: tuple[Query, ...] = (_q("@job", "gpufleet_gpu_pod_info", "count"),)
 
+#: gpufleet: MIG slices (GPU instances) as entities of their own (detector.mig), passed through as ``meta``:
+#: each slice's identity and profile, its GPM activity, and its owner (the job of its processes' cgroups).
+MIG: tuple[Query, ...] = (
+    _q("@mig_info", "gpufleet_mig_device_info", "last", "meta"),
+    _q("@mig_samples", "gpufleet_mig_sm_active_ratio", "count", "meta"),
+    _q("mig_sm_active", "gpufleet_mig_sm_active_ratio", "avg", "meta"),
+    _q("mig_tensor", "gpufleet_mig_tensor_active_ratio", "avg", "meta"),
+    _q("mig_dram", "gpufleet_mig_dram_active_ratio", "avg", "meta"),
+    _q("@mig_owner", "gpufleet_gpu_owner_processes", "count", "meta",
+       (("gpu_instance", "=~", ".+"), ("owner_kind", "=~", "slurm_job|k8s_pod"))),
+    # Kubernetes: the pod holding each MIG device (kubelet; device is the MIG UUID of gpufleet_mig_device_info)
+    _q("@mig_pod", "gpufleet_gpu_pod_info", "count", "meta", _re("device", "MIG-.+")),
+)
+
 #: Site metrics used when no [[sites]] are configured (the simulator and DCIM bridges export these).
 SITE_DEFAULTS = {
     "facility_power": "gpufleet_site_facility_power_watts",
@@ -211,7 +228,7 @@ MASK_BITS = {"thr_power": reason_bits("sw_power_cap"), "thr_hw": reason_bits("hw
 
 def queries(profile: str) -> tuple[Query, ...]:
     if profile == "gpufleet":
-        return GPUFLEET + GPUFLEET_PODS + KUBE
+        return GPUFLEET + GPUFLEET_PODS + KUBE + MIG
     if profile == "dcgm":
         return DCGM + KUBE
     raise ValueError(f"unknown profile {profile!r}; profiles: {', '.join(PROFILES)}")

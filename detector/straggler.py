@@ -74,6 +74,8 @@ class Candidate:
     nic: str = ""  # "device/port" for network findings
     namespace: str = ""  # Kubernetes: the GPU's (or node's single) pod and its namespace (detector.jobs)
     pod: str = ""
+    gpu_instance: str = ""  # MIG: the slice (GPU instance of ``gpu``) and its profile (detector.mig)
+    mig_profile: str = ""
 
 
 @dataclass
@@ -90,6 +92,8 @@ def _groups(frame: GpuFrame, eligible: FloatArray, p: StragglerParams) -> FloatA
     for i in range(len(frame)):
         if not eligible[i] or (sync is not None and not sync[i]):
             names.append(None)  # not synchronous (inference pods): never a straggler peer
+        elif " MIG " in frame.models[i]:
+            names.append(None)  # a GPU in MIG mode sums unrelated slices: its slices are scored (detector.mig)
         elif frame.jobs[i]:  # GPUs in MIG mode: job peers only with the same model and MIG layout
             ns = frame.namespaces[i] if i < len(frame.namespaces) else None
             name = f"job:{ns}/{frame.jobs[i]}" if ns else f"job:{frame.jobs[i]}"

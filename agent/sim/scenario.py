@@ -44,6 +44,19 @@ Example::
     node = "node-001"
     at = "3h"
 
+    [[mig]]                          # a node in MIG mode (it runs no whole-GPU job)
+    node = "node-003"
+    layout = "1g.10gb*7"             # H100 profiles, see gpufleet.agent.sim.mig
+    job = "5001"                     # optional: the Slurm job of every slice ("": none, each its own workload)
+    activity = 0.75                  # optional: SM activity of the job's slices
+
+    [[mig_faults]]                   # a fault of one MIG slice (gpufleet.agent.sim.mig.MIG_FAULTS)
+    kind = "mig_slice_slow"
+    node = "node-003"
+    gpu = 1
+    gpu_instance = 9
+    onset = "20m"
+
 Nodes are named ``node-000``, ``node-001``, ... across sites in order.
 """
 
@@ -59,6 +72,7 @@ from typing import Any
 
 from gpufleet.agent.sim.faults import FAULTS, SEVERITY_WORDS
 from gpufleet.agent.sim.fleet import GPU_MODELS
+from gpufleet.agent.sim.mig import MIG_FAULTS, MigFaultSpec, MigSpec, instance_ids, layout_of
 
 DEFAULT_START = "2026-07-01T00:00:00Z"
 
@@ -133,6 +147,9 @@ class Scenario:
     blips: list[dict[str, Any]] = field(default_factory=list)
     #: Exporter restarts: the node's scrapes are missing for "seconds" from "at"; counters go on.
     exporter_restarts: list[dict[str, Any]] = field(default_factory=list)
+    #: Nodes in MIG mode and faults of single MIG slices (gpufleet.agent.sim.mig).
+    mig: list[MigSpec] = field(default_factory=list)
+    mig_faults: list[MigFaultSpec] = field(default_factory=list)
 
     @property
     def node_names(self) -> list[str]:
@@ -213,7 +230,8 @@ def parse_scenario(data: dict[str, Any], source: str = "<scenario>") -> Scenario
     """A validated :class:`Scenario` from a parsed TOML document (errors name ``source``)."""
     w = source
     _check_keys(data, {"name", "description", "seed", "hours", "duration", "step", "start", "scrape_miss_rate",
-                       "sites", "jobs", "faults", "heatwaves", "reboots", "blips", "exporter_restarts"}, w)
+                       "sites", "jobs", "faults", "heatwaves", "reboots", "blips", "exporter_restarts", "mig",
+                       "mig_faults"}, w)
     sc = Scenario(name=_get(data, "name", str, w, Path(source).stem))
     sc.description = _get(data, "description", str, w, "")
     sc.seed = _get(data, "seed", int, w, 0)
@@ -314,7 +332,64 @@ def parse_scenario(data: dict[str, Any], source: str = "<scenario>") -> Scenario
             raise ScenarioError(f"{rw}.node: unknown node {node!r}")
         sc.exporter_restarts.append({"node": node, "at": parse_duration(r.get("at", 0), f"{rw}.at"),
                                      "seconds": parse_duration(r.get("seconds", 60), f"{rw}.seconds")})
+    _parse_mig(sc, data, w)
     return sc
+
+
+def _parse_mig(sc: Scenario, data: dict[str, Any], source: str) -> None:
+    """``[[mig]]`` nodes and ``[[mig_faults]]``; a MIG node may not be in a whole-GPU job."""
+    names = sc.node_names
+    layouts: dict[str, list[str]] = {}
+    for i, m in enumerate(_get(data, "mig", list, source, [])):
+        mw = f"{source}: mig[{i}]"
+        if not isinstance(m, dict):
+            raise ScenarioError(f"{mw}: expected a table")
+        _check_keys(m, {"node", "layout", "job", "activity"}, mw)
+        spec = MigSpec(node=_get(m, "node", str, mw, ""), layout=_get(m, "layout", str, mw, ""),
+                       job=_get(m, "job", str, mw, ""), activity=_get(m, "activity", float, mw, 0.75))
+        if spec.node not in names:
+            raise ScenarioError(f"{mw}.node: unknown node {spec.node!r}")
+        if spec.node in layouts:
+            raise ScenarioError(f"{mw}.node: {spec.node} is already in MIG mode")
+        try:
+            layouts[spec.node] = layout_of(spec.layout)
+        except ValueError as e:
+            raise ScenarioError(f"{mw}.layout: {e}") from None
+        if not 0.0 < spec.activity <= 1.0:
+            raise ScenarioError(f"{mw}.activity: must be in (0, 1]")
+        if sc.auto_jobs:
+            raise ScenarioError(f"{mw}: [[mig]] nodes need fixed jobs (jobs.auto = false)")
+        for js in sc.jobs:
+            members = names if js.nodes == "all" else names[:js.nodes] if isinstance(js.nodes, int) else js.nodes
+            if spec.node in members:
+                raise ScenarioError(f"{mw}.node: {spec.node} is in MIG mode but in whole-GPU job {js.id!r}")
+        sc.mig.append(spec)
+    gpn = sc.sites[0].gpus_per_node
+    for i, fd in enumerate(_get(data, "mig_faults", list, source, [])):
+        fw = f"{source}: mig_faults[{i}]"
+        if not isinstance(fd, dict):
+            raise ScenarioError(f"{fw}: expected a table")
+        _check_keys(fd, {"kind", "node", "gpu", "gpu_instance", "onset", "end", "severity"}, fw)
+        kind = _get(fd, "kind", str, fw, "mig_slice_slow")
+        if kind not in MIG_FAULTS:
+            raise ScenarioError(f"{fw}.kind: unknown MIG fault {kind!r}; known: {', '.join(MIG_FAULTS)}")
+        node = _get(fd, "node", str, fw, "")
+        if node not in layouts:
+            raise ScenarioError(f"{fw}.node: {node!r} is not a [[mig]] node")
+        gpu = _get(fd, "gpu", int, fw, 0)
+        if not 0 <= gpu < gpn:
+            raise ScenarioError(f"{fw}.gpu: must be between 0 and {gpn - 1}")
+        gi = _get(fd, "gpu_instance", int, fw)
+        known = [g for g, _ in instance_ids(layouts[node])]
+        if gi not in known:
+            raise ScenarioError(f"{fw}.gpu_instance: {gi!r} is not a GPU instance of the layout (its: {known})")
+        fault = MigFaultSpec(kind, node, gpu, gi, parse_duration(fd.get("onset", 0), f"{fw}.onset"))
+        if "end" in fd:
+            fault.end = parse_duration(fd["end"], f"{fw}.end")
+            if fault.end <= fault.onset:
+                raise ScenarioError(f"{fw}.end: must be after the onset")
+        fault.severity = parse_severity(fd.get("severity", "obvious"), f"{fw}.severity")
+        sc.mig_faults.append(fault)
 
 
 def _parse_jobs(sc: Scenario, jobs: dict[str, Any], node_names: set[str], w: str) -> None:

@@ -37,7 +37,7 @@ from gpufleet.agent.nvml import model
 from gpufleet.agent.serving.files import write_atomic
 from gpufleet.agent.sim.faults import FAULTS, Fault, FaultSchedule, fault_doc, severity_class
 from gpufleet.agent.sim.fleet import GPU_MODELS, Fleet, Job, Node, Site, schedule_jobs
-from gpufleet.agent.sim.mig import layout_of, mig_snapshot
+from gpufleet.agent.sim.mig import fault_labels, layout_of, mig_snapshot
 from gpufleet.agent.sim.physics import (
     ECC_KEYS,
     NIC_ERRORS,
@@ -137,6 +137,8 @@ class Simulator:
         self._sysfs_cache: dict[str, ValueWriter] = {}
         #: node index -> MIG layout (profile names) of its GPUs (set_mig)
         self.mig_nodes: dict[int, list[str]] = {}
+        for m in sc.mig:  # the scenario's [[mig]] nodes
+            self.set_mig(node_index[m.node], m.layout)
 
     # ---------------------------------------------------------------- time
     @property
@@ -421,6 +423,7 @@ class Simulator:
                 "job_id": job_at_onset, "expected_findings": findings,
                 "signals": list(fault.signals), "signature": fault_doc(fs.kind),
             })
+        faults += fault_labels(self)  # [[mig_faults]]: one MIG slice each
         jobs = [{"job_id": j.id, "nodes": [self.fleet.nodes[n].name for n in j.nodes],
                  "start": self.start + max(j.start, 0.0),
                  "end": None if not math.isfinite(j.end) or j.end >= sc.duration else self.start + j.end,

@@ -1,5 +1,5 @@
-"""MIG in the detector: a GPU's MIG layout joins its model, so job peers are GPUs with the same slices; a fleet
-without MIG does not report the MIG input missing."""
+"""MIG in the detector: a GPU's MIG layout joins its model and a GPU in MIG mode is never a whole-GPU straggler
+peer; a fleet without MIG does not report the MIG input missing."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ Q_MODEL = next(q for q in GPUFLEET if q.feature == "@model")
 Q_MIG = next(q for q in GPUFLEET if q.feature == "@mig")
 
 
-def test_mig_layout_joins_the_model_and_splits_job_peers() -> None:
+def test_mig_layout_joins_the_model_and_mig_gpus_are_no_whole_gpu_peers() -> None:
     h100 = "NVIDIA H100 80GB HBM3"
     gpus = [("a", "0"), ("a", "1"), ("b", "0"), ("b", "1")]
     answers: dict[Query, list[tuple[dict[str, str], float]]] = {
@@ -33,8 +33,8 @@ def test_mig_layout_joins_the_model_and_splits_job_peers() -> None:
                       ("a", "1"): f"{h100} MIG 1g.10gb*4+3g.40gb", ("b", "1"): h100}
     groups = _groups(frame.gpu, np.ones(4, dtype=bool), StragglerParams(min_peers=1))
     by = dict(zip(zip(frame.gpu.nodes, frame.gpu.gpus, strict=True), groups.tolist(), strict=True))
-    assert by[("a", "0")] == by[("b", "0")]  # same layout: peers
-    assert len({by[("a", "0")], by[("a", "1")], by[("b", "1")]}) == 3  # other layouts and whole GPUs apart
+    # GPUs in MIG mode are never whole-GPU peers (their slices are, in detector.mig); the whole GPU is
+    assert by == {("a", "0"): -1, ("b", "0"): -1, ("a", "1"): -1, ("b", "1"): 0}
     assert "gpufleet_mig_device_info" not in frame.missing
 
 

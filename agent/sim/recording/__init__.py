@@ -32,8 +32,9 @@ Ground-truth schema (``labels.json``)::
       "sites": [str], "nodes": [{"node", "site", "gpus", "gpu_model"}],
       "faults": [{
         "type": fault kind (gpufleet.agent.sim.faults),
-        "entity": "site" | "node" | "gpu" | "nic",
+        "entity": "site" | "node" | "gpu" | "nic" | "gpu_instance" (a MIG slice, [[mig_faults]]),
         "site": str, "node": str | null, "gpu": str | null (NVML index as in the gpu label),
+        "gpu_instance": str, "mig_profile": str (MIG slice faults only),
         "nic": str | null (e.g. "mlx5_3"),
         "onset": unix s, "end": unix s | null,
         "severity": 0..1, "severity_class": "marginal" | "moderate" | "obvious",

@@ -15,6 +15,7 @@ import numpy as np
 
 from gpufleet.agent.sim.physics import ECC_KEYS, NIC_ERRORS, NIC_HW
 from gpufleet.agent.sim.recording.capture import THROTTLE_SECONDS_REASONS, Context
+from gpufleet.agent.sim.recording.mig_profile import write as write_mig
 from gpufleet.agent.sim.recording.openmetrics import OmWriter, prefix
 from gpufleet.agent.vocab.catalog import spec
 from gpufleet.agent.vocab.nvml import CLOCK_EVENT_BITS
@@ -76,6 +77,7 @@ def write(w: OmWriter, c: Context) -> None:
                for j, g in chunk]
         mask = (fr["gpu_job"][:, chunk[:, 1]] == chunk[:, 0][None, :]) & c.gpu_present[:, chunk[:, 1]]
         w.block(pre, np.ones((w.n_ticks, 1)), 0, mask, cols=np.zeros(len(chunk), np.int64))
+    write_mig(w, c, fam, target)  # the scenario's [[mig]] nodes: MIG devices, their activity and owners
     # ---- utilization, clocks, power, thermal
     gpu_metric("gpufleet_gpu_utilization_ratio", fr["util"] / 100.0, 2)
     if full:
