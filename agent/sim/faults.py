@@ -36,7 +36,7 @@ Catalogue (``kind``: signature -> expected findings):
 * ``roce_pause_storm`` (node's NICs): a RoCE fabric running PFC without ECN marking (DCQCN off) in a
   pause storm: the ports are paused 10%..50% of the time (``gpufleet_nic_pause_duration_seconds_total``,
   priority 3, receive) and send that much less; an obvious case drops. No xmit_wait or ECN/CNP
-  signature (RoCE ports). -> straggler/network.
+  signature (RoCE ports): each paused NIC stands out from its rail. -> network/network, straggler/network.
 * ``pcie_downgrade`` (GPU): link trains down (marginal gen4 x16, moderate gen4 x8, obvious gen3 x4);
   ``pcie_replay`` counts and correctable AER reports (``gpufleet_pcie_aer_reports_total``) arrive at
   0.1..3 per second; GPUDirect traffic of that rank is bounded by PCIe. With a ``precursor`` (a lead time)
@@ -252,7 +252,7 @@ class NetworkCongestion(Fault):
 class RocePauseStorm(Fault):
     kind = "roce_pause_storm"
     target = "node"
-    findings = (("straggler", "network"),)
+    findings = (("network", "network"), ("straggler", "network"))
     signals = ("gpufleet_nic_pause_duration_seconds_total{direction=receive}", "gpufleet_nic_discards_total")
 
     def apply(self, p: Physics, t: float, dt: float) -> None:

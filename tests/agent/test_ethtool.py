@@ -142,6 +142,36 @@ def test_interfaces_of_the_rdma_devices(tmp_path: Path) -> None:
     assert not any(dict(k[1]).get("interface") == "ens1f1np1" for k in got)  # no output: no series, no error
 
 
+def test_netdev_info_ties_each_interface_to_its_rdma_port(tmp_path: Path) -> None:
+    """gpufleet_nic_netdev_info{device, port, interface}: once per interface read, the port from dev_port (0-based)
+    or the device's only port; a two-port device whose netdev has no dev_port gives no guess."""
+    for dev, pci, net, dev_port, ports in (("mlx5_0", "0000:1a:00.0", "ens1f0np0", None, ["1"]),
+                                           ("mlx4_0", "0000:2a:00.0", "ib1", "1", ["1", "2"]),
+                                           ("mlx4_1", "0000:3a:00.0", "ib9", None, ["1", "2"])):
+        fn = tmp_path / "devices" / "pci0000:00" / pci
+        (fn / "net" / net).mkdir(parents=True)
+        if dev_port is not None:
+            (fn / "net" / net / "dev_port").write_text(dev_port + "\n")
+        for port in ports:
+            (fn / "infiniband" / dev / "ports" / port).mkdir(parents=True)
+        (tmp_path / "class" / "infiniband").mkdir(parents=True, exist_ok=True)
+        os.symlink(fn, fn / "infiniband" / dev / "device")
+        os.symlink(fn / "infiniband" / dev, tmp_path / "class" / "infiniband" / dev)
+    stats = "NIC statistics:\n     rx_prio3_pause_duration: 1000000\n"
+    reader = recorded(tmp_path, ens1f0np0=stats, ib1=stats, ib9=stats)
+    got = scrape(EthtoolCollector(str(tmp_path), reader))
+    info = {dict(k[1])["interface"]: dict(k[1]) for k in got if k[0] == "gpufleet_nic_netdev_info"}
+    assert info == {"ens1f0np0": {"device": "mlx5_0", "port": "1", "interface": "ens1f0np0"},
+                    "ib1": {"device": "mlx4_0", "port": "2", "interface": "ib1"}}
+    assert got[key("gpufleet_nic_pause_duration_seconds_total", interface="ib9", priority="3",
+                   direction="receive")] == 1.0  # still read, only not tied to a port
+    # a named interface list still gets its tie; an interface with no output gets none
+    (tmp_path / "only").mkdir()
+    reader = recorded(tmp_path / "only", ib1=stats)
+    got = scrape(EthtoolCollector(str(tmp_path), reader, interfaces=["ib1", "ens1f0np0"]))
+    assert [dict(k[1])["interface"] for k in got if k[0] == "gpufleet_nic_netdev_info"] == ["ib1"]
+
+
 def test_live_ioctl_reads_what_ethtool_prints() -> None:
     """The live reader (SIOCETHTOOL through pyroute2) gives the same names as `ethtool -S` on this machine's
     real interfaces, and the same values where a counter cannot move between the two reads."""

@@ -221,6 +221,10 @@ def _nics(w: OmWriter, c: Context, fam: Callable[[str], str], target: Callable[[
         fam("gpufleet_nic_discards_total")
         w.block([prefix("gpufleet_nic_discards_total", {**t, "stat": "rx_prio3_buf_discard"}) for t in eth_t],
                 fr["nic_discards"][:, roce], 0, c.nic_present[:, roce])
+        # each netdev's RDMA device and port (the agent reads it from sysfs): the detector's join to the NIC
+        fam("gpufleet_nic_netdev_info")
+        w.block([prefix("gpufleet_nic_netdev_info", {**t, "device": nic_t[n]["device"], "port": "1"})
+                 for t, n in zip(eth_t, roce, strict=True)], np.ones((w.n_ticks, len(roce))), 0, c.nic_present[:, roce])
     fam("gpufleet_ib_hw_counters_total")
     for k, counter in enumerate(NIC_HW[:3] if full else NIC_HW[:1]):
         nic_metric("gpufleet_ib_hw_counters_total", np.floor(fr["nic_hw"][:, :, k]), 0, {"counter": counter},
