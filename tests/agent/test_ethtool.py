@@ -70,16 +70,31 @@ def test_real_mlx5_capture_pfc_off(tmp_path: Path) -> None:
     }
 
 
-def test_software_counters_only_give_no_series(tmp_path: Path) -> None:
-    """The head of a real ConnectX-4 output has only software counters: nothing is on the allowlist."""
-    text = (ETHTOOL / "mlx5-connectx4-ubuntu1804-head.txt").read_text()
-    assert len(parse_ethtool_s(text)) == 23
+def test_real_mlx5_connectx4_capture_complete(tmp_path: Path) -> None:
+    """A complete real ConnectX-4 output (mlx5_core, Ubuntu 18.04, 16 channels; as ethq stores it: no header, no
+    indent): 802.3x global pause in frames and duration, the three buffer discards and the PHY errors, all zero;
+    no per-priority pause lines (PFC off) and so no per-priority series."""
+    text = (ETHTOOL / "mlx5-connectx4-ubuntu1804.txt").read_text()
+    pairs = parse_ethtool_s(text)
+    assert len(pairs) == 751 and pairs[0] == ("rx_packets", 845320277)
+    assert dict(pairs)["tx_pci_signal_integrity"] == 34
     got = scrape(EthtoolCollector("/nonexistent", recorded(tmp_path, eth2=text), interfaces=["eth2"]))
-    assert got == {key("gpufleet_nic_ethtool_read_errors_total", interface="eth2"): 0}
+    assert got == {
+        **{key("gpufleet_nic_pause_frames_total", interface="eth2", priority="global", direction=d): 0
+           for d in ("receive", "transmit")},
+        **{key("gpufleet_nic_pause_duration_seconds_total", interface="eth2", priority="global", direction=d): 0
+           for d in ("receive", "transmit")},
+        **{key("gpufleet_nic_discards_total", interface="eth2", stat=s): 0
+           for s in ("rx_out_of_buffer", "rx_discards_phy", "tx_discards_phy")},
+        **{key("gpufleet_nic_phy_errors_total", interface="eth2", stat=s): 0 for s in (
+            "link_down_events_phy", "rx_crc_errors_phy", "rx_symbol_err_phy", "rx_pcs_symbol_err_phy",
+            "rx_corrected_bits_phy")},
+        key("gpufleet_nic_ethtool_read_errors_total", interface="eth2"): 0,
+    }
     every = scrape(EthtoolCollector("/nonexistent", recorded(tmp_path, eth2=text), interfaces=["eth2"],
                                     all_stats=True))
     assert every[key("gpufleet_nic_ethtool_stat", interface="eth2", stat="rx_csum_none")] == 49455
-    assert len([k for k in every if k[0] == "gpufleet_nic_ethtool_stat"]) == 23
+    assert len([k for k in every if k[0] == "gpufleet_nic_ethtool_stat"]) == 751 - 12  # every statistic not on the allowlist
 
 
 def test_pfc_priorities_and_durations(tmp_path: Path) -> None:
