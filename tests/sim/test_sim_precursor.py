@@ -6,12 +6,15 @@ until the GPU actually lags (after the onset), and then one with the ``pcie`` ca
 from __future__ import annotations
 
 import json
+import math
+import subprocess
 import tomllib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from support import REPO, need_binary
 from test_sim_faults import START, parse
 
 from gpufleet.agent.sim.quality import _config
@@ -87,6 +90,56 @@ def test_aer_alert_fires_before_the_downgrade_on_the_faulty_node_only(recorded: 
     for peer in ("node-000", "node-001", "node-003"):
         _, pr = aer_rate(path, peer)
         assert (pr <= ALERT_RATE).all(), peer
+
+
+def test_promtool_fires_the_aer_alert_before_the_downgrade(recorded: tuple[Path, dict[str, Any]],
+                                                          tmp_path: Path) -> None:
+    """The real rule (alerts/gpufleet.rules.yml) in promtool on the recording's series of the faulty GPU (its
+    correctable AER counter and its gpufleet_pcie_device_info): firing a minute before the onset, and not before
+    the precursor has lasted the rule's `for`."""
+    path, _ = recorded
+    series = parse(path, {"gpufleet_pcie_aer_reports", "gpufleet_pcie_device_info"})
+    t, r = aer_rate(path, "node-002")
+    hot = {k: v for k, v in series.items() if k[0] == "gpufleet_pcie_aer_reports_total"
+           and dict(k[1]).get("instance") == "node-002:9445" and v[-1][1] > 0}
+    assert len(hot) == 1, hot  # only the faulty GPU's function reports
+    [(aer_key, aer_pts)] = hot.items()
+    device = dict(aer_key[1])["device"]
+    info = [(k, v) for k, v in series.items() if k[0] == "gpufleet_pcie_device_info"
+            and dict(k[1]).get("instance") == "node-002:9445" and dict(k[1]).get("device") == device]
+    assert len(info) == 1, "the recording has no gpufleet_pcie_device_info for the faulty GPU's function"
+    t0 = aer_pts[0][0]
+
+    def values(pts: list[tuple[float, float]]) -> str:
+        by_t = {round((ts - t0) / STEP): v for ts, v in pts}
+        return " ".join("_" if k not in by_t or math.isnan(by_t[k]) else f"{by_t[k]:g}" for k in range(max(by_t) + 1))
+
+    def selector(key: tuple[str, frozenset[tuple[str, str]]]) -> str:
+        return key[0] + "{" + ",".join(f'{n}="{v}"' for n, v in sorted(key[1])) + "}"
+
+    def at(unix: float) -> str:
+        return f"{round(unix - t0)}s"
+
+    firing = 'count(ALERTS{alertname="GpufleetPcieAerCorrectableRate",alertstate="firing",instance="node-002:9445"})'
+    earliest = START + ONSET - PRECURSOR + ALERT_FOR  # the rate condition holds from the first reports; then `for`
+    test = {
+        "rule_files": [str(REPO / "alerts" / "gpufleet.rules.yml")],
+        "evaluation_interval": "15s",
+        "tests": [{
+            "interval": f"{STEP:g}s",
+            "input_series": [{"series": selector(k), "values": values(v)} for k, v in (*info, (aer_key, aer_pts))],
+            "promql_expr_test": [
+                {"expr": firing, "eval_time": at(START + ONSET - 60), "exp_samples": [{"labels": "{}", "value": 1}]},
+                {"expr": firing, "eval_time": at(earliest - 60), "exp_samples": []},
+            ],
+        }],
+    }
+    f = tmp_path / "precursor.test.yml"
+    f.write_text(json.dumps(test))  # JSON is YAML
+    proc = subprocess.run([need_binary("promtool"), "test", "rules", str(f)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (t[r > ALERT_RATE] >= START + ONSET - PRECURSOR).all()
 
 
 def test_no_straggler_before_the_gpu_lags(recorded: tuple[Path, dict[str, Any]]) -> None:

@@ -136,6 +136,12 @@ def write(w: OmWriter, c: Context) -> None:
                     {"device": c.sim.pci_bus_id(int(c.gpu_node[g]), int(c.gpu_local[g]))[4:].lower(),
                      "kind": "correctable", **target(int(c.gpu_node[g]))}) for g in g_all],
             fr["aer_cor"], 0, c.gpu_present)
+    # ... and their identity, as the pcie collector exports it (GpufleetPcieAerCorrectableRate joins on it)
+    fam("gpufleet_pcie_device_info")
+    w.block([prefix("gpufleet_pcie_device_info",
+                    {"device": c.sim.pci_bus_id(int(c.gpu_node[g]), int(c.gpu_local[g]))[4:].lower(), "role": "gpu",
+                     "gpu": str(c.gpu_local[g]), "nic": "", **target(int(c.gpu_node[g]))}) for g in g_all],
+            ones, 0, c.gpu_present)
     if not full:
         _xid_families(w, c, target)
         _nics(w, c, fam, target)
