@@ -14,6 +14,10 @@ a whole fleet under CPU pressure or a fabric pausing everywhere does not single 
 - pcie: correctable AER reports at a sustained rate (:attr:`~CauseParams.aer_rate` per second over
   the whole window: at 0.05/s and a 2-minute window, six reports or more; one or two isolated
   reports are not a cause), more than the peers'.
+- a NIC in a pause storm (:func:`nic_fabric`, for :func:`gpufleet.detector.network.find`): the fraction of the
+  window the NIC's port was paused by PFC (its netdev's ethtool series, tied to it by
+  ``gpufleet_nic_netdev_info``), at least an absolute minimum and ``ratio`` x its same-rail peers' median, or
+  discards / pause-storm events on a NIC whose rail peers have none.
 - collectives (NCCL profiler traces): within a job, the rank that spends much less of its time in
   collectives than its peers is the one they wait for (:func:`collective_z`).
 """
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpufleet.detector.features import GpuFrame
+from gpufleet.detector.features import GpuFrame, NicFrame
 
 FloatArray = np.ndarray
 #: Node features this module reads (queries in profiles.py).
@@ -121,3 +125,37 @@ def collective_z(frame: GpuFrame, groups: FloatArray) -> FloatArray:
     if not np.isfinite(x).any():
         return np.full(len(frame), np.nan)
     return -grouped_robust_z(np.where(groups >= 0, x, np.nan), groups, 0.02, 0.05)
+
+
+def nic_fabric(nic: NicFrame, min_peers: int, pause_min: float, ratio: float = 3.0) -> list[tuple[FloatArray, FloatArray, str]]:
+    """Per-NIC PFC evidence as ``(mask, score, what)`` for :func:`gpufleet.detector.network.find`'s flags.
+
+    Peers are the NICs of the same device name on the other nodes (one rail), at least ``min_peers`` with a
+    value. A NIC is flagged ``pfc_pause`` when its paused fraction over the window is at least ``pause_min``
+    (absolute: a port paused 1 % of the time is a working lossless fabric) and ``ratio`` x the rail's median;
+    ``nic_discards`` / ``pause_storm`` when it dropped packets or raised storm events over the window and its
+    rail's median is 0. Scores start at 8 (above the network threshold) and grow with the evidence."""
+    n = len(nic.devices)
+    out: list[tuple[FloatArray, FloatArray, str]] = []
+    pause, discards, storm = nic.get("nic_pause"), nic.get("nic_discards"), nic.get("nic_pause_storm")
+    if n == 0 or not (np.isfinite(pause).any() or np.isfinite(discards).any() or np.isfinite(storm).any()):
+        return out
+    by_dev: dict[str, list[int]] = defaultdict(list)
+    for k, d in enumerate(nic.devices):
+        by_dev[d].append(k)
+    flag_pause, flag_disc, flag_storm = (np.zeros(n, dtype=bool) for _ in range(3))
+    for members in by_dev.values():
+        for i in members:
+            peers = [j for j in members if j != i]
+            pv = pause[peers]
+            if np.isfinite(pv).sum() >= min_peers and np.isfinite(pause[i]) and pause[i] >= pause_min:
+                flag_pause[i] = pause[i] >= ratio * float(np.nanmedian(pv))
+            for x, mask in ((discards, flag_disc), (storm, flag_storm)):
+                xv = x[peers]
+                if np.isfinite(xv).sum() >= min_peers and np.isfinite(x[i]) and x[i] >= 1:
+                    mask[i] = float(np.nanmedian(xv)) == 0
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out.append((flag_pause, 8.0 + 10.0 * np.nan_to_num(pause, nan=0.0), "pfc_pause"))
+        out.append((flag_disc, 8.0 + np.log10(np.maximum(np.nan_to_num(discards, nan=1.0), 1.0)), "nic_discards"))
+        out.append((flag_storm, 8.0 + np.log10(np.maximum(np.nan_to_num(storm, nan=1.0), 1.0)), "pause_storm"))
+    return out

@@ -38,6 +38,9 @@ NVLINK_ERROR_FEATURES = ("nvlink_crc_flit", "nvlink_crc_data", "nvlink_replay", 
 OPTIONAL_METRICS = frozenset({"gpufleet_mig_device_info", "gpufleet_gpu_pod_info", "gpufleet_gpu_mig_mode_enabled"})
 NIC_FEATURES = ("nic_tx", "nic_xmit_wait", "nic_symbol_errors", "nic_link_downed", "nic_link_recovery",
                 "nic_rate", "nic_ecn")
+#: NIC features from interface-keyed series (ethtool -S), mapped onto the NIC frame by gpufleet_nic_netdev_info
+#: (queries of entity ``nicif``; the map's query has entity ``netdev``): PFC paused fraction, discards, storms.
+NIC_INTERFACE_FEATURES = ("nic_pause", "nic_discards", "nic_pause_storm")
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,7 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
     meta: dict[str, Result] = {}
     gpu_rs: list[tuple[str, Query, Result]] = []
     nic_rs: list[tuple[str, Query, Result]] = []
+    nicif_rs: list[tuple[str, Query, Result]] = []
     for feat, rs in results.items():
         for q, res in rs:
             if q.entity == "site":
@@ -183,6 +187,8 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
                 nicmap_rs.append(res)
             elif q.entity == "meta":
                 meta[feat] = _concat(meta[feat], res) if feat in meta else res
+            elif q.entity in ("nicif", "netdev"):
+                nicif_rs.append((feat, q, res))
             elif q.entity == "nic":
                 nic_rs.append((feat, q, res))
             else:
@@ -260,6 +266,8 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
         pos = nics.positions(res)
         if feat in nvalues:
             _accumulate(nvalues[feat], pos, res.values, q.agg)
+    if nicif_rs:
+        _interface_features(nicif_rs, nics.keys, nvalues, naming)
     nicmap = _nicmap(nicmap_rs, naming)
     cache = nics.cache
     served: list[list[str]] | None = None
@@ -273,6 +281,33 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
     n_nodes, n_devices, n_ports = nics.columns(3)
     nic = NicFrame(n_nodes, n_devices, n_ports, nics.site_list(), nvalues, [list(g) for g in served])
     return FeatureFrame(t, gpu, nic, dict(node_vals), dict(site_vals), missing, errors, meta)
+
+
+def _interface_features(rs: list[tuple[str, Query, Result]], keys: Sequence[tuple[str, ...]],
+                        values: dict[str, FloatArray], naming: NodeNaming) -> None:
+    """Fold the interface-keyed NIC features (:data:`NIC_INTERFACE_FEATURES`) into ``values`` at the NICs of
+    ``keys`` ((node, device, port)), through the (node, interface) -> (device, port) map of the ``netdev``
+    results. An interface with no map, or whose NIC is not in the frame, gives nothing: it is not guessed."""
+    port_of: dict[tuple[str | None, str | None], tuple[str, ...]] = {}
+    for _, q, res in rs:
+        if q.entity != "netdev":
+            continue
+        col = _node_column(res.table, naming)
+        devs, ports, ifs = (res.table.column(x) for x in ("device", "port", "interface"))
+        for i in res.ids.tolist():
+            if col[i] and devs[i] and ifs[i]:
+                port_of[(col[i], ifs[i])] = (col[i] or "", devs[i] or "", ports[i] or "1")
+    if not port_of:
+        return
+    index = {k[:3]: j for j, k in enumerate(keys)}
+    for feat, q, res in rs:
+        arr = values.setdefault(feat, np.full(len(keys), np.nan)) if q.entity == "nicif" else None
+        if arr is None:
+            continue
+        ifkey = _cached(res.table, ("ifkey", naming),
+                        lambda: _Growing(lambda lb: (naming.node(lb), lb.get("interface")), object))
+        pos = np.array([index.get(port_of.get(k, ()), -1) for k in ifkey[res.ids].tolist()], dtype=np.int64)
+        _accumulate(arr, pos, res.values, q.agg)
 
 
 def _nicmap(results: list[Result], naming: NodeNaming) -> dict[tuple[str, str], list[str]]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gpufleet.detector.causes import nic_fabric
 from gpufleet.detector.features import GpuFrame, NicFrame
 from gpufleet.detector.robust import robust_z
 from gpufleet.detector.straggler import Candidate
@@ -25,6 +26,7 @@ class NetworkParams:
     symbol_errors: float = 10.0  # symbol errors per window that count as trouble
     rate_drop: float = 0.2  # rate below (1 - rate_drop) x peers' median
     min_peers: int = 4
+    pause_min: float = 0.05  # fraction of the window a NIC's port was paused by PFC that can be trouble
 
 
 def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams) -> list[Candidate]:
@@ -75,6 +77,9 @@ def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams) -> list[Candidate]:
             z = np.zeros(n)
             z[idx] = np.nan_to_num(robust_z(x, abs_floor=max(floor, 0.05 * abs(med), 1e-3), rel_floor=0.25), nan=0.0)
             flag(z >= p.threshold, z, feat.removeprefix("nic_"))
+    # RoCE: PFC pause, discards and pause storms of the NIC's netdev, against its rail (detector/causes.py)
+    for mask, value, what in nic_fabric(nic, p.min_peers, p.pause_min):
+        flag(mask, value, what)
     job_of = {(nd, g): j for nd, g, j in zip(gpu.nodes, gpu.gpus, gpu.jobs, strict=True)}
     out: list[Candidate] = []
     for i in np.flatnonzero(score >= p.threshold):

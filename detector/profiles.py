@@ -23,7 +23,8 @@ from gpufleet.agent.vocab.nvml import reason_bits
 
 Op = Literal["avg", "max", "min", "last", "count", "rate", "increase"]
 #: ``meta``: a query collect() does not resolve to an entity; its raw result is kept on FeatureFrame.meta.
-Entity = Literal["gpu", "nic", "node", "site", "nicmap", "meta"]
+#: ``nicif``: a NIC feature keyed by network interface, mapped onto the NIC by the ``netdev`` query's info series.
+Entity = Literal["gpu", "nic", "node", "site", "nicmap", "meta", "nicif", "netdev"]
 Agg = Literal["max", "min", "sum", "mean"]
 PROFILES = ("gpufleet", "dcgm")
 
@@ -148,6 +149,12 @@ GPUFLEET: tuple[Query, ...] = (
     _q("node_pause_storm", "gpufleet_nic_pause_storm_events_total", "increase", "node", agg="sum"),
     _q("node_aer_cor", "gpufleet_pcie_aer_reports_total", "rate", "node", _eq("kind", "correctable")),
     _q("coll_frac", "gpufleet_nccl_collective_seconds_total", "rate", agg="sum"),
+    # The same PFC evidence per NIC (detector/causes.py nic_fabric): ethtool series by interface, tied to
+    # the NIC (device, port) by gpufleet_nic_netdev_info.
+    _q("@netdev", "gpufleet_nic_netdev_info", "last", "netdev"),
+    _q("nic_pause", "gpufleet_nic_pause_duration_seconds_total", "rate", "nicif"),
+    _q("nic_discards", "gpufleet_nic_discards_total", "increase", "nicif", agg="sum"),
+    _q("nic_pause_storm", "gpufleet_nic_pause_storm_events_total", "increase", "nicif", agg="sum"),
 )
 
 #: dcgm-exporter reports MHz, percent (GPU_UTIL), mJ (energy) and microseconds (violation counters).

@@ -199,6 +199,9 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
     flagged_nodes |= {node for node, (cause, _) in (node_causes or {}).items() if cause == "network"}
     if flagged_nodes:
         maybe |= np.array([node in flagged_nodes for node in frame.nodes], dtype=bool)
+    fabric_nodes = {node for node, (cause, _) in (node_causes or {}).items() if cause == "network"}
+    if fabric_nodes:  # a node whose ports are paused by PFC or drop (detector/causes.py): its ranks wait on links
+        maybe |= np.array([node in fabric_nodes for node in frame.nodes], dtype=bool)
     for i in np.flatnonzero(np.asarray(idx, dtype=bool) & maybe):
         if not frame.jobs[i]:
             continue

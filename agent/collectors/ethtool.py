@@ -6,7 +6,11 @@ IPoIB netdev), found again at most every :data:`DISCOVER_SECONDS`; ``--collector
 names them instead. Each scrape reads every statistic of each interface as ``(name, value)`` pairs
 and keeps the allowlist of :mod:`~gpufleet.agent.collectors.ethtool_stats` (PFC pause frames and
 duration, pause storms, discards, physical-layer errors); ``--collector.ethtool.all-stats`` keeps
-everything else as ``gpufleet_nic_ethtool_stat``.
+everything else as ``gpufleet_nic_ethtool_stat``. Each interface read that belongs to an RDMA device
+is tied to it once, as ``gpufleet_nic_netdev_info{device, port, interface}`` (the port from the netdev's
+``dev_port``, 0-based, or the device's only port), so the interface-keyed series join the
+``gpufleet_ib_port_*`` ones (the detector maps PFC pause onto the NIC that way) without a device label on
+every series.
 
 Live reads use the kernel's ``SIOCETHTOOL`` ioctl (``ETHTOOL_GSSET_INFO``, ``ETHTOOL_GSTRINGS``,
 ``ETHTOOL_GSTATS``, what ``ethtool -S`` itself does) through pyroute2, on an ``AF_INET`` datagram
@@ -45,6 +49,7 @@ _FAMILIES: dict[Kind, catalog.MetricSpec] = {
     "other": catalog.spec("gpufleet_nic_ethtool_stat"),
 }
 _ERRORS = catalog.spec("gpufleet_nic_ethtool_read_errors_total")
+_NETDEV = catalog.spec("gpufleet_nic_netdev_info")
 #: Seconds between looks for the RDMA devices' network interfaces.
 DISCOVER_SECONDS = 60.0
 _IB_CLASS = os.path.join("class", "infiniband")
@@ -155,18 +160,45 @@ class TextReader:
 
 def rdma_interfaces(sysfs: str) -> list[str]:
     """The network interfaces of the RDMA devices under ``<sysfs>/class/infiniband``, sorted, each once."""
+    return sorted({ifname for _, _, ifname in rdma_netdevs(sysfs)})
+
+
+def _port_of(dev_dir: str, ifname: str) -> str | None:
+    """The RDMA port of a device's netdev: ``dev_port`` + 1 (the kernel numbers netdev ports from 0, RDMA
+    ports from 1), else the device's only port; None when neither tells."""
+    try:
+        with open(os.path.join(dev_dir, "device", "net", ifname, "dev_port"), encoding="ascii") as f:
+            text = f.read(32).strip()
+        if text.isascii() and text.isdigit():
+            return str(int(text) + 1)
+    except (OSError, ValueError):
+        pass
+    try:
+        ports = [p for p in os.listdir(os.path.join(dev_dir, "ports")) if p.isascii() and p.isdigit()]
+    except OSError:
+        return None
+    return ports[0] if len(ports) == 1 else None
+
+
+def rdma_netdevs(sysfs: str) -> list[tuple[str, str | None, str]]:
+    """``(device, port, interface)`` of every network interface of the RDMA devices under
+    ``<sysfs>/class/infiniband`` (port None when sysfs does not tell), sorted."""
     base = os.path.join(sysfs, _IB_CLASS)
     try:
         devices = os.listdir(base)
     except OSError:
         return []
-    found: set[str] = set()
+    found: list[tuple[str, str | None, str]] = []
     for dev in devices:
+        if dev.startswith("."):
+            continue
+        dev_dir = os.path.join(base, dev)
         try:
-            found.update(n for n in os.listdir(os.path.join(base, dev, "device", "net")) if not n.startswith("."))
+            nets = [n for n in os.listdir(os.path.join(dev_dir, "device", "net")) if not n.startswith(".")]
         except OSError:
             continue
-    return sorted(found)
+        found.extend((dev, _port_of(dev_dir, n), n) for n in nets)
+    return sorted(found, key=lambda x: (x[0], x[1] or "", x[2]))
 
 
 class EthtoolCollector:
@@ -184,25 +216,29 @@ class EthtoolCollector:
         self.all_stats = all_stats
         self._clock = clock
         self._found: list[str] = []
+        self._ports: dict[str, list[tuple[str, str]]] = {}  # interface -> its RDMA (device, port)s
         self._found_at = -float("inf")
         self._errors: dict[str, int] = {}
         self._warned: set[tuple[str, str]] = set()
         self._unavailable = False
         self._plans: dict[str, tuple[Sequence[str], list[tuple[int, Stat]]]] = {}
-        specs = (*_FAMILIES.values(), _ERRORS)
+        specs = (*_FAMILIES.values(), _ERRORS, _NETDEV)
         self._put = SeriesCache(specs).put
 
     def describe(self) -> Iterable[Metric]:
-        return [s.family() for s in (*_FAMILIES.values(), _ERRORS)]
+        return [s.family() for s in (*_FAMILIES.values(), _ERRORS, _NETDEV)]
 
     def interfaces(self) -> list[str]:
-        if self._fixed:
-            return list(self._fixed)
         now = self._clock()
         if now - self._found_at >= DISCOVER_SECONDS:
-            self._found = rdma_interfaces(self.sysfs_path)
+            found = rdma_netdevs(self.sysfs_path)
+            self._found = sorted({ifname for _, _, ifname in found})
+            self._ports = {}
+            for dev, port, ifname in found:
+                if port is not None:
+                    self._ports.setdefault(ifname, []).append((dev, port))
             self._found_at = now
-        return self._found
+        return list(self._fixed) if self._fixed else self._found
 
     def _get_reader(self) -> StatsReader | None:
         if self._reader is None and not self._unavailable:
@@ -226,6 +262,7 @@ class EthtoolCollector:
             return []
         put = self._put
         fams = {k: s.family() for k, s in _FAMILIES.items()}
+        netdev = _NETDEV.family()
         for ifname in ifnames:
             try:
                 names, values = reader.read(ifname)
@@ -247,7 +284,11 @@ class EthtoolCollector:
             self._errors.setdefault(ifname, 0)
             for i, st in cached[1]:
                 put(fams[st.kind], [ifname, *st.labels], base_value(st, values[i]))
+            for dev, port in self._ports.get(ifname, ()):
+                put(netdev, [dev, port, ifname], 1.0)
         out: list[Metric] = [f for f in fams.values() if f.samples]
+        if netdev.samples:
+            out.append(netdev)
         if self._errors:
             errors = cast(CounterMetricFamily, _ERRORS.family())
             for ifname in sorted(self._errors):

@@ -36,10 +36,12 @@ Catalogue (``kind``: signature -> expected findings):
 * ``roce_pause_storm`` (node's NICs): a RoCE fabric running PFC without ECN marking (DCQCN off) in a
   pause storm: the ports are paused 10%..50% of the time (``gpufleet_nic_pause_duration_seconds_total``,
   priority 3, receive) and send that much less; an obvious case drops. No xmit_wait or ECN/CNP
-  signature (RoCE ports). -> straggler/network.
+  signature (RoCE ports): each paused NIC stands out from its rail. -> network/network, straggler/network.
 * ``pcie_downgrade`` (GPU): link trains down (marginal gen4 x16, moderate gen4 x8, obvious gen3 x4);
   ``pcie_replay`` counts and correctable AER reports (``gpufleet_pcie_aer_reports_total``) arrive at
-  0.1..3 per second; GPUDirect traffic of that rank is bounded by PCIe. -> straggler/pcie.
+  0.1..3 per second; GPUDirect traffic of that rank is bounded by PCIe. With a ``precursor`` (a lead time)
+  the correctable AER reports start that long before the link trains down (a marginal link warns first);
+  the GPU does not lag until the onset. -> straggler/pcie.
 * ``nvlink_down`` (GPU): 1..6 NVLink links go down (``nvlink_up`` 0, replay/recovery errors just
   before); the GPU's NVLink bandwidth and so the job's intra-node collective slow. -> straggler/network.
 * ``hbm_ecc`` (GPU): corrected ECC errors at 2..200 per hour from onset, then (after 2 h..5 min) one
@@ -98,6 +100,11 @@ class Fault:
     node: int | None = None
     gpu: int | None = None  # local GPU index on the node (None: the whole node)
     nic: int | None = None  # local NIC index (rail k)
+    #: Seconds before the onset in which the fault's early warning shows (:meth:`apply_precursor`); 0: none.
+    precursor: float = 0.0
+
+    #: Whether the kind has an early warning (a scenario may give it a ``precursor`` only then).
+    has_precursor: ClassVar[bool] = False
 
     def active(self, t: float) -> bool:
         return t >= self.onset and (self.end is None or t < self.end)
@@ -121,6 +128,12 @@ class Fault:
 
     def apply(self, p: Physics, t: float, dt: float) -> None:
         """Set this tick's modifiers (called only while active)."""
+
+    def in_precursor(self, t: float) -> bool:
+        return self.precursor > 0 and self.onset - self.precursor <= t < self.onset
+
+    def apply_precursor(self, p: Physics, t: float, dt: float) -> None:
+        """Set this tick's modifiers of the early warning (called only in the lead time before the onset)."""
 
     def on_start(self, p: Physics, t: float) -> None:
         """One-off effects at onset."""
@@ -239,7 +252,7 @@ class NetworkCongestion(Fault):
 class RocePauseStorm(Fault):
     kind = "roce_pause_storm"
     target = "node"
-    findings = (("straggler", "network"),)
+    findings = (("network", "network"), ("straggler", "network"))
     signals = ("gpufleet_nic_pause_duration_seconds_total{direction=receive}", "gpufleet_nic_discards_total")
 
     def apply(self, p: Physics, t: float, dt: float) -> None:
@@ -266,7 +279,17 @@ class PcieDowngrade(Fault):
         p.mods.pcie_gen[g] = gen
         p.mods.pcie_width[g] = width
         p.mods.pcie_replay_per_s[g] += lerp(0.02, 1.0, self.severity)
-        p.mods.aer_cor_per_s[g] += lerp(0.1, 3.0, self.severity)  # the link throws correctable errors
+        p.mods.aer_cor_per_s[g] += self.aer_per_s()  # the link throws correctable errors
+
+    has_precursor = True
+
+    def aer_per_s(self) -> float:
+        return lerp(0.1, 3.0, self.severity)
+
+    def apply_precursor(self, p: Physics, t: float, dt: float) -> None:
+        # the marginal link already logs correctable errors (the link partner retries), but still runs at full
+        # speed and width: no replay storm, no bandwidth bound, no lag yet
+        p.mods.aer_cor_per_s[self.gpus(p)] += self.aer_per_s()
 
 
 class NvlinkDown(Fault):
@@ -356,7 +379,8 @@ class PueDrift(Fault):
 class FaultSchedule:
     """The faults of one run and where each is in its lifecycle; ``schedule(p, t, dt)`` is a tick's effects.
 
-    Every tick (ending at ``t``) a fault whose onset has come starts once (:meth:`Fault.on_start`),
+    Every tick (ending at ``t``) a fault in its lead time applies its early warning (:meth:`Fault.apply_precursor`);
+    a fault whose onset has come starts once (:meth:`Fault.on_start`),
     applies its modifiers while active (:meth:`Fault.apply`) and ends once at its ``end``
     (:meth:`Fault.on_end`), in the order the scenario lists the faults.
     """
@@ -368,6 +392,8 @@ class FaultSchedule:
 
     def __call__(self, p: Physics, t: float, dt: float) -> None:
         for i, fault in enumerate(self.faults):
+            if fault.in_precursor(t):
+                fault.apply_precursor(p, t, dt)
             if not self._started[i] and t >= fault.onset:
                 self._started[i] = True
                 fault.on_start(p, t)

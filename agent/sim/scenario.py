@@ -33,6 +33,7 @@ Example::
     gpu = 5
     onset = "20m"
     severity = "obvious"             # marginal | moderate | obvious | a number in [0, 1]
+    # precursor = "20m"              # pcie_downgrade: correctable AER reports start this long before the onset
 
     [[heatwaves]]                    # confounder, not a fault
     site = "site-a"
@@ -121,6 +122,7 @@ class FaultSpec:
     node: str | None = None
     gpu: int | None = None
     nic: int | None = None
+    precursor: float = 0.0  # seconds of early warning before the onset (pcie_downgrade: AER reports)
 
 
 @dataclass
@@ -450,7 +452,7 @@ def _parse_jobs(sc: Scenario, jobs: dict[str, Any], node_names: set[str], w: str
 def _parse_fault(fd: object, node_names: set[str], site_names: set[str], sc: Scenario, w: str) -> FaultSpec:
     if not isinstance(fd, dict):
         raise ScenarioError(f"{w}: expected a table")
-    _check_keys(fd, {"kind", "onset", "end", "severity", "site", "node", "gpu", "nic"}, w)
+    _check_keys(fd, {"kind", "onset", "end", "severity", "site", "node", "gpu", "nic", "precursor"}, w)
     kind = _get(fd, "kind", str, w)
     if kind not in FAULTS:
         raise ScenarioError(f"{w}.kind: unknown fault {kind!r}; known: {', '.join(FAULTS)}")
@@ -460,6 +462,13 @@ def _parse_fault(fd: object, node_names: set[str], site_names: set[str], sc: Sce
         if spec.end <= spec.onset:
             raise ScenarioError(f"{w}.end: must be after the onset")
     spec.severity = parse_severity(fd.get("severity", "obvious"), f"{w}.severity")
+    if "precursor" in fd:
+        if not FAULTS[kind].has_precursor:
+            raise ScenarioError(f"{w}.precursor: fault {kind!r} has no early warning; only "
+                                f"{', '.join(k for k, c in FAULTS.items() if c.has_precursor)} take a precursor")
+        spec.precursor = parse_duration(fd["precursor"], f"{w}.precursor")
+        if spec.precursor > spec.onset:
+            raise ScenarioError(f"{w}.precursor: must not start before the scenario (at most the onset)")
     target = FAULTS[kind].target
     if target == "site":
         spec.site = _get(fd, "site", str, w, sc.sites[0].name)

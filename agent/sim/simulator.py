@@ -126,7 +126,7 @@ class Simulator:
         for fs in sc.faults:
             cls = FAULTS[fs.kind]
             self.faults.append(cls(
-                onset=fs.onset, end=fs.end, severity=fs.severity,
+                onset=fs.onset, end=fs.end, severity=fs.severity, precursor=fs.precursor,
                 site=site_index[fs.site] if fs.site is not None else None,
                 node=node_index[fs.node] if fs.node is not None else None, gpu=fs.gpu, nic=fs.nic,
             ))
@@ -419,6 +419,7 @@ class Simulator:
                                                                         if node else None),
                 "node": node, "gpu": gpu, "nic": nic,
                 "onset": self.start + fs.onset, "end": None if fs.end is None else self.start + fs.end,
+                "precursor_start": self.start + fs.onset - fs.precursor if fs.precursor > 0 else None,
                 "severity": fs.severity, "severity_class": severity_class(fs.severity),
                 "job_id": job_at_onset, "expected_findings": findings,
                 "signals": list(fault.signals), "signature": fault_doc(fs.kind),

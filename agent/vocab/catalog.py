@@ -366,6 +366,11 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("gpufleet_nic_ethtool_read_errors_total", _C, "",
                "Failed reads of a NIC's ethtool statistics (the interface vanished, the driver refused, a bad "
                "recorded output), by interface.", ("interface",), "nic"),
+    # ---------------------------------------------------------------- NIC: RDMA port of a network interface
+    MetricSpec("gpufleet_nic_netdev_info", _G, "",
+               "The RDMA device and port a network interface belongs to (sysfs class/infiniband/<device>/device/net/"
+               "<interface>, port from its dev_port), joining the interface-keyed ethtool series to the "
+               "gpufleet_ib_port_* series; value is 1.", ("device", "port", "interface"), "nic"),
     # ---------------------------------------------------------------- topology
     MetricSpec("gpufleet_nic_gpu_info", _G, "",
                "NIC nearest to a GPU by PCI topology (deepest common PCI ancestor); value is 1.",

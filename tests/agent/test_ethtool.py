@@ -70,16 +70,31 @@ def test_real_mlx5_capture_pfc_off(tmp_path: Path) -> None:
     }
 
 
-def test_software_counters_only_give_no_series(tmp_path: Path) -> None:
-    """The head of a real ConnectX-4 output has only software counters: nothing is on the allowlist."""
-    text = (ETHTOOL / "mlx5-connectx4-ubuntu1804-head.txt").read_text()
-    assert len(parse_ethtool_s(text)) == 23
+def test_real_mlx5_connectx4_capture_complete(tmp_path: Path) -> None:
+    """A complete real ConnectX-4 output (mlx5_core, Ubuntu 18.04, 16 channels; as ethq stores it: no header, no
+    indent): 802.3x global pause in frames and duration, the three buffer discards and the PHY errors, all zero;
+    no per-priority pause lines (PFC off) and so no per-priority series."""
+    text = (ETHTOOL / "mlx5-connectx4-ubuntu1804.txt").read_text()
+    pairs = parse_ethtool_s(text)
+    assert len(pairs) == 751 and pairs[0] == ("rx_packets", 845320277)
+    assert dict(pairs)["tx_pci_signal_integrity"] == 34
     got = scrape(EthtoolCollector("/nonexistent", recorded(tmp_path, eth2=text), interfaces=["eth2"]))
-    assert got == {key("gpufleet_nic_ethtool_read_errors_total", interface="eth2"): 0}
+    assert got == {
+        **{key("gpufleet_nic_pause_frames_total", interface="eth2", priority="global", direction=d): 0
+           for d in ("receive", "transmit")},
+        **{key("gpufleet_nic_pause_duration_seconds_total", interface="eth2", priority="global", direction=d): 0
+           for d in ("receive", "transmit")},
+        **{key("gpufleet_nic_discards_total", interface="eth2", stat=s): 0
+           for s in ("rx_out_of_buffer", "rx_discards_phy", "tx_discards_phy")},
+        **{key("gpufleet_nic_phy_errors_total", interface="eth2", stat=s): 0 for s in (
+            "link_down_events_phy", "rx_crc_errors_phy", "rx_symbol_err_phy", "rx_pcs_symbol_err_phy",
+            "rx_corrected_bits_phy")},
+        key("gpufleet_nic_ethtool_read_errors_total", interface="eth2"): 0,
+    }
     every = scrape(EthtoolCollector("/nonexistent", recorded(tmp_path, eth2=text), interfaces=["eth2"],
                                     all_stats=True))
     assert every[key("gpufleet_nic_ethtool_stat", interface="eth2", stat="rx_csum_none")] == 49455
-    assert len([k for k in every if k[0] == "gpufleet_nic_ethtool_stat"]) == 23
+    assert len([k for k in every if k[0] == "gpufleet_nic_ethtool_stat"]) == 751 - 12  # every statistic not on the allowlist
 
 
 def test_pfc_priorities_and_durations(tmp_path: Path) -> None:
@@ -140,6 +155,36 @@ def test_interfaces_of_the_rdma_devices(tmp_path: Path) -> None:
     got = scrape(c)
     assert got[key("gpufleet_nic_discards_total", interface="ens1f0np0", stat="rx_out_of_buffer")] == 9
     assert not any(dict(k[1]).get("interface") == "ens1f1np1" for k in got)  # no output: no series, no error
+
+
+def test_netdev_info_ties_each_interface_to_its_rdma_port(tmp_path: Path) -> None:
+    """gpufleet_nic_netdev_info{device, port, interface}: once per interface read, the port from dev_port (0-based)
+    or the device's only port; a two-port device whose netdev has no dev_port gives no guess."""
+    for dev, pci, net, dev_port, ports in (("mlx5_0", "0000:1a:00.0", "ens1f0np0", None, ["1"]),
+                                           ("mlx4_0", "0000:2a:00.0", "ib1", "1", ["1", "2"]),
+                                           ("mlx4_1", "0000:3a:00.0", "ib9", None, ["1", "2"])):
+        fn = tmp_path / "devices" / "pci0000:00" / pci
+        (fn / "net" / net).mkdir(parents=True)
+        if dev_port is not None:
+            (fn / "net" / net / "dev_port").write_text(dev_port + "\n")
+        for port in ports:
+            (fn / "infiniband" / dev / "ports" / port).mkdir(parents=True)
+        (tmp_path / "class" / "infiniband").mkdir(parents=True, exist_ok=True)
+        os.symlink(fn, fn / "infiniband" / dev / "device")
+        os.symlink(fn / "infiniband" / dev, tmp_path / "class" / "infiniband" / dev)
+    stats = "NIC statistics:\n     rx_prio3_pause_duration: 1000000\n"
+    reader = recorded(tmp_path, ens1f0np0=stats, ib1=stats, ib9=stats)
+    got = scrape(EthtoolCollector(str(tmp_path), reader))
+    info = {dict(k[1])["interface"]: dict(k[1]) for k in got if k[0] == "gpufleet_nic_netdev_info"}
+    assert info == {"ens1f0np0": {"device": "mlx5_0", "port": "1", "interface": "ens1f0np0"},
+                    "ib1": {"device": "mlx4_0", "port": "2", "interface": "ib1"}}
+    assert got[key("gpufleet_nic_pause_duration_seconds_total", interface="ib9", priority="3",
+                   direction="receive")] == 1.0  # still read, only not tied to a port
+    # a named interface list still gets its tie; an interface with no output gets none
+    (tmp_path / "only").mkdir()
+    reader = recorded(tmp_path / "only", ib1=stats)
+    got = scrape(EthtoolCollector(str(tmp_path), reader, interfaces=["ib1", "ens1f0np0"]))
+    assert [dict(k[1])["interface"] for k in got if k[0] == "gpufleet_nic_netdev_info"] == ["ib1"]
 
 
 def test_live_ioctl_reads_what_ethtool_prints() -> None:

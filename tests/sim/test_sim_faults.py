@@ -61,6 +61,7 @@ def make(name: str, tmp: Path, profile: str = "gpufleet", severity: object = Non
     for f in data["faults"]:
         f["onset"] = ONSET
         f.pop("end", None)
+        f.pop("precursor", None)  # the signature at the onset, without an early warning (test_sim_precursor.py)
         if severity is not None:
             f["severity"] = severity
     sim = Simulator(parse_scenario(data, name), start=START)

@@ -37,6 +37,8 @@ Ground-truth schema (``labels.json``)::
         "gpu_instance": str, "mig_profile": str (MIG slice faults only),
         "nic": str | null (e.g. "mlx5_3"),
         "onset": unix s, "end": unix s | null,
+        "precursor_start": unix s | null (when the early warning begins, before the onset:
+                           pcie_downgrade's AER reports with a precursor; the onset stays the fault's start),
         "severity": 0..1, "severity_class": "marginal" | "moderate" | "obvious",
         "job_id": the job running on the target node at onset | null,
         "expected_findings": [{"kind": FINDING_KINDS, "cause": FINDING_CAUSES | null}]

@@ -138,6 +138,12 @@ def write(w: OmWriter, c: Context) -> None:
                     {"device": c.sim.pci_bus_id(int(c.gpu_node[g]), int(c.gpu_local[g]))[4:].lower(),
                      "kind": "correctable", **target(int(c.gpu_node[g]))}) for g in g_all],
             fr["aer_cor"], 0, c.gpu_present)
+    # ... and their identity, as the pcie collector exports it (GpufleetPcieAerCorrectableRate joins on it)
+    fam("gpufleet_pcie_device_info")
+    w.block([prefix("gpufleet_pcie_device_info",
+                    {"device": c.sim.pci_bus_id(int(c.gpu_node[g]), int(c.gpu_local[g]))[4:].lower(), "role": "gpu",
+                     "gpu": str(c.gpu_local[g]), "nic": "", **target(int(c.gpu_node[g]))}) for g in g_all],
+            ones, 0, c.gpu_present)
     if not full:
         _xid_families(w, c, target)
         _nics(w, c, fam, target)
@@ -223,6 +229,10 @@ def _nics(w: OmWriter, c: Context, fam: Callable[[str], str], target: Callable[[
         fam("gpufleet_nic_discards_total")
         w.block([prefix("gpufleet_nic_discards_total", {**t, "stat": "rx_prio3_buf_discard"}) for t in eth_t],
                 fr["nic_discards"][:, roce], 0, c.nic_present[:, roce])
+        # each netdev's RDMA device and port (the agent reads it from sysfs): the detector's join to the NIC
+        fam("gpufleet_nic_netdev_info")
+        w.block([prefix("gpufleet_nic_netdev_info", {**t, "device": nic_t[n]["device"], "port": "1"})
+                 for t, n in zip(eth_t, roce, strict=True)], np.ones((w.n_ticks, len(roce))), 0, c.nic_present[:, roce])
     fam("gpufleet_ib_hw_counters_total")
     for k, counter in enumerate(NIC_HW[:3] if full else NIC_HW[:1]):
         nic_metric("gpufleet_ib_hw_counters_total", np.floor(fr["nic_hw"][:, :, k]), 0, {"counter": counter},
