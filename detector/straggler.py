@@ -195,9 +195,8 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
     with np.errstate(invalid="ignore"):
         maybe = ((nvl < 1) | (~np.isfinite(nvl) & (nvl_err >= 1)) | (gen < gen_max) | (width < width_max)
                  | ((replays >= 1) & ~np.isfinite(gen)))
-    flagged_nodes = {node for node, _ in nic_flags}
-    flagged_nodes |= {node for node, (cause, _) in (node_causes or {}).items() if cause == "network"}
-    if flagged_nodes:
+    if nic_flags:
+        flagged_nodes = {node for node, _ in nic_flags}
         maybe |= np.array([node in flagged_nodes for node in frame.nodes], dtype=bool)
     fabric_nodes = {node for node, (cause, _) in (node_causes or {}).items() if cause == "network"}
     if fabric_nodes:  # a node whose ports are paused by PFC or drop (detector/causes.py): its ranks wait on links
