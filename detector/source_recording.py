@@ -15,10 +15,13 @@ than two samples in the window give no rate.
 from __future__ import annotations
 
 import math
+import multiprocessing
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 from prometheus_client.openmetrics.parser import text_fd_to_metric_families
@@ -56,45 +59,42 @@ class RecordingSource:
 
     @classmethod
     def load(cls, paths: Sequence[str | Path], metrics: Iterable[str] | None = None) -> RecordingSource:
+        return cls(_load_series(paths, set(metrics) if metrics is not None else None))
+
+    @classmethod
+    def load_beside(cls, paths: Sequence[str | Path], metrics: Iterable[str] | None,
+                    work: Callable[[], object]) -> RecordingSource:
+        """Like :meth:`load`, with the file read in a forked worker process while ``work()`` runs here.
+
+        Replay uses this to overlap the parse with a costly import on a machine with a second core. The worker
+        sends the parsed series back through a pipe; a file error is raised here with the same message. Where
+        fork is not available, or the worker dies without an answer, the file is read in this process.
+        """
         wanted = set(metrics) if metrics is not None else None
-        raw: RawSeries = {}
-        for path in paths:
+        try:
+            ctx = multiprocessing.get_context("fork")
+        except ValueError:
+            work()
+            return cls(_load_series(paths, wanted))
+        receive, send = ctx.Pipe(duplex=False)
+        worker = ctx.Process(target=_load_worker, args=(send, list(paths), wanted), daemon=True)
+        worker.start()
+        send.close()
+        try:
+            work()
             try:
-                with open(path, "rb") as f:
-                    data = f.read()
-                try:
-                    text = data.decode("utf-8")
-                except UnicodeDecodeError:
-                    text = ""
-                del data
-                fast = _load_fast(text, wanted) if text else None
-                del text
-                if fast is not None and not raw:
-                    raw = fast
-                    continue
-                if fast is not None:
-                    for name, by_labels in fast.items():
-                        into = raw.setdefault(name, {})
-                        for key, (ts, vs) in by_labels.items():
-                            have = into.setdefault(key, ([], []))
-                            have[0].extend(ts)
-                            have[1].extend(vs)
-                    continue
-                with open(path, encoding="utf-8") as fd:  # anything unusual: the strict line-by-line reader
-                    _load_file(fd, wanted, raw, str(path))
-            except OSError as e:
-                raise RecordingError(f"cannot read {path}: {e.strerror or e}") from e
-        series: dict[str, list[Series]] = {}
-        for name, by_labels in raw.items():
-            out = series.setdefault(name, [])
-            for key, (ts_chunks, vs_chunks) in by_labels.items():
-                t_arr = ts_chunks[0] if len(ts_chunks) == 1 else np.concatenate(ts_chunks)
-                v_arr = vs_chunks[0] if len(vs_chunks) == 1 else np.concatenate(vs_chunks)
-                if len(t_arr) > 1 and not (t_arr[1:] >= t_arr[:-1]).all():
-                    order = np.argsort(t_arr, kind="stable")
-                    t_arr, v_arr = t_arr[order], v_arr[order]
-                out.append(Series(dict(key), t_arr, v_arr))
-        return cls(series)
+                answer: tuple[str, object] = receive.recv()
+            except (EOFError, OSError):
+                answer = ("lost", None)
+        finally:
+            receive.close()
+            worker.join()
+        kind, payload = answer
+        if kind == "series":
+            return cls(cast(dict[str, list[Series]], payload))  # what _load_series returned in the worker
+        if kind == "error":
+            raise RecordingError(str(payload))
+        return cls(_load_series(paths, wanted))  # the worker failed otherwise: the error (if any) is raised here
 
     def time_range(self) -> tuple[float, float]:
         lo, hi = np.inf, -np.inf
@@ -156,6 +156,63 @@ class RecordingSource:
         return out
 
 
+
+def _load_series(paths: Sequence[str | Path], wanted: set[str] | None) -> dict[str, list[Series]]:
+    """Every series of the ``wanted`` sample names (all when None) in ``paths``, each sorted by time."""
+    raw: RawSeries = {}
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError:
+                text = ""
+            del data
+            fast = _load_fast(text, wanted) if text else None
+            del text
+            if fast is not None and not raw:
+                raw = fast
+                continue
+            if fast is not None:
+                for name, by_labels in fast.items():
+                    into = raw.setdefault(name, {})
+                    for key, (ts, vs) in by_labels.items():
+                        have = into.setdefault(key, ([], []))
+                        have[0].extend(ts)
+                        have[1].extend(vs)
+                continue
+            with open(path, encoding="utf-8") as fd:  # anything unusual: the strict line-by-line reader
+                _load_file(fd, wanted, raw, str(path))
+        except OSError as e:
+            raise RecordingError(f"cannot read {path}: {e.strerror or e}") from e
+    series: dict[str, list[Series]] = {}
+    for name, by_labels in raw.items():
+        out = series.setdefault(name, [])
+        for key, (ts_chunks, vs_chunks) in by_labels.items():
+            t_arr = ts_chunks[0] if len(ts_chunks) == 1 else np.concatenate(ts_chunks)
+            v_arr = vs_chunks[0] if len(vs_chunks) == 1 else np.concatenate(vs_chunks)
+            if len(t_arr) > 1 and not (t_arr[1:] >= t_arr[:-1]).all():
+                order = np.argsort(t_arr, kind="stable")
+                t_arr, v_arr = t_arr[order], v_arr[order]
+            out.append(Series(dict(key), t_arr, v_arr))
+    return series
+
+
+def _load_worker(send: Connection, paths: list[str | Path], wanted: set[str] | None) -> None:
+    """In the worker process of :meth:`RecordingSource.load_beside`: parse, send the series or the error."""
+    answer: tuple[str, object]
+    try:
+        answer = ("series", _load_series(paths, wanted))
+    except RecordingError as e:
+        answer = ("error", str(e))
+    except Exception as e:  # anything else: the parent reads the file itself and raises it there
+        answer = ("failed", repr(e))
+    try:
+        send.send(answer)
+    finally:
+        send.close()
+
 #: Per sample name and label set: chunks of timestamps and of values (lists or arrays), in file order.
 RawSeries = dict[str, dict[tuple[tuple[str, str], ...], tuple[list[FloatArray], list[FloatArray]]]]
 
@@ -173,6 +230,7 @@ def _load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
     raw: RawSeries = {}
     seen: set[str] = set()
     family, ftype = "", ""
+    last_stamps: tuple[list[str], FloatArray] = ([], np.zeros(0))
     n = len(text)
     p = 0
     eof = False
@@ -230,7 +288,7 @@ def _load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
         lines = block.count("\n")
         if block.count("\n" + lead) != lines - 1:
             return None  # another line within the block: the series is not contiguous
-        if "#" in block[len(line):]:
+        if block.find("#", len(line)) >= 0:
             return None  # exemplars
         if _SPACE.search(prefix) is None:  # the usual case: each line is three fields
             parts = block.split()
@@ -243,10 +301,17 @@ def _load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
                 return None
             values, stamps = parts[0::2], parts[1::2]
         try:
-            vs, ts = np.array(values, dtype=np.float64), np.array(stamps, dtype=np.float64)
+            vs = np.array(values, dtype=np.float64)
+            # Series scraped together share their timestamps' text: convert each distinct column once.
+            if stamps == last_stamps[0]:
+                ts = last_stamps[1]
+            else:
+                ts = np.array(stamps, dtype=np.float64)
+                if not np.isfinite(ts).all():
+                    return None
+                ts.flags.writeable = False  # shared between series
+                last_stamps = (stamps, ts)
         except ValueError:
-            return None
-        if not np.isfinite(ts).all():
             return None
         have = raw.setdefault(name, {}).setdefault(tuple(sorted(labels.items())), ([], []))
         if have[0]:

@@ -53,6 +53,8 @@ class MemorySource:
         nodes = [f"node-{i:05d}:9445" for i in range(n_gpus // 8)]
         stragglers = set(range(5, n_gpus, 256))
         for q in queries("gpufleet"):
+            if q.feature not in BASE:  # optional inputs (MIG, Kubernetes): absent from this fleet
+                continue
             if q.entity == "node":
                 self.results[q] = Result.from_pairs(
                     [({"instance": n, "site": "dc1"}, BASE[q.feature]) for n in nodes], self.table)

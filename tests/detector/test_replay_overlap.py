@@ -1,0 +1,92 @@
+"""Replay's faster paths give the same findings: the file read in a worker process beside the scikit-learn
+import, the fast block reader (shared timestamp columns), and the strict reader all agree."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_detector_core import Fault, Synth, synth
+
+from gpufleet.detector import source_recording as sr
+from gpufleet.detector.config import DetectorConfig, parse
+from gpufleet.detector.findings import Finding
+from gpufleet.detector.profiles import sample_names
+from gpufleet.detector.replay import replay
+
+
+def _cfg() -> DetectorConfig:
+    return parse({"detector": {"window_seconds": 120.0, "interval_seconds": 30.0},
+                  "findings": {"open_after": 2, "close_after": 2}})
+
+
+def _plain(findings: list[Finding]) -> list[tuple[object, ...]]:
+    return [(f.kind, f.node, f.gpu, f.job, f.cause, f.nic, f.start, f.end, f.score, f.summary, f.evidence)
+            for f in findings]
+
+
+@pytest.fixture(scope="module")
+def recording(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # A clock straggler (scored near the threshold, so the IsolationForest is fitted) and a PCIe link fault.
+    return synth(tmp_path_factory.mktemp("rec") / "r.om",
+                 Synth(nodes=3, seconds=1200.0, faults=[Fault("clock", 1, 3, 300.0, end=900.0),
+                                                        Fault("pcie", 2, 6, 600.0)]))
+
+
+def test_findings_are_the_same_whichever_way_the_recording_is_read(
+        recording: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, inline = replay([str(recording)], _cfg(), overlap=False)
+    _, beside = replay([str(recording)], _cfg(), overlap=True)
+    monkeypatch.setattr(sr, "_load_fast", lambda text, wanted: None)  # every file through the strict reader
+    _, strict = replay([str(recording)], _cfg(), overlap=False)
+    got = _plain(inline)
+    assert {(k, n, g) for k, n, g, *_ in got} >= {("straggler", "node-001", "3"), ("straggler", "node-002", "6")}
+    assert _plain(beside) == got
+    assert _plain(strict) == got
+
+
+def _series(src: sr.RecordingSource) -> dict[str, list[tuple[dict[str, str], list[float], list[float]]]]:
+    return {name: [(s.labels, s.ts.tolist(), s.values.tolist()) for s in ss] for name, ss in src.series.items()}
+
+
+def test_load_beside_reads_what_load_reads_and_runs_the_work(recording: Path) -> None:
+    ran: list[int] = []
+    wanted = sample_names("gpufleet")
+    beside = sr.RecordingSource.load_beside([recording], wanted, lambda: ran.append(os.getpid()))
+    assert ran == [os.getpid()]  # the work runs in this process, the file is read in the worker
+    assert _series(beside) == _series(sr.RecordingSource.load([recording], wanted))
+    assert beside.samples > 0
+
+
+def test_load_beside_raises_the_readers_message_for_a_bad_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.om"
+    bad.write_text("# TYPE m gauge\nm 1 10\nm 2 oops\n# EOF\n")
+    with pytest.raises(sr.RecordingError) as inline:
+        sr.RecordingSource.load([bad], None)
+    with pytest.raises(sr.RecordingError) as beside:
+        sr.RecordingSource.load_beside([bad], None, lambda: None)
+    assert str(beside.value) == str(inline.value)
+    assert "bad.om:3" in str(beside.value)
+    with pytest.raises(sr.RecordingError, match="cannot read"):
+        sr.RecordingSource.load_beside([tmp_path / "absent.om"], None, lambda: None)
+
+
+def test_a_worker_that_dies_leaves_the_file_to_this_process(recording: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sr, "_load_worker", lambda *args: os._exit(3))
+    src = sr.RecordingSource.load_beside([recording], None, lambda: None)
+    assert _series(src) == _series(sr.RecordingSource.load([recording], None))
+
+
+def test_series_with_their_own_timestamps_keep_them(tmp_path: Path) -> None:
+    """The fast reader converts a timestamp column once for series that share it, and never mixes columns."""
+    path = tmp_path / "t.om"
+    path.write_text("# TYPE m gauge\n" + "".join(f'm{{a="{a}"}} {v} {t}\n' for a, ts in
+                                                 (("1", ("10", "25")), ("2", ("10", "25")), ("3", ("10", "26")),
+                                                  ("4", ("10.0", "25")))
+                                                 for v, t in zip((1, 2), ts, strict=True)) + "# EOF\n")
+    src = sr.RecordingSource.load([path], None)
+    got = {s.labels["a"]: s.ts.tolist() for s in src.series["m"]}
+    assert got == {"1": [10.0, 25.0], "2": [10.0, 25.0], "3": [10.0, 26.0], "4": [10.0, 25.0]}
+    assert all(np.array_equal(s.values, [1.0, 2.0]) for s in src.series["m"])
