@@ -117,9 +117,18 @@ class RecordingSource:
         every = self.series.get(query.metric, [])
         # time-major (one row per evaluation time), so one time's answer is a contiguous row
         mat = np.empty((len(t), len(matching)))
+        # Series that share their timestamps (scraped together; the reader shares one array) are evaluated
+        # together, as rows of one matrix, in chunks of bounded size.
+        shared: dict[int, list[int]] = {}
         for j, k in enumerate(matching):
-            s = every[k]
-            mat[:, j] = window_op(query.op, s.ts, s.values, t, window)
+            shared.setdefault(id(every[k].ts), []).append(j)
+        for cols in shared.values():
+            ts = every[matching[cols[0]]].ts
+            rows = max(1, _CHUNK // max(len(ts), 1))
+            for c in range(0, len(cols), rows):
+                part = cols[c:c + rows]
+                vs = np.stack([every[matching[j]].values for j in part])
+                mat[:, part] = window_ops(query.op, ts, vs, t, window).T
         if query.scale != 1.0:
             mat *= query.scale
         self._cache[(query, window)] = ({float(x): i for i, x in enumerate(t)}, ids, mat)
@@ -492,28 +501,40 @@ def _clip(text: str, n: int = 120) -> str:
     return repr(text if len(text) <= n else text[:n] + "...")
 
 
+#: Values (samples x series) evaluated at once by :meth:`RecordingSource.precompute`.
+_CHUNK = 1 << 22
+
+
 def window_op(op: str, ts: FloatArray, vs: FloatArray, t: FloatArray, window: float) -> FloatArray:
     """PromQL range function ``op`` over ``[t - window, t]`` for each t; NaN where it has no result."""
+    out: FloatArray = window_ops(op, ts, vs[np.newaxis, :], t, window)[0]
+    return out
+
+
+def window_ops(op: str, ts: FloatArray, vs: FloatArray, t: FloatArray, window: float) -> FloatArray:
+    """:func:`window_op` for several series sampled at the same times ``ts``: ``vs`` holds one series per row;
+    the result one row per series, one column per evaluation time."""
     lo = np.searchsorted(ts, t - window, side="left")
     hi = np.searchsorted(ts, t, side="right")
     n = hi - lo
-    out = np.full(len(t), np.nan)
+    k = vs.shape[0]
+    out = np.full((k, len(t)), np.nan)
     has = n > 0
     if op == "count":
-        out[has] = n[has]
+        out[:, has] = n[has]
     elif op == "avg":
-        cs = np.concatenate(([0.0], np.cumsum(vs)))
-        out[has] = (cs[hi[has]] - cs[lo[has]]) / n[has]
+        cs = np.concatenate((np.zeros((k, 1)), np.cumsum(vs, axis=1)), axis=1)
+        out[:, has] = (cs[:, hi[has]] - cs[:, lo[has]]) / n[has]
     elif op == "last":
-        out[has] = vs[hi[has] - 1]
+        out[:, has] = vs[:, hi[has] - 1]
     elif op in ("max", "min"):
         if has.any():
             ufunc = np.maximum if op == "max" else np.minimum
-            padded = np.concatenate((vs, [np.nan]))
+            padded = np.concatenate((vs, np.full((k, 1), np.nan)), axis=1)
             idx = np.empty(2 * int(has.sum()), dtype=np.intp)
             idx[0::2] = lo[has]
             idx[1::2] = hi[has]
-            out[has] = ufunc.reduceat(padded, idx)[0::2]
+            out[:, has] = ufunc.reduceat(padded, idx, axis=1)[:, 0::2]
     elif op in ("rate", "increase"):
         out = _extrapolated(ts, vs, t, window, lo, hi, op == "rate")
     else:
@@ -523,18 +544,20 @@ def window_op(op: str, ts: FloatArray, vs: FloatArray, t: FloatArray, window: fl
 
 def _extrapolated(ts: FloatArray, vs: FloatArray, t: FloatArray, window: float, lo: FloatArray, hi: FloatArray,
                   is_rate: bool) -> FloatArray:
-    """Prometheus' extrapolatedRate (counter case), vectorized over evaluation times."""
-    out = np.full(len(t), np.nan)
+    """Prometheus' extrapolatedRate (counter case), vectorized over evaluation times and series (rows of vs)."""
+    k = vs.shape[0]
+    out = np.full((k, len(t)), np.nan)
     ok = (hi - lo) >= 2
     if not ok.any():
         return out
     lo, hi, t = lo[ok], hi[ok], t[ok]
     # Reset corrections: when a counter drops, the value before the drop is added back.
-    prev = vs[:-1]
-    drops = np.where(vs[1:] < prev, prev, 0.0)
-    cdrops = np.concatenate(([0.0, 0.0], np.cumsum(drops)))  # cdrops[i+1] = sum of drops up to pair (i-1, i)
-    first, last = vs[lo], vs[hi - 1]
-    result = last - first + (cdrops[hi] - cdrops[lo + 1])
+    prev = vs[:, :-1]
+    drops = np.where(vs[:, 1:] < prev, prev, 0.0)
+    # cdrops[:, i+1] = sum of drops up to pair (i-1, i)
+    cdrops = np.concatenate((np.zeros((k, 2)), np.cumsum(drops, axis=1)), axis=1)
+    first, last = vs[:, lo], vs[:, hi - 1]
+    result = last - first + (cdrops[:, hi] - cdrops[:, lo + 1])
     first_t, last_t = ts[lo], ts[hi - 1]
     sampled = last_t - first_t
     avg_gap = sampled / (hi - lo - 1)
@@ -550,5 +573,5 @@ def _extrapolated(ts: FloatArray, vs: FloatArray, t: FloatArray, window: float, 
         value = result * (interval / sampled)
     if is_rate:
         value = value / window
-    out[ok] = value
+    out[:, ok] = value
     return out

@@ -13,7 +13,7 @@ from test_detector_core import Fault, Synth, synth
 from gpufleet.detector import source_recording as sr
 from gpufleet.detector.config import DetectorConfig, parse
 from gpufleet.detector.findings import Finding
-from gpufleet.detector.profiles import sample_names
+from gpufleet.detector.profiles import queries, sample_names
 from gpufleet.detector.replay import replay
 
 
@@ -90,3 +90,24 @@ def test_series_with_their_own_timestamps_keep_them(tmp_path: Path) -> None:
     got = {s.labels["a"]: s.ts.tolist() for s in src.series["m"]}
     assert got == {"1": [10.0, 25.0], "2": [10.0, 25.0], "3": [10.0, 26.0], "4": [10.0, 25.0]}
     assert all(np.array_equal(s.values, [1.0, 2.0]) for s in src.series["m"])
+
+
+def test_series_evaluated_together_equal_series_evaluated_alone(recording: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """precompute evaluates series sharing timestamps as one matrix (in chunks): exactly as one by one."""
+    cfg = _cfg()
+    times = [sr.RecordingSource.load([recording], None).time_range()[0] - 150.0 + 7.5 * i for i in range(200)]  # from before the first sample to after the last
+
+    def matrices() -> dict[tuple[object, float], np.ndarray]:
+        src = sr.RecordingSource.load([recording], sample_names("gpufleet"))
+        for q in queries(cfg.profile):
+            src.precompute(q, times, cfg.window_seconds)
+        return {k: v[2] for k, v in src._cache.items()}
+
+    together = matrices()
+    monkeypatch.setattr(sr, "_CHUNK", 1)  # one series per chunk
+    alone = matrices()
+    assert together.keys() == alone.keys()
+    assert sum(m.size for m in together.values()) > 10_000
+    for key, mat in together.items():
+        np.testing.assert_array_equal(mat, alone[key], err_msg=str(key))
+    assert any(np.isfinite(m).any() and np.isnan(m).any() for m in together.values())  # windows with no samples
