@@ -1,15 +1,17 @@
 """Replay's faster paths give the same findings: the file read in a worker process beside the scikit-learn
-import, the fast block reader (shared timestamp columns), and the strict reader all agree."""
+import, the fast block reader (shared timestamp columns), series evaluated as one matrix, sort-based medians."""
 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 from test_detector_core import Fault, Synth, synth
 
+from gpufleet.detector import robust
 from gpufleet.detector import source_recording as sr
 from gpufleet.detector.config import DetectorConfig, parse
 from gpufleet.detector.findings import Finding
@@ -35,16 +37,36 @@ def recording(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                                         Fault("pcie", 2, 6, 600.0)]))
 
 
-def test_findings_are_the_same_whichever_way_the_recording_is_read(
-        recording: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_findings_are_the_same_with_every_shortcut_off(recording: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast paths (worker process, block reader, series evaluated as one matrix, sort-based medians) change
+    no finding: a replay with all of them gives exactly what one with none of them gives."""
     _, inline = replay([str(recording)], _cfg(), overlap=False)
     _, beside = replay([str(recording)], _cfg(), overlap=True)
     monkeypatch.setattr(sr, "_load_fast", lambda text, wanted: None)  # every file through the strict reader
-    _, strict = replay([str(recording)], _cfg(), overlap=False)
-    got = _plain(inline)
+    monkeypatch.setattr(sr, "_CHUNK", 1)  # one series at a time
+    monkeypatch.setattr(robust, "median", lambda v: float(np.median(v)))  # numpy's own median
+    _, plain = replay([str(recording)], _cfg(), overlap=False)
+    got = _plain(beside)
     assert {(k, n, g) for k, n, g, *_ in got} >= {("straggler", "node-001", "3"), ("straggler", "node-002", "6")}
-    assert _plain(beside) == got
-    assert _plain(strict) == got
+    assert _plain(inline) == got
+    assert _plain(plain) == got
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_medians_equal_numpys(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for n in range(1, 70):
+        v = rng.normal(size=n) * 10.0 ** rng.integers(-3, 12)
+        if seed % 2:
+            v = np.round(v)  # ties
+        if seed == 3:
+            v[rng.integers(0, n)] = np.inf
+        assert robust.median(v) == float(np.median(v))
+        v[rng.random(n) < 0.3] = np.nan
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # numpy warns on an all-NaN slice
+            expected = float(np.nanmedian(v))
+        assert robust.nanmedian(v) == expected or (np.isnan(expected) and np.isnan(robust.nanmedian(v)))
 
 
 def _series(src: sr.RecordingSource) -> dict[str, list[tuple[dict[str, str], list[float], list[float]]]]:
