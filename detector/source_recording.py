@@ -252,6 +252,7 @@ def _load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
     seen: set[str] = set()
     family, ftype = "", ""
     last_stamps: tuple[list[str], FloatArray] = ([], np.zeros(0))
+    last_block = 0  # the length of the last series' block of lines
     n = len(text)
     p = 0
     eof = False
@@ -283,8 +284,19 @@ def _load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
             return None
         lead = prefix + " "
         # The block ends at the first line not starting with this series' text: a binary search over offsets
-        # (the line holding an offset starts with it before the end, not after), checked below.
+        # (the line holding an offset starts with it before the end, not after), checked below. Blocks are
+        # often as long as the one before: the search starts by bracketing the end around that length.
         lo, hi = eol + 1, n
+        step = max(last_block >> 6, 64)
+        probe = p + last_block - 1
+        while lo <= probe < hi:
+            if text.startswith(lead, text.rfind("\n", 0, probe) + 1):
+                lo = probe + 1
+                probe += step
+            else:
+                hi = probe
+                probe -= step
+            step *= 2
         while lo < hi:
             mid = (lo + hi) // 2
             if text.startswith(lead, text.rfind("\n", 0, mid) + 1):
@@ -294,6 +306,7 @@ def _load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
         if lo >= n:
             return None
         q = text.rfind("\n", 0, lo) + 1
+        last_block = q - p
         brace_at = prefix.find("{")
         name = prefix[:brace_at] if brace_at >= 0 else prefix
         if wanted is not None and name not in wanted:

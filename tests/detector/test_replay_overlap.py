@@ -133,3 +133,22 @@ def test_series_evaluated_together_equal_series_evaluated_alone(recording: Path,
     for key, mat in together.items():
         np.testing.assert_array_equal(mat, alone[key], err_msg=str(key))
     assert any(np.isfinite(m).any() and np.isnan(m).any() for m in together.values())  # windows with no samples
+
+
+def test_blocks_much_shorter_or_longer_than_the_last_are_found(tmp_path: Path) -> None:
+    """The fast reader looks for a series' end near the last series' length first; any length is found."""
+    lengths = [5, 1, 300, 2, 40, 40, 39, 41, 1000, 3]
+    text = "# TYPE m gauge\n" + "".join(f'm{{s="{i}"}} {i + j / 7} {10 + 15 * j}\n' for i, k in enumerate(lengths)
+                                        for j in range(k)) + "# EOF\n"
+    fast = sr._load_fast(text, None)
+    assert fast is not None
+    got = {dict(key)["s"]: len(ts[0]) for key, (ts, _) in fast["m"].items()}
+    assert got == {str(i): k for i, k in enumerate(lengths)}
+    path = tmp_path / "m.om"
+    path.write_text(text)
+    raw: sr.RawSeries = {}
+    with open(path, encoding="utf-8") as fd:
+        sr._load_file(fd, None, raw, str(path))
+    for key, (ts, vs) in fast["m"].items():
+        np.testing.assert_array_equal(ts[0], np.concatenate(raw["m"][key][0]))
+        np.testing.assert_array_equal(vs[0], np.concatenate(raw["m"][key][1]))
