@@ -6,10 +6,11 @@ Shared by ``gpufleet-detector replay``/``report`` and the simulator's quality ha
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.engine import Detector
@@ -29,10 +30,11 @@ def replay(files: Sequence[str], cfg: DetectorConfig, step: float | None = None,
     metrics = sample_names(cfg.profile) | _site_metrics(cfg)
     if overlap is None:
         overlap = cfg.straggler.isolation_forest and "sklearn" not in sys.modules and _cpus() >= 2
-    if overlap:
-        src = RecordingSource.load_beside(files, metrics, _import_forest)
-    else:
-        src = RecordingSource.load(files, metrics)
+    with _gc_paused():  # the import and the series are long-lived objects: no garbage cycles to look for
+        if overlap:
+            src = RecordingSource.load_beside(files, metrics, _import_forest)
+        else:
+            src = RecordingSource.load(files, metrics)
     det = Detector(cfg, src)
     lo, hi = src.time_range()
     step = step or cfg.interval_seconds
@@ -64,6 +66,18 @@ def replay(files: Sequence[str], cfg: DetectorConfig, step: float | None = None,
     if missing:
         sys.stderr.write(f"gpufleet-detector: inputs not found in the recording: {', '.join(sorted(missing))}\n")
     return det, det.tracker.all_findings()
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused (importing scikit-learn alone triggers collections worth ~0.1 s CPU)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _import_forest() -> None:
