@@ -69,17 +69,26 @@ class RecordingSource:
 
         Replay uses this to overlap the parse with a costly import on a machine with a second core. The worker
         sends the parsed series back through a pipe; a file error is raised here with the same message. Where
-        fork is not available, or the worker dies without an answer, the file is read in this process.
+        fork is not available, in a daemonic process (a multiprocessing pool's worker may not have children), or
+        when the worker dies without an answer, the file is read in this process.
         """
         wanted = set(metrics) if metrics is not None else None
         try:
             ctx = multiprocessing.get_context("fork")
         except ValueError:
+            ctx = None
+        if ctx is None or multiprocessing.current_process().daemon:  # no fork; a daemon may not have children
             work()
             return cls(_load_series(paths, wanted))
         receive, send = ctx.Pipe(duplex=False)
         worker = ctx.Process(target=_load_worker, args=(send, list(paths), wanted), daemon=True)
-        worker.start()
+        try:
+            worker.start()
+        except OSError:  # no process to be had (limits): read here
+            receive.close()
+            send.close()
+            work()
+            return cls(_load_series(paths, wanted))
         send.close()
         try:
             work()

@@ -3,6 +3,7 @@ import, the fast block reader (shared timestamp columns), series evaluated as on
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import warnings
 from pathlib import Path
@@ -152,3 +153,15 @@ def test_blocks_much_shorter_or_longer_than_the_last_are_found(tmp_path: Path) -
     for key, (ts, vs) in fast["m"].items():
         np.testing.assert_array_equal(ts[0], np.concatenate(raw["m"][key][0]))
         np.testing.assert_array_equal(vs[0], np.concatenate(raw["m"][key][1]))
+
+
+def _replay_in_pool(path: str) -> list[tuple[object, ...]]:
+    return _plain(replay([path], _cfg(), overlap=True)[1])
+
+
+def test_a_daemonic_process_reads_the_file_itself(recording: Path) -> None:
+    """A multiprocessing pool's workers are daemons, which may not start a process: replay still works there."""
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        got = pool.map(_replay_in_pool, [str(recording)])[0]
+    assert got == _plain(replay([str(recording)], _cfg(), overlap=False)[1])
+    assert got
