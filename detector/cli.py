@@ -40,6 +40,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
@@ -110,6 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg.shard = parse_shard_option("--shard", args.shard)
         progress = sys.stderr.isatty() if args.progress is None else args.progress
         det, findings = replay(args.files, cfg, args.step, progress)
+        if argv is None:  # run as the program: the process ends after the output
+            gc.freeze()  # the interpreter's last collection then skips the heap (~0.3 s at exit otherwise)
         if args.command == "replay":
             if args.format == "json":
                 for f in findings:

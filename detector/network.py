@@ -16,7 +16,7 @@ import numpy as np
 
 from gpufleet.detector.causes import nic_fabric
 from gpufleet.detector.features import GpuFrame, NicFrame
-from gpufleet.detector.robust import robust_z
+from gpufleet.detector.robust import nanmedian, robust_z
 from gpufleet.detector.straggler import Candidate
 
 
@@ -58,7 +58,7 @@ def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams) -> list[Candidate]:
         idx = np.array(members)
         r = rate[idx]
         if np.isfinite(r).sum() >= p.min_peers:
-            med = float(np.nanmedian(r))
+            med = nanmedian(r)
             low = np.zeros(n, dtype=bool)
             low[idx] = np.nan_to_num(r, nan=med) < (1.0 - p.rate_drop) * med
             flag(low, np.full(n, 10.0), "reduced_rate")
@@ -69,11 +69,11 @@ def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams) -> list[Candidate]:
                 continue
             if np.isfinite(t).sum() >= p.min_peers and (t > 0).any():
                 # congestion per byte sent; NICs that hardly send (idle nodes) are not compared
-                busy = np.nan_to_num(t, nan=0.0) >= 0.01 * float(np.nanmedian(t[t > 0]))
+                busy = np.nan_to_num(t, nan=0.0) >= 0.01 * nanmedian(t[t > 0])
                 x = np.where(busy, x / np.maximum(np.nan_to_num(t, nan=0.0), 1.0) * 1e6, np.nan)
                 if np.isfinite(x).sum() < p.min_peers:
                     continue
-            med = float(np.nanmedian(x))
+            med = nanmedian(x)
             z = np.zeros(n)
             z[idx] = np.nan_to_num(robust_z(x, abs_floor=max(floor, 0.05 * abs(med), 1e-3), rel_floor=0.25), nan=0.0)
             flag(z >= p.threshold, z, feat.removeprefix("nic_"))

@@ -5,8 +5,12 @@ Shared by ``gpufleet-detector replay``/``report`` and the simulator's quality ha
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import importlib
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.engine import Detector
@@ -16,9 +20,21 @@ from gpufleet.detector.source_recording import RecordingSource
 
 
 def replay(files: Sequence[str], cfg: DetectorConfig, step: float | None = None,
-           progress: bool = False) -> tuple[Detector, list[Finding]]:
-    """Evaluate recordings as if live; returns the detector and every finding (open ones with end None)."""
-    src = RecordingSource.load(files, sample_names(cfg.profile) | _site_metrics(cfg))
+           progress: bool = False, overlap: bool | None = None) -> tuple[Detector, list[Finding]]:
+    """Evaluate recordings as if live; returns the detector and every finding (open ones with end None).
+
+    ``overlap``: read the files in a worker process while this one imports scikit-learn (for the straggler's
+    IsolationForest, about a second of start-up); None = when it can pay off: the forest is enabled,
+    scikit-learn is not imported yet, and a second CPU is available. Findings are the same either way.
+    """
+    metrics = sample_names(cfg.profile) | _site_metrics(cfg)
+    if overlap is None:
+        overlap = cfg.straggler.isolation_forest and "sklearn" not in sys.modules and _cpus() >= 2
+    with _gc_paused():  # the import and the series are long-lived objects: no garbage cycles to look for
+        if overlap:
+            src = RecordingSource.load_beside(files, metrics, _import_forest)
+        else:
+            src = RecordingSource.load(files, metrics)
     det = Detector(cfg, src)
     lo, hi = src.time_range()
     step = step or cfg.interval_seconds
@@ -50,6 +66,31 @@ def replay(files: Sequence[str], cfg: DetectorConfig, step: float | None = None,
     if missing:
         sys.stderr.write(f"gpufleet-detector: inputs not found in the recording: {', '.join(sorted(missing))}\n")
     return det, det.tracker.all_findings()
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused (importing scikit-learn alone triggers collections worth ~0.1 s CPU)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _import_forest() -> None:
+    """Import what the straggler's IsolationForest needs (it imports it lazily; this only makes it loaded)."""
+    with contextlib.suppress(ImportError):  # the straggler says so itself if it ever fits a forest
+        importlib.import_module("sklearn.ensemble")
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _site_metrics(cfg: DetectorConfig) -> set[str]:

@@ -14,13 +14,28 @@ FloatArray = np.ndarray
 MAD_SCALE = 1.4826  # makes the MAD a consistent estimator of the standard deviation for normal data
 
 
+def median(v: FloatArray) -> float:
+    """``np.median`` of a non-empty 1-D array without NaN, computed alike (the middle value, or the mean of the
+    two middle values, of the sorted array) without numpy's per-call overhead (about 10x faster on the small
+    peer groups evaluated many times per evaluation)."""
+    s = np.sort(v)
+    h = len(s) // 2
+    return float(s[h]) if len(s) % 2 else float((s[h - 1] + s[h]) / 2)
+
+
+def nanmedian(x: FloatArray) -> float:
+    """``np.nanmedian`` of a 1-D array (NaN when every value is NaN), by :func:`median`."""
+    v = x[~np.isnan(x)]
+    return median(v) if v.size else float("nan")
+
+
 def median_mad(x: FloatArray) -> tuple[float, float]:
     """Median and (unscaled) MAD of the finite values; (nan, nan) when there are none."""
     v = x[np.isfinite(x)]
     if v.size == 0:
         return float("nan"), float("nan")
-    med = float(np.median(v))
-    return med, float(np.median(np.abs(v - med)))
+    med = median(v)
+    return med, median(np.abs(v - med))
 
 
 def robust_z(x: FloatArray, abs_floor: float = 0.0, rel_floor: float = 0.0) -> FloatArray:

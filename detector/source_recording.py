@@ -15,10 +15,14 @@ than two samples in the window give no rate.
 from __future__ import annotations
 
 import math
+import mmap
+import multiprocessing
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 from prometheus_client.openmetrics.parser import text_fd_to_metric_families
@@ -56,45 +60,51 @@ class RecordingSource:
 
     @classmethod
     def load(cls, paths: Sequence[str | Path], metrics: Iterable[str] | None = None) -> RecordingSource:
+        return cls(_load_series(paths, set(metrics) if metrics is not None else None))
+
+    @classmethod
+    def load_beside(cls, paths: Sequence[str | Path], metrics: Iterable[str] | None,
+                    work: Callable[[], object]) -> RecordingSource:
+        """Like :meth:`load`, with the file read in a forked worker process while ``work()`` runs here.
+
+        Replay uses this to overlap the parse with a costly import on a machine with a second core. The worker
+        sends the parsed series back through a pipe; a file error is raised here with the same message. Where
+        fork is not available, in a daemonic process (a multiprocessing pool's worker may not have children), or
+        when the worker dies without an answer, the file is read in this process.
+        """
         wanted = set(metrics) if metrics is not None else None
-        raw: RawSeries = {}
-        for path in paths:
+        try:
+            ctx = multiprocessing.get_context("fork")
+        except ValueError:
+            ctx = None
+        if ctx is None or multiprocessing.current_process().daemon:  # no fork; a daemon may not have children
+            work()
+            return cls(_load_series(paths, wanted))
+        receive, send = ctx.Pipe(duplex=False)
+        worker = ctx.Process(target=_load_worker, args=(send, list(paths), wanted), daemon=True)
+        try:
+            worker.start()
+        except OSError:  # no process to be had (limits): read here
+            receive.close()
+            send.close()
+            work()
+            return cls(_load_series(paths, wanted))
+        send.close()
+        try:
+            work()
             try:
-                with open(path, "rb") as f:
-                    data = f.read()
-                try:
-                    text = data.decode("utf-8")
-                except UnicodeDecodeError:
-                    text = ""
-                del data
-                fast = _load_fast(text, wanted) if text else None
-                del text
-                if fast is not None and not raw:
-                    raw = fast
-                    continue
-                if fast is not None:
-                    for name, by_labels in fast.items():
-                        into = raw.setdefault(name, {})
-                        for key, (ts, vs) in by_labels.items():
-                            have = into.setdefault(key, ([], []))
-                            have[0].extend(ts)
-                            have[1].extend(vs)
-                    continue
-                with open(path, encoding="utf-8") as fd:  # anything unusual: the strict line-by-line reader
-                    _load_file(fd, wanted, raw, str(path))
-            except OSError as e:
-                raise RecordingError(f"cannot read {path}: {e.strerror or e}") from e
-        series: dict[str, list[Series]] = {}
-        for name, by_labels in raw.items():
-            out = series.setdefault(name, [])
-            for key, (ts_chunks, vs_chunks) in by_labels.items():
-                t_arr = ts_chunks[0] if len(ts_chunks) == 1 else np.concatenate(ts_chunks)
-                v_arr = vs_chunks[0] if len(vs_chunks) == 1 else np.concatenate(vs_chunks)
-                if len(t_arr) > 1 and not (t_arr[1:] >= t_arr[:-1]).all():
-                    order = np.argsort(t_arr, kind="stable")
-                    t_arr, v_arr = t_arr[order], v_arr[order]
-                out.append(Series(dict(key), t_arr, v_arr))
-        return cls(series)
+                answer: tuple[str, object] = receive.recv()
+            except (EOFError, OSError):
+                answer = ("lost", None)
+        finally:
+            receive.close()
+            worker.join()
+        kind, payload = answer
+        if kind == "series":
+            return cls(cast(dict[str, list[Series]], payload))  # what _load_series returned in the worker
+        if kind == "error":
+            raise RecordingError(str(payload))
+        return cls(_load_series(paths, wanted))  # the worker failed otherwise: the error (if any) is raised here
 
     def time_range(self) -> tuple[float, float]:
         lo, hi = np.inf, -np.inf
@@ -117,9 +127,18 @@ class RecordingSource:
         every = self.series.get(query.metric, [])
         # time-major (one row per evaluation time), so one time's answer is a contiguous row
         mat = np.empty((len(t), len(matching)))
+        # Series that share their timestamps (scraped together; the reader shares one array) are evaluated
+        # together, as rows of one matrix, in chunks of bounded size.
+        shared: dict[int, list[int]] = {}
         for j, k in enumerate(matching):
-            s = every[k]
-            mat[:, j] = window_op(query.op, s.ts, s.values, t, window)
+            shared.setdefault(id(every[k].ts), []).append(j)
+        for cols in shared.values():
+            ts = every[matching[cols[0]]].ts
+            rows = max(1, _CHUNK // max(len(ts), 1))
+            for c in range(0, len(cols), rows):
+                part = cols[c:c + rows]
+                vs = np.stack([every[matching[j]].values for j in part])
+                mat[:, part] = window_ops(query.op, ts, vs, t, window).T
         if query.scale != 1.0:
             mat *= query.scale
         self._cache[(query, window)] = ({float(x): i for i, x in enumerate(t)}, ids, mat)
@@ -156,6 +175,74 @@ class RecordingSource:
         return out
 
 
+
+def _load_series(paths: Sequence[str | Path], wanted: set[str] | None) -> dict[str, list[Series]]:
+    """Every series of the ``wanted`` sample names (all when None) in ``paths``, each sorted by time."""
+    raw: RawSeries = {}
+    for path in paths:
+        try:
+            text = _read_text(path)
+            fast = _load_fast(text, wanted) if text else None
+            del text
+            if fast is not None and not raw:
+                raw = fast
+                continue
+            if fast is not None:
+                for name, by_labels in fast.items():
+                    into = raw.setdefault(name, {})
+                    for key, (ts, vs) in by_labels.items():
+                        have = into.setdefault(key, ([], []))
+                        have[0].extend(ts)
+                        have[1].extend(vs)
+                continue
+            with open(path, encoding="utf-8") as fd:  # anything unusual: the strict line-by-line reader
+                _load_file(fd, wanted, raw, str(path))
+        except OSError as e:
+            raise RecordingError(f"cannot read {path}: {e.strerror or e}") from e
+    series: dict[str, list[Series]] = {}
+    for name, by_labels in raw.items():
+        out = series.setdefault(name, [])
+        for key, (ts_chunks, vs_chunks) in by_labels.items():
+            t_arr = ts_chunks[0] if len(ts_chunks) == 1 else np.concatenate(ts_chunks)
+            v_arr = vs_chunks[0] if len(vs_chunks) == 1 else np.concatenate(vs_chunks)
+            if len(t_arr) > 1 and not (t_arr[1:] >= t_arr[:-1]).all():
+                order = np.argsort(t_arr, kind="stable")
+                t_arr, v_arr = t_arr[order], v_arr[order]
+            out.append(Series(dict(key), t_arr, v_arr))
+    return series
+
+
+def _read_text(path: str | Path) -> str:
+    """The file's text; "" when it is not UTF-8 (the strict reader then says where). Decoded straight from a
+    memory map where the file can be mapped (no intermediate copy of the bytes), else read."""
+    with open(path, "rb") as f:
+        try:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                return str(mm, "utf-8")
+        except UnicodeDecodeError:
+            return ""
+        except (ValueError, OSError):  # an empty file, or one that cannot be mapped (a pipe)
+            data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return ""
+
+
+def _load_worker(send: Connection, paths: list[str | Path], wanted: set[str] | None) -> None:
+    """In the worker process of :meth:`RecordingSource.load_beside`: parse, send the series or the error."""
+    answer: tuple[str, object]
+    try:
+        answer = ("series", _load_series(paths, wanted))
+    except RecordingError as e:
+        answer = ("error", str(e))
+    except Exception as e:  # anything else: the parent reads the file itself and raises it there
+        answer = ("failed", repr(e))
+    try:
+        send.send(answer)
+    finally:
+        send.close()
+
 #: Per sample name and label set: chunks of timestamps and of values (lists or arrays), in file order.
 RawSeries = dict[str, dict[tuple[tuple[str, str], ...], tuple[list[FloatArray], list[FloatArray]]]]
 
@@ -173,6 +260,8 @@ def _load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
     raw: RawSeries = {}
     seen: set[str] = set()
     family, ftype = "", ""
+    last_stamps: tuple[list[str], FloatArray] = ([], np.zeros(0))
+    last_block = 0  # the length of the last series' block of lines
     n = len(text)
     p = 0
     eof = False
@@ -204,8 +293,19 @@ def _load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
             return None
         lead = prefix + " "
         # The block ends at the first line not starting with this series' text: a binary search over offsets
-        # (the line holding an offset starts with it before the end, not after), checked below.
+        # (the line holding an offset starts with it before the end, not after), checked below. Blocks are
+        # often as long as the one before: the search starts by bracketing the end around that length.
         lo, hi = eol + 1, n
+        step = max(last_block >> 6, 64)
+        probe = p + last_block - 1
+        while lo <= probe < hi:
+            if text.startswith(lead, text.rfind("\n", 0, probe) + 1):
+                lo = probe + 1
+                probe += step
+            else:
+                hi = probe
+                probe -= step
+            step *= 2
         while lo < hi:
             mid = (lo + hi) // 2
             if text.startswith(lead, text.rfind("\n", 0, mid) + 1):
@@ -215,6 +315,7 @@ def _load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
         if lo >= n:
             return None
         q = text.rfind("\n", 0, lo) + 1
+        last_block = q - p
         brace_at = prefix.find("{")
         name = prefix[:brace_at] if brace_at >= 0 else prefix
         if wanted is not None and name not in wanted:
@@ -230,7 +331,7 @@ def _load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
         lines = block.count("\n")
         if block.count("\n" + lead) != lines - 1:
             return None  # another line within the block: the series is not contiguous
-        if "#" in block[len(line):]:
+        if block.find("#", len(line)) >= 0:
             return None  # exemplars
         if _SPACE.search(prefix) is None:  # the usual case: each line is three fields
             parts = block.split()
@@ -243,10 +344,17 @@ def _load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
                 return None
             values, stamps = parts[0::2], parts[1::2]
         try:
-            vs, ts = np.array(values, dtype=np.float64), np.array(stamps, dtype=np.float64)
+            vs = np.array(values, dtype=np.float64)
+            # Series scraped together share their timestamps' text: convert each distinct column once.
+            if stamps == last_stamps[0]:
+                ts = last_stamps[1]
+            else:
+                ts = np.array(stamps, dtype=np.float64)
+                if not np.isfinite(ts).all():
+                    return None
+                ts.flags.writeable = False  # shared between series
+                last_stamps = (stamps, ts)
         except ValueError:
-            return None
-        if not np.isfinite(ts).all():
             return None
         have = raw.setdefault(name, {}).setdefault(tuple(sorted(labels.items())), ([], []))
         if have[0]:
@@ -427,28 +535,40 @@ def _clip(text: str, n: int = 120) -> str:
     return repr(text if len(text) <= n else text[:n] + "...")
 
 
+#: Values (samples x series) evaluated at once by :meth:`RecordingSource.precompute`.
+_CHUNK = 1 << 22
+
+
 def window_op(op: str, ts: FloatArray, vs: FloatArray, t: FloatArray, window: float) -> FloatArray:
     """PromQL range function ``op`` over ``[t - window, t]`` for each t; NaN where it has no result."""
+    out: FloatArray = window_ops(op, ts, vs[np.newaxis, :], t, window)[0]
+    return out
+
+
+def window_ops(op: str, ts: FloatArray, vs: FloatArray, t: FloatArray, window: float) -> FloatArray:
+    """:func:`window_op` for several series sampled at the same times ``ts``: ``vs`` holds one series per row;
+    the result one row per series, one column per evaluation time."""
     lo = np.searchsorted(ts, t - window, side="left")
     hi = np.searchsorted(ts, t, side="right")
     n = hi - lo
-    out = np.full(len(t), np.nan)
+    k = vs.shape[0]
+    out = np.full((k, len(t)), np.nan)
     has = n > 0
     if op == "count":
-        out[has] = n[has]
+        out[:, has] = n[has]
     elif op == "avg":
-        cs = np.concatenate(([0.0], np.cumsum(vs)))
-        out[has] = (cs[hi[has]] - cs[lo[has]]) / n[has]
+        cs = np.concatenate((np.zeros((k, 1)), np.cumsum(vs, axis=1)), axis=1)
+        out[:, has] = (cs[:, hi[has]] - cs[:, lo[has]]) / n[has]
     elif op == "last":
-        out[has] = vs[hi[has] - 1]
+        out[:, has] = vs[:, hi[has] - 1]
     elif op in ("max", "min"):
         if has.any():
             ufunc = np.maximum if op == "max" else np.minimum
-            padded = np.concatenate((vs, [np.nan]))
+            padded = np.concatenate((vs, np.full((k, 1), np.nan)), axis=1)
             idx = np.empty(2 * int(has.sum()), dtype=np.intp)
             idx[0::2] = lo[has]
             idx[1::2] = hi[has]
-            out[has] = ufunc.reduceat(padded, idx)[0::2]
+            out[:, has] = ufunc.reduceat(padded, idx, axis=1)[:, 0::2]
     elif op in ("rate", "increase"):
         out = _extrapolated(ts, vs, t, window, lo, hi, op == "rate")
     else:
@@ -458,18 +578,20 @@ def window_op(op: str, ts: FloatArray, vs: FloatArray, t: FloatArray, window: fl
 
 def _extrapolated(ts: FloatArray, vs: FloatArray, t: FloatArray, window: float, lo: FloatArray, hi: FloatArray,
                   is_rate: bool) -> FloatArray:
-    """Prometheus' extrapolatedRate (counter case), vectorized over evaluation times."""
-    out = np.full(len(t), np.nan)
+    """Prometheus' extrapolatedRate (counter case), vectorized over evaluation times and series (rows of vs)."""
+    k = vs.shape[0]
+    out = np.full((k, len(t)), np.nan)
     ok = (hi - lo) >= 2
     if not ok.any():
         return out
     lo, hi, t = lo[ok], hi[ok], t[ok]
     # Reset corrections: when a counter drops, the value before the drop is added back.
-    prev = vs[:-1]
-    drops = np.where(vs[1:] < prev, prev, 0.0)
-    cdrops = np.concatenate(([0.0, 0.0], np.cumsum(drops)))  # cdrops[i+1] = sum of drops up to pair (i-1, i)
-    first, last = vs[lo], vs[hi - 1]
-    result = last - first + (cdrops[hi] - cdrops[lo + 1])
+    prev = vs[:, :-1]
+    drops = np.where(vs[:, 1:] < prev, prev, 0.0)
+    # cdrops[:, i+1] = sum of drops up to pair (i-1, i)
+    cdrops = np.concatenate((np.zeros((k, 2)), np.cumsum(drops, axis=1)), axis=1)
+    first, last = vs[:, lo], vs[:, hi - 1]
+    result = last - first + (cdrops[:, hi] - cdrops[:, lo + 1])
     first_t, last_t = ts[lo], ts[hi - 1]
     sampled = last_t - first_t
     avg_gap = sampled / (hi - lo - 1)
@@ -485,5 +607,5 @@ def _extrapolated(ts: FloatArray, vs: FloatArray, t: FloatArray, window: float, 
         value = result * (interval / sampled)
     if is_rate:
         value = value / window
-    out[ok] = value
+    out[:, ok] = value
     return out

@@ -1,0 +1,167 @@
+"""Replay's faster paths give the same findings: the file read in a worker process beside the scikit-learn
+import, the fast block reader (shared timestamp columns), series evaluated as one matrix, sort-based medians."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_detector_core import Fault, Synth, synth
+
+from gpufleet.detector import robust
+from gpufleet.detector import source_recording as sr
+from gpufleet.detector.config import DetectorConfig, parse
+from gpufleet.detector.findings import Finding
+from gpufleet.detector.profiles import queries, sample_names
+from gpufleet.detector.replay import replay
+
+
+def _cfg() -> DetectorConfig:
+    return parse({"detector": {"window_seconds": 120.0, "interval_seconds": 30.0},
+                  "findings": {"open_after": 2, "close_after": 2}})
+
+
+def _plain(findings: list[Finding]) -> list[tuple[object, ...]]:
+    return [(f.kind, f.node, f.gpu, f.job, f.cause, f.nic, f.start, f.end, f.score, f.summary, f.evidence)
+            for f in findings]
+
+
+@pytest.fixture(scope="module")
+def recording(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # A clock straggler (scored near the threshold, so the IsolationForest is fitted) and a PCIe link fault.
+    return synth(tmp_path_factory.mktemp("rec") / "r.om",
+                 Synth(nodes=3, seconds=1200.0, faults=[Fault("clock", 1, 3, 300.0, end=900.0),
+                                                        Fault("pcie", 2, 6, 600.0)]))
+
+
+def test_findings_are_the_same_with_every_shortcut_off(recording: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast paths (worker process, block reader, series evaluated as one matrix, sort-based medians) change
+    no finding: a replay with all of them gives exactly what one with none of them gives."""
+    _, inline = replay([str(recording)], _cfg(), overlap=False)
+    _, beside = replay([str(recording)], _cfg(), overlap=True)
+    monkeypatch.setattr(sr, "_load_fast", lambda text, wanted: None)  # every file through the strict reader
+    monkeypatch.setattr(sr, "_CHUNK", 1)  # one series at a time
+    monkeypatch.setattr(robust, "median", lambda v: float(np.median(v)))  # numpy's own median
+    _, plain = replay([str(recording)], _cfg(), overlap=False)
+    got = _plain(beside)
+    assert {(k, n, g) for k, n, g, *_ in got} >= {("straggler", "node-001", "3"), ("straggler", "node-002", "6")}
+    assert _plain(inline) == got
+    assert _plain(plain) == got
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_medians_equal_numpys(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for n in range(1, 70):
+        v = rng.normal(size=n) * 10.0 ** rng.integers(-3, 12)
+        if seed % 2:
+            v = np.round(v)  # ties
+        if seed == 3:
+            v[rng.integers(0, n)] = np.inf
+        assert robust.median(v) == float(np.median(v))
+        v[rng.random(n) < 0.3] = np.nan
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # numpy warns on an all-NaN slice
+            expected = float(np.nanmedian(v))
+        assert robust.nanmedian(v) == expected or (np.isnan(expected) and np.isnan(robust.nanmedian(v)))
+
+
+def _series(src: sr.RecordingSource) -> dict[str, list[tuple[dict[str, str], list[float], list[float]]]]:
+    return {name: [(s.labels, s.ts.tolist(), s.values.tolist()) for s in ss] for name, ss in src.series.items()}
+
+
+def test_load_beside_reads_what_load_reads_and_runs_the_work(recording: Path) -> None:
+    ran: list[int] = []
+    wanted = sample_names("gpufleet")
+    beside = sr.RecordingSource.load_beside([recording], wanted, lambda: ran.append(os.getpid()))
+    assert ran == [os.getpid()]  # the work runs in this process, the file is read in the worker
+    assert _series(beside) == _series(sr.RecordingSource.load([recording], wanted))
+    assert beside.samples > 0
+
+
+def test_load_beside_raises_the_readers_message_for_a_bad_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.om"
+    bad.write_text("# TYPE m gauge\nm 1 10\nm 2 oops\n# EOF\n")
+    with pytest.raises(sr.RecordingError) as inline:
+        sr.RecordingSource.load([bad], None)
+    with pytest.raises(sr.RecordingError) as beside:
+        sr.RecordingSource.load_beside([bad], None, lambda: None)
+    assert str(beside.value) == str(inline.value)
+    assert "bad.om:3" in str(beside.value)
+    with pytest.raises(sr.RecordingError, match="cannot read"):
+        sr.RecordingSource.load_beside([tmp_path / "absent.om"], None, lambda: None)
+
+
+def test_a_worker_that_dies_leaves_the_file_to_this_process(recording: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sr, "_load_worker", lambda *args: os._exit(3))
+    src = sr.RecordingSource.load_beside([recording], None, lambda: None)
+    assert _series(src) == _series(sr.RecordingSource.load([recording], None))
+
+
+def test_series_with_their_own_timestamps_keep_them(tmp_path: Path) -> None:
+    """The fast reader converts a timestamp column once for series that share it, and never mixes columns."""
+    path = tmp_path / "t.om"
+    path.write_text("# TYPE m gauge\n" + "".join(f'm{{a="{a}"}} {v} {t}\n' for a, ts in
+                                                 (("1", ("10", "25")), ("2", ("10", "25")), ("3", ("10", "26")),
+                                                  ("4", ("10.0", "25")))
+                                                 for v, t in zip((1, 2), ts, strict=True)) + "# EOF\n")
+    src = sr.RecordingSource.load([path], None)
+    got = {s.labels["a"]: s.ts.tolist() for s in src.series["m"]}
+    assert got == {"1": [10.0, 25.0], "2": [10.0, 25.0], "3": [10.0, 26.0], "4": [10.0, 25.0]}
+    assert all(np.array_equal(s.values, [1.0, 2.0]) for s in src.series["m"])
+
+
+def test_series_evaluated_together_equal_series_evaluated_alone(recording: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """precompute evaluates series sharing timestamps as one matrix (in chunks): exactly as one by one."""
+    cfg = _cfg()
+    times = [sr.RecordingSource.load([recording], None).time_range()[0] - 150.0 + 7.5 * i for i in range(200)]  # from before the first sample to after the last
+
+    def matrices() -> dict[tuple[object, float], np.ndarray]:
+        src = sr.RecordingSource.load([recording], sample_names("gpufleet"))
+        for q in queries(cfg.profile):
+            src.precompute(q, times, cfg.window_seconds)
+        return {k: v[2] for k, v in src._cache.items()}
+
+    together = matrices()
+    monkeypatch.setattr(sr, "_CHUNK", 1)  # one series per chunk
+    alone = matrices()
+    assert together.keys() == alone.keys()
+    assert sum(m.size for m in together.values()) > 10_000
+    for key, mat in together.items():
+        np.testing.assert_array_equal(mat, alone[key], err_msg=str(key))
+    assert any(np.isfinite(m).any() and np.isnan(m).any() for m in together.values())  # windows with no samples
+
+
+def test_blocks_much_shorter_or_longer_than_the_last_are_found(tmp_path: Path) -> None:
+    """The fast reader looks for a series' end near the last series' length first; any length is found."""
+    lengths = [5, 1, 300, 2, 40, 40, 39, 41, 1000, 3]
+    text = "# TYPE m gauge\n" + "".join(f'm{{s="{i}"}} {i + j / 7} {10 + 15 * j}\n' for i, k in enumerate(lengths)
+                                        for j in range(k)) + "# EOF\n"
+    fast = sr._load_fast(text, None)
+    assert fast is not None
+    got = {dict(key)["s"]: len(ts[0]) for key, (ts, _) in fast["m"].items()}
+    assert got == {str(i): k for i, k in enumerate(lengths)}
+    path = tmp_path / "m.om"
+    path.write_text(text)
+    raw: sr.RawSeries = {}
+    with open(path, encoding="utf-8") as fd:
+        sr._load_file(fd, None, raw, str(path))
+    for key, (ts, vs) in fast["m"].items():
+        np.testing.assert_array_equal(ts[0], np.concatenate(raw["m"][key][0]))
+        np.testing.assert_array_equal(vs[0], np.concatenate(raw["m"][key][1]))
+
+
+def _replay_in_pool(path: str) -> list[tuple[object, ...]]:
+    return _plain(replay([path], _cfg(), overlap=True)[1])
+
+
+def test_a_daemonic_process_reads_the_file_itself(recording: Path) -> None:
+    """A multiprocessing pool's workers are daemons, which may not start a process: replay still works there."""
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        got = pool.map(_replay_in_pool, [str(recording)])[0]
+    assert got == _plain(replay([str(recording)], _cfg(), overlap=False)[1])
+    assert got
