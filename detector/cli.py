@@ -17,11 +17,17 @@
          "gpu": str | null,       # the GPU index as in the gpu label; null for node-wide and site findings
          "job": str | null,       # training job id (job_id / hpc_job) of the GPU, if any
          "site": str | null,
-         "start": float,          # unix seconds: first evaluation of the run that opened it
-                                  # (pue_drift: the CUSUM's onset estimate)
+         "start": float,          # unix seconds: estimated start: the first evaluation of the run that
+                                  # opened it (pue_drift: the CUSUM's onset estimate)
+         "detected": float,       # unix seconds: the evaluation at which it opened (detection latency is
+                                  # detected - the fault's onset)
          "end": float | null,     # first clear evaluation; null while still open at the end of the recording
+                                  # (an open finding stays open through gaps shorter than merge_seconds)
          "score": float,          # peak score while open (straggler: combined robust/IsolationForest score)
-         "summary": str}          # one human sentence
+         "summary": str,          # one human sentence
+         "incident": str,         # incident id: findings of one physical problem share it (a straggler and
+                                  # its throttling, a NIC and the rank it slows; a node absorbs its GPUs)
+         "other_causes": [str]}   # causes with weaker evidence than "cause", strongest first
 
     Missing inputs are reported on stderr. Exit status 0 on success, 2 on bad
     arguments, configuration or recordings.

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gpufleet.detector import network, straggler, throttling
+from gpufleet.detector.baseline import Baseline
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.features import FeatureFrame, NodeNaming, collect
 from gpufleet.detector.findings import Key, Tracker
@@ -23,6 +24,10 @@ from gpufleet.detector.profiles import Query, queries, site_queries
 from gpufleet.detector.pue import PueMonitor, PueState
 from gpufleet.detector.source import Source
 from gpufleet.detector.straggler import Candidate, StragglerResult
+
+#: A GPU busy for less of the window than this cannot be judged clear of a straggler or throttling finding
+#: (it idled: a checkpoint, its job down or restarting); the finding neither closes nor goes on meanwhile.
+JUDGE_UTIL = 0.9
 
 
 @dataclass
@@ -64,8 +69,9 @@ class Detector:
         self.queries: tuple[Query, ...] = queries(cfg.profile) + site_qs
         self.naming = NodeNaming(cfg.node_label, cfg.strip_port)
         self.tracker = tracker or Tracker(cfg.findings.open_after, cfg.findings.close_after,
-                                          cfg.findings.stale_after, summarize)
+                                          cfg.findings.stale_after, summarize, cfg.findings.merge_seconds)
         self.pue: dict[str, PueMonitor] = {}
+        self.baseline = Baseline()
         self.last: Evaluation | None = None
 
     def evaluate(self, t: float) -> Evaluation:
@@ -77,9 +83,16 @@ class Detector:
         cfg = self.cfg
         snap = collect(self.source, self.queries, t, cfg.window_seconds, profile=cfg.profile, naming=self.naming,
                        coverage=cfg.coverage)
-        nets = network.find(snap.nic, snap.gpu, cfg.network)
+        g, nic = snap.gpu, snap.nic
+        capability = self.baseline.nic_capability(nic.nodes, nic.devices, nic.ports, nic.get("nic_rate"), t)
+        limit_ref = self.baseline.gpu_power_limit(g.nodes, g.gpus, g.get("power_limit"), t)
+        nets = network.find(nic, g, cfg.network, capability)
         nic_flags = {(c.node, c.gpu): c.score for c in nets if c.gpu is not None}
-        st = straggler.score(snap.gpu, cfg.straggler, nic_flags)
+        whole = {c.node: c.score for c in nets if c.gpu is None and not c.nic}  # every fabric port of the node
+        for node, gpu in zip(g.nodes, g.gpus, strict=True):
+            if node in whole:
+                nic_flags.setdefault((node, gpu), whole[node])
+        st = straggler.score(g, cfg.straggler, nic_flags, limit_ref)
         cands: list[tuple[str, Candidate]] = [("straggler", c) for c in st.candidates]
         cands += [("throttling", c) for c in throttling.find(snap.gpu, cfg.throttling)]
         cands += [("network", c) for c in nets]
@@ -98,6 +111,15 @@ class Detector:
                                                      / max(cfg.pue.min_drift, 1e-9), ev)))
         gpus_ok = {(n, g) for n, g, v in zip(snap.gpu.nodes, snap.gpu.gpus, snap.gpu.valid, strict=True) if v}
         nodes_ok = {n for n, _ in gpus_ok}
+        # A straggler can only be judged while the GPU is scored (busy among busy peers): while its job pauses
+        # together (checkpoint, evaluation restart) or is down, the finding neither clears nor goes on.
+        # Throttling can only show on a busy GPU: one that idled for part of the window (checkpoint, job down)
+        # is not judged either.
+        busy = np.nan_to_num(g.get("util"), nan=0.0) >= JUDGE_UTIL
+        gpus_busy = {(n, gg) for n, gg, v, b in zip(g.nodes, g.gpus, g.valid, busy, strict=True) if v and b}
+        nodes_busy = {n for n, _ in gpus_busy}
+        scored = {(n, gg) for n, gg, s in zip(g.nodes, g.gpus, st.scored, strict=True) if s and (n, gg) in gpus_busy}
+        nodes_scored = {n for n, _ in scored}
         nics_ok = {(n, f"{d}/{p}") for n, d, p in zip(snap.nic.nodes, snap.nic.devices, snap.nic.ports, strict=True)}
         sites_ok = set(pue_states)
 
@@ -106,7 +128,11 @@ class Detector:
             if kind == "pue_drift":
                 return site in sites_ok
             if kind == "network":
-                return (node, nic) in nics_ok
+                return (node, nic) in nics_ok if nic else node in nodes_ok
+            if kind == "straggler":
+                return (node, gpu) in scored if gpu else node in nodes_scored
+            if kind == "throttling":
+                return (node, gpu) in gpus_busy if gpu else node in nodes_busy
             return (node, gpu) in gpus_ok if gpu else node in nodes_ok
 
         self.tracker.update(t, cands, observed)

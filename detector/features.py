@@ -83,6 +83,7 @@ class NicFrame:
     sites: list[str]
     values: dict[str, FloatArray]
     gpus: list[list[str]]  # GPUs each NIC serves (topology or rail order)
+    link_layers: list[str] = field(default_factory=list)  # "InfiniBand", "Ethernet", "" unknown (empty: none)
 
     def get(self, feature: str) -> FloatArray:
         v = self.values.get(feature)
@@ -211,13 +212,19 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
     # NICs: every (node, device, port) any NIC query returns.
     nics = _Entities(naming, ("device", "port"), [res for _, _, res in nic_rs], defaults=("", "1"))
     nvalues = {f: np.full(len(nics.keys), np.nan) for f in NIC_FEATURES}
+    layers: list[str] = []
     for feat, q, res in nic_rs:
         pos = nics.positions(res)
         if feat in nvalues:
             _accumulate(nvalues[feat], pos, _values(res), q.agg)
+        elif feat == "@nic_layer":
+            layers = layers or [""] * len(nics.keys)
+            for i, (labels, _) in zip(pos.tolist(), res, strict=True):
+                if i >= 0:
+                    layers[i] = labels.get("link_layer", "")
     nkeys = [(k[0], k[1], k[2]) for k in nics.keys]
     nic = NicFrame([k[0] for k in nkeys], [k[1] for k in nkeys], [k[2] for k in nkeys], nics.site_list(), nvalues,
-                   _nic_gpus(nkeys, nicmap, gpu))
+                   _nic_gpus(nkeys, nicmap, gpu), layers)
     return FeatureFrame(t, gpu, nic, dict(node_vals), dict(site_vals), missing, errors)
 
 
