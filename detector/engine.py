@@ -55,6 +55,8 @@ def summarize(kind: str, c: Candidate) -> str:
         return f"{who} throttled ({c.cause}) {fr:.0%} of the window"
     if kind == "network":
         what = ", ".join(k for k in ev if ":" not in k)
+        if not c.nic:
+            return f"{int(ev.get('value:nics', 0))} GPU-fabric ports of {c.node}: {what}"
         to = f" (serves GPU {c.gpu})" if c.gpu is not None else ""
         return f"NIC {c.nic} on {c.node}{to}: {what}"
     return (f"site {c.site}: PUE {ev.get('pue', float('nan')):.3f} vs expected {ev.get('expected', float('nan')):.3f}"

@@ -138,7 +138,7 @@ def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray 
         best = max(ks, key=lambda k: score[k])
         jobs = {job_of.get((nd, g)) for k in ks for g in nic.gpus[k]} - {None}
         ev = _evidence(nic, best, cause_detail[best])
-        ev["nics"] = float(len(ks))
+        ev["value:nics"] = float(len(ks))
         out.append(Candidate(nd, None, jobs.pop() if len(jobs) == 1 else None, nic.sites[best], "network",
                              float(score[best]), ev, nic=""))
     for i in flagged:
