@@ -5,7 +5,7 @@ Series (names, labels and help from :mod:`gpufleet.agent.vocab.catalog`, group
 ``gpufleet_detector_finding`` per active finding (value = score; labels kind,
 cause, node, gpu, job_id, site; "" when not applicable) with its start and
 detection times, one ``gpufleet_detector_incident`` per open incident (value =
-its highest score; labels incident, node, site, job_id, fixed while it is open,
+its highest score; labels incident, node, gpu, site, job_id, fixed while it is open,
 so an alert on it fires once per incident) with its findings in
 ``gpufleet_detector_incident_finding`` (incident, kind, cause, gpu, nic),
 each site's PUE and expected PUE, and the detector's health (last successful
@@ -77,8 +77,8 @@ class DetectorCollector:
         meta = dict(det.tracker.incident_meta)
         for inc, fds in sorted(by.items()):
             first = min(fds, key=lambda f: f.opened)
-            node, site, job = meta.get(inc, (first.node or "", first.site or "", first.job or ""))
-            incident.add_metric([inc, node, site, job], max(f.score for f in fds))
+            node, gpu, site, job = meta.get(inc, (first.node or "", first.gpu or "", first.site or "", first.job or ""))
+            incident.add_metric([inc, node, gpu, site, job], max(f.score for f in fds))
             for fd in fds:
                 member.add_metric([inc, fd.kind, fd.cause or "", fd.gpu or "", fd.nic], 1.0)
         yield incident

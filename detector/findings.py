@@ -113,8 +113,8 @@ class Tracker:
         self.clear_seconds: dict[Key, float] = {}  # observed-clear time since last seen (unobserved: not counted)
         self.unseen: dict[Key, int] = {}
         self._last_t: float | None = None
-        #: open incident -> (node, site, job) of its first finding: the labels its series keeps while open
-        self.incident_meta: dict[str, tuple[str, str, str]] = {}
+        #: open incident -> (node, gpu, site, job) of its first finding: the labels its series keeps while open
+        self.incident_meta: dict[str, tuple[str, str, str, str]] = {}
         self.closed: deque[Finding] = deque(maxlen=max(1, history))
 
     def update(self, t: float, candidates: Iterable[tuple[str, Candidate]],
@@ -203,7 +203,7 @@ class Tracker:
             for pk in [pk for pk in self.pending if pk[0] == kind and pk[1] == c.node and pk[2]]:
                 del self.pending[pk]
         self.active[k] = f
-        self.incident_meta.setdefault(f.incident, (f.node or "", f.site or "", f.job or ""))
+        self.incident_meta.setdefault(f.incident, (f.node or "", f.gpu or "", f.site or "", f.job or ""))
 
     def _related_incident(self, f: Finding) -> str:
         """The incident of an open finding on the same node and GPU (or on the whole node), if any."""

@@ -366,7 +366,7 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("gpufleet_detector_incident", _G, "",
                "An open incident (one physical problem: its findings of every kind); value is the highest score of "
                "its findings. Labels are those of its first finding and stay while it is open, through gaps.",
-               ("incident", "node", "site", "job_id"), "detector"),
+               ("incident", "node", "gpu", "site", "job_id"), "detector"),
     MetricSpec("gpufleet_detector_incident_finding", _G, "",
                "A finding of an open incident; value is 1.", ("incident", "kind", "cause", "gpu", "nic"), "detector",
                label_values={"kind": FINDING_KINDS, "cause": FINDING_CAUSES}),
