@@ -7,7 +7,9 @@ references come from the entity itself rather than from its peers:
 * a GPU's configured power limit: the highest limit it enforced in its history
   (a power-capped GPU keeps its peers: the others with that configured limit);
 * a NIC's capability: the highest rate it negotiated (a 200G adapter is judged
-  against 200G; a 400G link that trains down to 200G is reduced).
+  against 200G; a 400G link that trains down to 200G is reduced);
+* a NIC's recent link downs: a link that went down in several episodes within
+  the last hour is flapping, and stays suspect between its flaps.
 
 Each reference is the running maximum of the entity's values; an entity
 unseen for ``forget_seconds`` is forgotten, so the store stays bounded in a
@@ -54,12 +56,39 @@ class RunningMax:
         return len(self.store)
 
 
+class Episodes:
+    """Per entity: the times episodes of an event began (an evaluation with the event after one without)."""
+
+    def __init__(self) -> None:
+        self.starts: dict[Hashable, list[float]] = {}
+        self.on: set[Hashable] = set()
+
+    def update(self, keys: Sequence[Hashable], active: np.ndarray, t: float, horizon: float) -> FloatArray:
+        """Episodes that began within ``horizon`` seconds before ``t``, per key."""
+        out = np.zeros(len(keys))
+        for i, k in enumerate(keys):
+            if active[i] and k not in self.on:
+                self.on.add(k)
+                self.starts.setdefault(k, []).append(t)
+            elif not active[i]:
+                self.on.discard(k)
+            ts = self.starts.get(k)
+            if ts:
+                while ts and ts[0] < t - horizon:
+                    ts.pop(0)
+                out[i] = len(ts)
+                if not ts:
+                    del self.starts[k]
+        return out
+
+
 class Baseline:
     """The detector's per-entity references (see the module docstring)."""
 
     def __init__(self, forget_seconds: float = 7 * 86400.0) -> None:
         self.power_limit = RunningMax(forget_seconds)
         self.nic_rate = RunningMax(forget_seconds)
+        self.link_downs = Episodes()
 
     def gpu_power_limit(self, nodes: Sequence[str], gpus: Sequence[str], limit: FloatArray, t: float) -> FloatArray:
         return self.power_limit.update(list(zip(nodes, gpus, strict=True)), limit, t)
@@ -67,3 +96,9 @@ class Baseline:
     def nic_capability(self, nodes: Sequence[str], devices: Sequence[str], ports: Sequence[str], rate: FloatArray,
                        t: float) -> FloatArray:
         return self.nic_rate.update(list(zip(nodes, devices, ports, strict=True)), rate, t)
+
+    def nic_flaps(self, nodes: Sequence[str], devices: Sequence[str], ports: Sequence[str], downed: FloatArray,
+                  t: float, horizon: float) -> FloatArray:
+        """Per NIC: episodes of link downs that began within ``horizon`` seconds (a flapping link)."""
+        keys = list(zip(nodes, devices, ports, strict=True))
+        return self.link_downs.update(keys, np.nan_to_num(downed, nan=0.0) > 0, t, horizon)

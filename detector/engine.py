@@ -48,7 +48,8 @@ def summarize(kind: str, c: Candidate) -> str:
         who = f"GPU {c.gpu} on {c.node}" if c.gpu is not None else f"{int(ev.get('gpus', 0))} GPUs of {c.node}"
         job = f" in job {c.job}" if c.job else ""
         verb = "lags its" if c.gpu is not None else "lag their"
-        return f"{who}{job} {verb} peers ({dev}); likely cause: {c.cause}"
+        why = f"({dev})" if dev else "(its links: " + ", ".join(k.removeprefix("value:") for k in ev if k.startswith("value:")) + ")"
+        return f"{who}{job} {verb} peers {why}; likely cause: {c.cause}"
     if kind == "throttling":
         fr = max((v for k, v in ev.items() if k.startswith("thr_")), default=0.0)
         who = f"GPU {c.gpu} on {c.node}" if c.gpu is not None else f"{int(ev.get('gpus', 0))} GPUs of {c.node}"
@@ -88,7 +89,9 @@ class Detector:
         g, nic = snap.gpu, snap.nic
         capability = self.baseline.nic_capability(nic.nodes, nic.devices, nic.ports, nic.get("nic_rate"), t)
         limit_ref = self.baseline.gpu_power_limit(g.nodes, g.gpus, g.get("power_limit"), t)
-        nets = network.find(nic, g, cfg.network, capability)
+        flaps = self.baseline.nic_flaps(nic.nodes, nic.devices, nic.ports, nic.get("nic_link_downed"), t,
+                                        cfg.network.flap_hours * 3600.0)
+        nets = network.find(nic, g, cfg.network, capability, flaps)
         nic_flags = {(c.node, c.gpu): c.score for c in nets if c.gpu is not None}
         whole = {c.node: c.score for c in nets if c.gpu is None and not c.nic}  # every fabric port of the node
         for node, gpu in zip(g.nodes, g.gpus, strict=True):

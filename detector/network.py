@@ -1,7 +1,8 @@
 """Network trouble: a NIC with errors, a rate below its own capability, or congestion above alike peers.
 
 Evidence per NIC (window increases and rates): link downs and error recoveries
-(any is trouble), symbol errors above a floor, a negotiated rate below the
+(any is trouble), a link that went down in several episodes within the last
+hour (flapping: still suspect between its flaps), symbol errors above a floor, a negotiated rate below the
 NIC's capability (the highest rate it negotiated in its recent history, kept
 by :mod:`gpufleet.detector.baseline`: a 200G adapter is judged against 200G,
 never against its 400G neighbours), and robust z-scores of transmit-wait and
@@ -53,6 +54,9 @@ class NetworkParams:
     #: regular expression of device names that are storage/front-end ports (when topology cannot tell)
     storage_devices: str = ""
     node_fraction: float = 0.75
+    #: a link that went down in this many separate episodes within flap_hours is flapping (flagged in between)
+    flap_episodes: int = 2
+    flap_hours: float = 1.0
 
 
 def nic_role(nic: NicFrame, i: int, p: NetworkParams, node_mapped: set[str] | None = None) -> str:
@@ -75,7 +79,8 @@ def nic_peer_key(nic: NicFrame, i: int, role: str, capability: FloatArray) -> st
     return f"{role}|{layer}|{cap_s}"
 
 
-def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray | None = None) -> list[Candidate]:
+def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray | None = None,
+         flaps: FloatArray | None = None) -> list[Candidate]:
     n = len(nic.devices)
     if n == 0:
         return []
@@ -91,6 +96,8 @@ def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray 
 
     down = np.nan_to_num(nic.get("nic_link_downed"), nan=0.0)
     flag(down > 0, 10.0 + down, "link_downed")
+    if flaps is not None:
+        flag((flaps >= p.flap_episodes) & (down == 0), np.full(n, 10.0), "link_flapping")
     rec = np.nan_to_num(nic.get("nic_link_recovery"), nan=0.0)
     flag(rec > 0, 8.0 + rec, "link_error_recovery")
     sym = np.nan_to_num(nic.get("nic_symbol_errors"), nan=0.0)

@@ -311,8 +311,9 @@ def _strongest(evidence: list[tuple[str, float]]) -> str:
 
 def _collapse_nodes(frame: GpuFrame, groups: FloatArray, cands: list[Candidate],
                     p: StragglerParams) -> list[Candidate]:
-    """A node whose GPUs of one job mostly straggle is one node-level candidate (gpu None), whatever each GPU's
-    own cause: the cause with the most evidence summed over them (the others stay in the evidence)."""
+    """A node whose GPUs of one job mostly straggle (whatever each GPU's own cause), or two or more of them for
+    one cause, is one node-level candidate (gpu None): the cause with the most evidence summed over them (the
+    others stay in the evidence)."""
     per_node_job: dict[tuple[str, str | None], int] = defaultdict(int)
     for i in np.flatnonzero(groups >= 0):
         per_node_job[(frame.nodes[i], frame.jobs[i])] += 1
@@ -322,7 +323,10 @@ def _collapse_nodes(frame: GpuFrame, groups: FloatArray, cands: list[Candidate],
     out: list[Candidate] = []
     for (node, job), cs in by.items():
         total = per_node_job.get((node, job), 0)
-        if len(cs) >= 2 and total and len(cs) >= p.node_fraction * total:
+        causes = {c.cause for c in cs}
+        # Most of the node's GPUs, whatever their causes, or several for one cause (a node problem that hits
+        # some of its GPUs: cooling, power delivery) are one node-level candidate.
+        if len(cs) >= 2 and total and (len(cs) >= p.node_fraction * total or len(causes) == 1):
             strength: dict[str, float] = defaultdict(float)
             for c in cs:
                 own = {k.removeprefix("cause:"): v for k, v in c.evidence.items() if k.startswith("cause:")}
