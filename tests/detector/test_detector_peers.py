@@ -100,3 +100,31 @@ def test_peer_key_is_job_model_and_configured_limit() -> None:
     base.gpu_power_limit(g.nodes, g.gpus, limit, 0.0)
     capped = base.gpu_power_limit(g.nodes, g.gpus, np.array([420.0, 700.0, np.nan]), 60.0)
     assert capped.tolist() == [700.0, 700.0, 400.0]  # a capped GPU keeps its configured limit, so its peers
+
+
+def test_a_flapping_link_stays_suspect_between_its_flaps() -> None:
+    base = Baseline()
+    nic = _fleet()
+    downs = np.zeros(len(nic.devices))
+    flagged = []
+    for t in range(0, 3600, 60):
+        downs[3] = 1.0 if t in (0, 60, 900, 960) else 0.0  # two link-down episodes, 15 minutes apart
+        nic.values["nic_link_downed"] = downs.copy()
+        flaps = base.nic_flaps(nic.nodes, nic.devices, nic.ports, downs, float(t), 3600.0)
+        cap = base.nic_capability(nic.nodes, nic.devices, nic.ports, nic.get("nic_rate"), float(t))
+        flagged.append(any(c.nic == "mlx5_3/1" for c in find(nic, _gpus(), NetworkParams(), cap, flaps)))
+    assert flagged[:2] == [True, True] and flagged[2] is False  # one episode is a blip, not flapping
+    assert all(flagged[15:])  # from the second episode on, for the hour
+
+
+def test_several_gpus_of_a_node_throttled_for_one_reason_are_one_node_candidate() -> None:
+    from gpufleet.detector.throttling import ThrottleParams
+    from gpufleet.detector.throttling import find as throttled
+
+    g = _gpus(nodes=2, rails=4)
+    n = len(g)
+    g.values = {"thr_thermal": np.zeros(n), "util": np.ones(n), "sm_clock": np.full(n, 1.9e9)}
+    g.values["thr_thermal"][[1, 3]] = 0.6  # two of node-000's four GPUs
+    g.values["thr_thermal"][5] = 0.6  # one GPU of node-001
+    got = sorted((c.node, c.gpu) for c in throttled(g, ThrottleParams()))
+    assert got == [("node-000", None), ("node-001", "1")]
