@@ -66,7 +66,14 @@ class Finding:
         return self.opened
 
     def other_causes(self) -> list[str]:
-        return [c for c in sorted(self.causes, key=lambda c: -self.causes[c]) if c and c != self.cause]
+        """The causes with weaker evidence than :attr:`cause` (over its life and in its last evidence), strongest
+        first."""
+        strength = dict(self.causes)
+        for k, v in self.evidence.items():
+            if k.startswith("cause:"):
+                c = k.removeprefix("cause:")
+                strength[c] = max(strength.get(c, 0.0), v)
+        return [c for c in sorted(strength, key=lambda c: -strength[c]) if c and c != self.cause]
 
     def to_json(self) -> dict[str, Any]:
         """The stable replay record (see :mod:`gpufleet.detector.cli`)."""
