@@ -19,11 +19,17 @@
          "gpu": str | null,       # the GPU index as in the gpu label; null for node-wide and site findings
          "job": str | null,       # training job of the GPU (job_id / hpc_job / Kubernetes job), if any
          "site": str | null,
-         "start": float,          # unix seconds: first evaluation of the run that opened it
-                                  # (pue_drift: the CUSUM's onset estimate)
+         "start": float,          # unix seconds: estimated start: the first evaluation of the run that
+                                  # opened it (pue_drift: the CUSUM's onset estimate)
+         "detected": float,       # unix seconds: the evaluation at which it opened (detection latency is
+                                  # detected - the fault's onset)
          "end": float | null,     # first clear evaluation; null while still open at the end of the recording
+                                  # (an open finding stays open through gaps shorter than merge_seconds)
          "score": float,          # peak score while open (straggler: combined robust/IsolationForest score)
          "summary": str,          # one human sentence
+         "incident": str,         # incident id: findings of one physical problem share it (a straggler and
+                                  # its throttling, a NIC and the rank it slows; a node absorbs its GPUs)
+         "other_causes": [str],   # causes with weaker evidence than "cause", strongest first
          "namespace": str | null, # Kubernetes: the pod's namespace and the pod (a node finding: the node's
          "pod": str | null,       # only pod of the job), null elsewhere
          "gpu_instance": str,     # MIG slice findings only (keys absent otherwise): the GPU instance of "gpu"

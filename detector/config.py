@@ -27,12 +27,13 @@ except its 4-hour PUE baseline)::
     open_after = 2                # consecutive evaluations to open a finding
     close_after = 4               # consecutive clear evaluations to close it
     stale_after = 20              # evaluations without data before an open finding closes
+    merge_seconds = 300           # an open finding stays open through gaps shorter than this (one incident)
 
     [straggler]
     threshold = 4.0
     busy_util = 0.5
     min_peers = 4
-    compare_jobless = true
+    compare_jobless = false       # GPUs without a job (services, notebooks) are no straggler peers
     isolation_forest = true
 
     [throttling]
@@ -97,9 +98,10 @@ class FindingParams:
     open_after: int = 2
     close_after: int = 4
     stale_after: int = 20
+    merge_seconds: float = 300.0
 
     def tracker(self) -> Tracker:
-        return Tracker(self.open_after, self.close_after, self.stale_after)
+        return Tracker(self.open_after, self.close_after, self.stale_after, merge_seconds=self.merge_seconds)
 
 
 @dataclass

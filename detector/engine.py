@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gpufleet.detector import causes, jobs, mig, network, shard, straggler, throttling
+from gpufleet.detector.baseline import Baseline
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.features import FeatureFrame, NodeNaming, collect
 from gpufleet.detector.findings import Key, Tracker
@@ -23,6 +24,10 @@ from gpufleet.detector.profiles import Query, queries, site_queries
 from gpufleet.detector.pue import PueMonitor, PueState
 from gpufleet.detector.source import Source
 from gpufleet.detector.straggler import Candidate, StragglerResult
+
+#: A GPU busy for less of the window than this cannot be judged clear of a straggler or throttling finding
+#: (it idled: a checkpoint, its job down or restarting); the finding neither closes nor goes on meanwhile.
+JUDGE_UTIL = 0.9
 
 
 @dataclass
@@ -47,7 +52,8 @@ def summarize(kind: str, c: Candidate) -> str:
         job = f" in job {c.job}" if c.job else ""
         job += f" (pod {c.namespace}/{c.pod})" if c.pod else (f" (namespace {c.namespace})" if c.namespace else "")
         verb = "lags its" if c.gpu is not None else "lag their"
-        return f"{who}{job} {verb} peers ({dev}); likely cause: {c.cause}"
+        why = f"({dev})" if dev else "(its links: " + ", ".join(k.removeprefix("value:") for k in ev if k.startswith("value:")) + ")"
+        return f"{who}{job} {verb} peers {why}; likely cause: {c.cause}"
     if kind == "throttling":
         fr = max((v for k, v in ev.items() if k.startswith("thr_")), default=0.0)
         who = f"GPU {c.gpu} on {c.node}" if c.gpu is not None else f"{int(ev.get('gpus', 0))} GPUs of {c.node}"
@@ -55,6 +61,8 @@ def summarize(kind: str, c: Candidate) -> str:
         return f"{who} throttled ({c.cause}) {fr:.0%} of the window"
     if kind == "network":
         what = ", ".join(k for k in ev if ":" not in k)
+        if not c.nic:
+            return f"{int(ev.get('value:nics', 0))} GPU-fabric ports of {c.node}: {what}"
         to = f" (serves GPU {c.gpu})" if c.gpu is not None else ""
         return f"NIC {c.nic} on {c.node}{to}: {what}"
     return (f"site {c.site}: PUE {ev.get('pue', float('nan')):.3f} vs expected {ev.get('expected', float('nan')):.3f}"
@@ -69,8 +77,9 @@ class Detector:
         self.queries: tuple[Query, ...] = queries(cfg.profile) + site_qs
         self.naming = NodeNaming(cfg.node_label, cfg.strip_port)
         self.tracker = tracker or Tracker(cfg.findings.open_after, cfg.findings.close_after,
-                                          cfg.findings.stale_after, summarize)
+                                          cfg.findings.stale_after, summarize, cfg.findings.merge_seconds)
         self.pue: dict[str, PueMonitor] = {}
+        self.baseline = Baseline()
         self.last: Evaluation | None = None
 
     def evaluate(self, t: float) -> Evaluation:
@@ -83,10 +92,20 @@ class Detector:
         snap = collect(self.source, self.queries, t, cfg.window_seconds, profile=cfg.profile, naming=self.naming,
                        coverage=cfg.coverage)
         jobs.resolve(snap.gpu, snap.meta, cfg.kubernetes)
-        nets = network.find(snap.nic, snap.gpu, cfg.network)
+        g, nic = snap.gpu, snap.nic
+        capability = self.baseline.nic_capability(nic.nodes, nic.devices, nic.ports, nic.get("nic_rate"), t)
+        flaps = self.baseline.nic_flaps(nic.nodes, nic.devices, nic.ports, nic.get("nic_link_downed"), t,
+                                        cfg.network.flap_hours * 3600.0)
+        nets = network.find(nic, g, cfg.network, capability, flaps)
         nic_flags = {(c.node, c.gpu): c.score for c in nets if c.gpu is not None}
+        whole = {c.node: c.score for c in nets if c.gpu is None and not c.nic}  # every fabric port of the node
+        for node, gpu in zip(g.nodes, g.gpus, strict=True):
+            if node in whole:
+                nic_flags.setdefault((node, gpu), whole[node])
         snap = shard.select(snap, cfg.shard)  # --shard i/N: this replica's jobs only (NIC peers span the fleet)
-        st = straggler.score(snap.gpu, cfg.straggler, nic_flags, causes.node_causes(snap.node, snap.gpu, cfg.causes))
+        g = snap.gpu
+        limit_ref = self.baseline.gpu_power_limit(g.nodes, g.gpus, g.get("power_limit"), t)
+        st = straggler.score(g, cfg.straggler, nic_flags, limit_ref, causes.node_causes(snap.node, g, cfg.causes))
         cands: list[tuple[str, Candidate]] = [("straggler", c) for c in st.candidates]
         slices = mig.score(snap, cfg, self.naming)  # MIG slices: peers by job and profile (added after attribute)
         cands += [("throttling", c) for c in throttling.find(snap.gpu, cfg.throttling)]
@@ -108,6 +127,16 @@ class Detector:
         gpus_ok = {(n, g) for n, g, v in zip(snap.gpu.nodes, snap.gpu.gpus, snap.gpu.valid, strict=True) if v}
         gpus_ok |= slices.observed
         nodes_ok = {n for n, _ in gpus_ok}
+        # A straggler can only be judged while the GPU is scored (busy among busy peers): while its job pauses
+        # together (checkpoint, evaluation restart) or is down, the finding neither clears nor goes on.
+        # Throttling can only show on a busy GPU: one that idled for part of the window (checkpoint, job down)
+        # is not judged either.
+        busy = np.nan_to_num(g.get("util"), nan=0.0) >= JUDGE_UTIL
+        gpus_busy = {(n, gg) for n, gg, v, b in zip(g.nodes, g.gpus, g.valid, busy, strict=True) if v and b}
+        nodes_busy = {n for n, _ in gpus_busy}
+        scored = {(n, gg) for n, gg, s in zip(g.nodes, g.gpus, st.scored, strict=True) if s and (n, gg) in gpus_busy}
+        scored |= slices.observed  # MIG slices (detector.mig), judged on their own
+        nodes_scored = {n for n, _ in scored}
         nics_ok = {(n, f"{d}/{p}") for n, d, p in zip(snap.nic.nodes, snap.nic.devices, snap.nic.ports, strict=True)}
         sites_ok = set(pue_states)
 
@@ -116,7 +145,11 @@ class Detector:
             if kind == "pue_drift":
                 return site in sites_ok
             if kind == "network":
-                return (node, nic) in nics_ok
+                return (node, nic) in nics_ok if nic else node in nodes_ok
+            if kind == "straggler":
+                return (node, gpu) in scored if gpu else node in nodes_scored
+            if kind == "throttling":
+                return (node, gpu) in gpus_busy if gpu else node in nodes_busy
             return (node, gpu) in gpus_ok if gpu else node in nodes_ok
 
         jobs.attribute(cands, snap.gpu)

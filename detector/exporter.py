@@ -3,7 +3,11 @@
 Series (names, labels and help from :mod:`gpufleet.agent.vocab.catalog`, group
 ``detector``): per-GPU straggler score and per-feature robust z-score, one
 ``gpufleet_detector_finding`` per active finding (value = score; labels kind,
-cause, node, gpu, job_id, site, namespace, pod; "" when not applicable) with its start time,
+cause, node, gpu, job_id, site, namespace, pod, gpu_instance; "" when not applicable) with its start and
+detection times, one ``gpufleet_detector_incident`` per open incident (value =
+its highest score; labels incident, node, gpu, site, job_id, fixed while it is open,
+so an alert on it fires once per incident) with its findings in
+``gpufleet_detector_incident_finding`` (incident, kind, cause, gpu, nic),
 each site's PUE and expected PUE, and the detector's health (last successful
 evaluation, evaluation duration, evaluations by result, query errors, missing
 inputs). The HTTP(S) server is the agent's (TLS and basic auth from an
@@ -21,6 +25,7 @@ from prometheus_client.exposition import choose_encoder
 
 from gpufleet.agent.vocab.catalog import spec
 from gpufleet.detector.engine import Detector
+from gpufleet.detector.findings import Finding
 
 
 class Health:
@@ -54,13 +59,32 @@ class DetectorCollector:
         yield dev
         finding = spec("gpufleet_detector_finding").family()
         start = spec("gpufleet_detector_finding_start_timestamp_seconds").family()
-        for fd in list(det.tracker.active.values()):
+        detected = spec("gpufleet_detector_finding_detected_timestamp_seconds").family()
+        active = list(det.tracker.active.values())
+        for fd in active:
             labels = [fd.kind, fd.cause or "", fd.node or "", fd.gpu or "", fd.job or "", fd.site or "", fd.namespace,
                       fd.pod, fd.gpu_instance]
             finding.add_metric(labels, fd.score)
             start.add_metric(labels, fd.start)
+            detected.add_metric(labels, fd.detected)
         yield finding
         yield start
+        yield detected
+        incident = spec("gpufleet_detector_incident").family()
+        member = spec("gpufleet_detector_incident_finding").family()
+        by: dict[str, list[Finding]] = {}
+        for fd in active:
+            by.setdefault(fd.incident, []).append(fd)
+        meta = dict(det.tracker.incident_meta)
+        for inc, fds in sorted(by.items()):
+            first = min(fds, key=lambda f: f.opened)
+            node, gpu, site, job, ns, pod = meta.get(inc, (first.node or "", first.gpu or "", first.site or "",
+                                                           first.job or "", first.namespace, first.pod))
+            incident.add_metric([inc, node, gpu, site, job, ns, pod], max(f.score for f in fds))
+            for fd in fds:
+                member.add_metric([inc, fd.kind, fd.cause or "", fd.gpu or "", fd.nic], 1.0)
+        yield incident
+        yield member
         pue = spec("gpufleet_detector_site_pue").family()
         exp = spec("gpufleet_detector_site_pue_expected").family()
         if ev is not None:

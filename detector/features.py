@@ -97,6 +97,7 @@ class NicFrame:
     sites: list[str]
     values: dict[str, FloatArray]
     gpus: list[list[str]]  # GPUs each NIC serves (topology or rail order)
+    link_layers: list[str] = field(default_factory=list)  # "InfiniBand", "Ethernet", "" unknown (empty: none)
 
     def get(self, feature: str) -> FloatArray:
         v = self.values.get(feature)
@@ -262,10 +263,16 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
     # NICs: every (node, device, port) any NIC query returns.
     nics = _Frame(naming, ("device", "port"), ("", "1"), [res for _, _, res in nic_rs])
     nvalues = {f: np.full(len(nics.keys), np.nan) for f in NIC_FEATURES}
+    layers: list[str] = []
     for feat, q, res in nic_rs:
         pos = nics.positions(res)
         if feat in nvalues:
             _accumulate(nvalues[feat], pos, res.values, q.agg)
+        elif feat == "@nic_layer":  # link_layer label of gpufleet_ib_port_info: InfiniBand or Ethernet
+            layers = layers or [""] * len(nics.keys)
+            for i, layer in zip(pos.tolist(), res.column("link_layer"), strict=True):
+                if i >= 0:
+                    layers[i] = layer or ""
     if nicif_rs:
         _interface_features(nicif_rs, nics.keys, nvalues, naming)
     nicmap = _nicmap(nicmap_rs, naming)
@@ -279,7 +286,7 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
         if cache is not None:
             cache["nic_gpus_for"], cache["nic_gpus"] = (nics.keys, gpus.keys, nicmap), served
     n_nodes, n_devices, n_ports = nics.columns(3)
-    nic = NicFrame(n_nodes, n_devices, n_ports, nics.site_list(), nvalues, [list(g) for g in served])
+    nic = NicFrame(n_nodes, n_devices, n_ports, nics.site_list(), nvalues, [list(g) for g in served], layers)
     return FeatureFrame(t, gpu, nic, dict(node_vals), dict(site_vals), missing, errors, meta)
 
 

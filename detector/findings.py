@@ -1,21 +1,44 @@
-"""Findings with hysteresis: open after N consecutive evaluations, close after M clear ones.
+"""Findings with hysteresis, grouped into incidents: one physical problem, one finding, one page.
 
-An evaluation in which the finding's entity had no fresh data neither counts
-towards opening nor towards closing (missing or stale data never opens a
-finding); an open finding whose entity stays unobserved for ``stale_after``
-evaluations closes at the last time it was seen.
+A candidate becomes a finding after ``open_after`` consecutive evaluations
+(the evaluation at which it opens is its ``detected`` time; ``start`` is the
+estimated onset). An open finding stays open through gaps: it closes only
+when its entity was observed clear for ``close_after`` evaluations *and* for
+at least ``merge_seconds`` of observed time (an intermittent fault, a
+checkpoint or an evaluation pass does not cut it into pieces); its ``end`` is
+then the first clear evaluation. An evaluation in which the entity could not
+be judged (no fresh data; for stragglers, the job's peers idle together: a
+job-wide pause) counts neither way; an open finding whose entity stays
+unobserved for ``stale_after`` evaluations closes at the last time it was seen.
+
+Identity: a finding is (kind, node, gpu, NIC, site); the job is an attribute,
+not part of it, so a finding survives a job's resubmission. Incidents: a
+finding that opens while another finding is open on the same node and GPU
+(or on the whole node) joins that finding's incident (a straggler and its
+throttling, a NIC and the rank it slows); a node-level finding absorbs the
+open per-GPU findings of its kind on that node (they end, marked
+``absorbed_by``, and are no longer reported as findings of their own), and
+while it is open no per-GPU finding of that kind opens on the node.
+
+The cause of a finding is the one with the most evidence over its life
+(candidate scores summed per cause); the others are listed in ``causes``.
+Closed findings are kept in a bounded recent history (``history``).
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import hashlib
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpufleet.detector.straggler import Candidate
 
-Key = tuple[str, str, str, str, str, str]  # kind, node, gpu, nic, site, job
+Key = tuple[str, str, str, str, str, str]  # kind, node, gpu, nic, site, "" (the job is no part of the identity)
+
+#: Closed findings kept for reports and replay (the service runs for months: the history is bounded).
+HISTORY = 10000
 
 
 @dataclass
@@ -32,24 +55,42 @@ class Finding:
     summary: str = ""
     nic: str = ""
     evidence: dict[str, float] = field(default_factory=dict)
-    causes: Counter[str] = field(default_factory=Counter)
+    causes: dict[str, float] = field(default_factory=dict)  # cause -> evidence (scores summed)
     last_seen: float = 0.0
-    opened: float = 0.0  # evaluation time at which it opened (start + the hysteresis)
+    opened: float = 0.0  # evaluation time at which it opened (start + the hysteresis): the detection time
+    incident: str = ""
+    absorbed_by: str = ""  # the incident of the node-level finding that absorbed this per-GPU one
     namespace: str = ""  # Kubernetes: the pod the finding is about, and its namespace ("" when none)
     pod: str = ""
     gpu_instance: str = ""  # MIG: the slice (GPU instance of ``gpu``) and its profile ("" when not a slice)
     mig_profile: str = ""
 
+    @property
+    def detected(self) -> float:
+        return self.opened
+
+    def other_causes(self) -> list[str]:
+        """The causes with weaker evidence than :attr:`cause` (over its life and in its last evidence), strongest
+        first."""
+        strength = dict(self.causes)
+        for k, v in self.evidence.items():
+            if k.startswith("cause:"):
+                c = k.removeprefix("cause:")
+                strength[c] = max(strength.get(c, 0.0), v)
+        return [c for c in sorted(strength, key=lambda c: -strength[c]) if c and c != self.cause]
+
     def to_json(self) -> dict[str, Any]:
         """The stable replay record (see :mod:`gpufleet.detector.cli`)."""
         return {"kind": self.kind, "cause": self.cause, "node": self.node, "gpu": self.gpu, "job": self.job,
-                "site": self.site, "start": self.start, "end": self.end, "score": round(self.score, 3),
-                "summary": self.summary, "namespace": self.namespace or None, "pod": self.pod or None,
+                "site": self.site, "start": self.start, "detected": self.opened, "end": self.end,
+                "score": round(self.score, 3), "summary": self.summary, "incident": self.incident,
+                "other_causes": self.other_causes(), "namespace": self.namespace or None, "pod": self.pod or None,
                 **({"gpu_instance": self.gpu_instance, "mig_profile": self.mig_profile} if self.gpu_instance else {})}
 
 
 def key_of(kind: str, c: Candidate) -> Key:
-    return (kind, c.node, (c.gpu or "") + (f"/{c.gpu_instance}" if c.gpu_instance else ""), c.nic, c.site if kind == "pue_drift" else "", c.job or "")
+    gpu = (c.gpu or "") + (f"/{c.gpu_instance}" if c.gpu_instance else "")  # a MIG slice is its own entity
+    return (kind, c.node, gpu, c.nic, c.site if kind == "pue_drift" else "", "")
 
 
 @dataclass
@@ -57,57 +98,86 @@ class _Pending:
     first: float
     count: int
     cand: Candidate
-    causes: Counter[str]
+    causes: dict[str, float]
+
+
+def _top(causes: dict[str, float]) -> str:
+    return max(causes, key=lambda c: causes[c]) if causes else ""
+
+
+def _incident_id(kind: str, c: Candidate, t: float) -> str:
+    what = f"{kind}|{c.node}|{c.gpu or ''}|{c.nic}|{c.site}|{t:.0f}"
+    return hashlib.sha1(what.encode(), usedforsecurity=False).hexdigest()[:12]
 
 
 class Tracker:
     def __init__(self, open_after: int = 3, close_after: int = 3, stale_after: int = 10,
-                 summarize: Callable[[str, Candidate], str] | None = None) -> None:
+                 summarize: Callable[[str, Candidate], str] | None = None, merge_seconds: float = 300.0,
+                 history: int = HISTORY) -> None:
         self.open_after = max(1, open_after)
         self.close_after = max(1, close_after)
         self.stale_after = max(1, stale_after)
+        self.merge_seconds = max(0.0, merge_seconds)
         self.summarize = summarize or (lambda kind, c: f"{kind} ({c.cause}) score {c.score:.1f}")
         self.pending: dict[Key, _Pending] = {}
         self.active: dict[Key, Finding] = {}
         self.clear: dict[Key, int] = {}
         self.clear_since: dict[Key, float] = {}
+        self.clear_seconds: dict[Key, float] = {}  # observed-clear time since last seen (unobserved: not counted)
         self.unseen: dict[Key, int] = {}
-        self.closed: list[Finding] = []
+        self._last_t: float | None = None
+        #: open incident -> (node, gpu, site, job) of its first finding: the labels its series keeps while open
+        self.incident_meta: dict[str, tuple[str, str, str, str, str, str]] = {}
+        self.closed: deque[Finding] = deque(maxlen=max(1, history))
 
     def update(self, t: float, candidates: Iterable[tuple[str, Candidate]],
                observed: Callable[[Key], bool]) -> None:
+        dt = t - self._last_t if self._last_t is not None else 0.0
+        self._last_t = t
         seen: set[Key] = set()
+        cands: list[tuple[Key, str, Candidate]] = []
         for kind, c in candidates:
             k = key_of(kind, c)
-            if k in seen:
-                continue
-            seen.add(k)
+            if k not in seen:
+                seen.add(k)
+                cands.append((k, kind, c))
+        # Node-level candidates first: they absorb their GPUs' findings before those could open.
+        cands.sort(key=lambda x: x[2].gpu is not None)
+        for k, kind, c in cands:
+            if c.gpu is not None and self._node_level(kind, c.node):
+                seen.discard(k)
+                nk: Key = (kind, c.node, "", "", "", "")
+                if nk in self.active and nk not in seen:  # the node's finding goes on through its GPUs
+                    seen.add(nk)
+                    nf = self.active[nk]
+                    nf.last_seen = t
+                    self.clear.pop(nk, None)
+                    self.clear_since.pop(nk, None)
+                    self.clear_seconds.pop(nk, None)
+                    self.unseen.pop(nk, None)
+                continue  # the node's incident covers it
             if k in self.active:
                 f = self.active[k]
                 f.score = max(f.score, c.score)
-                f.causes[c.cause] += 1
-                f.cause = f.causes.most_common(1)[0][0] or None
+                f.causes[c.cause] = f.causes.get(c.cause, 0.0) + max(c.score, 1e-6)
+                f.cause = _top(f.causes) or None
                 f.last_seen = t
                 f.evidence = c.evidence
+                f.job = c.job or f.job
                 self.clear.pop(k, None)
                 self.clear_since.pop(k, None)
+                self.clear_seconds.pop(k, None)
                 self.unseen.pop(k, None)
                 continue
             p = self.pending.get(k)
             if p is None:
-                p = self.pending[k] = _Pending(t, 0, c, Counter())
+                p = self.pending[k] = _Pending(t, 0, c, {})
             p.count += 1
-            p.causes[c.cause] += 1
+            p.causes[c.cause] = p.causes.get(c.cause, 0.0) + max(c.score, 1e-6)
             p.cand = c if c.score >= p.cand.score else p.cand
             if p.count >= self.open_after:
                 del self.pending[k]
-                cause = p.causes.most_common(1)[0][0]
-                best = p.cand
-                start = min(p.first, best.evidence.get("onset", p.first))
-                self.active[k] = Finding(kind, cause or None, c.node or None, c.gpu, c.job, c.site or None, start,
-                                         None, best.score, self.summarize(kind, best), c.nic, best.evidence,
-                                         p.causes, t, t, best.namespace, best.pod, best.gpu_instance,
-                                         best.mig_profile)
+                self._open(k, kind, c, p, t)
         for k in [k for k in self.pending if k not in seen]:
             if observed(k):
                 del self.pending[k]  # a clear, observed evaluation resets the run
@@ -117,20 +187,67 @@ class Tracker:
                 self.unseen.pop(k, None)
                 n = self.clear[k] = self.clear.get(k, 0) + 1
                 self.clear_since.setdefault(k, t)
-                if n >= self.close_after:
+                secs = self.clear_seconds[k] = self.clear_seconds.get(k, 0.0) + dt
+                if n >= self.close_after and secs >= self.merge_seconds:
                     self._close(k, self.clear_since[k])
             else:
                 n = self.unseen[k] = self.unseen.get(k, 0) + 1
                 if n >= self.stale_after:
-                    self._close(k, f.last_seen)
+                    self._close(k, self.clear_since.get(k, f.last_seen))
+
+    def _node_level(self, kind: str, node: str) -> bool:
+        k: Key = (kind, node, "", "", "", "")
+        return k in self.active or k in self.pending
+
+    def _open(self, k: Key, kind: str, c: Candidate, p: _Pending, t: float) -> None:
+        cause = _top(p.causes)
+        best = p.cand
+        start = min(p.first, best.evidence.get("onset", p.first))
+        f = Finding(kind, cause or None, c.node or None, c.gpu, c.job, c.site or None, start, None, best.score,
+                    self.summarize(kind, best), c.nic, best.evidence, p.causes, t, t, namespace=best.namespace,
+                    pod=best.pod, gpu_instance=best.gpu_instance, mig_profile=best.mig_profile)
+        f.incident = self._related_incident(f) or _incident_id(kind, c, t)
+        if c.gpu is None and kind != "pue_drift":
+            for ok, of in list(self.active.items()):
+                if of.kind == kind and of.node == f.node and of.gpu is not None and not of.nic:
+                    f.start = min(f.start, of.start)
+                    f.opened = min(f.opened, of.opened)  # detected when its first GPU was
+                    of.absorbed_by = f.incident
+                    self._close(ok, t)
+            for pk in [pk for pk in self.pending if pk[0] == kind and pk[1] == c.node and pk[2]]:
+                del self.pending[pk]
+        self.active[k] = f
+        self.incident_meta.setdefault(f.incident, (f.node or "", f.gpu or "", f.site or "", f.job or "", f.namespace,
+                                                   f.pod))
+
+    def _related_incident(self, f: Finding) -> str:
+        """The incident of an open finding on the same node and GPU (or on the whole node), if any."""
+        if f.kind == "pue_drift" or not f.node:
+            return ""
+        for of in self.active.values():
+            if of.node == f.node and of.kind != "pue_drift" and (of.gpu == f.gpu or of.gpu is None or f.gpu is None):
+                return of.incident
+        return ""
 
     def _close(self, k: Key, end: float) -> None:
         f = self.active.pop(k)
         f.end = end
         self.clear.pop(k, None)
         self.clear_since.pop(k, None)
+        self.clear_seconds.pop(k, None)
         self.unseen.pop(k, None)
         self.closed.append(f)
+        if not any(a.incident == f.incident for a in self.active.values()):
+            self.incident_meta.pop(f.incident, None)
 
     def all_findings(self) -> list[Finding]:
-        return sorted([*self.closed, *self.active.values()], key=lambda f: (f.start, f.kind, f.node or "", f.gpu or ""))
+        """Every finding (closed, within the bounded history, and open), absorbed ones left out."""
+        return sorted([f for f in [*self.closed, *self.active.values()] if not f.absorbed_by],
+                      key=lambda f: (f.start, f.kind, f.node or "", f.gpu or ""))
+
+    def incidents(self) -> dict[str, list[Finding]]:
+        """Open incidents: incident id -> its open findings."""
+        out: dict[str, list[Finding]] = {}
+        for f in self.active.values():
+            out.setdefault(f.incident, []).append(f)
+        return out

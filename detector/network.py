@@ -1,15 +1,33 @@
-"""Network trouble: a NIC whose congestion or error counters stand out from its peers.
+"""Network trouble: a NIC with errors, a rate below its own capability, or congestion above alike peers.
 
-Peers are the NICs with the same device name on the other nodes (one rail). Evidence per NIC (window
-increases and rates): link downs and error recoveries (any is trouble), symbol
-errors, a negotiated rate below the peers' median (reduced rate), and robust
-z-scores of transmit-wait and ECN/CNP rates (normalized by traffic when known).
-Each flagged NIC is attributed to the GPUs it serves (topology, else rail
-order) and their job.
+Evidence per NIC (window increases and rates): link downs and error recoveries
+(any is trouble), a link that went down in several episodes within the last
+hour (flapping: still suspect between its flaps), symbol errors above a floor, a negotiated rate below the
+NIC's capability (the highest rate it negotiated in its recent history, kept
+by :mod:`gpufleet.detector.baseline`: a 200G adapter is judged against 200G,
+never against its 400G neighbours), and robust z-scores of transmit-wait and
+ECN/CNP rates per byte sent.
+
+Roles (:func:`nic_role`): a port that serves no GPU by PCI topology while
+other ports of its node do, an Ethernet port that serves no GPU, or a device
+named in ``storage_devices`` is a storage/front-end port: heavy bursts
+(checkpoints) are its job, so it is judged on errors and its own rate only,
+never on congestion. GPU-fabric ports are compared for congestion only with
+alike peers (:func:`nic_peer_key`: role, link layer, capability) that are busy
+(at least ``busy_bytes_per_second`` sent, at least ``min_peers`` of them), and
+a congestion score counts only above an absolute floor
+(``xmit_wait_floor``/``ecn_floor`` per MB sent): when most of the fleet idles
+or every port is clean, nothing stands out.
+
+A node whose GPU-fabric ports are mostly flagged becomes one node-level
+candidate (nic "", gpu None). Each other flagged NIC is attributed to the GPU
+it serves (topology, else rail order) and its job.
 """
 
 from __future__ import annotations
 
+import re
+from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,20 +37,57 @@ from gpufleet.detector.features import GpuFrame, NicFrame
 from gpufleet.detector.robust import nanmedian, robust_z
 from gpufleet.detector.straggler import Candidate
 
+FloatArray = np.ndarray
+
 
 @dataclass
 class NetworkParams:
     threshold: float = 6.0
     symbol_errors: float = 10.0  # symbol errors per window that count as trouble
-    rate_drop: float = 0.2  # rate below (1 - rate_drop) x peers' median
+    rate_drop: float = 0.2  # rate below (1 - rate_drop) x the NIC's capability
     min_peers: int = 4
+    #: transmit-wait ticks per MB sent below which a port is not congested, whatever its peers do
+    xmit_wait_floor: float = 500.0
+    #: ECN marks / CNPs per MB sent below which a port is not congested
+    ecn_floor: float = 5.0
+    #: a port sending less than this (bytes/s) is idle and no congestion peer
+    busy_bytes_per_second: float = 1e8
+    #: regular expression of device names that are storage/front-end ports (when topology cannot tell)
+    storage_devices: str = ""
+    node_fraction: float = 0.75
+    #: a link that went down in this many separate episodes within flap_hours is flapping (flagged in between)
+    flap_episodes: int = 2
+    flap_hours: float = 1.0
     pause_min: float = 0.05  # fraction of the window a NIC's port was paused by PFC that can be trouble
 
 
-def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams) -> list[Candidate]:
+def nic_role(nic: NicFrame, i: int, p: NetworkParams, node_mapped: set[str] | None = None) -> str:
+    """"fabric" (a GPU's path to its peers) or "storage" (storage/front-end: serves no GPU)."""
+    if p.storage_devices and re.fullmatch(p.storage_devices, nic.devices[i]):
+        return "storage"
+    if nic.gpus[i]:
+        return "fabric"
+    layer = nic.link_layers[i] if nic.link_layers else ""
+    if layer == "Ethernet" or (node_mapped is not None and nic.nodes[i] in node_mapped):
+        return "storage"
+    return "fabric"
+
+
+def nic_peer_key(nic: NicFrame, i: int, role: str, capability: FloatArray) -> str:
+    """Peers for congestion: same role, link layer and capability (rounded to 1 %)."""
+    layer = nic.link_layers[i] if nic.link_layers else ""
+    cap = capability[i]
+    cap_s = f"{float(cap):.2g}" if np.isfinite(cap) else "?"
+    return f"{role}|{layer}|{cap_s}"
+
+
+def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray | None = None,
+         flaps: FloatArray | None = None) -> list[Candidate]:
     n = len(nic.devices)
     if n == 0:
         return []
+    rate = nic.get("nic_rate")
+    cap = capability if capability is not None else rate
     score = np.zeros(n)
     cause_detail: list[list[str]] = [[] for _ in range(n)]
 
@@ -43,54 +98,77 @@ def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams) -> list[Candidate]:
 
     down = np.nan_to_num(nic.get("nic_link_downed"), nan=0.0)
     flag(down > 0, 10.0 + down, "link_downed")
+    if flaps is not None:
+        flag((flaps >= p.flap_episodes) & (down == 0), np.full(n, 10.0), "link_flapping")
     rec = np.nan_to_num(nic.get("nic_link_recovery"), nan=0.0)
     flag(rec > 0, 8.0 + rec, "link_error_recovery")
     sym = np.nan_to_num(nic.get("nic_symbol_errors"), nan=0.0)
     flag(sym >= p.symbol_errors, 6.0 + np.log10(np.maximum(sym, 1.0)), "symbol_errors")
-    # Peers: the same device name on the other nodes (one rail of a rail-optimized fabric; the host or
-    # storage NIC is only compared with other nodes' host/storage NICs).
-    tx = nic.get("nic_tx")
-    rate = nic.get("nic_rate")
-    by_dev: dict[str, list[int]] = {}
-    for k, d in enumerate(nic.devices):
-        by_dev.setdefault(d, []).append(k)
-    for members in by_dev.values():
+    low = np.isfinite(rate) & np.isfinite(cap) & (rate < (1.0 - p.rate_drop) * cap)
+    flag(low, np.full(n, 10.0), "reduced_rate")
+
+    mapped = {nd for nd, g in zip(nic.nodes, nic.gpus, strict=True) if g}
+    roles = [nic_role(nic, i, p, mapped) for i in range(n)]
+    fabric = np.array([r == "fabric" for r in roles])
+    tx = np.nan_to_num(nic.get("nic_tx"), nan=0.0)
+    busy = fabric & (tx >= p.busy_bytes_per_second)
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i in np.flatnonzero(busy):
+        groups[nic_peer_key(nic, int(i), roles[i], cap)].append(int(i))
+    for members in groups.values():
+        if len(members) < p.min_peers:
+            continue
         idx = np.array(members)
-        r = rate[idx]
-        if np.isfinite(r).sum() >= p.min_peers:
-            med = nanmedian(r)
-            low = np.zeros(n, dtype=bool)
-            low[idx] = np.nan_to_num(r, nan=med) < (1.0 - p.rate_drop) * med
-            flag(low, np.full(n, 10.0), "reduced_rate")
-        for feat, floor in (("nic_xmit_wait", 0.0), ("nic_ecn", 1.0)):
+        for feat, floor in (("nic_xmit_wait", p.xmit_wait_floor), ("nic_ecn", p.ecn_floor)):
             x = nic.get(feat)[idx]
-            t = tx[idx]
             if np.isfinite(x).sum() < p.min_peers:
                 continue
-            if np.isfinite(t).sum() >= p.min_peers and (t > 0).any():
-                # congestion per byte sent; NICs that hardly send (idle nodes) are not compared
-                busy = np.nan_to_num(t, nan=0.0) >= 0.01 * nanmedian(t[t > 0])
-                x = np.where(busy, x / np.maximum(np.nan_to_num(t, nan=0.0), 1.0) * 1e6, np.nan)
-                if np.isfinite(x).sum() < p.min_peers:
-                    continue
-            med = nanmedian(x)
+            per_mb = x / np.maximum(tx[idx], 1.0) * 1e6  # per MB sent
+            med = nanmedian(per_mb)
             z = np.zeros(n)
-            z[idx] = np.nan_to_num(robust_z(x, abs_floor=max(floor, 0.05 * abs(med), 1e-3), rel_floor=0.25), nan=0.0)
-            flag(z >= p.threshold, z, feat.removeprefix("nic_"))
-    # RoCE: PFC pause, discards and pause storms of the NIC's netdev, against its rail (detector/causes.py)
+            z[idx] = np.nan_to_num(robust_z(per_mb, abs_floor=max(0.1 * floor, 0.05 * abs(med)), rel_floor=0.25),
+                                   nan=0.0)
+            above = np.zeros(n, dtype=bool)
+            above[idx] = np.nan_to_num(per_mb, nan=0.0) >= floor
+            flag((z >= p.threshold) & above, z, feat.removeprefix("nic_"))
+    # RoCE: PFC pause, discards and pause storms of the NIC's netdev against its rail (detector/causes.py);
+    # storage/front-end ports burst and pause by design (checkpoints): only the GPU fabric is judged
     for mask, value, what in nic_fabric(nic, p.min_peers, p.pause_min):
-        flag(mask, value, what)
+        flag(mask & fabric, value, what)
     job_of = {(nd, g): j for nd, g, j in zip(gpu.nodes, gpu.gpus, gpu.jobs, strict=True)}
+    flagged = np.flatnonzero(score >= p.threshold)
+    per_node: dict[str, list[int]] = defaultdict(list)
+    for i in flagged:
+        if fabric[i]:
+            per_node[nic.nodes[i]].append(int(i))
+    fabric_ports: dict[str, int] = defaultdict(int)
+    for i in np.flatnonzero(fabric):
+        fabric_ports[nic.nodes[i]] += 1
+    whole = {nd for nd, ks in per_node.items() if len(ks) >= 2 and len(ks) >= p.node_fraction * fabric_ports[nd]}
     out: list[Candidate] = []
-    for i in np.flatnonzero(score >= p.threshold):
+    for nd in sorted(whole):
+        ks = per_node[nd]
+        best = max(ks, key=lambda k: score[k])
+        jobs = {job_of.get((nd, g)) for k in ks for g in nic.gpus[k]} - {None}
+        ev = _evidence(nic, best, cause_detail[best])
+        ev["value:nics"] = float(len(ks))
+        out.append(Candidate(nd, None, jobs.pop() if len(jobs) == 1 else None, nic.sites[best], "network",
+                             float(score[best]), ev, nic=""))
+    for i in flagged:
+        if nic.nodes[i] in whole and fabric[i]:
+            continue
         gpus = nic.gpus[i]
         g = gpus[0] if len(gpus) == 1 else None
         job = job_of.get((nic.nodes[i], g)) if g is not None else None
-        ev = {k: 1.0 for k in cause_detail[i]}
-        for f in ("nic_xmit_wait", "nic_symbol_errors", "nic_link_downed", "nic_rate"):
-            v = nic.get(f)[i]
-            if np.isfinite(v):
-                ev[f"value:{f}"] = float(v)
-        out.append(Candidate(nic.nodes[i], g, job, nic.sites[i], "network", float(score[i]), ev,
-                             nic=f"{nic.devices[i]}/{nic.ports[i]}"))
+        out.append(Candidate(nic.nodes[i], g, job, nic.sites[i], "network", float(score[i]),
+                             _evidence(nic, int(i), cause_detail[i]), nic=f"{nic.devices[i]}/{nic.ports[i]}"))
     return out
+
+
+def _evidence(nic: NicFrame, i: int, detail: list[str]) -> dict[str, float]:
+    ev = {k: 1.0 for k in detail}
+    for f in ("nic_xmit_wait", "nic_symbol_errors", "nic_link_downed", "nic_rate"):
+        v = nic.get(f)[i]
+        if np.isfinite(v):
+            ev[f"value:{f}"] = float(v)
+    return ev

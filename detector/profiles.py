@@ -138,6 +138,7 @@ GPUFLEET: tuple[Query, ...] = (
     _q("nic_ecn", "gpufleet_ib_hw_counters_total", "rate", "nic",
        _re("counter", "np_ecn_marked_roce_packets|rp_cnp_handled|np_cnp_sent"), agg="sum"),
     _q("@nicmap", "gpufleet_nic_gpu_info", "last", "nicmap"),
+    _q("@nic_layer", "gpufleet_ib_port_info", "last", "nic"),  # link_layer label: InfiniBand or Ethernet
     _q("host_cpu", "gpufleet_host_cpu_utilization_ratio", "avg", "node"),
     # Fabric and host evidence of a straggler's cause (detector/causes.py).
     _q("host_cpu_pressure", "gpufleet_host_pressure_stalled_seconds_total", "rate", "node",

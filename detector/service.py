@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import signal
 import threading
 import time
@@ -68,12 +69,19 @@ def serve(cfg: DetectorConfig, once: bool) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    last_at = -math.inf
     while not stop.is_set():
-        started = time.time()
+        # Evaluate at instants on the interval's grid: the two replicas of a shard (an HA pair) then evaluate the
+        # same instants and open identical findings with identical incident ids, which Alertmanager deduplicates.
+        at = math.floor(time.time() / cfg.interval_seconds) * cfg.interval_seconds
+        if at <= last_at:
+            stop.wait(max(0.0, last_at + cfg.interval_seconds - time.time()))
+            continue
+        last_at = at
         failures = health.results["failure"]
         live.begin()
         try:
-            ev = det.evaluate(started)
+            ev = det.evaluate(at)
             with health.lock:
                 health.last_success = time.time()
                 health.duration = ev.duration
@@ -92,7 +100,7 @@ def serve(cfg: DetectorConfig, once: bool) -> int:
         watchdog.tick()
         last = f"failed: {health.last_error}" if health.results["failure"] > failures else "ok"
         sdnotify.status(f"last evaluation {last}; {len(det.tracker.active)} findings open")
-        stop.wait(max(0.0, cfg.interval_seconds - (time.time() - started)))
+        stop.wait(max(0.0, at + cfg.interval_seconds - time.time()))
     watchdog.stop()
     server.shutdown()
     return 0

@@ -1,9 +1,13 @@
 """Straggler scoring: robust z-scores within peer groups, an IsolationForest, a combined score, a cause.
 
-Peers are the GPUs of one job; GPUs without a job are compared within their
-model. Only busy GPUs with fresh data and a stable job over the whole window
-are scored: idle GPUs, GPUs of jobs starting or ending and GPUs with gaps in
-their data are never stragglers.
+Peers (:func:`peer_key`) are the GPUs of one job on alike hardware: same
+model and configured power limit (the GPU's own highest enforced limit in its
+recent history, so a capped GPU stays among its peers); GPUs without a job
+(inference services, notebooks) are no straggler peers unless
+``compare_jobless``. A group needs ``min_peers`` busy GPUs. Only busy GPUs
+with fresh data and a stable job over the whole window are scored: idle GPUs,
+GPUs of jobs starting or ending, paused together (checkpoints) and GPUs with
+gaps in their data are never stragglers.
 
 In a synchronous job every healthy rank waits for the slowest one: all ranks
 show high utilization, the healthy ones' tensor activity and power fall, and
@@ -11,6 +15,14 @@ the straggler looks *busier* (higher tensor/SM activity) or runs slower clocks.
 A GPU starved by its host shows the opposite (lower utilization and activity
 than its peers). The robust score is therefore directional:
 ``max(-z(sm_clock), -z(mem_clock), z(tensor), z(sm_active), -z(util))``.
+
+The cause is chosen from a list of (cause, strength) evidence
+(:func:`cause_evidence`): direct evidence (a clock-event reason held for part
+of the window, a flagged NIC, a PCIe link below its maximum, memory errors,
+and whatever :data:`CAUSE_HOOKS` add) is worth 10 plus its size and always
+beats causes inferred from deviations alone (robust z, at most 10). A node
+whose GPUs of one job mostly straggle becomes one node-level candidate whose
+cause has the most evidence summed over them; the weaker causes are listed.
 
 An IsolationForest, fitted per evaluation over the peer-normalized feature
 vectors of all scored GPUs, says how isolated each GPU is (``iso`` in 0..1);
@@ -24,6 +36,7 @@ a decision, i.e. some GPU's robust score is within 25 % of the threshold
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,8 +67,10 @@ class StragglerParams:
     threshold: float = 4.0
     busy_util: float = 0.5
     min_peers: int = 4
-    compare_jobless: bool = True
+    compare_jobless: bool = False
     throttle_fraction: float = 0.1
+    #: PCIe replays in the window that count as a degraded link (without link state): isolated blips do not.
+    pcie_replays: float = 10.0
     cause_z: float = 3.0
     node_fraction: float = 0.75
     isolation_forest: bool = True
@@ -78,6 +93,13 @@ class Candidate:
     mig_profile: str = ""
 
 
+#: Extra cause evidence: ``hook(frame, i) -> [(cause, strength), ...]`` for GPU ``i`` (strength >= 10 for
+#: direct evidence such as fabric counters or host pressure, < 10 for inferred).
+CauseHook = Callable[["GpuFrame", int], list[tuple[str, float]]]
+CAUSE_HOOKS: list[CauseHook] = []
+DIRECT = 10.0  # the strength every piece of direct evidence starts at
+
+
 @dataclass
 class StragglerResult:
     scored: FloatArray  # bool per GPU of the frame
@@ -86,22 +108,31 @@ class StragglerResult:
     candidates: list[Candidate]
 
 
-def _groups(frame: GpuFrame, eligible: FloatArray, p: StragglerParams) -> FloatArray:
-    names: list[str | None] = []
+def peer_key(frame: GpuFrame, i: int, p: StragglerParams, limit_ref: FloatArray | None = None) -> str | None:
+    """The peer group of GPU ``i`` (None: no peers): its job, its model, its configured power limit.
+
+    ``limit_ref`` is each GPU's configured power limit (its highest enforced limit in its recent history,
+    :mod:`gpufleet.detector.baseline`); without it, or unknown, the power limit is left out.
+    """
     sync = frame.sync
-    for i in range(len(frame)):
-        if not eligible[i] or (sync is not None and not sync[i]):
-            names.append(None)  # not synchronous (inference pods): never a straggler peer
-        elif " MIG " in frame.models[i]:
-            names.append(None)  # a GPU in MIG mode sums unrelated slices: its slices are scored (detector.mig)
-        elif frame.jobs[i]:  # GPUs in MIG mode: job peers only with the same model and MIG layout
-            ns = frame.namespaces[i] if i < len(frame.namespaces) else None
-            name = f"job:{ns}/{frame.jobs[i]}" if ns else f"job:{frame.jobs[i]}"
-            names.append(name + (f"@{frame.models[i]}" if " MIG " in frame.models[i] else ""))
-        elif p.compare_jobless:
-            names.append(f"model:{frame.models[i]}")
-        else:
-            names.append(None)
+    if sync is not None and not sync[i]:
+        return None  # not synchronous (Kubernetes inference pods, detector.jobs): never a straggler peer
+    if " MIG " in frame.models[i]:
+        return None  # a GPU in MIG mode sums unrelated slices: its slices are scored instead (detector.mig)
+    job = frame.jobs[i]
+    if not job and not p.compare_jobless:
+        return None
+    ns = frame.namespaces[i] if i < len(frame.namespaces) else None
+    key = (f"job:{ns}/{job}" if ns else f"job:{job}") if job else "jobless"
+    key += f"|model:{frame.models[i]}"
+    if limit_ref is not None and np.isfinite(limit_ref[i]):
+        key += f"|limit:{round(float(limit_ref[i]) / 10.0) * 10}"
+    return key
+
+
+def _groups(frame: GpuFrame, eligible: FloatArray, p: StragglerParams,
+            limit_ref: FloatArray | None = None) -> FloatArray:
+    names = [peer_key(frame, i, p, limit_ref) if eligible[i] else None for i in range(len(frame))]
     counts: dict[str, int] = defaultdict(int)
     for n in names:
         if n is not None:
@@ -115,12 +146,13 @@ def _groups(frame: GpuFrame, eligible: FloatArray, p: StragglerParams) -> FloatA
 
 
 def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], float] | None = None,
+          limit_ref: FloatArray | None = None,
           node_causes: dict[str, tuple[str, dict[str, float]]] | None = None) -> StragglerResult:
     n = len(frame)
     util = frame.get("util")
     active = np.nan_to_num(util, nan=0.0) >= p.busy_util
     eligible = frame.valid.astype(bool) & ~frame.churn.astype(bool) & active
-    groups = _groups(frame, eligible, p)
+    groups = _groups(frame, eligible, p, limit_ref)
     scored = groups >= 0
     z: dict[str, FloatArray] = {}
     robust = np.zeros(n)
@@ -219,7 +251,7 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
                 np.isfinite(width[i]) and np.isfinite(width_max[i]) and width[i] < width_max[i]):
             cause, sc = "pcie", p.threshold + 2.0
             ev = {"value:pcie_gen": float(gen[i]), "value:pcie_width": float(width[i])}
-        elif np.isfinite(replays[i]) and replays[i] >= 1 and not np.isfinite(gen[i]):
+        elif np.isfinite(replays[i]) and replays[i] >= p.pcie_replays and not np.isfinite(gen[i]):
             cause, sc, ev = "pcie", p.threshold + 1.0, {"value:pcie_replay": float(replays[i])}
         else:
             continue
@@ -252,56 +284,100 @@ def _candidate(frame: GpuFrame, i: int, s: float, z: dict[str, FloatArray], p: S
         v = frame.get(f)[i]
         return float(v) if np.isfinite(v) else 0.0
 
-    def zf(f: str) -> float:
-        return ev.get(f, 0.0)
-
-    key = (frame.nodes[i], frame.gpus[i])
-    t = p.throttle_fraction
-    if val("thr_thermal") >= t:
-        cause = "thermal"
-    elif val("thr_brake") >= t or val("thr_power") >= t or zf("power_limit") <= -p.cause_z:
-        cause = "power"
-    elif val("thr_hw") >= t:
-        cause = "clock"
-    elif key in nic_flags:
-        cause = "network"
-    elif (val("pcie_gen") and val("pcie_gen_max") and val("pcie_gen") < val("pcie_gen_max")) or (
-            val("pcie_width") and val("pcie_width_max") and val("pcie_width") < val("pcie_width_max")):
-        cause = "pcie"
-    elif node_causes and frame.nodes[i] in node_causes:  # host, fabric or PCIe evidence (detector/causes.py)
-        cause, extra = node_causes[frame.nodes[i]]
-        ev.update(extra)
-    elif val("remap_pending") > 0 or val("ecc") > 0 or zf("mem_clock") <= -p.cause_z:
-        cause = "memory"
-    elif zf("temp") >= p.cause_z and zf("sm_clock") <= -p.cause_z:
-        cause = "thermal"
-    elif zf("sm_clock") <= -p.cause_z:
-        cause = "clock"
-    elif zf("util") <= -p.cause_z or zf("tensor") <= -p.cause_z:
-        cause = "host"
-    else:
-        cause = "unknown"
+    evidence = cause_evidence(frame, i, ev, p, nic_flags, node_causes)
+    cause = _strongest(evidence)
+    for c, strength in evidence:
+        ev[f"cause:{c}"] = max(ev.get(f"cause:{c}", 0.0), strength)
+    fabric = (node_causes or {}).get(frame.nodes[i])
+    if fabric is not None:
+        ev.update(fabric[1])
     for f in ("thr_thermal", "thr_power", "thr_brake", "thr_hw", "pcie_gen", "pcie_width"):
         if val(f):
             ev[f"value:{f}"] = val(f)
     return Candidate(frame.nodes[i], frame.gpus[i], frame.jobs[i], frame.sites[i], cause, float(s), ev)
 
 
+def cause_evidence(frame: GpuFrame, i: int, z: dict[str, float], p: StragglerParams,
+                   nic_flags: dict[tuple[str, str], float],
+                   node_causes: dict[str, tuple[str, dict[str, float]]] | None = None) -> list[tuple[str, float]]:
+    """(cause, strength) evidence for GPU ``i`` (``z``: its robust z-scores), strongest first.
+
+    Direct evidence is worth :data:`DIRECT` plus its size; causes inferred from deviations alone are worth
+    their robust z, at most :data:`DIRECT`, so direct evidence always wins.
+    """
+    def val(f: str) -> float:
+        v = frame.get(f)[i]
+        return float(v) if np.isfinite(v) else 0.0
+
+    def zf(f: str) -> float:
+        return z.get(f, 0.0)
+
+    t = p.throttle_fraction
+    out: list[tuple[str, float]] = []
+    for feat, cause in (("thr_thermal", "thermal"), ("thr_brake", "power"), ("thr_power", "power"),
+                        ("thr_hw", "clock")):
+        if val(feat) >= t:
+            out.append((cause, DIRECT + 10.0 * val(feat)))
+    if zf("power_limit") <= -p.cause_z:
+        out.append(("power", DIRECT + min(-zf("power_limit"), 10.0) / 2))
+    key = (frame.nodes[i], frame.gpus[i])
+    if key in nic_flags:
+        out.append(("network", DIRECT + 5.0))
+    if (val("pcie_gen") and val("pcie_gen_max") and val("pcie_gen") < val("pcie_gen_max")) or (
+            val("pcie_width") and val("pcie_width_max") and val("pcie_width") < val("pcie_width_max")):
+        out.append(("pcie", DIRECT + 5.0))
+    if val("remap_pending") > 0 or val("ecc") > 0:
+        out.append(("memory", DIRECT + 2.0))
+    if zf("mem_clock") <= -p.cause_z:
+        out.append(("memory", min(-zf("mem_clock"), DIRECT)))
+    if zf("temp") >= p.cause_z and zf("sm_clock") <= -p.cause_z:
+        out.append(("thermal", min(min(zf("temp"), -zf("sm_clock")) + 0.5, DIRECT)))
+    if zf("sm_clock") <= -p.cause_z:
+        out.append(("clock", min(-zf("sm_clock"), DIRECT)))
+    if zf("util") <= -p.cause_z or zf("tensor") <= -p.cause_z:
+        out.append(("host", min(max(-zf("util"), -zf("tensor")), DIRECT)))
+    fabric = (node_causes or {}).get(frame.nodes[i])
+    if fabric is not None:  # host pressure, PFC pause/discards or a sustained AER rate on its node, not its peers'
+        out.append((fabric[0], DIRECT + 3.0))  # (detector/causes.py)
+    for hook in CAUSE_HOOKS:
+        out.extend(hook(frame, i))
+    return sorted(out, key=lambda cs: -cs[1])
+
+
+def _strongest(evidence: list[tuple[str, float]]) -> str:
+    total: dict[str, float] = defaultdict(float)
+    for c, strength in evidence:
+        total[c] = max(total[c], strength)
+    return max(total, key=lambda c: total[c]) if total else "unknown"
+
+
 def _collapse_nodes(frame: GpuFrame, groups: FloatArray, cands: list[Candidate],
                     p: StragglerParams) -> list[Candidate]:
-    """A node whose GPUs of one job mostly straggle for one cause is one node-level finding (gpu None)."""
+    """A node whose GPUs of one job mostly straggle (whatever each GPU's own cause), or two or more of them for
+    one cause, is one node-level candidate (gpu None): the cause with the most evidence summed over them (the
+    others stay in the evidence)."""
     per_node_job: dict[tuple[str, str | None], int] = defaultdict(int)
     for i in np.flatnonzero(groups >= 0):
         per_node_job[(frame.nodes[i], frame.jobs[i])] += 1
-    by: dict[tuple[str, str | None, str], list[Candidate]] = defaultdict(list)
+    by: dict[tuple[str, str | None], list[Candidate]] = defaultdict(list)
     for c in cands:
-        by[(c.node, c.job, c.cause)].append(c)
+        by[(c.node, c.job)].append(c)
     out: list[Candidate] = []
-    for (node, job, cause), cs in by.items():
+    for (node, job), cs in by.items():
         total = per_node_job.get((node, job), 0)
-        if len(cs) >= 2 and total and len(cs) >= p.node_fraction * total:
+        causes = {c.cause for c in cs}
+        # Most of the node's GPUs, whatever their causes, or several for one cause (a node problem that hits
+        # some of its GPUs: cooling, power delivery) are one node-level candidate.
+        if len(cs) >= 2 and total and (len(cs) >= p.node_fraction * total or len(causes) == 1):
+            strength: dict[str, float] = defaultdict(float)
+            for c in cs:
+                own = {k.removeprefix("cause:"): v for k, v in c.evidence.items() if k.startswith("cause:")}
+                for cause, v in (own or {c.cause: c.score}).items():
+                    strength[cause] += v
+            cause = max(strength, key=lambda k: strength[k])
             best = max(cs, key=lambda c: c.score)
             ev = dict(best.evidence)
+            ev.update({f"cause:{k}": v for k, v in strength.items()})
             ev["gpus"] = float(len(cs))
             out.append(Candidate(node, None, job, best.site, cause, best.score, ev))
         else:

@@ -3,8 +3,9 @@
 Reasons map to causes: thermal (software/hardware thermal slowdown), power
 (software power cap, hardware power brake), clock (hardware slowdown). A GPU is
 a candidate when a reason was active for at least ``min_fraction`` of the
-window; when at least ``node_fraction`` of a node's GPUs throttle for the same
-cause, the node gets one node-wide candidate (gpu None) instead.
+window; when two or more of a node's GPUs throttle for the same cause (a node
+problem: its cooling or power delivery), the node gets one node-wide candidate
+(gpu None) instead.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def find(frame: GpuFrame, p: ThrottleParams) -> list[Candidate]:
         by[(c.node, c.cause)].append(c)
     out: list[Candidate] = []
     for (node, cause), cs in by.items():
-        if len(cs) >= 2 and len(cs) >= p.node_fraction * node_gpus[node]:
+        # Several GPUs of one node throttled for one reason are one node problem (cooling, power delivery).
+        if len(cs) >= 2:
             jobs = {c.job for c in cs}
             best_c = max(cs, key=lambda c: c.score)
             out.append(Candidate(node, None, jobs.pop() if len(jobs) == 1 else None, best_c.site, cause,
@@ -69,16 +71,19 @@ def find(frame: GpuFrame, p: ThrottleParams) -> list[Candidate]:
 
 
 def _clock_low(frame: GpuFrame, i: int, clock: np.ndarray, p: ThrottleParams) -> bool:
-    """Is a power-capping GPU clocked clearly below GPUs that do not cap (same node, else same model, busy)?"""
+    """Is a power-capping GPU clocked clearly below alike GPUs that do not cap (busy: same node, else same job,
+    else same known model)? GPUs of another model are never the reference."""
     if not np.isfinite(clock[i]):
         return False
     capping = np.nan_to_num(frame.get("thr_power"), nan=0.0) >= p.min_fraction
     busy = np.nan_to_num(frame.get("util"), nan=0.0) >= 0.5
-    ok = np.isfinite(clock) & ~capping & busy
-    same_node = np.array([n == frame.nodes[i] for n in frame.nodes]) & ok
-    ref = clock[same_node]
-    if ref.size == 0:
-        ref = clock[ok & np.array([m == frame.models[i] for m in frame.models])]
+    model = np.array([m == frame.models[i] for m in frame.models])
+    ok = np.isfinite(clock) & ~capping & busy & model
+    ref = clock[np.array([n == frame.nodes[i] for n in frame.nodes]) & ok]
+    if ref.size == 0 and frame.jobs[i]:
+        ref = clock[np.array([j == frame.jobs[i] for j in frame.jobs]) & ok]
+    if ref.size == 0 and frame.models[i]:
+        ref = clock[ok]
     if ref.size == 0:
         return False  # everyone caps: the fleet runs at its power limit, which is not a fault
     return bool(clock[i] < (1.0 - p.power_cap_clock_drop) * float(np.median(ref)))

@@ -73,6 +73,9 @@ END_SLACK_SECONDS = 600.0
 QUALITY_CONFIG: dict[str, dict[str, Any]] = {
     "detector": {"window_seconds": 120.0, "interval_seconds": 15.0},
     "findings": {"open_after": 2, "close_after": 4, "stale_after": 20},
+    # The simulator's host NIC (storage, front end): the dcgm profile has no NIC-to-GPU topology nor link layer
+    # to tell, so it is named, as an operator of such a fleet would.
+    "network": {"storage_devices": "mlx5_8"},
     "pue": {"baseline_hours": 4.0},
 }
 

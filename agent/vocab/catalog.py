@@ -479,6 +479,18 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("gpufleet_detector_finding_start_timestamp_seconds", _G, "timestamp",
                "Unix time an active finding started.",
                ("kind", "cause", "node", "gpu", "job_id", "site", "namespace", "pod", "gpu_instance"), "detector"),
+    # ---------------------------------------------------------------- detector: incidents (issue 10)
+    MetricSpec("gpufleet_detector_finding_detected_timestamp_seconds", _G, "timestamp",
+               "Unix time an active finding was detected (the evaluation at which it opened).",
+               ("kind", "cause", "node", "gpu", "job_id", "site", "namespace", "pod", "gpu_instance"), "detector"),
+    MetricSpec("gpufleet_detector_incident", _G, "",
+               "An open incident (one physical problem: its findings of every kind); value is the highest score of "
+               "its findings. Labels are those of its first finding (Kubernetes: its namespace and pod) and stay "
+               "while it is open, through gaps.",
+               ("incident", "node", "gpu", "site", "job_id", "namespace", "pod"), "detector"),
+    MetricSpec("gpufleet_detector_incident_finding", _G, "",
+               "A finding of an open incident; value is 1.", ("incident", "kind", "cause", "gpu", "nic"), "detector",
+               label_values={"kind": FINDING_KINDS, "cause": FINDING_CAUSES}),
     MetricSpec("gpufleet_detector_site_pue", _G, "", "Observed PUE of a site (facility / IT power).", ("site",),
                "detector"),
     MetricSpec("gpufleet_detector_site_pue_expected", _G, "",

@@ -87,7 +87,7 @@ def test_straggler_cause_uses_the_node_evidence() -> None:
     without = straggler.score(f, StragglerParams())
     assert {(c.node, c.cause) for c in without.candidates} == {("n2", "host")}  # util alone says host
     evidence = node_causes(nodes(node_pause=[0.0, 0.0, 0.3, 0.0]), f, CauseParams())
-    with_ev = straggler.score(f, StragglerParams(), None, evidence)
+    with_ev = straggler.score(f, StragglerParams(), None, node_causes=evidence)
     [c] = with_ev.candidates
     assert (c.node, c.gpu, c.cause) == ("n2", None, "network")  # the node's ports were paused: the fabric
     assert c.evidence["value:pfc_paused_fraction"] == 0.3
@@ -97,11 +97,11 @@ def test_pause_storm_makes_link_stragglers_without_a_gpu_deviation() -> None:
     f = frame()
     assert straggler.score(f, StragglerParams()).candidates == []
     evidence = node_causes(nodes(node_pause=[0.0, 0.0, 0.3, 0.0]), f, CauseParams())
-    [c] = straggler.score(f, StragglerParams(), None, evidence).candidates
+    [c] = straggler.score(f, StragglerParams(), None, node_causes=evidence).candidates
     assert (c.node, c.gpu, c.cause) == ("n2", None, "network")
     # host or PCIe evidence alone does not make a straggler of a rank that does not deviate
     evidence = node_causes(nodes(host_cpu_pressure=[0.01, 0.01, 0.5, 0.01]), f, CauseParams())
-    assert straggler.score(f, StragglerParams(), None, evidence).candidates == []
+    assert straggler.score(f, StragglerParams(), None, node_causes=evidence).candidates == []
 
 
 def test_collective_timing_names_the_rank_its_peers_wait_for() -> None:

@@ -191,7 +191,7 @@ def _c(score: float = 9.0, cause: str = "thermal") -> Candidate:
 
 
 def test_findings_open_after_consecutive_and_close_after_clear() -> None:
-    tr = Tracker(open_after=3, close_after=2)
+    tr = Tracker(open_after=3, close_after=2, merge_seconds=0)
     seen = lambda k: True  # noqa: E731
     for t in (0, 60):
         tr.update(t, [("straggler", _c())], seen)
@@ -209,6 +209,66 @@ def test_findings_open_after_consecutive_and_close_after_clear() -> None:
     tr.update(480, [], seen)
     tr.update(540, [], seen)
     assert not tr.active and tr.closed[0].end == 480
+    assert f.detected == 300 and f.to_json()["detected"] == 300 and f.to_json()["start"] == 180
+
+
+def test_an_intermittent_problem_is_one_finding_through_gaps_shorter_than_the_merge_window() -> None:
+    tr = Tracker(open_after=2, close_after=2, merge_seconds=300)
+    seen = lambda k: True  # noqa: E731
+    for t in (0, 60):
+        tr.update(t, [("straggler", _c())], seen)
+    for t in (120, 180, 240, 300):  # 4 clear minutes: shorter than the merge window
+        tr.update(t, [], seen)
+    assert tr.active
+    for t in (360, 420):
+        tr.update(t, [("straggler", _c())], seen)
+    for t in (480, 540, 600, 660, 720, 780):  # clear for 5 minutes of observed time: it closes
+        tr.update(t, [], seen)
+    assert not tr.active
+    assert [(f.start, f.detected, f.end) for f in tr.all_findings()] == [(0, 60, 480)]
+
+
+def test_a_pause_is_no_clear_evidence() -> None:
+    tr = Tracker(open_after=2, close_after=2, stale_after=100, merge_seconds=120)
+    for t in (0, 60):
+        tr.update(t, [("straggler", _c())], lambda k: True)
+    for t in range(120, 1200, 60):  # the job pauses for 18 minutes: the GPU cannot be judged
+        tr.update(t, [], lambda k: False)
+    assert tr.active
+    tr.update(1200, [("straggler", _c())], lambda k: True)
+    assert len(tr.all_findings()) == 1
+
+
+def test_incidents_link_kinds_and_the_node_absorbs_its_gpus() -> None:
+    tr = Tracker(open_after=2, close_after=2, merge_seconds=0)
+    seen = lambda k: True  # noqa: E731
+    gpu3 = Candidate("node-001", "3", "job-a", "dc1", "clock", 6.0)
+    gpu4 = Candidate("node-001", "4", "job-a", "dc1", "host", 5.0)
+    throttled = Candidate("node-001", "3", "job-a", "dc1", "clock", 8.0)
+    for t in (0, 60):
+        tr.update(t, [("straggler", gpu3), ("straggler", gpu4), ("throttling", throttled)], seen)
+    by = {(f.kind, f.gpu): f for f in tr.active.values()}
+    assert by[("straggler", "3")].incident == by[("throttling", "3")].incident  # one GPU, one incident
+    node = Candidate("node-001", None, "job-a", "dc1", "power", 9.0)
+    for t in (120, 180):
+        tr.update(t, [("straggler", node), ("straggler", gpu3), ("throttling", throttled)], seen)
+    strag = [f for f in tr.all_findings() if f.kind == "straggler"]
+    assert [(f.gpu, f.cause) for f in strag] == [(None, "power")]  # the GPUs' findings are absorbed
+    assert strag[0].incident == by[("straggler", "3")].incident and strag[0].detected == 60
+    assert {f.absorbed_by for f in tr.closed} == {strag[0].incident}
+
+
+def test_a_resubmitted_job_keeps_the_finding_and_history_is_bounded() -> None:
+    tr = Tracker(open_after=1, close_after=1, merge_seconds=0, history=3)
+    seen = lambda k: True  # noqa: E731
+    tr.update(0, [("straggler", _c())], seen)
+    tr.update(60, [("straggler", Candidate("node-001", "3", "job-a-r1", "dc1", "thermal", 9.0))], seen)
+    (f,) = tr.active.values()
+    assert f.job == "job-a-r1" and f.start == 0
+    for k in range(10):
+        tr.update(120 + 120 * k, [("straggler", _c())], seen)
+        tr.update(180 + 120 * k, [], seen)
+    assert len(tr.closed) == 3
 
 
 def test_missing_data_neither_opens_nor_closes() -> None:
@@ -274,8 +334,8 @@ def test_dcgm_profile_finds_the_straggler(tmp_path: Path) -> None:
 REPLAY_KEYS: dict[str, type | tuple[type, ...]] = {
     "kind": str, "cause": (str, type(None)), "node": (str, type(None)), "gpu": (str, type(None)),
     "job": (str, type(None)), "site": (str, type(None)), "start": (int, float),
-    "end": (int, float, type(None)), "score": (int, float), "summary": str,
-    "namespace": (str, type(None)), "pod": (str, type(None))}
+    "end": (int, float, type(None)), "score": (int, float), "summary": str, "detected": (int, float),
+    "incident": str, "other_causes": list, "namespace": (str, type(None)), "pod": (str, type(None))}
 
 
 def test_replay_json_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -292,6 +352,7 @@ def test_replay_json_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     strag = [o for o in lines if o["kind"] == "straggler"]
     assert strag[0]["node"] == "node-000" and strag[0]["gpu"] == "1" and strag[0]["cause"] == "clock"
     assert strag[0]["end"] is not None and 1200 <= strag[0]["end"] - T0 <= 1200 + 240
+    assert strag[0]["start"] <= strag[0]["detected"] <= strag[0]["start"] + 2 * 60 and strag[0]["incident"]
 
 
 def test_replay_entry_point_reports_missing_inputs(tmp_path: Path) -> None:

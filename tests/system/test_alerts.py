@@ -176,7 +176,7 @@ def amtool(*args: str) -> subprocess.CompletedProcess[str]:
 def test_amtool_check_config_is_clean() -> None:
     proc = amtool("check-config", str(AM_CONFIG))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "SUCCESS" in proc.stdout and "2 inhibit rules" in proc.stdout
+    assert "SUCCESS" in proc.stdout and "3 inhibit rules" in proc.stdout
 
 
 @pytest.mark.parametrize(("labels", "receiver"), [
@@ -256,6 +256,10 @@ def test_inhibition_with_a_real_alertmanager(alertmanager: str) -> None:
         {"alertname": "GpufleetGpuLost", "node": "node-003", "gpu": "4", "severity": "critical"},
         {"alertname": "GpufleetThermalThrottling", "node": "node-003", "gpu": "4", "severity": "warning"},
         {"alertname": "GpufleetThermalThrottling", "node": "node-003", "gpu": "5", "severity": "warning"},
+        # one detector incident: its straggler pages, its network finding does not page again
+        {"alertname": "GpufleetStragglerFound", "node": "node-004", "incident": "i1", "severity": "critical"},
+        {"alertname": "GpufleetNetworkOutlier", "node": "node-004", "incident": "i1", "severity": "warning"},
+        {"alertname": "GpufleetNetworkOutlier", "node": "node-005", "incident": "i2", "severity": "warning"},
     ]
     r = requests.post(f"{alertmanager}/api/v2/alerts", json=[{"labels": {**base, **a}} for a in alerts], timeout=5)
     assert r.status_code == 200, r.text
@@ -275,6 +279,9 @@ def test_inhibition_with_a_real_alertmanager(alertmanager: str) -> None:
         ("GpufleetGpuLost", "node-003", "4"): False,
         ("GpufleetThermalThrottling", "node-003", "4"): True,  # the GPU is lost
         ("GpufleetThermalThrottling", "node-003", "5"): False,
+        ("GpufleetStragglerFound", "node-004", ""): False,
+        ("GpufleetNetworkOutlier", "node-004", ""): True,  # the straggler of its incident pages instead
+        ("GpufleetNetworkOutlier", "node-005", ""): False,
     }
     # Each (job_id, node) group is its own notification: wait for all the expected ones, not just any two.
     expected = {("/pager", "GpufleetXidCritical", "node-002"), ("/ticket", "GpufleetThermalThrottling", "node-003")}
