@@ -101,7 +101,7 @@ NO_DATA_EXPECTED = (
     # no MIG and no GPU processes in the simulated fleet: test_shared_gpu_dashboards.py checks these panels
     re.compile(r"gpufleet_(mig_|gpu_mig_|gpu_owner_|gpu_processes\b|gpu_process_)"),
     # RoCE driver statistics and NCCL timing: the live fleet is InfiniBand-only and runs no NCCL (test_fabric_dashboards)
-    re.compile(r"gpufleet_(nic_(pause|discards|phy_errors|ethtool)|nccl_)"),
+    re.compile(r"gpufleet_(nic_(pause|discards|phy_errors|ethtool|netdev)|nccl_)"),
 )
 
 

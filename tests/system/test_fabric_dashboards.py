@@ -19,7 +19,7 @@ from support import BIN, free_port, need_binary, running, wait_http
 from test_e2e import dashboard_queries
 
 #: The families of these panels (the same pattern test_e2e exempts).
-FABRIC = re.compile(r"gpufleet_(nic_(pause|discards|phy_errors|ethtool)|nccl_)")
+FABRIC = re.compile(r"gpufleet_(nic_(pause|discards|phy_errors|ethtool|netdev)|nccl_)")
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
 
