@@ -24,6 +24,7 @@ import psutil
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gpufleet.agent.collectors.series import SeriesCache
+from gpufleet.agent.collectors.sysfsfiles import SysfsFiles
 from gpufleet.agent.vocab import catalog
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,23 @@ def read_counters(dir_fd: int, names: Iterable[str], where: str) -> list[tuple[s
     return out
 
 
+def read_kept_counters(files: SysfsFiles, path: str, names: Iterable[str]) -> list[tuple[str, int]] | None:
+    """:func:`read_counters` for directory ``path`` through ``files`` (descriptors kept open across scrapes);
+    None if the directory is not there."""
+    read = files.read(path, names)
+    if read is None:
+        return None
+    out: list[tuple[str, int]] = []
+    for name, raw in read:
+        if isinstance(raw, OSError):
+            log.debug("%s/%s: %s", path, name, raw.strerror)
+        elif raw.isdigit():
+            out.append((name, int(raw)))
+        else:
+            log.debug("%s/%s: not a counter: %r", path, name, raw[:40])
+    return out
+
+
 def parse_rate(raw: bytes | None) -> float | None:
     """``"400 Gb/sec (4X NDR)"`` -> bytes per second (5e10); None if unparsable."""
     if raw is None:
@@ -163,6 +181,11 @@ class NicCollector:
         self._info_cache: dict[str, tuple[int, list[str]]] = {}
         #: Label sets built once; unchanged values (most error counters) keep their sample.
         self._put = SeriesCache(self._specs.values()).put
+        #: Counter files re-read with pread on descriptors kept open (sysfsfiles).
+        self._files = SysfsFiles()
+
+    def close(self) -> None:
+        self._files.close()
 
     def describe(self) -> Iterable[Metric]:
         return [s.family() for s in self._specs.values()]
@@ -170,6 +193,7 @@ class NicCollector:
     def collect(self) -> Iterable[Metric]:
         fams = {name: s.family() for name, s in self._specs.items()}
         self._collect_ib(fams)
+        self._files.sweep()
         self._collect_net(fams)
         return [f for f in fams.values() if f.samples]
 
@@ -234,12 +258,8 @@ class NicCollector:
             elif raw is not None:
                 log.debug("%s/%s: not a port state: %r", where, fname, raw[:40])
 
-        cfd = open_dir("counters", pfd)
-        if cfd is not None:
-            try:
-                found = dict(read_counters(cfd, _COUNTER_FILES, where + "/counters"))
-            finally:
-                os.close(cfd)
+        if (counted := read_kept_counters(self._files, where + "/counters", _COUNTER_FILES)) is not None:
+            found = dict(counted)
             for fname, metric, mult in _PORT_COUNTERS:
                 count = found.get(fname)
                 if count is not None:
@@ -250,13 +270,10 @@ class NicCollector:
                 if count is not None:
                     put(errors, (device, port, fname), float(count))
 
-        hfd = open_dir("hw_counters", pfd)
-        if hfd is not None:
-            try:
-                names = sorted(n for n in os.listdir(hfd) if n not in _HW_NOT_COUNTERS and n[:1] != ".")
-                hw = read_counters(hfd, names, where + "/hw_counters")
-            finally:
-                os.close(hfd)
+        listed = self._files.listdir(hpath := where + "/hw_counters")
+        if listed is not None:
+            names = [n for n in listed if n not in _HW_NOT_COUNTERS and n[:1] != "."]
+            hw = read_kept_counters(self._files, hpath, names) or []
             hw_fam = fams[_HW]
             for fname, count in hw:
                 put(hw_fam, (device, port, fname), float(count))
