@@ -59,6 +59,7 @@ _COUNTER_FILES = tuple(f for f, _, _ in _PORT_COUNTERS) + catalog.IB_PORT_ERRORS
 #: Files in hw_counters/ that are not counters (lifespan: the driver's cache lifetime in ms).
 _HW_NOT_COUNTERS = frozenset({"lifespan"})
 _DEVICE_INFO = ("hca_type", "board_id", "fw_ver")
+_PORT_ATTRS = ("link_layer", "rate", "state", "phys_state")
 _READ_SIZE = 256
 _O_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
 _RATE_RE = re.compile(rb"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)b/sec\b")
@@ -241,17 +242,18 @@ class NicCollector:
         put = self._put
         labels = (device, port)
         hca_type, board_id, fw_ver = info
-        link_layer = _text(read_raw("link_layer", pfd))
+        attrs = {n: v for n, v in self._files.read(where, _PORT_ATTRS) or () if isinstance(v, bytes)}
+        link_layer = _text(attrs.get("link_layer"))
         put(fams[_INFO], (device, port, link_layer, hca_type, board_id, fw_ver), 1.0)
 
-        raw = read_raw("rate", pfd)
+        raw = attrs.get("rate")
         rate = parse_rate(raw)
         if rate is not None:
             put(fams[_RATE], labels, rate)
         elif raw is not None:
             log.debug("%s/rate: not a port rate: %r", where, raw[:40])
         for fname, metric in (("state", _STATE), ("phys_state", _PHYS)):
-            raw = read_raw(fname, pfd)
+            raw = attrs.get(fname)
             value = parse_state(raw)
             if value is not None:
                 put(fams[metric], labels, float(value))

@@ -55,6 +55,7 @@ class _Dir:
     opened: float  # monotonic time the entry was made
     fds: dict[str, int] = field(default_factory=dict)
     names: list[str] | None = None  # the directory's listing (sorted), read once per entry
+    missing: set[str] = field(default_factory=set)  # not there when opened (a new file changes the mtime)
 
 
 def _close_all(fds: dict[str, int]) -> None:
@@ -163,10 +164,15 @@ class SysfsFiles:
                     gone = True  # fall through: open it again by its path
                     del fds[name]
                     close(fd)
+            elif name in d.missing:
+                append((name, FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), name)))
+                continue
             try:
                 fd = open_(os.path.join(path, name), _O_FLAGS)
             except OSError as e:
                 append((name, e))
+                if keep and e.errno == errno.ENOENT:
+                    d.missing.add(name)
                 continue
             try:
                 append((name, pread(fd, size, 0).strip()))
