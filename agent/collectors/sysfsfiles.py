@@ -148,7 +148,7 @@ class SysfsFiles:
         append = out.append
         fds = d.fds
         keep = d.trusted
-        room = self.max_fds - self.open_fds if keep else 0
+        room = -1  # descriptors that may still be kept: counted when the first file is opened
         pread, open_, close, size = os.pread, os.open, os.close, READ_SIZE
         gone = False
         for name in names:
@@ -180,6 +180,8 @@ class SysfsFiles:
                 append((name, e))
                 close(fd)
                 continue
+            if room < 0:
+                room = self.max_fds - self.open_fds if keep else 0
             if room > 0:
                 fds[name] = fd
                 room -= 1
