@@ -14,7 +14,7 @@ from support import FIXTURES
 from test_nic import scrape, sysfs_with, value
 
 from gpufleet.agent.collectors.nic import NicCollector
-from gpufleet.agent.collectors.sysfsfiles import SysfsFiles
+from gpufleet.agent.collectors.sysfsfiles import RACY_SECONDS, SysfsFiles
 
 IB_FIXTURE = FIXTURES / "sysfs-infiniband-h100"
 RCV = "gpufleet_ib_port_receive_bytes_total"
@@ -158,3 +158,26 @@ def test_real_sysfs_attribute_is_regenerated_on_pread() -> None:
     assert isinstance(second, bytes) and int(second) >= int(first) + 5
     assert files.open_fds == 1  # the same descriptor, read again
     files.close()
+
+
+def test_agent_on_the_simulator_keeps_nic_files_open_and_closes_them() -> None:
+    """The whole agent (simulated host, its sysfs tree): later scrapes re-read kept descriptors; close() leaks none."""
+    from gpufleet.agent.app import Agent
+    from gpufleet.agent.config import AgentConfig
+
+    before = open_fds()
+    agent = Agent(AgentConfig(nvml_fake="sim:2"))
+    agent.start()
+    try:
+        agent.exposition(None)
+        time.sleep(RACY_SECONDS + 0.1)  # the simulator's tree was just written
+        first = agent.exposition(None)[0]
+        nic = next(c for c in agent.collectors if isinstance(c, NicCollector))
+        kept = nic._files.open_fds
+        assert kept >= 2 * 9  # per port: its attributes and counters at least
+        assert agent.exposition(None)[0].count(b"gpufleet_ib_port_receive_bytes_total{") == \
+            first.count(b"gpufleet_ib_port_receive_bytes_total{") >= 2
+        assert nic._files.open_fds == kept
+    finally:
+        agent.close()
+    assert open_fds() == before
