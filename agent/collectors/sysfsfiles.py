@@ -27,6 +27,7 @@ import contextlib
 import errno
 import os
 import resource
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -81,6 +82,8 @@ class SysfsFiles:
         self._clock = clock
         self._dirs: dict[str, _Dir] = {}
         self._used: set[str] = set()
+        #: close() from another thread (shutdown) never closes a descriptor a read is about to use.
+        self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _close_dirs, self._dirs)
 
     @property
@@ -89,13 +92,15 @@ class SysfsFiles:
 
     def close(self) -> None:
         """Close every kept descriptor (reads after this open them again)."""
-        _close_dirs(self._dirs)
+        with self._lock:
+            _close_dirs(self._dirs)
 
     def sweep(self) -> None:
         """Close the descriptors of directories not read since the last sweep (a device that went away)."""
-        for path in [p for p in self._dirs if p not in self._used]:
-            self._forget(path)
-        self._used.clear()
+        with self._lock:
+            for path in [p for p in self._dirs if p not in self._used]:
+                self._forget(path)
+            self._used.clear()
 
     def _entry(self, path: str) -> _Dir | None:
         """The checked entry of directory ``path`` (made anew when it changed); None if it is not there."""
@@ -124,6 +129,10 @@ class SysfsFiles:
 
     def listdir(self, path: str) -> list[str] | None:
         """The sorted names in directory ``path`` (cached while it is unchanged), None if it cannot be listed."""
+        with self._lock:
+            return self._listdir(path)
+
+    def _listdir(self, path: str) -> list[str] | None:
         d = self._entry(path)
         if d is None:
             return None
@@ -141,6 +150,10 @@ class SysfsFiles:
     def read(self, path: str, names: Iterable[str]) -> list[tuple[str, bytes | OSError]] | None:
         """``(name, text)`` for each file in ``names`` under directory ``path`` (its stripped contents, or the
         OSError that opening or reading it raised); None if the directory is not there."""
+        with self._lock:
+            return self._read(path, names)
+
+    def _read(self, path: str, names: Iterable[str]) -> list[tuple[str, bytes | OSError]] | None:
         d = self._entry(path)
         if d is None:
             return None
