@@ -7,7 +7,8 @@ InfiniBand and RoCE devices live under ``<sysfs>/class/infiniband/<device>/``
 (``port_xmit_data`` and ``port_rcv_data`` count 4-byte words) and the driver's
 ``hw_counters/`` (mlx5: ECN/CNP, retransmits, sequence errors, ...).
 
-Every scrape makes one pass over the tree with raw ``os.open``/``os.read``. A
+Every scrape makes one pass over the tree; the port attributes and counter files
+stay open between scrapes and are re-read with ``pread`` (:mod:`.sysfsfiles`). A
 missing tree yields no InfiniBand series; a file that is missing, unreadable or
 does not hold what it should drops that one series (logged at debug) and never
 becomes a zero.
@@ -96,37 +97,10 @@ def open_dir(path: str, dir_fd: int | None = None) -> int | None:
         return None
 
 
-def read_counters(dir_fd: int, names: Iterable[str], where: str) -> list[tuple[str, int]]:
-    """``(name, value)`` for each file in ``names`` under the open directory ``dir_fd`` that holds a
-    non-negative decimal integer; the others are skipped and logged at debug (``where`` names the
-    directory). The hot loop of a scrape, hence inlined syscalls.
-    """
-    out: list[tuple[str, int]] = []
-    append = out.append
-    open_, read, close, flags, size = os.open, os.read, os.close, _O_FLAGS, _READ_SIZE
-    for name in names:
-        try:
-            fd = open_(name, flags, dir_fd=dir_fd)
-        except OSError as e:
-            log.debug("%s/%s: %s", where, name, e.strerror)
-            continue
-        try:
-            raw = read(fd, size).strip()
-        except OSError as e:
-            log.debug("%s/%s: %s", where, name, e.strerror)
-            continue
-        finally:
-            close(fd)
-        if raw.isdigit():  # bytes.isdigit: ASCII digits only; no sign, no "_", not empty
-            append((name, int(raw)))
-        else:
-            log.debug("%s/%s: not a counter: %r", where, name, raw[:40])
-    return out
-
-
 def read_kept_counters(files: SysfsFiles, path: str, names: Iterable[str]) -> list[tuple[str, int]] | None:
-    """:func:`read_counters` for directory ``path`` through ``files`` (descriptors kept open across scrapes);
-    None if the directory is not there."""
+    """``(name, value)`` for each file in ``names`` under directory ``path`` that holds a non-negative
+    decimal integer, read through ``files`` (descriptors kept open across scrapes); the others are skipped and logged
+    at debug. None if the directory is not there."""
     read = files.read(path, names)
     if read is None:
         return None
