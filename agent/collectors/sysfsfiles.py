@@ -15,8 +15,8 @@ for the file at its path:
   each time, as without this module, until the directory has been quiet that long;
 * every :data:`RESCAN_SECONDS` everything is opened again anyway.
 
-At most ``max_fds`` descriptors stay open (a quarter of the open-file limit, at most 2048); past that, files
-are read with open/read/close. :meth:`SysfsFiles.close` closes them all (the collector's ``close``); a
+At most ``max_fds`` descriptors stay open (a quarter of the open-file limit, at most 2048, and leaving room
+for the HTTP server's connections); past that, files are read with open/read/close. :meth:`SysfsFiles.close` closes them all (the collector's ``close``); a
 ``SysfsFiles`` that is dropped without it closes them when collected; :meth:`SysfsFiles.sweep` after each scrape
 closes those of directories that were not read in it.
 """
@@ -42,11 +42,17 @@ _O_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
 _GONE = frozenset({errno.ENODEV, errno.ENOENT, errno.ESTALE, errno.ENXIO})
 
 
+#: Descriptors left to others: the HTTP server's connections (512 by default) and a reserve beside them.
+_OTHERS = 512 + 128
+
+
 def default_max_fds() -> int:
+    """A quarter of the soft open-file limit, at most :data:`MAX_FDS`, and never so many that the HTTP server's
+    connections and a reserve would no longer fit (none at all under a very small limit)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return MAX_FDS
-    return max(0, min(MAX_FDS, soft // 4))
+    return max(0, min(MAX_FDS, soft // 4, soft - _OTHERS))
 
 
 @dataclass

@@ -181,3 +181,13 @@ def test_agent_on_the_simulator_keeps_nic_files_open_and_closes_them() -> None:
     finally:
         agent.close()
     assert open_fds() == before
+
+
+@pytest.mark.parametrize(("soft", "kept"), [(256, 0), (700, 60), (1024, 256), (4096, 1024), (20000, 2048)])
+def test_kept_descriptors_leave_room_for_connections(monkeypatch: pytest.MonkeyPatch, soft: int, kept: int) -> None:
+    import resource
+
+    from gpufleet.agent.collectors import sysfsfiles
+
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (soft, 1 << 20))
+    assert sysfsfiles.default_max_fds() == kept
