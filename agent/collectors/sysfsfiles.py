@@ -57,7 +57,7 @@ def default_max_fds() -> int:
 
 @dataclass
 class _Dir:
-    key: tuple[int, int]  # (inode, mtime ns) when checked
+    key: tuple[int, int, int]  # (device, inode, mtime ns) when checked
     trusted: bool  # quiet long enough: descriptors are kept
     opened: float  # monotonic time the entry was made
     fds: dict[str, int] = field(default_factory=dict)
@@ -117,7 +117,7 @@ class SysfsFiles:
         except OSError:
             self._forget(path)
             return None
-        key = (st.st_ino, st.st_mtime_ns)
+        key = (st.st_dev, st.st_ino, st.st_mtime_ns)
         d = self._dirs.get(path)
         mono = self._clock()
         if d is not None and d.trusted and d.key == key and mono - d.opened < self.rescan_seconds:
