@@ -7,7 +7,8 @@ InfiniBand and RoCE devices live under ``<sysfs>/class/infiniband/<device>/``
 (``port_xmit_data`` and ``port_rcv_data`` count 4-byte words) and the driver's
 ``hw_counters/`` (mlx5: ECN/CNP, retransmits, sequence errors, ...).
 
-Every scrape makes one pass over the tree with raw ``os.open``/``os.read``. A
+Every scrape makes one pass over the tree; the port attributes and counter files
+stay open between scrapes and are re-read with ``pread`` (:mod:`.sysfsfiles`). A
 missing tree yields no InfiniBand series; a file that is missing, unreadable or
 does not hold what it should drops that one series (logged at debug) and never
 becomes a zero.
@@ -24,6 +25,7 @@ import psutil
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gpufleet.agent.collectors.series import SeriesCache
+from gpufleet.agent.collectors.sysfsfiles import SysfsFiles
 from gpufleet.agent.vocab import catalog
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,7 @@ _COUNTER_FILES = tuple(f for f, _, _ in _PORT_COUNTERS) + catalog.IB_PORT_ERRORS
 #: Files in hw_counters/ that are not counters (lifespan: the driver's cache lifetime in ms).
 _HW_NOT_COUNTERS = frozenset({"lifespan"})
 _DEVICE_INFO = ("hca_type", "board_id", "fw_ver")
+_PORT_ATTRS = ("link_layer", "rate", "state", "phys_state")
 _READ_SIZE = 256
 _O_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
 _RATE_RE = re.compile(rb"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)b/sec\b")
@@ -94,31 +97,21 @@ def open_dir(path: str, dir_fd: int | None = None) -> int | None:
         return None
 
 
-def read_counters(dir_fd: int, names: Iterable[str], where: str) -> list[tuple[str, int]]:
-    """``(name, value)`` for each file in ``names`` under the open directory ``dir_fd`` that holds a
-    non-negative decimal integer; the others are skipped and logged at debug (``where`` names the
-    directory). The hot loop of a scrape, hence inlined syscalls.
-    """
+def read_kept_counters(files: SysfsFiles, path: str, names: Iterable[str]) -> list[tuple[str, int]] | None:
+    """``(name, value)`` for each file in ``names`` under directory ``path`` that holds a non-negative
+    decimal integer, read through ``files`` (descriptors kept open across scrapes); the others are skipped and logged
+    at debug. None if the directory is not there."""
+    read = files.read(path, names)
+    if read is None:
+        return None
     out: list[tuple[str, int]] = []
-    append = out.append
-    open_, read, close, flags, size = os.open, os.read, os.close, _O_FLAGS, _READ_SIZE
-    for name in names:
-        try:
-            fd = open_(name, flags, dir_fd=dir_fd)
-        except OSError as e:
-            log.debug("%s/%s: %s", where, name, e.strerror)
-            continue
-        try:
-            raw = read(fd, size).strip()
-        except OSError as e:
-            log.debug("%s/%s: %s", where, name, e.strerror)
-            continue
-        finally:
-            close(fd)
-        if raw.isdigit():  # bytes.isdigit: ASCII digits only; no sign, no "_", not empty
-            append((name, int(raw)))
+    for name, raw in read:
+        if isinstance(raw, OSError):
+            log.debug("%s/%s: %s", path, name, raw.strerror)
+        elif raw.isdigit():
+            out.append((name, int(raw)))
         else:
-            log.debug("%s/%s: not a counter: %r", where, name, raw[:40])
+            log.debug("%s/%s: not a counter: %r", path, name, raw[:40])
     return out
 
 
@@ -163,6 +156,11 @@ class NicCollector:
         self._info_cache: dict[str, tuple[int, list[str]]] = {}
         #: Label sets built once; unchanged values (most error counters) keep their sample.
         self._put = SeriesCache(self._specs.values()).put
+        #: Counter files re-read with pread on descriptors kept open (sysfsfiles).
+        self._files = SysfsFiles()
+
+    def close(self) -> None:
+        self._files.close()
 
     def describe(self) -> Iterable[Metric]:
         return [s.family() for s in self._specs.values()]
@@ -170,6 +168,7 @@ class NicCollector:
     def collect(self) -> Iterable[Metric]:
         fams = {name: s.family() for name, s in self._specs.items()}
         self._collect_ib(fams)
+        self._files.sweep()
         self._collect_net(fams)
         return [f for f in fams.values() if f.samples]
 
@@ -217,29 +216,26 @@ class NicCollector:
         put = self._put
         labels = (device, port)
         hca_type, board_id, fw_ver = info
-        link_layer = _text(read_raw("link_layer", pfd))
+        attrs = {n: v for n, v in self._files.read(where, _PORT_ATTRS) or () if isinstance(v, bytes)}
+        link_layer = _text(attrs.get("link_layer"))
         put(fams[_INFO], (device, port, link_layer, hca_type, board_id, fw_ver), 1.0)
 
-        raw = read_raw("rate", pfd)
+        raw = attrs.get("rate")
         rate = parse_rate(raw)
         if rate is not None:
             put(fams[_RATE], labels, rate)
         elif raw is not None:
             log.debug("%s/rate: not a port rate: %r", where, raw[:40])
         for fname, metric in (("state", _STATE), ("phys_state", _PHYS)):
-            raw = read_raw(fname, pfd)
+            raw = attrs.get(fname)
             value = parse_state(raw)
             if value is not None:
                 put(fams[metric], labels, float(value))
             elif raw is not None:
                 log.debug("%s/%s: not a port state: %r", where, fname, raw[:40])
 
-        cfd = open_dir("counters", pfd)
-        if cfd is not None:
-            try:
-                found = dict(read_counters(cfd, _COUNTER_FILES, where + "/counters"))
-            finally:
-                os.close(cfd)
+        if (counted := read_kept_counters(self._files, where + "/counters", _COUNTER_FILES)) is not None:
+            found = dict(counted)
             for fname, metric, mult in _PORT_COUNTERS:
                 count = found.get(fname)
                 if count is not None:
@@ -250,13 +246,10 @@ class NicCollector:
                 if count is not None:
                     put(errors, (device, port, fname), float(count))
 
-        hfd = open_dir("hw_counters", pfd)
-        if hfd is not None:
-            try:
-                names = sorted(n for n in os.listdir(hfd) if n not in _HW_NOT_COUNTERS and n[:1] != ".")
-                hw = read_counters(hfd, names, where + "/hw_counters")
-            finally:
-                os.close(hfd)
+        listed = self._files.listdir(hpath := where + "/hw_counters")
+        if listed is not None:
+            names = [n for n in listed if n not in _HW_NOT_COUNTERS and n[:1] != "."]
+            hw = read_kept_counters(self._files, hpath, names) or []
             hw_fam = fams[_HW]
             for fname, count in hw:
                 put(hw_fam, (device, port, fname), float(count))

@@ -37,6 +37,8 @@ class ReadingEntryPoints(FakeCore):
         s = d.sample
         if s.utilization_gpu_pct is None or s.utilization_memory_pct is None:
             return NOT_SUPPORTED
+        if d.inv.mig_mode_current == 1:  # NVML's documentation: not supported on MIG-enabled GPUs
+            return NOT_SUPPORTED
         u = target(out)
         u.gpu, u.memory = s.utilization_gpu_pct, s.utilization_memory_pct
         return SUCCESS

@@ -31,6 +31,8 @@ from gpufleet.agent.nvml.slowtier import read_slow_tier
 
 #: The slow tier's clock (tests replace it).
 slow_clock = time.monotonic
+#: Seconds before a device whose utilization NVML did not support is asked again.
+UTILIZATION_RETRY_SECONDS = 300.0
 _PSTATE_UNKNOWN = 32
 _TOO_OLD = frozenset({pynvml.NVML_ERROR_FUNCTION_NOT_FOUND, pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH})
 #: Pseudo return code counted as ``gpufleet_nvml_errors_total{function, error="IMPLAUSIBLE_VALUE"}`` when a call
@@ -78,7 +80,7 @@ def read_gpu(b: NvmlBackend, dev: Device, *, pcie_always: bool = False, slow_int
     h = dev.handle
     try:
         b.identify(dev)
-        _utilization(b, h, s)
+        _utilization(b, h, state, s)
         _clocks(b, h, s)
         _power(b, h, s)
         _thermal(b, dev, s)
@@ -137,11 +139,23 @@ def _drop_implausible(b: NvmlBackend, s: GpuSample, r: Reading) -> None:
 # ---------------------------------------------------------------------- groups
 
 
-def _utilization(b: NvmlBackend, h: pynvml.c_nvmlDevice_t, s: GpuSample) -> None:
-    u = b.call(pynvml.nvmlDeviceGetUtilizationRates, h)
-    if u is not None:
-        s.utilization_gpu_pct = int(u.gpu)
-        s.utilization_memory_pct = int(u.memory)
+def _utilization(b: NvmlBackend, h: pynvml.c_nvmlDevice_t, state: ReaderState, s: GpuSample) -> None:
+    """Device utilization; NOT_SUPPORTED (every GPU in MIG mode) is remembered and not asked again for
+    UTILIZATION_RETRY_SECONDS."""
+    at = state.utilization_unsupported_at
+    if at is not None and slow_clock() - at < UTILIZATION_RETRY_SECONDS:
+        return
+    try:
+        u = pynvml.nvmlDeviceGetUtilizationRates(h)
+    except pynvml.NVMLError as e:
+        if e.value == pynvml.NVML_ERROR_NOT_SUPPORTED:
+            state.utilization_unsupported_at = slow_clock()
+        else:
+            b.failed("nvmlDeviceGetUtilizationRates", e.value)
+        return
+    state.utilization_unsupported_at = None
+    s.utilization_gpu_pct = int(u.gpu)
+    s.utilization_memory_pct = int(u.memory)
 
 
 def _clocks(b: NvmlBackend, h: pynvml.c_nvmlDevice_t, s: GpuSample) -> None:

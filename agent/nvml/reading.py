@@ -71,6 +71,9 @@ class ReaderState:
         #: Does the GPU count NVLink data CRC errors? None: not known yet; False: every link answered
         #: NOT_SUPPORTED on the first read, so it is not asked again (until NVML is re-initialized).
         self.crc_data: bool | None = None
+        #: slow_clock() when nvmlDeviceGetUtilizationRates last answered NOT_SUPPORTED (a GPU in MIG mode):
+        #: not asked again until UTILIZATION_RETRY_SECONDS later (MIG mode changes with a GPU reset).
+        self.utilization_unsupported_at: float | None = None
         #: The driver lacks a newer entry point: use the older one (fewer fields).
         self.legacy_memory = False
         self.legacy_reasons = False

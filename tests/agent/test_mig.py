@@ -213,3 +213,39 @@ def test_unsupported_mig_memory_has_no_series_and_no_error(mig: tuple[FakeHost, 
     used = {dict(k[1])["gpu_instance"] for k in got if k[0] == "gpufleet_mig_memory_used_bytes" and ("gpu", "0") in k[1]}
     assert used == {"2", "10"}
     assert backend.errors() == {}
+
+
+def test_mig_parent_has_no_device_utilization_and_is_not_asked_every_scrape(
+        mig: tuple[FakeHost, FakeNvml, NvmlBackend, GpuUsage], monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML: "On MIG-enabled GPUs, querying device utilization rates is not currently supported" (the driver
+    answers NOT_SUPPORTED): no utilization series for a GPU in MIG mode (never a made-up value), no error
+    counted, and the answer is remembered rather than asked for again on every scrape."""
+    from gpufleet.agent.nvml import reader
+
+    _, _, backend, _ = mig
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        pynvml.nvmlDeviceGetUtilizationRates(pynvml.nvmlDeviceGetHandleByIndex(0))
+    assert pynvml.nvmlDeviceGetUtilizationRates(pynvml.nvmlDeviceGetHandleByIndex(2)).gpu >= 0  # MIG disabled
+
+    asked: list[int] = []
+    real = pynvml.nvmlDeviceGetUtilizationRates
+
+    def counting(h: pynvml.c_nvmlDevice_t) -> object:
+        asked.append(pynvml.nvmlDeviceGetIndex(h))
+        return real(h)
+
+    now = [1000.0]
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetUtilizationRates", counting)
+    monkeypatch.setattr(reader, "slow_clock", lambda: now[0])
+    c = GpuCollector(backend)
+    for _ in range(3):
+        got = scrape(c)
+        util = {dict(k[1])["gpu"] for k in got if k[0] in ("gpufleet_gpu_utilization_ratio",
+                                                          "gpufleet_gpu_memory_utilization_ratio")}
+        assert util == {"2"}
+        now[0] += 15
+    assert sorted(asked) == [0, 1, 2, 2, 2]
+    assert not any(k[0] == "gpufleet_nvml_errors_total" for k in got)
+    now[0] += reader.UTILIZATION_RETRY_SECONDS  # MIG mode may have been turned off (a GPU reset): ask again
+    scrape(c)
+    assert sorted(asked) == [0, 0, 1, 1, 2, 2, 2, 2]

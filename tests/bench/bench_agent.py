@@ -247,6 +247,7 @@ def formats_child(n: int, scrapes: int, interval: float) -> dict[str, Any]:
 
     out: dict[str, Any] = {"gpus": n, "code": os.path.dirname(gpufleet.agent.__file__), "formats": {}}
     try:
+        time.sleep(1.1)  # the simulator's sysfs tree was just written; a host's is as old as its boot (RACY_SECONDS)
         for name, headers in FORMATS.items():
             req = request(headers)
             for _ in range(4):  # warm-up: the slow tier, the encoders' caches

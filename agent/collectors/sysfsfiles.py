@@ -1,0 +1,211 @@
+"""Small sysfs attribute files kept open across scrapes and re-read with ``os.pread(fd, n, 0)``.
+
+sysfs regenerates an attribute's text on every read at offset 0, so a counter file opened once can be re-read
+each scrape for one syscall instead of three (open, read, close: most of a NIC scrape's cost on a host with
+hundreds of InfiniBand counter files). What this has to get right is when a kept descriptor no longer stands
+for the file at its path:
+
+* real sysfs: a removed attribute (hot-unplug, driver reload) answers ENODEV (ENOENT/ESTALE/ENXIO on other
+  file systems); the directory's descriptors are closed and it is opened afresh on the next read;
+* a regular-file tree (the simulator's, tests'): a file replaced by a rename or removed keeps its old text
+  behind an open descriptor, so every read first ``stat``\\ s the directory (one call per directory, not per
+  file) and opens its files again when its inode or mtime changed. A directory whose mtime is within
+  :data:`RACY_SECONDS` of the time it was checked may still change within the same timestamp tick
+  (as git's "racily clean" index entries), so it is not trusted: its files are opened, read and closed
+  each time, as without this module, until the directory has been quiet that long;
+* every :data:`RESCAN_SECONDS` everything is opened again anyway.
+
+At most ``max_fds`` descriptors stay open (a quarter of the open-file limit, at most 2048, and leaving room
+for the HTTP server's connections); past that, files are read with open/read/close. :meth:`SysfsFiles.close` closes them all (the collector's ``close``); a
+``SysfsFiles`` that is dropped without it closes them when collected; :meth:`SysfsFiles.sweep` after each scrape
+closes those of directories that were not read in it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import resource
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+RESCAN_SECONDS = 300.0
+RACY_SECONDS = 1.0
+MAX_FDS = 2048
+READ_SIZE = 4096  # the kernel's sysfs page: an attribute is never larger
+_O_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+#: A descriptor that answers these no longer stands for a file: open the directory again.
+_GONE = frozenset({errno.ENODEV, errno.ENOENT, errno.ESTALE, errno.ENXIO})
+
+
+#: Descriptors left to others: the HTTP server's connections (512 by default) and a reserve beside them.
+_OTHERS = 512 + 128
+
+
+def default_max_fds() -> int:
+    """A quarter of the soft open-file limit, at most :data:`MAX_FDS`, and never so many that the HTTP server's
+    connections and a reserve would no longer fit (none at all under a very small limit)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_FDS
+    return max(0, min(MAX_FDS, soft // 4, soft - _OTHERS))
+
+
+@dataclass
+class _Dir:
+    key: tuple[int, int, int]  # (device, inode, mtime ns) when checked
+    trusted: bool  # quiet long enough: descriptors are kept
+    opened: float  # monotonic time the entry was made
+    fds: dict[str, int] = field(default_factory=dict)
+    names: list[str] | None = None  # the directory's listing (sorted), read once per entry
+    missing: set[str] = field(default_factory=set)  # not there when opened (a new file changes the mtime)
+
+
+def _close_all(fds: dict[str, int]) -> None:
+    for fd in fds.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    fds.clear()
+
+
+def _close_dirs(dirs: dict[str, _Dir]) -> None:
+    for d in dirs.values():
+        _close_all(d.fds)
+    dirs.clear()
+
+
+class SysfsFiles:
+    """Reads files of sysfs directories by path, keeping descriptors open where that is safe (module docstring)."""
+
+    def __init__(self, max_fds: int | None = None, rescan_seconds: float = RESCAN_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_fds = default_max_fds() if max_fds is None else max_fds
+        self.rescan_seconds = rescan_seconds
+        self._clock = clock
+        self._dirs: dict[str, _Dir] = {}
+        self._used: set[str] = set()
+        #: close() from another thread (shutdown) never closes a descriptor a read is about to use.
+        self._lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _close_dirs, self._dirs)
+
+    @property
+    def open_fds(self) -> int:
+        return sum(len(d.fds) for d in self._dirs.values())
+
+    def close(self) -> None:
+        """Close every kept descriptor (reads after this open them again)."""
+        with self._lock:
+            _close_dirs(self._dirs)
+
+    def sweep(self) -> None:
+        """Close the descriptors of directories not read since the last sweep (a device that went away)."""
+        with self._lock:
+            for path in [p for p in self._dirs if p not in self._used]:
+                self._forget(path)
+            self._used.clear()
+
+    def _entry(self, path: str) -> _Dir | None:
+        """The checked entry of directory ``path`` (made anew when it changed); None if it is not there."""
+        self._used.add(path)
+        now_ns = time.time_ns()
+        try:
+            st = os.stat(path)
+        except OSError:
+            self._forget(path)
+            return None
+        key = (st.st_dev, st.st_ino, st.st_mtime_ns)
+        d = self._dirs.get(path)
+        mono = self._clock()
+        if d is not None and d.trusted and d.key == key and mono - d.opened < self.rescan_seconds:
+            return d
+        if d is not None:
+            _close_all(d.fds)
+        d = _Dir(key, st.st_mtime_ns < now_ns - int(RACY_SECONDS * 1e9), mono)
+        self._dirs[path] = d
+        return d
+
+    def _forget(self, path: str) -> None:
+        d = self._dirs.pop(path, None)
+        if d is not None:
+            _close_all(d.fds)
+
+    def listdir(self, path: str) -> list[str] | None:
+        """The sorted names in directory ``path`` (cached while it is unchanged), None if it cannot be listed."""
+        with self._lock:
+            return self._listdir(path)
+
+    def _listdir(self, path: str) -> list[str] | None:
+        d = self._entry(path)
+        if d is None:
+            return None
+        if d.names is None:
+            try:
+                names = sorted(os.listdir(path))
+            except OSError:
+                self._forget(path)
+                return None
+            if not d.trusted:
+                return names
+            d.names = names
+        return d.names
+
+    def read(self, path: str, names: Iterable[str]) -> list[tuple[str, bytes | OSError]] | None:
+        """``(name, text)`` for each file in ``names`` under directory ``path`` (its stripped contents, or the
+        OSError that opening or reading it raised); None if the directory is not there."""
+        with self._lock:
+            return self._read(path, names)
+
+    def _read(self, path: str, names: Iterable[str]) -> list[tuple[str, bytes | OSError]] | None:
+        d = self._entry(path)
+        if d is None:
+            return None
+        out: list[tuple[str, bytes | OSError]] = []
+        append = out.append
+        fds = d.fds
+        keep = d.trusted
+        room = -1  # descriptors that may still be kept: counted when the first file is opened
+        pread, open_, close, size = os.pread, os.open, os.close, READ_SIZE
+        gone = False
+        for name in names:
+            fd = fds.get(name)
+            if fd is not None:
+                try:
+                    append((name, pread(fd, size, 0).strip()))
+                    continue
+                except OSError as e:
+                    if e.errno not in _GONE:
+                        append((name, e))
+                        continue
+                    gone = True  # fall through: open it again by its path
+                    del fds[name]
+                    close(fd)
+            elif name in d.missing:
+                append((name, FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), name)))
+                continue
+            try:
+                fd = open_(os.path.join(path, name), _O_FLAGS)
+            except OSError as e:
+                append((name, e))
+                if keep and e.errno == errno.ENOENT:
+                    d.missing.add(name)
+                continue
+            try:
+                append((name, pread(fd, size, 0).strip()))
+            except OSError as e:
+                append((name, e))
+                close(fd)
+                continue
+            if room < 0:
+                room = self.max_fds - self.open_fds if keep else 0
+            if room > 0:
+                fds[name] = fd
+                room -= 1
+            else:
+                close(fd)
+        if gone:
+            self._forget(path)  # something under it went away: check it all again next time
+        return out

@@ -1,0 +1,193 @@
+"""Counter files kept open across scrapes (collectors.sysfsfiles): fresh values, no stale descriptors, no leaks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from support import FIXTURES
+from test_nic import scrape, sysfs_with, value
+
+from gpufleet.agent.collectors.nic import NicCollector
+from gpufleet.agent.collectors.sysfsfiles import RACY_SECONDS, SysfsFiles
+
+IB_FIXTURE = FIXTURES / "sysfs-infiniband-h100"
+RCV = "gpufleet_ib_port_receive_bytes_total"
+HW = "gpufleet_ib_hw_counters_total"
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def age(root: Path, seconds: float = 3600.0) -> None:
+    """Set every directory's mtime back, as a sysfs tree that has not changed since boot."""
+    then = time.time() - seconds
+    for d, _, _ in os.walk(root):
+        os.utime(d, (then, then))
+
+
+def write_in_place(path: Path, text: str) -> None:
+    """What sysfs does: same inode, new text (the simulator's pwrite of a grown counter)."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, text.encode(), 0)
+        os.ftruncate(fd, len(text))
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setattr(psutil, "net_io_counters", lambda pernic=False: {})
+    ib = tmp_path / "ib"
+    shutil.copytree(IB_FIXTURE, ib, symlinks=True)
+    age(ib)
+    return ib
+
+
+def test_kept_descriptors_see_new_values_replacements_and_removals(tree: Path, tmp_path: Path) -> None:
+    before = open_fds()
+    nic = NicCollector(sysfs_with(tree, tmp_path))
+    first = scrape(nic)
+    kept = nic._files.open_fds
+    assert kept > 100  # the counter files of every port stay open: later scrapes do not open them
+    assert open_fds() == before + kept
+    port = tree / "mlx5_0" / "ports" / "1"
+    rcv = port / "counters" / "port_rcv_data"
+    old = int(rcv.read_text())
+
+    write_in_place(rcv, f"{old + 1000}\n")
+    assert value(scrape(nic), RCV, device="mlx5_0", port="1") == (old + 1000) * 4
+    assert nic._files.open_fds == kept
+
+    tmp = rcv.with_name(".tmp")  # replaced by a rename (a counter reset in the simulator): new inode
+    tmp.write_text("7\n")
+    os.replace(tmp, rcv)
+    assert value(scrape(nic), RCV, device="mlx5_0", port="1") == 28.0
+
+    hw = sorted((port / "hw_counters").iterdir())[0]
+    assert value(first, HW, device="mlx5_0", port="1", counter=hw.name) is not None
+    hw.unlink()
+    assert value(scrape(nic), HW, device="mlx5_0", port="1", counter=hw.name) is None
+
+    shutil.rmtree(tree / "mlx5_1")  # a device hot-unplugged: its series and its descriptors go
+    series = scrape(nic)
+    assert not any(dict(labels).get("device") == "mlx5_1" for _, labels in series)
+    assert value(series, RCV, device="mlx5_0", port="1") == 28.0
+    assert open_fds() == before + nic._files.open_fds < before + kept
+
+    nic.close()
+    assert open_fds() == before
+
+
+def test_a_recently_changed_directory_is_read_without_keeping_descriptors(tmp_path: Path) -> None:
+    """A directory modified within the timestamp tick of its check may change again unseen: not trusted."""
+    d = tmp_path / "counters"
+    d.mkdir()
+    (d / "a").write_text("1\n")
+    files = SysfsFiles()
+    got = files.read(str(d), ["a", "missing"])
+    assert got is not None and got[0] == ("a", b"1")
+    assert got[1][0] == "missing" and isinstance(got[1][1], FileNotFoundError)
+    assert files.open_fds == 0
+    tmp = d / ".a"
+    tmp.write_text("2\n")
+    os.replace(tmp, d / "a")  # same second as the read before: the mtime may not have moved
+    assert files.read(str(d), ["a"]) == [("a", b"2")]
+    age(d)
+    assert files.read(str(d), ["a"]) == [("a", b"2")]
+    assert files.open_fds == 1
+    files.close()
+    assert files.open_fds == 0
+
+
+def test_descriptor_count_is_bounded_and_dropped_objects_close_theirs(tmp_path: Path) -> None:
+    d = tmp_path / "many"
+    d.mkdir()
+    names = [f"c{i}" for i in range(50)]
+    for i, n in enumerate(names):
+        (d / n).write_text(f"{i}\n")
+    age(d)
+    before = open_fds()
+    files = SysfsFiles(max_fds=20)
+    for _ in range(3):
+        got = files.read(str(d), names)
+        assert got == [(n, str(i).encode()) for i, n in enumerate(names)]
+        assert files.open_fds == 20 and open_fds() == before + 20
+    del files, got
+    assert open_fds() == before  # weakref.finalize closed them
+    assert SysfsFiles().read(str(tmp_path / "gone"), names) is None
+
+
+def test_rescan_reopens_everything(tmp_path: Path) -> None:
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / "x").write_text("1\n")
+    age(d)
+    now = [0.0]
+    files = SysfsFiles(rescan_seconds=60, clock=lambda: now[0])
+    files.read(str(d), ["x"])
+    fd = files._dirs[str(d)].fds["x"]
+    now[0] = 30
+    files.read(str(d), ["x"])
+    assert files._dirs[str(d)].fds["x"] == fd
+    now[0] = 61
+    files.read(str(d), ["x"])
+    assert files.open_fds == 1
+    files.close()
+
+
+def test_real_sysfs_attribute_is_regenerated_on_pread() -> None:
+    """The premise: sysfs answers a pread at offset 0 on a kept descriptor with the attribute's current text."""
+    stat = Path("/sys/class/net/lo/statistics")
+    if not stat.is_dir():
+        pytest.skip("no /sys/class/net/lo")
+    files = SysfsFiles()
+    (_, first), = files.read(str(stat), ["tx_packets"]) or [("", b"")]
+    assert isinstance(first, bytes) and files.open_fds == 1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _ in range(5):
+            s.sendto(b"x", ("127.0.0.1", 9))
+    (_, second), = files.read(str(stat), ["tx_packets"]) or [("", b"")]
+    assert isinstance(second, bytes) and int(second) >= int(first) + 5
+    assert files.open_fds == 1  # the same descriptor, read again
+    files.close()
+
+
+def test_agent_on_the_simulator_keeps_nic_files_open_and_closes_them() -> None:
+    """The whole agent (simulated host, its sysfs tree): later scrapes re-read kept descriptors; close() leaks none."""
+    from gpufleet.agent.app import Agent
+    from gpufleet.agent.config import AgentConfig
+
+    before = open_fds()
+    agent = Agent(AgentConfig(nvml_fake="sim:2"))
+    agent.start()
+    try:
+        agent.exposition(None)
+        time.sleep(RACY_SECONDS + 0.1)  # the simulator's tree was just written
+        first = agent.exposition(None)[0]
+        nic = next(c for c in agent.collectors if isinstance(c, NicCollector))
+        kept = nic._files.open_fds
+        assert kept >= 2 * 9  # per port: its attributes and counters at least
+        assert agent.exposition(None)[0].count(b"gpufleet_ib_port_receive_bytes_total{") == \
+            first.count(b"gpufleet_ib_port_receive_bytes_total{") >= 2
+        assert nic._files.open_fds == kept
+    finally:
+        agent.close()
+    assert open_fds() == before
+
+
+@pytest.mark.parametrize(("soft", "kept"), [(256, 0), (700, 60), (1024, 256), (4096, 1024), (20000, 2048)])
+def test_kept_descriptors_leave_room_for_connections(monkeypatch: pytest.MonkeyPatch, soft: int, kept: int) -> None:
+    import resource
+
+    from gpufleet.agent.collectors import sysfsfiles
+
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (soft, 1 << 20))
+    assert sysfsfiles.default_max_fds() == kept
