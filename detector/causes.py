@@ -49,70 +49,116 @@ class CauseParams:
     collective_z: float = 4.0  # robust z (lower time in collectives than the job's ranks) for the waited-for rank
 
 
-def _peers(frame: GpuFrame) -> dict[str, set[str]]:
-    """node -> the other nodes running a job with it."""
-    by_job: dict[str, set[str]] = defaultdict(set)
-    for node, job in zip(frame.nodes, frame.jobs, strict=True):
+def _node_groups(names: list[str], frame: GpuFrame) -> np.ndarray:
+    """Per node of ``names``: a code for the job most of its GPUs run (-1: none), so nodes of one job are peers."""
+    counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for nd, job in zip(frame.nodes, frame.jobs, strict=True):
         if job:
-            by_job[job].add(node)
-    out: dict[str, set[str]] = defaultdict(set)
-    for nodes in by_job.values():
-        for n in nodes:
-            out[n] |= nodes - {n}
+            counts[nd][job] += 1
+    codes: dict[str, int] = {}
+    out = np.full(len(names), -1, dtype=np.int64)
+    for i, n in enumerate(names):
+        jobs = counts.get(n)
+        if jobs:
+            job = max(jobs, key=lambda j: jobs[j])
+            out[i] = codes.setdefault(job, len(codes))
     return out
 
 
-def _stands_out(value: float, peers: list[float], minimum: float, ratio: float) -> bool:
-    if not np.isfinite(value) or value < minimum:
-        return False
-    finite = [v for v in peers if np.isfinite(v)]
-    if not finite:
-        return False
-    return value >= ratio * float(np.median(finite))
+def _loo_median(x: FloatArray) -> FloatArray:
+    """For each element, the median of the finite values of the *other* elements (NaN when there are none).
+
+    One sort: removing the element at rank r from the sorted finite values shifts the order statistics above r
+    down by one, so each leave-one-out median is one or two lookups."""
+    n = len(x)
+    out = np.full(n, np.nan)
+    fin = np.isfinite(x)
+    m = int(fin.sum())
+    if m == 0:
+        return out
+    s = np.sort(x[fin])
+    out[~fin] = float(np.median(s))  # a member without a value leaves every finite value to the others
+    if m == 1:
+        return out
+    order = np.argsort(x[fin], kind="stable")
+    rank = np.empty(m, dtype=np.int64)
+    rank[order] = np.arange(m)
+    r = m - 1  # values left
+
+    def nth(j: int) -> FloatArray:  # the j-th smallest of the others, per element
+        picked: FloatArray = np.where(j < rank, s[j], s[min(j + 1, m - 1)])
+        return picked
+
+    out[fin] = nth((r - 1) // 2) if r % 2 else (nth(r // 2 - 1) + nth(r // 2)) / 2.0
+    return out
+
+
+def _peer_median(x: FloatArray, groups: np.ndarray, min_peers: int) -> FloatArray:
+    """Per node: the median of its peers' finite values: the other nodes of its job, or every other node when its
+    job has fewer than ``min_peers`` other nodes with the node in the frame."""
+    out = _loo_median(x)  # the fleet, for nodes without enough job peers
+    if len(x) == 0:
+        return out
+    order = np.argsort(groups, kind="stable")
+    g_sorted = groups[order]
+    bounds = np.flatnonzero(np.diff(g_sorted)) + 1
+    for members in np.split(order, bounds):
+        if groups[members[0]] < 0 or len(members) - 1 < min_peers:
+            continue
+        out[members] = _loo_median(x[members])
+    return out
 
 
 def node_causes(node: Mapping[str, Mapping[str, float]], frame: GpuFrame, p: CauseParams) -> dict[str, tuple[str, dict[str, float]]]:
     """node -> (cause, evidence) for the nodes whose host, fabric or PCIe evidence stands out from their peers'.
 
-    One cause per node, the most specific first: fabric (pause, discards), then PCIe (AER), then host."""
-    peers_of = _peers(frame)
-    every = set(node)
+    Peers are the other nodes of the job most of the node's GPUs run, else (fewer than ``min_peers``) every
+    other node. One cause per node, the most specific first: fabric (pause, discards), then PCIe (AER), then
+    host. Linear in the fleet (one sort per job and feature), whatever the jobs' sizes."""
+    names = sorted(node)
+    if len(names) < 2:
+        return {}
+
+    def col(f: str) -> FloatArray:
+        return np.array([float(v) if (v := node[n].get(f)) is not None else np.nan for n in names])
+
+    groups = _node_groups(names, frame)
+    cpus, steal_s = col("host_cpus"), col("host_steal")
+    with np.errstate(invalid="ignore", divide="ignore"):
+        steal = np.where(np.isfinite(cpus) & (cpus > 0), steal_s / cpus, np.nan)
+    feats = {f: col(f) for f in ("node_pause", "node_discards", "node_pause_storm", "node_aer_cor",
+                                 "host_cpu_pressure")}
+    feats["steal"] = steal
+
+    def stands_out(f: str, minimum: float) -> np.ndarray:
+        x = feats[f]
+        with np.errstate(invalid="ignore"):
+            hot: np.ndarray = np.isfinite(x) & (x >= minimum)
+            if hot.any():
+                med = _peer_median(x, groups, p.min_peers)
+                hot &= np.isfinite(med) & (x >= p.ratio * med)
+        return hot
+
+    def none_at_peers(f: str) -> np.ndarray:
+        x = feats[f]
+        with np.errstate(invalid="ignore"):
+            hot: np.ndarray = np.isfinite(x) & (x >= 1)
+            if hot.any():
+                hot &= _peer_median(x, groups, p.min_peers) == 0
+        return hot
+
+    rules: list[tuple[np.ndarray, str, str, str]] = [
+        (stands_out("node_pause", p.pause_min), "network", "value:pfc_paused_fraction", "node_pause"),
+        (none_at_peers("node_discards"), "network", "value:nic_discards", "node_discards"),
+        (none_at_peers("node_pause_storm"), "network", "value:pause_storm_events", "node_pause_storm"),
+        (stands_out("node_aer_cor", p.aer_rate), "pcie", "value:aer_correctable_per_s", "node_aer_cor"),
+        (stands_out("host_cpu_pressure", p.pressure_min), "host", "value:cpu_pressure", "host_cpu_pressure"),
+        (stands_out("steal", p.steal_min), "host", "value:cpu_steal", "steal"),
+    ]
     out: dict[str, tuple[str, dict[str, float]]] = {}
-
-    def get(n: str, f: str) -> float:
-        v = node.get(n, {}).get(f)
-        return float(v) if v is not None else float("nan")
-
-    def steal_fraction(n: str) -> float:
-        cpus = get(n, "host_cpus")
-        s = get(n, "host_steal")
-        return s / cpus if np.isfinite(cpus) and cpus > 0 else float("nan")
-
-    for n in sorted(node):
-        peers = peers_of.get(n, set()) & every
-        if len(peers) < p.min_peers:
-            peers = every - {n}
-        if not peers:
-            continue
-
-        def vals(f: str, pp: set[str] = peers) -> list[float]:
-            return [get(q, f) for q in pp]
-
-        pause, discards, storm = get(n, "node_pause"), get(n, "node_discards"), get(n, "node_pause_storm")
-        peer_discards = [v for v in vals("node_discards") if np.isfinite(v)]
-        peer_storm = [v for v in vals("node_pause_storm") if np.isfinite(v)]
-        if _stands_out(pause, vals("node_pause"), p.pause_min, p.ratio):
-            out[n] = ("network", {"value:pfc_paused_fraction": pause})
-        elif np.isfinite(discards) and discards >= 1 and peer_discards and float(np.median(peer_discards)) == 0:
-            out[n] = ("network", {"value:nic_discards": discards})
-        elif np.isfinite(storm) and storm >= 1 and peer_storm and float(np.median(peer_storm)) == 0:
-            out[n] = ("network", {"value:pause_storm_events": storm})
-        elif _stands_out(get(n, "node_aer_cor"), vals("node_aer_cor"), p.aer_rate, p.ratio):
-            out[n] = ("pcie", {"value:aer_correctable_per_s": get(n, "node_aer_cor")})
-        elif _stands_out(get(n, "host_cpu_pressure"), vals("host_cpu_pressure"), p.pressure_min, p.ratio):
-            out[n] = ("host", {"value:cpu_pressure": get(n, "host_cpu_pressure")})
-        elif _stands_out(steal_fraction(n), [steal_fraction(q) for q in peers], p.steal_min, p.ratio):
-            out[n] = ("host", {"value:cpu_steal": steal_fraction(n)})
+    for mask, cause, key, f in rules:
+        for i in np.flatnonzero(mask):
+            out.setdefault(names[i], (cause, {key: float(feats[f][i])}))
     return out
 
 

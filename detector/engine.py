@@ -80,6 +80,8 @@ class Detector:
                                           cfg.findings.stale_after, summarize, cfg.findings.merge_seconds)
         self.pue: dict[str, PueMonitor] = {}
         self.baseline = Baseline()
+        self._gpu_index = _EntityIndex()
+        self._nic_index = _EntityIndex()
         self.last: Evaluation | None = None
 
     def evaluate(self, t: float) -> Evaluation:
@@ -124,33 +126,41 @@ class Detector:
                 cands.append(("pue_drift", Candidate("", None, None, site, "", 10.0 * (state.magnitude or 0.0)
                                                      / max(cfg.pue.min_drift, 1e-9), ev)))
         cands = [(k, c) for k, c in cands if shard.owns_finding(cfg.shard, k, c.node, c.site)]
-        gpus_ok = {(n, g) for n, g, v in zip(snap.gpu.nodes, snap.gpu.gpus, snap.gpu.valid, strict=True) if v}
-        gpus_ok |= slices.observed
-        nodes_ok = {n for n, _ in gpus_ok}
+        # Which entities were judged in this evaluation (the tracker asks only for its pending and open findings'
+        # keys, so look them up in arrays through a (node, gpu) index kept while the fleet's GPUs stay the same).
         # A straggler can only be judged while the GPU is scored (busy among busy peers): while its job pauses
         # together (checkpoint, evaluation restart) or is down, the finding neither clears nor goes on.
         # Throttling can only show on a busy GPU: one that idled for part of the window (checkpoint, job down)
         # is not judged either.
-        busy = np.nan_to_num(g.get("util"), nan=0.0) >= JUDGE_UTIL
-        gpus_busy = {(n, gg) for n, gg, v, b in zip(g.nodes, g.gpus, g.valid, busy, strict=True) if v and b}
-        nodes_busy = {n for n, _ in gpus_busy}
-        scored = {(n, gg) for n, gg, s in zip(g.nodes, g.gpus, st.scored, strict=True) if s and (n, gg) in gpus_busy}
-        scored |= slices.observed  # MIG slices (detector.mig), judged on their own
-        nodes_scored = {n for n, _ in scored}
-        nics_ok = {(n, f"{d}/{p}") for n, d, p in zip(snap.nic.nodes, snap.nic.devices, snap.nic.ports, strict=True)}
+        valid = np.asarray(g.valid, dtype=bool)
+        busy = valid & (np.nan_to_num(g.get("util"), nan=0.0) >= JUDGE_UTIL)
+        judged = busy & np.asarray(st.scored, dtype=bool)
+        gpu_pos, gpu_nodes = self._gpu_index.get(g.nodes, g.gpus)
+        nic_pos, _ = self._nic_index.get(snap.nic.nodes, [f"{d}/{p}" for d, p in
+                                                                   zip(snap.nic.devices, snap.nic.ports, strict=True)])
+        slice_nodes = {n for n, _ in slices.observed}
         sites_ok = set(pue_states)
+
+        def on(mask: np.ndarray, node: str, gpu: str) -> bool:
+            if gpu:
+                if (node, gpu) in slices.observed:
+                    return True
+                i = gpu_pos.get((node, gpu))
+                return i is not None and bool(mask[i])
+            idx = gpu_nodes.get(node)
+            return node in slice_nodes or (idx is not None and bool(mask[idx].any()))
 
         def observed(k: Key) -> bool:
             kind, node, gpu, nic, site, _ = k
             if kind == "pue_drift":
                 return site in sites_ok
             if kind == "network":
-                return (node, nic) in nics_ok if nic else node in nodes_ok
+                return (node, nic) in nic_pos if nic else on(valid, node, "")
             if kind == "straggler":
-                return (node, gpu) in scored if gpu else node in nodes_scored
+                return on(judged, node, gpu)
             if kind == "throttling":
-                return (node, gpu) in gpus_busy if gpu else node in nodes_busy
-            return (node, gpu) in gpus_ok if gpu else node in nodes_ok
+                return on(busy, node, gpu)
+            return on(valid, node, gpu)
 
         jobs.attribute(cands, snap.gpu)
         cands += [("straggler", c) for c in slices.candidates]  # named by their own pods, not their GPU's
@@ -158,6 +168,26 @@ class Detector:
         result = Evaluation(t, snap, st, pue_states, cands, time.perf_counter() - started)
         self.last = result
         return result
+
+
+class _EntityIndex:
+    """(node, id) -> position, and node -> positions, of a frame's entities; rebuilt only when they change."""
+
+    def __init__(self) -> None:
+        self.nodes: list[str] = []
+        self.ids: list[str] = []
+        self.pos: dict[tuple[str, str], int] = {}
+        self.by_node: dict[str, np.ndarray] = {}
+
+    def get(self, nodes: list[str], ids: list[str]) -> tuple[dict[tuple[str, str], int], dict[str, np.ndarray]]:
+        if nodes != self.nodes or ids != self.ids:
+            self.nodes, self.ids = list(nodes), list(ids)
+            self.pos = {k: i for i, k in enumerate(zip(nodes, ids, strict=True))}
+            groups: dict[str, list[int]] = {}
+            for i, n in enumerate(nodes):
+                groups.setdefault(n, []).append(i)
+            self.by_node = {n: np.array(ix, dtype=np.int64) for n, ix in groups.items()}
+        return self.pos, self.by_node
 
 
 @contextmanager

@@ -112,9 +112,16 @@ def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray 
     fabric = np.array([r == "fabric" for r in roles])
     tx = np.nan_to_num(nic.get("nic_tx"), nan=0.0)
     busy = fabric & (tx >= p.busy_bytes_per_second)
-    groups: dict[str, list[int]] = defaultdict(list)
-    for i in np.flatnonzero(busy):
-        groups[nic_peer_key(nic, int(i), roles[i], cap)].append(int(i))
+    # Peer groups of nic_peer_key (role, link layer, capability to 2 digits), each capability formatted once.
+    groups: dict[tuple[str, str, str], list[int]] = defaultdict(list)
+    busy_idx = np.flatnonzero(busy)
+    if len(busy_idx):
+        caps = np.asarray(cap, dtype=float)[busy_idx]
+        uniq, inv = np.unique(np.where(np.isfinite(caps), caps, -1.0), return_inverse=True)
+        cap_s = [f"{float(c):.2g}" if c >= 0 else "?" for c in uniq]
+        layers = nic.link_layers
+        for j, k in zip(busy_idx.tolist(), inv.tolist(), strict=True):
+            groups[(roles[j], layers[j] if layers else "", cap_s[k])].append(j)
     for members in groups.values():
         if len(members) < p.min_peers:
             continue

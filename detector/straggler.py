@@ -132,16 +132,36 @@ def peer_key(frame: GpuFrame, i: int, p: StragglerParams, limit_ref: FloatArray 
 
 def _groups(frame: GpuFrame, eligible: FloatArray, p: StragglerParams,
             limit_ref: FloatArray | None = None) -> FloatArray:
-    names = [peer_key(frame, i, p, limit_ref) if eligible[i] else None for i in range(len(frame))]
-    counts: dict[str, int] = defaultdict(int)
-    for n in names:
-        if n is not None:
-            counts[n] += 1
-    ids: dict[str, int] = {}
-    out = np.full(len(frame), -1, dtype=np.int64)
-    for i, n in enumerate(names):
-        if n is not None and counts[n] >= p.min_peers:
-            out[i] = ids.setdefault(n, len(ids))
+    """Peer-group id per GPU (-1: not scored): the groups of :func:`peer_key` with at least ``min_peers`` eligible
+    members, in order of first appearance. Computed with one dict pass and array operations (the same partition
+    as calling :func:`peer_key` per GPU, which at 100k GPUs would dominate the evaluation)."""
+    n = len(frame)
+    ok = np.asarray(eligible, dtype=bool).copy()
+    if frame.sync is not None:
+        ok &= np.asarray(frame.sync, dtype=bool)
+    ns = list(frame.namespaces) + [None] * (n - len(frame.namespaces))
+    index: dict[tuple[str, str, str], int] = {}
+    code = np.empty(n, dtype=np.int64)
+    for i, (job, space, model) in enumerate(zip(frame.jobs, ns, frame.models, strict=True)):
+        if " MIG " in model or (not job and not p.compare_jobless):
+            ok[i] = False
+        code[i] = index.setdefault((job or "", (space or "") if job else "", model), len(index))
+    if limit_ref is not None:
+        lim = np.asarray(limit_ref, dtype=float)
+        with np.errstate(invalid="ignore"):
+            bucket = np.where(np.isfinite(lim), np.round(lim / 10.0) * 10.0, -1.0)
+        _, bucket_code = np.unique(bucket, return_inverse=True)
+        code = code * (int(bucket_code.max(initial=0)) + 1) + bucket_code
+    out = np.full(n, -1, dtype=np.int64)
+    if not ok.any():
+        return out
+    sel = np.flatnonzero(ok)
+    uniq, first, inverse, counts = np.unique(code[sel], return_index=True, return_inverse=True, return_counts=True)
+    big = counts >= p.min_peers
+    rank = np.full(len(uniq), -1, dtype=np.int64)  # ids in order of each group's first member
+    kept = np.flatnonzero(big)
+    rank[kept[np.argsort(first[kept], kind="stable")]] = np.arange(len(kept))
+    out[sel] = rank[inverse]
     return out
 
 

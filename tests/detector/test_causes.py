@@ -112,3 +112,19 @@ def test_collective_timing_names_the_rank_its_peers_wait_for() -> None:
     res = straggler.score(f, StragglerParams())
     assert [(c.node, c.gpu) for c in res.candidates] == [("n1", "5")]
     assert np.isnan(collective_z(frame(), groups)).all()  # no traces: no opinion
+
+
+def test_leave_one_out_medians_match_the_definition() -> None:
+    """The one-sort leave-one-out median equals the median of the others, computed one by one (NaN = no value)."""
+    from gpufleet.detector.causes import _loo_median
+
+    rng = np.random.default_rng(7)
+    for n in (1, 2, 3, 4, 5, 8, 33):
+        for _ in range(20):
+            x = rng.choice([0.0, 0.5, 1.0, 2.0, 7.0, np.nan], size=n) + rng.normal(0, 0.01, n) * (rng.random() < 0.5)
+            got = _loo_median(x)
+            for i in range(n):
+                others = np.delete(x, i)
+                others = others[np.isfinite(others)]
+                want = float(np.median(others)) if len(others) else np.nan
+                assert (np.isnan(want) and np.isnan(got[i])) or got[i] == pytest.approx(want), (x, i)

@@ -128,3 +128,28 @@ def test_several_gpus_of_a_node_throttled_for_one_reason_are_one_node_candidate(
     g.values["thr_thermal"][5] = 0.6  # one GPU of node-001
     got = sorted((c.node, c.gpu) for c in throttled(g, ThrottleParams()))
     assert got == [("node-000", None), ("node-001", "1")]
+
+
+def test_peer_groups_are_the_partition_peer_key_defines() -> None:
+    """The array-based peer grouping gives exactly the groups of peer_key (jobs, namespaces, models, MIG mode,
+    power-limit buckets, inference pods, min_peers), on a random mixed frame."""
+    from gpufleet.detector.straggler import _groups, peer_key
+
+    rng = np.random.default_rng(11)
+    n = 400
+    frame = GpuFrame([f"n{i // 8}" for i in range(n)], [str(i % 8) for i in range(n)], ["s"] * n,
+                     [["a", "b", "c", None][k] for k in rng.integers(0, 4, n)],
+                     [["H100", "A100", "H100 MIG 1g.10gb*7"][k] for k in rng.integers(0, 3, n)], {},
+                     np.ones(n, dtype=bool), np.zeros(n, dtype=bool),
+                     [None] * n, [["ns1", "ns2", None][k] for k in rng.integers(0, 3, n)], rng.random(n) > 0.1)
+    limit = rng.choice([700.0, 695.0, 400.0, np.nan], size=n)
+    eligible = rng.random(n) > 0.2
+    for compare_jobless in (False, True):
+        p = StragglerParams(min_peers=4, compare_jobless=compare_jobless)
+        got = _groups(frame, eligible, p, limit)
+        keys = [peer_key(frame, i, p, limit) if eligible[i] else None for i in range(n)]
+        sizes = {k: keys.count(k) for k in set(keys) if k is not None}
+        want = [k if k is not None and sizes[k] >= 4 else None for k in keys]
+        assert [g < 0 for g in got] == [w is None for w in want]
+        pairs = {(int(g), w) for g, w in zip(got, want, strict=True) if w is not None}
+        assert len(pairs) == len({g for g, _ in pairs}) == len({w for _, w in pairs})  # one key per id and back
