@@ -104,6 +104,11 @@ class Detector:
         flaps = self.baseline.nic_flaps(nic.nodes, nic.devices, nic.ports, nic.get("nic_link_downed"), t,
                                         cfg.network.flap_hours * 3600.0)
         nets = network.find(nic, g, cfg.network, capability, flaps)
+        # A link that went down within the flap horizon may go down again at any time: between its downs it
+        # cannot be judged healthy, so its open findings (and the network straggler of a GPU it serves) are held.
+        went_down = np.flatnonzero(flaps >= 1)
+        nics_flapped = {(nic.nodes[i], f"{nic.devices[i]}/{nic.ports[i]}") for i in went_down}
+        gpus_flapped = {(nic.nodes[i], gg) for i in went_down for gg in nic.gpus[i]}
         nic_flags = {(c.node, c.gpu): c.score for c in nets if c.gpu is not None}
         whole = {c.node: c.score for c in nets if c.gpu is None and not c.nic}  # every fabric port of the node
         for node, gpu in zip(g.nodes, g.gpus, strict=True):
@@ -166,7 +171,13 @@ class Detector:
         nodes_low = {n for n, _ in gpus_low} - {n for n, gg in gpus_busy if (n, gg) not in gpus_low}
 
         def held(k: Key) -> bool:
-            kind, node, gpu, _, _, _ = k
+            kind, node, gpu, nic_, _, _ = k
+            if kind == "network":
+                return (node, nic_) in nics_flapped if nic_ else any(n == node for n, _ in nics_flapped)
+            if kind == "straggler" and gpu and (node, gpu) in gpus_flapped:
+                f = self.tracker.active.get(k)
+                if f is not None and f.cause == "network":
+                    return True
             if kind not in ("straggler", "throttling") or not gpus_low:
                 return False
             return (node, gpu) in gpus_low if gpu else node in nodes_low

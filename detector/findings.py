@@ -10,9 +10,11 @@ then the first clear evaluation. An evaluation in which the entity could not
 be judged (no fresh data; for stragglers, the job's peers idle together: a
 job-wide pause) counts neither way; an open finding whose entity stays
 unobserved for ``stale_after`` evaluations closes at the last time it was seen.
-An evaluation in which the entity is *held* (observed, but its whole job works
-less together, e.g. an evaluation pass, so a load-dependent fault cannot show)
-counts neither way and does not make the finding stale either.
+An evaluation in which the entity is *held* (observed, but in a phase in which
+its fault cannot show: its whole job works less together, e.g. an evaluation
+pass, for thermal and power faults; a link that went down within the flap
+horizon, between its downs) counts neither way and does not make the finding
+stale either.
 
 Identity: a finding is (kind, node, gpu, NIC, site); the job is an attribute,
 not part of it, so a finding survives a job's resubmission. Incidents: a

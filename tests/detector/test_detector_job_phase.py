@@ -1,4 +1,7 @@
-"""A job-wide low-activity phase (an evaluation pass) is no clear evidence for a load-dependent fault.
+"""Phases in which a fault cannot show are no clear evidence: one problem stays one finding through them.
+
+A job-wide low-activity phase (an evaluation pass) hides a load-dependent fault; a link between two of its downs
+hides a flapping link.
 
 A GPU with a weak cooling path throttles while its job trains and stops throttling when the whole job runs an
 evaluation pass (less tensor work, lower power, still busy). The evaluation pass is longer than the findings'
@@ -87,3 +90,40 @@ def test_held_evaluations_neither_close_nor_stale_a_finding_and_the_job_referenc
     for t in range(120, 3600, 60):  # a lasting lower level becomes the reference within a few half-lives
         r = float(ref.update(["j"], np.array([0.4]), float(t))[0])
     assert 0.35 < r < 0.45  # (decayed since the last level by one step)
+
+
+FLAP = """
+name = "flap"
+hours = 1.0
+step = 15
+[[sites]]
+name = "a"
+nodes = 4
+gpus_per_node = 4
+[jobs]
+[[jobs.fixed]]
+id = "train"
+nodes = ["node-000", "node-001", "node-002", "node-003"]
+[[faults]]
+kind = "ib_link_flapping"
+node = "node-002"
+nic = 1
+onset = "10m"
+severity = "marginal"
+"""
+#: a recording whose link stays up longer than the merge window between two of its downs
+SEED_FLAP = 1
+
+
+@pytest.mark.parametrize("profile", ["gpufleet", "dcgm"])
+def test_a_flapping_link_is_one_finding_through_quiet_spells_longer_than_the_merge_window(
+        tmp_path: Path, profile: str) -> None:
+    # a few downs an hour: spells of 5..20 minutes between them, each longer than the 5-minute merge window
+    sc = parse_scenario(tomllib.loads(FLAP))
+    res = record(Simulator(sc, seed=SEED_FLAP, start=START), tmp_path, (profile,), series="core")
+    labels = json.loads(res.labels.read_text())
+    _, findings = replay([str(res.files[profile])], _config(profile), float(labels["step"]))
+    assert findings and all(f.node == "node-002" for f in findings)
+    per_kind = [f.kind for f in findings]
+    assert len(per_kind) == len(set(per_kind)), [(f.kind, f.start - START, f.end and f.end - START) for f in findings]
+    assert len({f.incident for f in findings}) == 1
