@@ -9,7 +9,11 @@ references come from the entity itself rather than from its peers:
 * a NIC's capability: the highest rate it negotiated (a 200G adapter is judged
   against 200G; a 400G link that trains down to 200G is reduced);
 * a NIC's recent link downs: a link that went down in several episodes within
-  the last hour is flapping, and stays suspect between its flaps.
+  the last hour is flapping, and stays suspect between its flaps;
+* a job's recent activity level (the median power and tensor activity of its
+  busy GPUs, a maximum that decays with a half-life of ``activity_half_life``):
+  a job whose GPUs all do less work together (an evaluation pass) is in a phase
+  in which a load-dependent fault (thermal, power) cannot show.
 
 Each reference is the running maximum of the entity's values; an entity
 unseen for ``forget_seconds`` is forgotten, so the store stays bounded in a
@@ -56,6 +60,38 @@ class RunningMax:
         return len(self.store)
 
 
+class DecayingMax:
+    """Per entity key: the maximum of its recent values, decaying towards newer ones with a half-life.
+
+    A permanent change of level becomes the reference within a few half-lives; a short dip never does.
+    """
+
+    def __init__(self, half_life: float, forget_seconds: float = 7 * 86400.0) -> None:
+        self.half_life = max(1.0, half_life)
+        self.forget_seconds = forget_seconds
+        self.store: dict[Hashable, tuple[float, float]] = {}  # key -> (reference, time of the reference)
+        self._pruned = float("-inf")
+
+    def update(self, keys: Sequence[Hashable], values: FloatArray, t: float) -> FloatArray:
+        """Fold ``values`` (NaN: none) in; the reference per key before this evaluation (NaN: none yet)."""
+        out = np.full(len(keys), np.nan)
+        store = self.store
+        for i, k in enumerate(keys):
+            old = store.get(k)
+            ref = old[0] * 0.5 ** (max(0.0, t - old[1]) / self.half_life) if old is not None else float("nan")
+            out[i] = ref
+            v = float(values[i])
+            if v == v:
+                store[k] = (v if old is None or v > ref else ref, t)
+            elif old is not None:
+                store[k] = (ref, t)
+        if t - self._pruned >= 3600.0:
+            self._pruned = t
+            for k in [k for k, (_, seen) in store.items() if t - seen > self.forget_seconds]:
+                del store[k]
+        return out
+
+
 class Episodes:
     """Per entity: the times episodes of an event began (an evaluation with the event after one without)."""
 
@@ -85,10 +121,11 @@ class Episodes:
 class Baseline:
     """The detector's per-entity references (see the module docstring)."""
 
-    def __init__(self, forget_seconds: float = 7 * 86400.0) -> None:
+    def __init__(self, forget_seconds: float = 7 * 86400.0, activity_half_life: float = 1800.0) -> None:
         self.power_limit = RunningMax(forget_seconds)
         self.nic_rate = RunningMax(forget_seconds)
         self.link_downs = Episodes()
+        self.job_activity = DecayingMax(activity_half_life, forget_seconds)
 
     def gpu_power_limit(self, nodes: Sequence[str], gpus: Sequence[str], limit: FloatArray, t: float) -> FloatArray:
         return self.power_limit.update(list(zip(nodes, gpus, strict=True)), limit, t)
@@ -102,3 +139,10 @@ class Baseline:
         """Per NIC: episodes of link downs that began within ``horizon`` seconds (a flapping link)."""
         keys = list(zip(nodes, devices, ports, strict=True))
         return self.link_downs.update(keys, np.nan_to_num(downed, nan=0.0) > 0, t, horizon)
+
+    def job_activity_ratio(self, jobs: Sequence[tuple[str, str]], level: FloatArray, t: float) -> FloatArray:
+        """Per (job, activity feature): this evaluation's level over the job's recent reference (NaN: no level
+        now or no reference yet)."""
+        ref = self.job_activity.update(list(jobs), level, t)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(ref > 0, level / ref, np.nan)

@@ -18,7 +18,7 @@ import numpy as np
 from gpufleet.detector import causes, jobs, mig, network, shard, straggler, throttling
 from gpufleet.detector.baseline import Baseline
 from gpufleet.detector.config import DetectorConfig
-from gpufleet.detector.features import FeatureFrame, NodeNaming, collect
+from gpufleet.detector.features import FeatureFrame, GpuFrame, NodeNaming, collect
 from gpufleet.detector.findings import Key, Tracker
 from gpufleet.detector.profiles import Query, queries, site_queries
 from gpufleet.detector.pue import PueMonitor, PueState
@@ -28,6 +28,13 @@ from gpufleet.detector.straggler import Candidate, StragglerResult
 #: A GPU busy for less of the window than this cannot be judged clear of a straggler or throttling finding
 #: (it idled: a checkpoint, its job down or restarting); the finding neither closes nor goes on meanwhile.
 JUDGE_UTIL = 0.9
+#: A job whose busy GPUs all do this much less work than the job did recently (median power or tensor activity
+#: below 1 - this of the job's recent level: an evaluation pass, a lighter phase) is in a phase in which a
+#: load-dependent fault (thermal, power) cannot show: its GPUs' open straggler and throttling findings are held
+#: meanwhile (neither judged clear nor stale; see :meth:`Tracker.update`).
+JOB_ACTIVITY_DROP = 0.2
+#: The activity features of :data:`JOB_ACTIVITY_DROP` (each where the profile has it).
+ACTIVITY = ("power", "tensor")
 
 
 @dataclass
@@ -99,6 +106,11 @@ class Detector:
         flaps = self.baseline.nic_flaps(nic.nodes, nic.devices, nic.ports, nic.get("nic_link_downed"), t,
                                         cfg.network.flap_hours * 3600.0)
         nets = network.find(nic, g, cfg.network, capability, flaps)
+        # A link that went down within the flap horizon may go down again at any time: between its downs it
+        # cannot be judged healthy, so its open findings (and the network straggler of a GPU it serves) are held.
+        went_down = np.flatnonzero(flaps >= 1)
+        nics_flapped = {(nic.nodes[i], f"{nic.devices[i]}/{nic.ports[i]}") for i in went_down}
+        gpus_flapped = {(nic.nodes[i], gg) for i in went_down for gg in nic.gpus[i]}
         nic_flags = {(c.node, c.gpu): c.score for c in nets if c.gpu is not None}
         whole = {c.node: c.score for c in nets if c.gpu is None and not c.nic}  # every fabric port of the node
         for node, gpu in zip(g.nodes, g.gpus, strict=True):
@@ -162,12 +174,57 @@ class Detector:
                 return on(busy, node, gpu)
             return on(valid, node, gpu)
 
+        # The whole job works less together (an evaluation pass): a load-dependent fault cannot show, so its
+        # GPUs' open straggler and throttling findings are held (neither clear nor stale) meanwhile.
+        low = self._job_phase_low(g, busy, t)
+        gpus_low = {(n, gg) for n, gg, lo in zip(g.nodes, g.gpus, low, strict=True) if lo}
+        nodes_low = {n for n, _ in gpus_low} - {n for n, gg in gpus_busy if (n, gg) not in gpus_low}
+
+        def held(k: Key) -> bool:
+            kind, node, gpu, nic_, _, _ = k
+            if kind == "network":
+                return (node, nic_) in nics_flapped if nic_ else any(n == node for n, _ in nics_flapped)
+            if kind == "straggler" and gpu and (node, gpu) in gpus_flapped:
+                f = self.tracker.active.get(k)
+                if f is not None and f.cause == "network":
+                    return True
+            if kind not in ("straggler", "throttling") or not gpus_low:
+                return False
+            return (node, gpu) in gpus_low if gpu else node in nodes_low
+
         jobs.attribute(cands, snap.gpu)
         cands += [("straggler", c) for c in slices.candidates]  # named by their own pods, not their GPU's
-        self.tracker.update(t, cands, observed)
+        self.tracker.update(t, cands, observed, held)
         result = Evaluation(t, snap, st, pue_states, cands, time.perf_counter() - started)
         self.last = result
         return result
+
+    def _job_phase_low(self, g: GpuFrame, busy: np.ndarray, t: float) -> np.ndarray:
+        """Per GPU: its job (two or more busy GPUs) is in a low-activity phase (see :data:`JOB_ACTIVITY_DROP`)."""
+        low = np.zeros(len(g.nodes), dtype=bool)
+        ok = busy & g.valid.astype(bool)
+        members: dict[str, list[int]] = {}
+        for i in np.flatnonzero(ok):
+            job = g.jobs[int(i)]
+            if job:
+                members.setdefault(job, []).append(int(i))
+        members = {j: ix for j, ix in members.items() if len(ix) >= 2}
+        if not members:
+            return low
+        keys: list[tuple[str, str]] = []
+        levels: list[float] = []
+        for feat in ACTIVITY:
+            vals = g.get(feat)
+            for job, ix in members.items():
+                v = vals[ix]
+                v = v[np.isfinite(v)]
+                keys.append((job, feat))
+                levels.append(float(np.median(v)) if v.size else float("nan"))
+        ratio = self.baseline.job_activity_ratio(keys, np.asarray(levels), t)
+        lowjobs = {job for (job, _), r in zip(keys, ratio, strict=True) if r < 1.0 - JOB_ACTIVITY_DROP}
+        for job in lowjobs:
+            low[members[job]] = True
+        return low
 
 
 class _EntityIndex:

@@ -10,6 +10,11 @@ then the first clear evaluation. An evaluation in which the entity could not
 be judged (no fresh data; for stragglers, the job's peers idle together: a
 job-wide pause) counts neither way; an open finding whose entity stays
 unobserved for ``stale_after`` evaluations closes at the last time it was seen.
+An evaluation in which the entity is *held* (observed, but in a phase in which
+its fault cannot show: its whole job works less together, e.g. an evaluation
+pass, for thermal and power faults; a link that went down within the flap
+horizon, between its downs) counts neither way and does not make the finding
+stale either.
 
 Identity: a finding is (kind, node, gpu, NIC, site); the job is an attribute,
 not part of it, so a finding survives a job's resubmission. Incidents: a
@@ -131,7 +136,11 @@ class Tracker:
         self.closed: deque[Finding] = deque(maxlen=max(1, history))
 
     def update(self, t: float, candidates: Iterable[tuple[str, Candidate]],
-               observed: Callable[[Key], bool]) -> None:
+               observed: Callable[[Key], bool], held: Callable[[Key], bool] | None = None) -> None:
+        """Fold one evaluation's candidates in. ``observed(key)``: the entity could be judged (fresh data, busy);
+        ``held(key)``: it is observed but in a phase in which its fault cannot show (its whole job works less
+        together): an open finding then neither clears nor goes stale (the phase is bounded by the job's own
+        activity reference adapting), while a pending candidate's run is reset as by any observed evaluation."""
         dt = t - self._last_t if self._last_t is not None else 0.0
         self._last_t = t
         seen: set[Key] = set()
@@ -183,6 +192,8 @@ class Tracker:
                 del self.pending[k]  # a clear, observed evaluation resets the run
         for k in [k for k in self.active if k not in seen]:
             f = self.active[k]
+            if held is not None and held(k):
+                continue
             if observed(k):
                 self.unseen.pop(k, None)
                 n = self.clear[k] = self.clear.get(k, 0) + 1

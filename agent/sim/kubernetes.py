@@ -100,8 +100,9 @@ class KubeScenario:
             self._index.update({(p.sim_job, p.node): p for p in self.pods})
         return self._index.get((sim_job, node))
 
-    def simulator(self) -> Simulator:
-        sim = Simulator(self.scenario, seed=self.seed)
+    def simulator(self, start: float | None = None) -> Simulator:
+        """The scenario's simulator; ``start``: the recording's first time (None: now)."""
+        sim = Simulator(self.scenario, seed=self.seed, start=start)
         sim.fault_schedule = _Workloads(sim.faults, self, sim)
         return sim
 
@@ -276,11 +277,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def record(ks: KubeScenario, out_dir: str | Path, profiles: tuple[str, ...] = ("gpufleet", "dcgm"),
-           series: str = "core") -> RecordingResult:
-    """Run ``ks`` and write its recordings (both profiles, with kube-state-metrics) and ``labels.json``."""
+           series: str = "core", start: float | None = None) -> RecordingResult:
+    """Run ``ks`` and write its recordings (both profiles, with kube-state-metrics) and ``labels.json``;
+    ``start``: the recordings' first time (None: now; a pinned time makes them reproducible)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    sim = ks.simulator()
+    sim = ks.simulator(start)
     fr = run(sim)
     files: dict[str, Path] = {}
     samples: dict[str, int] = {}

@@ -33,7 +33,8 @@ from typing import Any
 
 from gpufleet.agent.sim import kubernetes
 from gpufleet.agent.sim.faults import SEVERITY_WORDS
-from gpufleet.agent.sim.quality import QUALITY_CONFIG, Outcome, Run, markdown, score_run, summarize
+from gpufleet.agent.sim.quality import QUALITY_CONFIG, START, Outcome, Run, markdown, score_run, summarize
+from gpufleet.agent.sim.scenario import parse_time
 from gpufleet.detector.config import DetectorConfig, parse
 from gpufleet.detector.profiles import PROFILES
 from gpufleet.detector.replay import replay
@@ -83,7 +84,8 @@ def attribution(outcome: Outcome, labels: dict[str, Any]) -> tuple[int, int]:
 def execute(run: Run, workdir: str) -> list[tuple[Outcome, tuple[int, int]]]:
     ks = scenario(run)
     d = Path(workdir) / f"k8s-{run.scenario}-{run.severity}-{run.seed}"
-    res = kubernetes.record(ks, d, PROFILES, series=run.series)
+    # pinned, as the bare-metal harness's: the figures reproduce
+    res = kubernetes.record(ks, d, PROFILES, series=run.series, start=parse_time(START))
     labels = json.loads(res.labels.read_text())
     outs = []
     for profile in PROFILES:

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from gpufleet.agent.sim import kubernetes, quality_kubernetes
-from gpufleet.agent.sim.quality import Run
+from gpufleet.agent.sim.quality import START, Run
+from gpufleet.agent.sim.scenario import parse_time
 from gpufleet.detector.profiles import PROFILES, Query
 from gpufleet.detector.source_recording import RecordingSource
 
@@ -127,6 +128,9 @@ def test_harness_finds_a_slow_pod_names_it_and_nothing_else(tmp_path: Path) -> N
         assert o.false_findings == [] and o.true_findings >= 1
         assert named == total >= 1
         assert o.findings[0]["pod"].startswith("gpt-trainer-1-0-") and o.findings[0]["job"] == "gpt"
+    # recorded from the bare-metal harness's pinned start, not the wall clock: the figures reproduce
+    labels = json.loads((tmp_path / "k8s-slow_pod-obvious-1" / "labels.json").read_text())
+    assert labels["start"] == parse_time(START)
     summary = quality_kubernetes.kube_summary(outs)
     assert summary["kubernetes"]["dcgm"]["attribution"] == 1.0
     assert "attribution (namespace, pod, job)" in quality_kubernetes.kube_markdown(summary)
