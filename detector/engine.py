@@ -178,7 +178,8 @@ class Detector:
         # GPUs' open straggler and throttling findings are held (neither clear nor stale) meanwhile.
         low = self._job_phase_low(g, busy, t)
         gpus_low = {(n, gg) for n, gg, lo in zip(g.nodes, g.gpus, low, strict=True) if lo}
-        nodes_low = {n for n, _ in gpus_low} - {n for n, gg in gpus_busy if (n, gg) not in gpus_low}
+        busy_not_low = busy & ~low  # a node is low only when none of its busy GPUs works normally
+        nodes_low = {n for n, _ in gpus_low if not bool(busy_not_low[gpu_nodes[n]].any())}
 
         def held(k: Key) -> bool:
             kind, node, gpu, nic_, _, _ = k
