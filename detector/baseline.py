@@ -30,31 +30,61 @@ FloatArray = np.ndarray
 
 
 class RunningMax:
-    """Running maximum per entity key, with the time it was last seen."""
+    """Running maximum per entity key, with the time it was last seen.
+
+    Kept in arrays by slot (key -> slot in a dict); while an evaluation brings the same keys as the last one,
+    the slots are reused and the update is array operations (at 100k GPUs a dict lookup per key would dominate).
+    """
 
     def __init__(self, forget_seconds: float = 7 * 86400.0) -> None:
         self.forget_seconds = forget_seconds
-        self.store: dict[Hashable, tuple[float, float]] = {}
+        self.slot: dict[Hashable, int] = {}
+        self.maxv = np.zeros(0)
+        self.seen = np.zeros(0)
+        self._keys: list[Hashable] | None = None
+        self._idx = np.zeros(0, dtype=np.int64)
         self._pruned = float("-inf")
+
+    def _slots(self, keys: Sequence[Hashable]) -> np.ndarray:
+        if self._keys is not None and len(keys) == len(self._keys) and list(keys) == self._keys:
+            return self._idx
+        slot = self.slot
+        idx = np.fromiter((slot.setdefault(k, len(slot)) for k in keys), dtype=np.int64, count=len(keys))
+        grow = len(slot) - len(self.maxv)
+        if grow > 0:
+            self.maxv = np.concatenate((self.maxv, np.full(grow, np.nan)))
+            self.seen = np.concatenate((self.seen, np.full(grow, -np.inf)))
+        self._keys, self._idx = list(keys), idx
+        return idx
 
     def update(self, keys: Sequence[Hashable], values: FloatArray, t: float) -> FloatArray:
         """Fold this evaluation's ``values`` (NaN: none) in; the reference per key (NaN: never seen a value)."""
-        out = np.full(len(keys), np.nan)
-        store = self.store
-        for i, k in enumerate(keys):
-            v = float(values[i])
-            old = store.get(k)
-            if v == v:  # finite or inf; NaN is no value
-                m = v if old is None or v > old[0] else old[0]
-                store[k] = (m, t)
-                out[i] = m
-            elif old is not None:
-                out[i] = old[0]
+        idx = self._slots(keys)
+        v = np.asarray(values, dtype=float)
+        has = ~np.isnan(v)
+        out: FloatArray = np.where(has, np.fmax(self.maxv[idx], v), self.maxv[idx])
+        self.maxv[idx] = out
+        self.seen[idx[has]] = t
         if t - self._pruned >= 3600.0:
             self._pruned = t
-            for k in [k for k, (_, seen) in store.items() if t - seen > self.forget_seconds]:
-                del store[k]
+            self._forget(t)
         return out
+
+    def _forget(self, t: float) -> None:
+        stale = (t - self.seen) > self.forget_seconds
+        if not stale.any():
+            return
+        keep = [(k, i) for k, i in self.slot.items() if not stale[i]]
+        order = np.array([i for _, i in keep], dtype=np.int64)
+        self.slot = {k: j for j, (k, _) in enumerate(keep)}
+        self.maxv, self.seen = self.maxv[order], self.seen[order]
+        self._keys = None  # slots renumbered
+
+    @property
+    def store(self) -> dict[Hashable, tuple[float, float]]:
+        """key -> (maximum, last seen) of the keys with a value."""
+        return {k: (float(self.maxv[i]), float(self.seen[i])) for k, i in self.slot.items()
+                if not np.isnan(self.maxv[i])}
 
     def __len__(self) -> int:
         return len(self.store)

@@ -153,3 +153,26 @@ def test_peer_groups_are_the_partition_peer_key_defines() -> None:
         assert [g < 0 for g in got] == [w is None for w in want]
         pairs = {(int(g), w) for g, w in zip(got, want, strict=True) if w is not None}
         assert len(pairs) == len({g for g, _ in pairs}) == len({w for _, w in pairs})  # one key per id and back
+
+
+def test_running_max_is_the_max_of_each_entitys_history() -> None:
+    """The array-backed running maximum equals a plain per-key maximum over the values seen (NaN: no value),
+    through changing entity sets, and forgets keys not seen for forget_seconds."""
+    from gpufleet.detector.baseline import RunningMax
+
+    rng = np.random.default_rng(5)
+    rm = RunningMax(forget_seconds=7200.0)
+    plain: dict[str, tuple[float, float]] = {}
+    t = 0.0
+    for step in range(60):
+        t += 600.0
+        keys = [f"k{i}" for i in range(rng.integers(3, 12))] if step % 7 else [f"k{i}" for i in range(3, 9)]
+        vals = np.where(rng.random(len(keys)) < 0.2, np.nan, rng.integers(0, 50, len(keys)).astype(float))
+        for k in [k for k, (_, seen) in plain.items() if t - seen > 7200.0 and step % 6 == 0]:
+            del plain[k]
+        got = rm.update(keys, vals, t)
+        for k, v, g in zip(keys, vals, got, strict=True):
+            if not np.isnan(v):
+                plain[k] = (max(v, plain[k][0]) if k in plain else v, t)
+            want = plain[k][0] if k in plain else np.nan
+            assert (np.isnan(want) and np.isnan(g)) or g == want, (step, k)
