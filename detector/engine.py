@@ -92,7 +92,7 @@ class Detector:
         self.last: Evaluation | None = None
 
     def evaluate(self, t: float) -> Evaluation:
-        with _gc_paused():
+        with gc_paused():
             return self._evaluate(t)
 
     def _evaluate(self, t: float) -> Evaluation:
@@ -249,8 +249,8 @@ class _EntityIndex:
 
 
 @contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector during one evaluation.
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector during one evaluation (also replay's load and import).
 
     An evaluation allocates millions of small acyclic objects (label tuples, lists) while the query results
     (one label dict per series) are alive; every full collection walks that whole heap, so with the collector

@@ -6,14 +6,13 @@ Shared by ``gpufleet-detector replay``/``report`` and the simulator's quality ha
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from gpufleet.detector.config import DetectorConfig
-from gpufleet.detector.engine import Detector
+from gpufleet.detector.engine import Detector, gc_paused
 from gpufleet.detector.findings import Finding
 from gpufleet.detector.profiles import sample_names
 from gpufleet.detector.source_recording import RecordingSource
@@ -30,7 +29,7 @@ def replay(files: Sequence[str], cfg: DetectorConfig, step: float | None = None,
     metrics = sample_names(cfg.profile) | _site_metrics(cfg)
     if overlap is None:
         overlap = cfg.straggler.isolation_forest and "sklearn" not in sys.modules and _cpus() >= 2
-    with _gc_paused():  # the import and the series are long-lived objects: no garbage cycles to look for
+    with gc_paused():  # the import and the series are long-lived objects: no garbage cycles to look for
         if overlap:
             src = RecordingSource.load_beside(files, metrics, _import_forest)
         else:
@@ -66,18 +65,6 @@ def replay(files: Sequence[str], cfg: DetectorConfig, step: float | None = None,
     if missing:
         sys.stderr.write(f"gpufleet-detector: inputs not found in the recording: {', '.join(sorted(missing))}\n")
     return det, det.tracker.all_findings()
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """The cyclic garbage collector paused (importing scikit-learn alone triggers collections worth ~0.1 s CPU)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _import_forest() -> None:

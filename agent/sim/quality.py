@@ -44,17 +44,19 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from gpufleet.agent.sim.faults import SEVERITY_WORDS
 from gpufleet.detector.config import DetectorConfig, parse
 from gpufleet.detector.findings import Finding
 from gpufleet.detector.profiles import PROFILES
 from gpufleet.detector.replay import replay
+
+T = TypeVar("T")
 
 FAULT_SCENARIOS = ("clock_stuck_low", "cooling_failure", "intermittent_thermal", "power_brake", "power_cap",
                    "ib_link_degraded", "ib_link_flapping", "network_congestion", "pcie_downgrade", "nvlink_down",
@@ -305,6 +307,20 @@ def markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_all(execute: Callable[[Run, str], T], runs: Sequence[Run], jobs: int, prefix: str,
+            done: Callable[[int, T], None]) -> None:
+    """Execute every run in a scratch directory (``jobs`` processes when more than one), calling ``done`` with
+    each result in the runs' order (1-based index)."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as work:
+        if jobs > 1:
+            with ProcessPoolExecutor(jobs) as pool:
+                for i, res in enumerate(pool.map(execute, runs, [work] * len(runs)), 1):
+                    done(i, res)
+        else:
+            for i, run in enumerate(runs, 1):
+                done(i, execute(run, work))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gpufleet.agent.sim.quality", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 seed, moderate and obvious only, shorter controls")
@@ -346,14 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                           for o in outs]}, indent=1))
         (out / "quality.md").write_text(markdown(summary))
 
-    with tempfile.TemporaryDirectory(prefix="gpufleet-quality-") as work:
-        if args.jobs > 1:
-            with ProcessPoolExecutor(args.jobs) as pool:
-                for i, res in enumerate(pool.map(execute, runs, [work] * len(runs)), 1):
-                    done(i, res)
-        else:
-            for i, run in enumerate(runs, 1):
-                done(i, execute(run, work))
+    run_all(execute, runs, args.jobs, "gpufleet-quality-", done)
     sys.stdout.write(markdown(summary))
     sys.stdout.write(f"\n{len(runs)} runs x {len(PROFILES)} profiles in {summary['wall_seconds']} s; "
                      f"details in {out / 'quality.json'}\n")

@@ -24,16 +24,23 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from gpufleet.agent.sim import kubernetes
 from gpufleet.agent.sim.faults import SEVERITY_WORDS
-from gpufleet.agent.sim.quality import QUALITY_CONFIG, START, Outcome, Run, markdown, score_run, summarize
+from gpufleet.agent.sim.quality import (
+    QUALITY_CONFIG,
+    START,
+    Outcome,
+    Run,
+    markdown,
+    run_all,
+    score_run,
+    summarize,
+)
 from gpufleet.agent.sim.scenario import parse_time
 from gpufleet.detector.config import DetectorConfig, parse
 from gpufleet.detector.profiles import PROFILES
@@ -208,14 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                            "false_findings": o.false_findings} for o, _ in results]}, indent=1))
         (out / "quality-kubernetes.md").write_text(kube_markdown(summary))
 
-    with tempfile.TemporaryDirectory(prefix="gpufleet-quality-k8s-") as work:
-        if args.jobs > 1:
-            with ProcessPoolExecutor(args.jobs) as pool:
-                for i, res in enumerate(pool.map(execute, runs, [work] * len(runs)), 1):
-                    done(i, res)
-        else:
-            for i, run in enumerate(runs, 1):
-                done(i, execute(run, work))
+    run_all(execute, runs, args.jobs, "gpufleet-quality-k8s-", done)
     sys.stdout.write(kube_markdown(summary))
     sys.stdout.write(f"\n{len(runs)} runs x {len(PROFILES)} profiles in {summary.get('wall_seconds')} s; "
                      f"details in {out / 'quality-kubernetes.json'}\n")

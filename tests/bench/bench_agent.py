@@ -84,6 +84,28 @@ def _agent(n: int) -> Any:
     return agent
 
 
+def cpu_with_and_without(agent: Any, tick: Any, new: tuple[str, ...], blocks: int) -> dict[str, list[float]]:
+    """The agent's own CPU per scrape (the fake NVML's time taken out), "with" every collector and "without" those
+    named ``new``: 3 warm-up scrapes, then ``blocks`` rounds alternating 20 scrapes of each, the virtual clock
+    ``tick`` advanced before every scrape."""
+    full = list(agent.collector.collectors)
+    fake = agent.backend.fake
+    runs: dict[str, tuple[list[Any], list[float]]] = {
+        "with": (full, []), "without": ([c for c in full if c.name not in new], [])}
+    for _ in range(3):
+        tick()
+        agent.exposition(None)
+    for _ in range(blocks):
+        for collectors, out in runs.values():
+            agent.collector.collectors = collectors
+            for _ in range(20):
+                tick()
+                f0, c0 = fake.cpu_seconds, time.process_time()
+                agent.exposition(None)
+                out.append((time.process_time() - c0) - (fake.cpu_seconds - f0))
+    return {k: out for k, (_, out) in runs.items()}
+
+
 def _virtual_clock(agent: Any, interval: float) -> Any:
     """Make the simulator and the slow tier run on a clock that ``tick()`` moves on by ``interval``."""
     from gpufleet.agent.collectors.pcie import PcieCollector

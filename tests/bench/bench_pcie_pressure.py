@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_agent
 
 from gpufleet.agent.app import Agent
-from gpufleet.agent.collectors import Collector
 from gpufleet.agent.collectors.pcie import PcieCollector
 from gpufleet.agent.config import COLLECTORS, AgentConfig
 from gpufleet.agent.modes import tune_gc
@@ -50,25 +48,12 @@ def main() -> int:
             c._clock = backend.source._clock
     fake = backend.fake
     fake.cpu_accounting = True
-    full = list(agent.collector.collectors)
-    runs: dict[str, tuple[list[Collector], list[float]]] = {
-        "with": (full, []), "without": ([c for c in full if c.name not in NEW], [])}
     try:
-        for _ in range(3):
-            tick()
-            agent.exposition(None)
-        for _ in range(args.blocks):
-            for collectors, out in runs.values():
-                agent.collector.collectors = collectors
-                for _ in range(20):
-                    tick()
-                    f0, c0 = fake.cpu_seconds, time.process_time()
-                    agent.exposition(None)
-                    out.append((time.process_time() - c0) - (fake.cpu_seconds - f0))
+        runs = bench_agent.cpu_with_and_without(agent, tick, NEW, args.blocks)
     finally:
         agent.close()
-    w, wo = (statistics.fmean(runs[k][1]) * 1e3 for k in ("with", "without"))
-    mw, mwo = (statistics.median(runs[k][1]) * 1e3 for k in ("with", "without"))
+    w, wo = (statistics.fmean(runs[k]) * 1e3 for k in ("with", "without"))
+    mw, mwo = (statistics.median(runs[k]) * 1e3 for k in ("with", "without"))
     print(f"agent CPU per scrape, sim:8, 15 s scrape interval, --collector.pcie.interval={args.pcie_interval:g}: "
           f"with pcie+pressure {w:.2f} ms mean / {mw:.2f} ms median, without {wo:.2f} / {mwo:.2f} ms: "
           f"{(w / wo - 1) * 100:+.1f} % mean, {(mw / mwo - 1) * 100:+.1f} % median")

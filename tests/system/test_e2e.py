@@ -212,6 +212,38 @@ class Stack:
         return list(body["data"]["result"])
 
 
+def start_prometheus(es: contextlib.ExitStack, tmp_path: Path, config: dict[str, Any]) -> str:
+    """A real Prometheus with ``config`` on a free 127.0.0.1 port, stopped with ``es``; its URL once it is ready."""
+    port = free_port()
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    es.enter_context(running([
+        need_binary("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
+        f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}",
+    ], log=tmp_path / "prometheus.log"))
+    url = f"http://127.0.0.1:{port}"
+    wait_http(f"{url}/-/ready", timeout=30)
+    return url
+
+
+def panels_without_data(prometheus: str, queries: list[tuple[str, str, str]], timeout: float = 60.0) -> list[str]:
+    """The panels ("uid / title: expr") whose query still returns nothing after up to ``timeout`` seconds."""
+    def empty() -> list[str]:
+        out = []
+        for uid, title, expr in queries:
+            r = requests.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=10)
+            r.raise_for_status()
+            if not r.json()["data"]["result"]:
+                out.append(f"{uid} / {title}: {expr}")
+        return out
+
+    deadline = time.monotonic() + timeout
+    missing = empty()
+    while missing and time.monotonic() < deadline:
+        time.sleep(2)
+        missing = empty()
+    return missing
+
+
 def alertmanager_config(receiver_url: str) -> dict[str, Any]:
     """The example Alertmanager config with local webhook receivers and short group timings."""
     config: dict[str, Any] = yaml.safe_load(AM_CONFIG.read_text())
@@ -239,7 +271,7 @@ def stack(tmp_path: Path, scenario: str) -> Iterator[Stack]:
         facility_port = es.enter_context(serve_http(make_server(
             "127.0.0.1", 0, make_wsgi_app(registry), handler_class=_QuietHandler)))
 
-        am_port, prom_port, det_port = free_port(), free_port(), free_port()
+        am_port, det_port = free_port(), free_port()
         (tmp_path / "am.yml").write_text(yaml.safe_dump(alertmanager_config(f"http://127.0.0.1:{receiver_port}")))
         am_bin = shutil.which("prometheus-alertmanager") or need_binary("alertmanager")
         es.enter_context(running([
@@ -260,13 +292,7 @@ def stack(tmp_path: Path, scenario: str) -> Iterator[Stack]:
                  "static_configs": [{"targets": [f"127.0.0.1:{facility_port}"]}]},
             ],
         }
-        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(prom_config))
-        es.enter_context(running([
-            need_binary("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}",
-        ], log=tmp_path / "prometheus.log"))
-        prometheus = f"http://127.0.0.1:{prom_port}"
-        wait_http(f"{prometheus}/-/ready", timeout=30)
+        prometheus = start_prometheus(es, tmp_path, prom_config)
         wait_http(f"http://127.0.0.1:{am_port}/-/ready", timeout=30)
 
         (tmp_path / "detector.toml").write_text(DETECTOR_CONFIG.format(port=det_port, prometheus=prometheus))

@@ -9,14 +9,11 @@ from __future__ import annotations
 import contextlib
 import re
 import shutil
-import time
 from pathlib import Path
 
 import pytest
-import requests
-import yaml
-from support import BIN, free_port, need_binary, running, wait_http
-from test_e2e import dashboard_queries
+from support import BIN, free_port, running, wait_http
+from test_e2e import dashboard_queries, panels_without_data, start_prometheus
 
 #: The families of these panels (the same pattern test_e2e exempts).
 FABRIC = re.compile(r"gpufleet_(nic_(pause|discards|phy_errors|ethtool|netdev)|nccl_)")
@@ -32,39 +29,20 @@ def test_fabric_panels_have_data(tmp_path: Path) -> None:
         shutil.copy(FIXTURES / "nccl" / "readme-example-allreduce.txt", traces / f"job-7.gpu{gpu}-host-41576{gpu}.txt")
     # A trace cut short by a crashed rank: counted as a read error (the read-errors panel), never a made-up value.
     (traces / "job-7.gpu2-host-415762.txt").write_text('[{"name": "AllReduce", "cat": "COLL", "ph": "b", "ts": ')
-    port, prom_port = free_port(), free_port()
+    port = free_port()
     with contextlib.ExitStack() as es:
         es.enter_context(running([str(BIN / "gpufleet-agent"), "--nvml.fake=sim", "--no-collector.pods",
                                   "--collector.ethtool.all-stats=true", f"--collector.nccl.directory={traces}",
                                   f"--web.listen-address=127.0.0.1:{port}"], log=tmp_path / "agent.log"))
         wait_http(f"http://127.0.0.1:{port}/metrics", timeout=30)
-        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
+        prometheus = start_prometheus(es, tmp_path, {
             "global": {"scrape_interval": "1s", "scrape_timeout": "900ms"},
             "scrape_configs": [{"job_name": "gpufleet-agent", "static_configs": [
                 {"targets": [f"127.0.0.1:{port}"], "labels": {"site": "dc1"}}]}],
-        }))
-        es.enter_context(running([
-            need_binary("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}",
-        ], log=tmp_path / "prometheus.log"))
-        prometheus = f"http://127.0.0.1:{prom_port}"
-        wait_http(f"{prometheus}/-/ready", timeout=30)
+        })
         queries = [(uid, title, expr) for uid, title, expr in dashboard_queries(__rate_interval="10s")
                    if FABRIC.search(expr)]
         assert len(queries) >= 10, queries  # the network dashboard's PFC/discard panels and the node drill-down's
 
-        def empty() -> list[str]:
-            out = []
-            for uid, title, expr in queries:
-                r = requests.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=10)
-                r.raise_for_status()
-                if not r.json()["data"]["result"]:
-                    out.append(f"{uid} / {title}: {expr}")
-            return out
-
-        deadline = time.monotonic() + 60
-        missing = empty()
-        while missing and time.monotonic() < deadline:
-            time.sleep(2)
-            missing = empty()
+        missing = panels_without_data(prometheus, queries)
         assert not missing, "fabric panels without data:\n" + "\n".join(missing)

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import re
-import time
 from pathlib import Path
 
 import pytest
 import requests
-import yaml
-from support import BIN, free_port, need_binary, running, wait_http
-from test_e2e import dashboard_queries
+from support import BIN, free_port, running, wait_http
+from test_e2e import dashboard_queries, panels_without_data, start_prometheus
 
 #: The families of these panels (the same pattern test_e2e exempts).
 SHARED = re.compile(r"gpufleet_(mig_|gpu_mig_|gpu_owner_|gpu_processes\b|gpu_process_)")
@@ -35,36 +33,16 @@ def test_shared_gpu_panels_have_data(tmp_path: Path) -> None:
                                      log=tmp_path / f"agent{i}.log"))
         for port in ports:
             wait_http(f"http://127.0.0.1:{port}/metrics", timeout=30)
-        prom_port = free_port()
-        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
+        prometheus = start_prometheus(es, tmp_path, {
             "global": {"scrape_interval": "1s", "scrape_timeout": "900ms"},
             "scrape_configs": [{"job_name": "gpufleet-agent", "static_configs": [
                 {"targets": [f"127.0.0.1:{p}" for p in ports], "labels": {"site": "dc1"}}]}],
-        }))
-        es.enter_context(running([
-            need_binary("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}",
-        ], log=tmp_path / "prometheus.log"))
-        prometheus = f"http://127.0.0.1:{prom_port}"
-        wait_http(f"{prometheus}/-/ready", timeout=30)
+        })
         queries = [(uid, title, expr) for uid, title, expr in dashboard_queries(__rate_interval="10s")
                    if SHARED.search(expr)]
         assert len(queries) >= 12, queries  # the job dashboard's five panels and the node drill-down's groups
 
-        def empty() -> list[str]:
-            out = []
-            for uid, title, expr in queries:
-                r = requests.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=10)
-                r.raise_for_status()
-                if not r.json()["data"]["result"]:
-                    out.append(f"{uid} / {title}: {expr}")
-            return out
-
-        deadline = time.monotonic() + 60
-        missing = empty()
-        while missing and time.monotonic() < deadline:
-            time.sleep(2)
-            missing = empty()
+        missing = panels_without_data(prometheus, queries)
         assert not missing, "shared-GPU panels without data:\n" + "\n".join(missing)
         # The hidden /proc agent: owners unknown, every failed read counted, no owner made up.
         r = requests.get(f"{prometheus}/api/v1/query", timeout=10, params={
