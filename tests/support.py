@@ -96,3 +96,22 @@ def running(
                 proc.wait(timeout=10)
         if log:
             out.close()  # type: ignore[union-attr]
+
+
+@contextlib.contextmanager
+def backfilled_prometheus(recording: Path, tmp: Path, backfill_timeout: float = 120.0) -> Iterator[str]:
+    """The OpenMetrics ``recording`` backfilled with ``promtool tsdb create-blocks-from openmetrics`` into a TSDB
+    under ``tmp`` and served by a real Prometheus on a free 127.0.0.1 port (no scrapes, a retention that keeps any
+    timestamp); yields its URL once it is ready and stops it afterwards."""
+    data = tmp / "data"
+    subprocess.run([need_binary("promtool"), "tsdb", "create-blocks-from", "openmetrics", str(recording), str(data)],
+                   check=True, capture_output=True, timeout=backfill_timeout)
+    cfg = tmp / "prometheus.yml"
+    cfg.write_text("global:\n  scrape_interval: 1h\nscrape_configs: []\n")
+    port = free_port()
+    argv = [need_binary("prometheus"), f"--config.file={cfg}", f"--storage.tsdb.path={data}",
+            f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=100y"]
+    with running(argv, log=tmp / "prometheus.log"):
+        url = f"http://127.0.0.1:{port}"
+        wait_http(f"{url}/-/ready", timeout=60)
+        yield url

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from support import free_port, need_binary, running, wait_http
+from support import backfilled_prometheus, free_port, running, wait_http
 from test_detector_core import STEP, T0, Fault, Synth, fast_cfg, synth
 
 from gpufleet.detector.engine import Detector
@@ -30,17 +30,7 @@ from gpufleet.detector.source_recording import RecordingSource
 def backfilled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
     tmp = tmp_path_factory.mktemp("prom")
     rec = synth(tmp / "rec.om", Synth(nodes=2, seconds=1200.0, faults=[Fault("thermal", 1, 3, 600.0)], seed=7))
-    data = tmp / "data"
-    subprocess.run([need_binary("promtool"), "tsdb", "create-blocks-from", "openmetrics", str(rec), str(data)],
-                   check=True, capture_output=True, timeout=120)
-    cfg = tmp / "prometheus.yml"
-    cfg.write_text("global:\n  scrape_interval: 1h\nscrape_configs: []\n")
-    port = free_port()
-    argv = [need_binary("prometheus"), f"--config.file={cfg}", f"--storage.tsdb.path={data}",
-            f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=100y"]
-    with running(argv, log=tmp / "prometheus.log"):
-        url = f"http://127.0.0.1:{port}"
-        wait_http(f"{url}/-/ready", timeout=60)
+    with backfilled_prometheus(rec, tmp) as url:
         yield rec, url
 
 

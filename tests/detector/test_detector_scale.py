@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import math
 import re
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import requests
-from support import free_port, need_binary, running, wait_http
+from support import backfilled_prometheus, free_port, need_binary, running, wait_http
 from test_detector_core import T0, Fault, Synth, fast_cfg, synth
 
 from gpufleet.detector import shard
@@ -44,18 +43,7 @@ def recording(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def prometheus(recording: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    tmp = tmp_path_factory.mktemp("prom")
-    data = tmp / "data"
-    subprocess.run([need_binary("promtool"), "tsdb", "create-blocks-from", "openmetrics", str(recording), str(data)],
-                   check=True, capture_output=True, timeout=120)
-    cfg = tmp / "prometheus.yml"
-    cfg.write_text("global:\n  scrape_interval: 1h\nscrape_configs: []\n")
-    port = free_port()
-    argv = [need_binary("prometheus"), f"--config.file={cfg}", f"--storage.tsdb.path={data}",
-            f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=100y"]
-    with running(argv, log=tmp / "prometheus.log"):
-        url = f"http://127.0.0.1:{port}"
-        wait_http(f"{url}/-/ready", timeout=60)
+    with backfilled_prometheus(recording, tmp_path_factory.mktemp("prom")) as url:
         yield url
 
 

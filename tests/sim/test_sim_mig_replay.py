@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
 import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support import free_port, need_binary, running, wait_http
+from support import backfilled_prometheus
 
 from gpufleet.agent.sim.recording import record
 from gpufleet.agent.sim.scenario import ScenarioError, parse_scenario
@@ -106,17 +105,7 @@ def test_a_real_prometheus_gives_the_same_slices_and_finding(
         faulty: tuple[dict[str, Any], list[Finding], Path], tmp_path: Path) -> None:
     """The MIG queries as PromQL against the recording backfilled into Prometheus (promtool), on 127.0.0.1."""
     labels, _, rec = faulty
-    data = tmp_path / "data"
-    subprocess.run([need_binary("promtool"), "tsdb", "create-blocks-from", "openmetrics", str(rec), str(data)],
-                   check=True, capture_output=True, timeout=120)
-    cfg_file = tmp_path / "prometheus.yml"
-    cfg_file.write_text("global:\n  scrape_interval: 1h\nscrape_configs: []\n")
-    port = free_port()
-    argv = [need_binary("prometheus"), f"--config.file={cfg_file}", f"--storage.tsdb.path={data}",
-            f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=100y"]
-    with running(argv, log=tmp_path / "prometheus.log"):
-        url = f"http://127.0.0.1:{port}"
-        wait_http(f"{url}/-/ready", timeout=60)
+    with backfilled_prometheus(rec, tmp_path) as url:
         prom = PrometheusSource(url, timeout=10)
         local = RecordingSource.load([rec], sample_names("gpufleet"))
         t = labels["faults"][0]["onset"] + 600.0

@@ -8,11 +8,10 @@ resolve the same training jobs and find the same slow pod as the recording sourc
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
-from support import free_port, need_binary, running, wait_http
+from support import backfilled_prometheus
 
 from gpufleet.agent.sim import kubernetes
 from gpufleet.detector.config import parse
@@ -29,20 +28,10 @@ def test_prometheus_source_resolves_pods_into_jobs_and_names_the_slow_pod(tmp_pa
                           faults=[{"kind": "slow_host", "node": "node-003", "onset": "12m", "severity": "obvious"}])
     res = kubernetes.record(ks, tmp_path / "rec", ("dcgm",))
     rec = res.files["dcgm"]
-    data = tmp_path / "data"
-    subprocess.run([need_binary("promtool"), "tsdb", "create-blocks-from", "openmetrics", str(rec), str(data)],
-                   check=True, capture_output=True, timeout=180)
-    (tmp_path / "prometheus.yml").write_text("global:\n  scrape_interval: 1h\nscrape_configs: []\n")
-    port = free_port()
-    argv = [need_binary("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
-            f"--storage.tsdb.path={data}", f"--web.listen-address=127.0.0.1:{port}",
-            "--storage.tsdb.retention.time=100y"]
     cfg = parse({"detector": {"profile": "dcgm", "window_seconds": 120.0},
                  "findings": {"open_after": 2, "close_after": 4}})
     start = float(json.loads(res.labels.read_text())["start"])
-    with running(argv, log=tmp_path / "prometheus.log"):
-        url = f"http://127.0.0.1:{port}"
-        wait_http(f"{url}/-/ready", timeout=60)
+    with backfilled_prometheus(rec, tmp_path, backfill_timeout=180) as url:
         prom = PrometheusSource(url)
         live = Detector(cfg, prom)
         offline = Detector(cfg, RecordingSource.load([rec], sample_names("dcgm")))
