@@ -3,12 +3,23 @@ systemd), the processes collector's series one by one, and the jobs collector at
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
-from collections.abc import Iterator
+import shutil
+import subprocess
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pynvml
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from test_gpu_collector import FakeHost, Series, scrape
 
 from gpufleet.agent.cgroups import (
@@ -20,12 +31,14 @@ from gpufleet.agent.cgroups import (
     parse_cgroup,
     slurm_job_exists,
 )
+from gpufleet.agent.cli import main as cli_main
 from gpufleet.agent.collectors.jobs import JobsCollector
 from gpufleet.agent.collectors.processes import ProcessesCollector
 from gpufleet.agent.collectors.usage import GpuUsage
 from gpufleet.agent.fake.library import FakeNvml
 from gpufleet.agent.nvml.backend import NvmlBackend
 from gpufleet.agent.nvml.model import MigDeviceInventory, MigSample, ProcessSample
+from gpufleet.agent.sim.live_agents import agent_command
 
 POD_UID = "0e1f2a3b-4c5d-6e7f-8091-a2b3c4d5e6f7"
 #: Real-format /proc/PID/cgroup contents.
@@ -178,14 +191,164 @@ def test_hidden_proc_degrades_to_unknown_owners_and_errors(
     assert scrape(hidden)[errors] == 9  # not read again on every scrape
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+# ---------------------------------------------------------------------- unreadable cgroup files, unprivileged
+# An unprivileged agent cannot read a /proc/PID/cgroup it has no permission for (a file of mode 0, or
+# another user's 0600 file); root reads any file whatever its mode. So the check runs as uid/gid
+# NOBODY with no supplementary groups: as root (CI) in a forked child that drops to them, as any
+# other user (a developer) right here. The files it reads live in a directory every user may enter
+# (pytest's tmp_path is 0700 root's).
+
+NOBODY = 65534
+PERMISSION_DENIED = ("gpufleet_gpu_process_owner_errors_total", frozenset({("error", "permission_denied")}))
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="gpufleet-test-owners-"))
+    d.chmod(0o755)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def unprivileged(fn: Callable[[], str], warm_up: Callable[[], object] | None = None) -> str:
+    """``fn()`` run without privilege: in a forked child as NOBODY when we are root, else here.
+
+    Everything ``fn`` imports must be imported already (NOBODY may not read the interpreter's files):
+    ``warm_up`` runs first, in the child, still as root."""
+    if os.geteuid() != 0:
+        return fn()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child; it never returns into pytest
+        code = 1
+        try:
+            os.close(r)
+            if warm_up is not None:
+                warm_up()
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            data = fn().encode()
+            with os.fdopen(w, "wb") as f:
+                f.write(data)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the unprivileged child failed (its traceback is above)"
+    return data.decode()
+
+
+def parse(text: str) -> Series:
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples if not s.name.endswith("_created")}
+
+
+def exposition(*collectors: object) -> str:
+    reg = CollectorRegistry()
+    for c in collectors:
+        reg.register(c)  # type: ignore[arg-type]
+    return generate_latest(reg).decode()
+
+
 def test_unreadable_cgroup_file_is_permission_denied(
-    procs: tuple[FakeHost, FakeNvml, NvmlBackend, GpuUsage], tmp_path: Path,
+    procs: tuple[FakeHost, FakeNvml, NvmlBackend, GpuUsage], open_dir: Path,
 ) -> None:
-    _, _, _, usage = procs
-    (tmp_path / "proc" / "101" / "cgroup").chmod(0)
-    got = scrape(ProcessesCollector(usage))
-    assert got[("gpufleet_gpu_process_owner_errors_total", frozenset({("error", "permission_denied")}))] >= 1
+    """A hardened agent (its own uid, other users' /proc/PID/cgroup unreadable): pid 101's process counts
+    under owner unknown, the failed read under permission_denied, every other owner is still right."""
+    _, _, backend, _ = procs
+    proc = open_dir / "proc"
+    write_proc(proc, CGROUPS)
+    for d in proc.iterdir():
+        d.chmod(0o755)
+    (proc / "101" / "cgroup").chmod(0)
+    readable = parse(exposition(ProcessesCollector(GpuUsage(backend, str(proc), max_age=0.0))))
+    usage = GpuUsage(backend, str(proc), max_age=0.0)  # a fresh owner cache for the unprivileged scrape
+    got = parse(unprivileged(lambda: exposition(ProcessesCollector(usage), JobsCollector(
+        str(open_dir / "no-mapping"), usage, str(open_dir / "cgroup")))))
+
+    def owners(series: Series, gpu: str) -> dict[tuple[str, str, str], float]:
+        return {(d["gpu_instance"], d["owner_kind"], d["owner"]): v for n, lbl in series
+                if n == "gpufleet_gpu_owner_processes" and (d := dict(lbl))["gpu"] == gpu for v in [series[(n, lbl)]]}
+
+    if os.geteuid() == 0:  # the same files read as root: 101 is job 1234's (so the child above really was not root)
+        assert PERMISSION_DENIED not in readable
+        assert owners(readable, "0")[("", SLURM_JOB, "1234")] == 2
+    assert got[PERMISSION_DENIED] == 1  # 101 runs on GPUs 0 and 2: read once, then cached
+    assert owners(got, "0") == {("", SLURM_JOB, "1234"): 1, ("", K8S_POD, POD_UID): 2, ("", "unknown", ""): 2}
+    assert owners(got, "1") == owners(readable, "1")  # job 77, the service, the session, the root cgroup
+    assert len(owners(got, "1")) == 4
+    assert owners(got, "2") == {("7", "unknown", ""): 1, ("8", SYSTEMD_UNIT, "vllm-inference.service"): 1}
+    assert {(d["gpu"], d["job_id"]) for n, lbl in got if n == "gpufleet_gpu_job_info" for d in [dict(lbl)]} == \
+        {("0", "1234"), ("1", "77")}  # GPU 2's only Slurm process is 101's: its job is not known there
+    for g, n in (("0", 5), ("1", 4), ("2", 2)):  # every process still counted
+        assert got[("gpufleet_gpu_processes", frozenset({("gpu", g)}))] == n
+
+
+def unprivileged_agent(args: list[str]) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of ``gpufleet-agent ARGS`` run as NOBODY (as root) or as ourselves.
+
+    The console script in a process of its own where NOBODY may run our interpreter; else (an
+    interpreter under root's 0700 home) the same ``main`` in a forked child, which first runs it once
+    as root so every module is imported before it drops privilege."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
+    drop: dict[str, Any] = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if os.geteuid() == 0 else {}
+    try:  # may NOBODY run our interpreter and read the package?
+        probe = subprocess.run([sys.executable, "-c", "import gpufleet.agent.cli"], capture_output=True,
+                               timeout=60, env=env, cwd="/", **drop).returncode == 0
+    except PermissionError:
+        probe = False
+    if probe:
+        r = subprocess.run([*agent_command(), *args], capture_output=True, text=True, timeout=60, env=env,
+                           cwd="/", **drop)
+        return r.returncode, r.stdout, r.stderr
+
+    def run_main() -> tuple[int, str, str]:
+        out, err = io.TextIOWrapper(io.BytesIO()), io.TextIOWrapper(io.BytesIO())
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = cli_main(args)
+        out.flush()
+        err.flush()
+        return rc, out.buffer.getvalue().decode(), err.buffer.getvalue().decode()
+
+    got = json.loads(unprivileged(lambda: json.dumps(run_main()), warm_up=run_main))
+    return int(got[0]), str(got[1]), str(got[2])
+
+
+def test_unprivileged_agent_counts_an_unreadable_cgroup_and_exits_0(open_dir: Path) -> None:
+    """``gpufleet-agent once`` as an unprivileged user, one GPU process' cgroup file unreadable."""
+    proc = open_dir / "proc"
+    # procs:2:4: pids 10000, 10014 on GPU 0 and 10007, 10021 on GPU 1 (agent/fake/shared_source.py)
+    write_proc(proc, {10000: "0::/system.slice/slurmstepd.scope/job_4200/step_0/user/task_0\n",
+                      10007: "0::/system.slice/slurmstepd.scope/job_4200/step_0/user/task_1\n",
+                      10014: "0::/system.slice/slurmstepd.scope/job_77/step_0/user/task_0\n",
+                      10021: "0::/system.slice/vllm-inference.service\n"})
+    for d in proc.iterdir():
+        d.chmod(0o755)
+    (proc / "10014" / "cgroup").chmod(0)
+    rc, out, err = unprivileged_agent(["once", "--nvml.fake=procs:2:4", f"--path.procfs={proc}",
+                                       f"--path.cgroupfs={open_dir / 'cgroup'}",
+                                       f"--collector.jobs.mapping-dir={open_dir / 'no-mapping'}",
+                                       "--no-collector.pods"])
+    assert rc == 0, err
+    got = parse(out)
+    assert got[PERMISSION_DENIED] == 1, err
+    owners = {(d["gpu"], d["owner_kind"], d["owner"]): v for (n, lbl), v in got.items()
+              if n == "gpufleet_gpu_owner_processes" for d in [dict(lbl)]}
+    assert owners == {("0", SLURM_JOB, "4200"): 1, ("0", "unknown", ""): 1,
+                      ("1", SLURM_JOB, "4200"): 1, ("1", SYSTEMD_UNIT, "vllm-inference.service"): 1}
+    jobs = {(d["gpu"], d["job_id"]) for (n, lbl) in got if n == "gpufleet_gpu_job_info" for d in [dict(lbl)]}
+    assert jobs == {("0", "4200"), ("1", "4200")}  # job 77 is unknown: no job made up for GPU 0
+    assert got[("gpufleet_scrape_collector_success", frozenset({("collector", "processes")}))] == 1
+    assert got[("gpufleet_scrape_collector_success", frozenset({("collector", "jobs")}))] == 1
+    assert any(n == "gpufleet_gpu_power_watts" for n, _ in got)  # nothing else lost
 
 
 def test_running_processes_need_privilege_in_mig_mode(procs: tuple[FakeHost, FakeNvml, NvmlBackend, GpuUsage]) -> None:
