@@ -87,6 +87,10 @@ def register(subparsers: Any) -> None:
                     "targets and the Prometheus file_sd file, then run until Ctrl-C, SIGTERM or --duration.",
     )
     _common(serve, 1.0)
+    serve.add_argument("--processes", action="store_true",
+                       help="run the jobs under Slurm: one compute process per GPU of a running job, its "
+                            "/proc/PID/cgroup naming the job (numeric Slurm job ids, attributed from the cgroups; "
+                            "no job mapping files)")
     serve.set_defaults(func=run_serve)
 
 
@@ -169,6 +173,7 @@ def _fleet(args: argparse.Namespace, out: TextIO, min_gpus: int) -> LiveFleet:
         print(f"note: {note}", file=out)
     return LiveFleet(
         scenario, args.seed, speed=args.speed, tick=args.tick, run_dir=args.run_dir, base_port=args.base_port,
+        processes=bool(getattr(args, "processes", False)),
     )
 
 

@@ -15,7 +15,9 @@ Run directory layout (a temporary directory unless ``run_dir`` is given)::
     RUN/prometheus.yml               scrape config using targets.json (JSON is valid YAML)
     RUN/nodes/<node>/snapshot.json   the node's device snapshot (model.write_snapshot)
     RUN/nodes/<node>/sysfs/          the node's fake sysfs root
-    RUN/nodes/<node>/job-mapping/    one file per GPU index holding its job id
+    RUN/nodes/<node>/job-mapping/    one file per GPU index holding its job id (none with ``processes``)
+    RUN/nodes/<node>/proc/           with ``processes``: <pid>/cgroup per compute process, pressure/cpu
+    RUN/nodes/<node>/cgroup/         with ``processes``: Slurm's job cgroups (system.slice/slurmstepd.scope)
     RUN/logs/<node>.log              the agent's stdout and stderr
 
 A temporary run directory is removed on stop; the log of an agent that failed is copied out of
@@ -59,6 +61,7 @@ from gpufleet.agent.sim.live_agents import (
     port_free,
     set_parent_death_signal,
 )
+from gpufleet.agent.sim.slurm import SlurmNodes, node_dirs
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +127,9 @@ class LiveFleet:
     ``tick`` is the wall-clock interval between simulator steps; each step advances
     the simulation by ``tick * speed`` seconds. ``base_port`` puts node *i* on
     ``base_port + i``; by default free ports are chosen. ``agent_args`` are appended to
-    every agent's command line.
+    every agent's command line. ``processes``: the jobs run under Slurm, one compute process per GPU
+    with its ``/proc/PID/cgroup`` (:mod:`gpufleet.agent.sim.slurm`; numeric Slurm job ids, attributed
+    from the cgroups, no job mapping files).
     """
 
     def __init__(
@@ -142,6 +147,7 @@ class LiveFleet:
         agent_args: Sequence[str] = (),
         startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
         simulator: SimulatorLike | None = None,
+        processes: bool = False,
     ) -> None:
         if speed <= 0:
             raise ValueError(f"speed must be > 0 simulated seconds per second, got {speed}")
@@ -158,6 +164,9 @@ class LiveFleet:
         self.startup_timeout = startup_timeout
         self._sim_overrides = {"nodes": nodes, "gpus_per_node": gpus_per_node}
         self._simulator = simulator
+        self.processes = processes
+        #: the Slurm view of the jobs (processes, cgroups) when ``processes``; built on start
+        self.slurm: SlurmNodes | None = None
         self._run_dir_arg = Path(run_dir) if run_dir is not None else None
         self._own_run_dir = run_dir is None
         self._site = site
@@ -239,6 +248,12 @@ class LiveFleet:
         if not nodes:
             raise LiveFleetError("the scenario has no nodes")
         ports = self._ports(len(nodes))
+        if self.processes:
+            from gpufleet.agent.sim.simulator import Simulator
+
+            if not isinstance(self._simulator, Simulator):
+                raise LiveFleetError("processes=True needs the fleet simulator (gpufleet.agent.sim.simulator)")
+            self.slurm = SlurmNodes(self._simulator)
         (self.run_dir / "logs").mkdir(exist_ok=True)
         for node, port in zip(nodes, ports, strict=True):
             base = self.run_dir / "nodes" / node
@@ -246,6 +261,8 @@ class LiveFleet:
                 node=node, port=port, snapshot=base / "snapshot.json", sysfs=base / "sysfs",
                 job_mapping=base / "job-mapping", log=self.run_dir / "logs" / f"{node}.log",
             )
+            if self.slurm is not None:
+                a.procfs, a.cgroupfs = node_dirs(base)
             a.sysfs.mkdir(parents=True, exist_ok=True)
             a.job_mapping.mkdir(parents=True, exist_ok=True)
             self.agents.append(a)
@@ -275,6 +292,8 @@ class LiveFleet:
             f"--path.sysfs={a.sysfs}",
             f"--collector.jobs.mapping-dir={a.job_mapping}",
             f"--web.listen-address={a.address}",
+            *([f"--path.procfs={a.procfs}"] if a.procfs is not None else []),
+            *([f"--path.cgroupfs={a.cgroupfs}"] if a.cgroupfs is not None else []),
             *self.agent_args,
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
@@ -398,9 +417,12 @@ class LiveFleet:
         sim = self.simulator
         jobs = getattr(sim, "write_node_job_mapping", None)
         for i, a in enumerate(self.agents):
-            write_snapshot(a.snapshot, sim.node_snapshot(i))
+            if self.slurm is not None and a.procfs is not None and a.cgroupfs is not None:
+                self.slurm.publish(i, sim.node_snapshot(i), a.snapshot, a.procfs, a.cgroupfs)
+            else:
+                write_snapshot(a.snapshot, sim.node_snapshot(i))
             sim.write_node_sysfs(i, a.sysfs)
-            if callable(jobs):
+            if callable(jobs) and self.slurm is None:
                 jobs(i, a.job_mapping)
 
     def _write_targets(self) -> None:

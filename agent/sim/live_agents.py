@@ -31,6 +31,9 @@ class AgentProcess:
     job_mapping: Path
     log: Path
     proc: subprocess.Popen[bytes] | None = None
+    #: the node's fake /proc and cgroup tree (``--path.procfs``, ``--path.cgroupfs``); None: the host's
+    procfs: Path | None = None
+    cgroupfs: Path | None = None
 
     @property
     def address(self) -> str:

@@ -178,6 +178,126 @@ def test_live_fleet_agents_serve_the_simulator(tmp_path: Path) -> None:
     assert not any(port_open(int(url.split(":")[2].split("/")[0])) for _, url in fleet.targets)
 
 
+SLURM_SCENARIO = """
+name = "live-slurm"
+description = "3 nodes x 2 GPUs: train-a ends at 30 s, train-c follows at 40 s, job 4242 dies with a GPU at 50 s"
+duration = "1h"
+step = 1
+
+[[sites]]
+name = "site-s"
+nodes = 3
+gpus_per_node = 2
+
+[jobs]
+[[jobs.fixed]]
+id = "train-a"
+nodes = ["node-000", "node-001"]
+end = "30s"
+[[jobs.fixed]]
+id = "4242"
+nodes = ["node-002"]
+[[jobs.fixed]]
+id = "train-c"
+nodes = ["node-000"]
+start = "40s"
+
+[[faults]]
+kind = "xid79"
+node = "node-002"
+gpu = 1
+onset = "50s"
+end = "2h"
+"""
+
+
+def owners_and_jobs(got: Samples) -> tuple[dict[str, set[tuple[str, str]]], dict[str, set[str]], dict[str, float]]:
+    """(GPU -> {(owner_kind, owner)}, GPU -> {job_id} of gpufleet_gpu_job_info, GPU -> gpufleet_gpu_processes)."""
+    owners: dict[str, set[tuple[str, str]]] = {}
+    jobs: dict[str, set[str]] = {}
+    count: dict[str, float] = {}
+    for (name, labels), v in got.items():
+        d = dict(labels)
+        if name == "gpufleet_gpu_owner_processes":
+            assert v == 1, (d, v)  # one rank per GPU
+            owners.setdefault(d["gpu"], set()).add((d["owner_kind"], d["owner"]))
+        elif name == "gpufleet_gpu_job_info":
+            jobs.setdefault(d["gpu"], set()).add(d["job_id"])
+        elif name == "gpufleet_gpu_processes":
+            count[d["gpu"]] = v
+    return owners, jobs, count
+
+
+@pytest.mark.slow
+def test_live_fleet_runs_jobs_as_slurm_processes(tmp_path: Path) -> None:
+    """``processes=True``: each busy GPU lists its rank's process, whose /proc/PID/cgroup names the Slurm job;
+    the agents attribute exactly the simulator's jobs from the cgroups, with no mapping files, as jobs start,
+    end and die."""
+    scenario = tmp_path / "live-slurm.toml"
+    scenario.write_text(SLURM_SCENARIO)
+    # A tick far longer than the test: the simulation moves only when the test advances it.
+    with LiveFleet(scenario, seed=5, tick=3600, run_dir=tmp_path / "run", processes=True) as fleet:
+        sim, slurm = fleet.simulator, fleet.slurm
+        assert isinstance(sim, Simulator) and slurm is not None
+        ids = slurm.slurm_ids
+        assert ids == {"train-a": "4243", "4242": "4242", "train-c": "4244"}  # numeric ids kept, others numbered
+
+        def truth(i: int) -> dict[str, str]:
+            return {str(k): ids[j] for k, j in enumerate(sim.gpu_jobs(i)) if j is not None}
+
+        def check_all() -> None:
+            for i, (node, url) in enumerate(fleet.targets):
+                want = truth(i)
+                deadline = time.monotonic() + 15
+                while True:  # the agent re-reads the snapshot within its cache time
+                    owners, jobs, count = owners_and_jobs(got := scrape(url))
+                    if ({g: {o for _, o in v} for g, v in owners.items()} == {g: {j} for g, j in want.items()}
+                            or time.monotonic() > deadline):
+                        break
+                    time.sleep(0.2)
+                assert owners == {g: {("slurm_job", j)} for g, j in want.items()}, (node, sim.t)
+                assert jobs == {g: {j} for g, j in want.items()}, (node, sim.t)  # from the cgroups alone
+                assert count == {g: float(g in want) for g in ("0", "1") if g in count}, (node, count)
+                samples = Snapshot.from_json(fleet.agents[i].snapshot.read_text()).samples
+                lost = [s.lost for s in samples]
+                for g in want:  # the rank's memory is its GPU's simulated memory use (NVML's MiB granularity)
+                    mem = got[("gpufleet_gpu_owner_memory_used_bytes", (("gpu", g), ("gpu_instance", ""),
+                                                                        ("owner", want[g]), ("owner_kind", "slurm_job")))]
+                    used = samples[int(g)].memory_used_bytes
+                    assert used is not None and 0 <= used - mem < 2**20, (node, g, used, mem)
+                assert set(count) == {str(k) for k, gone in enumerate(lost) if not gone}  # idle GPUs: 0, not absent
+                assert ("gpufleet_gpu_process_owner_errors_total", (("error", "not_found"),)) not in got
+                # the fake /proc: one cgroup file per rank process, nothing left of ended ones
+                procfs = fleet.agents[i].procfs
+                assert procfs is not None
+                pids = {p.pid: p for p in slurm.processes(i) if p is not None}
+                assert {int(d.name) for d in procfs.iterdir() if d.name.isdigit()} == set(pids)
+                for pid, p in pids.items():
+                    assert (procfs / str(pid) / "cgroup").read_text() == \
+                        f"0::/system.slice/slurmstepd.scope/job_{p.slurm_job}/step_0/user/task_{p.gpu}\n"
+                assert not any(fleet.agents[i].job_mapping.iterdir()) or i == 1  # no mapping files written
+
+        check_all()  # before the first step: every GPU idle
+        assert truth(0) == truth(1) == truth(2) == {}
+        fleet.advance(1.0)
+        check_all()  # train-a on node-000 and node-001, 4242 on node-002
+        assert truth(0) == {"0": "4243", "1": "4243"} and truth(2) == {"0": "4242", "1": "4242"}
+        # A mapping file left behind by a job that is gone (no process, no cgroup): counted as stale, not exported.
+        (fleet.agents[1].job_mapping / "1").write_text("4241\n")
+        fleet.advance(34.0)  # train-a ended
+        check_all()
+        assert truth(0) == {} and truth(1) == {}
+        stale = scrape(fleet.targets[1][1])
+        assert value(stale, "gpufleet_gpu_job_mapping_stale_files") == 1
+        fleet.advance(10.0)  # train-c started on node-000
+        check_all()
+        assert truth(0) == {"0": "4244", "1": "4244"}
+        fleet.advance(10.0)  # node-002's GPU 1 fell off the bus: job 4242 died with it
+        check_all()
+        assert truth(2) == {}
+        assert value(scrape(fleet.targets[2][1]), "gpufleet_gpu_processes", gpu="0") == 0
+
+
 @pytest.mark.slow
 def test_demo_no_ui_prints_what_the_agents_report(tmp_path: Path) -> None:
     run = tmp_path / "run"
