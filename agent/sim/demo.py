@@ -64,6 +64,10 @@ def _common(p: argparse.ArgumentParser, speed: float) -> None:
                    help="exit after this many wall-clock seconds (default: run until Ctrl-C)")
     p.add_argument("--base-port", type=int, default=None,
                    help="serve node i on 127.0.0.1:BASE+i (default: free ports)")
+    p.add_argument("--processes", action="store_true",
+                   help="run the jobs under Slurm: one compute process per GPU of a running job, its "
+                        "/proc/PID/cgroup naming the job (numeric Slurm job ids, attributed from the cgroups; "
+                        "no job mapping files)")
     p.add_argument("--run-dir", default=None,
                    help="keep snapshots, sysfs trees, targets and agent logs here (default: a temporary directory)")
 
@@ -87,10 +91,6 @@ def register(subparsers: Any) -> None:
                     "targets and the Prometheus file_sd file, then run until Ctrl-C, SIGTERM or --duration.",
     )
     _common(serve, 1.0)
-    serve.add_argument("--processes", action="store_true",
-                       help="run the jobs under Slurm: one compute process per GPU of a running job, its "
-                            "/proc/PID/cgroup naming the job (numeric Slurm job ids, attributed from the cgroups; "
-                            "no job mapping files)")
     serve.set_defaults(func=run_serve)
 
 
@@ -183,6 +183,9 @@ def _print_targets(fleet: LiveFleet, out: TextIO) -> None:
         print(f"  {node}: curl {url}", file=out)
     print(f"Prometheus file_sd targets: {fleet.targets_file}", file=out)
     print(f"Prometheus config:          prometheus --config.file={fleet.prometheus_config}", file=out)
+    if fleet.slurm is not None:
+        ids = ", ".join(f"{job} = {slurm}" for job, slurm in fleet.slurm.slurm_ids.items())
+        print(f"Slurm job ids (job_id label): {ids}", file=out)
     out.flush()
 
 

@@ -114,6 +114,8 @@ def job_step_times(fleet: LiveFleet) -> dict[str, float]:
     physics = getattr(fleet.simulator, "physics", None)
     with fleet.lock, contextlib.suppress(Exception):
         steps = getattr(physics, "job_step_s", None) or {}
-        return {str(k): float(v) for k, v in dict(steps).items() if v and v > 0}
+        slurm = getattr(fleet, "slurm", None)
+        ids = slurm.slurm_ids if slurm is not None else {}  # the agents name jobs by their Slurm ids
+        return {ids.get(str(k), str(k)): float(v) for k, v in dict(steps).items() if v and v > 0}
     return {}
 

@@ -282,6 +282,11 @@ def test_live_fleet_runs_jobs_as_slurm_processes(tmp_path: Path) -> None:
         fleet.advance(1.0)
         check_all()  # train-a on node-000 and node-001, 4242 on node-002
         assert truth(0) == {"0": "4243", "1": "4243"} and truth(2) == {"0": "4242", "1": "4242"}
+        for i, (_, url) in enumerate(fleet.targets):  # --path.procfs is the node's: its simulated CPU pressure
+            psi = {k: v for k, v in scrape(url).items() if k[0] == "gpufleet_host_pressure_stalled_seconds_total"}
+            assert psi == {("gpufleet_host_pressure_stalled_seconds_total", (("kind", "some"), ("resource", "cpu"))):
+                           pytest.approx(float(sim.physics.host_psi_cpu[i]), abs=1e-6)}  # memory, io: not modelled
+            assert psi and next(iter(psi.values())) > 0
         # A mapping file left behind by a job that is gone (no process, no cgroup): counted as stale, not exported.
         (fleet.agents[1].job_mapping / "1").write_text("4241\n")
         fleet.advance(34.0)  # train-a ended
