@@ -139,9 +139,11 @@ class SlurmNodes:
                 and samples[k].processes]
         pids = {p.pid for p in live}
         jobs = {p.slurm_job for p in live}
-        old_pids = self._written.get(i, set())
-        old_jobs = self._jobs_written.get(i, set())
         scope = cgroupfs.joinpath(*SLURM_SCOPE)
+        if i not in self._written:  # a run directory used before: what an earlier run left goes too
+            self._written[i] = {int(d.name) for d in _dirs(procfs) if d.name.isdigit()}
+            self._jobs_written[i] = {d.name[4:] for d in _dirs(scope) if d.name.startswith("job_")}
+        old_pids, old_jobs = self._written[i], self._jobs_written[i]
         scope.mkdir(parents=True, exist_ok=True)  # Slurm's tree exists on a Slurm node, with or without jobs
         for job in sorted(jobs - old_jobs):
             (scope / f"job_{job}" / "step_0").mkdir(parents=True, exist_ok=True)
@@ -177,6 +179,13 @@ class SlurmNodes:
         (procfs / "pressure").mkdir(parents=True, exist_ok=True)
         write_atomic(procfs / "pressure" / "cpu",
                      f"some avg10={a10:.2f} avg60={a60:.2f} avg300={a300:.2f} total={int(total * 1e6)}\n", mode=0o444)
+
+
+def _dirs(path: Path) -> list[Path]:
+    try:
+        return [d for d in path.iterdir() if d.is_dir()]
+    except OSError:  # not there yet
+        return []
 
 
 def node_dirs(base: Path) -> tuple[Path, Path]:

@@ -292,13 +292,14 @@ def test_unreadable_cgroup_file_is_permission_denied(
         assert got[("gpufleet_gpu_processes", frozenset({("gpu", g)}))] == n
 
 
-def unprivileged_agent(args: list[str]) -> tuple[int, str, str]:
+def unprivileged_agent(args: list[str], tmpdir: Path) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of ``gpufleet-agent ARGS`` run as NOBODY (as root) or as ourselves.
 
     The console script in a process of its own where NOBODY may run our interpreter; else (an
     interpreter under root's 0700 home) the same ``main`` in a forked child, which first runs it once
     as root so every module is imported before it drops privilege."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
+    env["TMPDIR"] = str(tmpdir)  # one NOBODY may write to (procs:N:P makes its own fake /proc there)
     drop: dict[str, Any] = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if os.geteuid() == 0 else {}
     try:  # may NOBODY run our interpreter and read the package?
         probe = subprocess.run([sys.executable, "-c", "import gpufleet.agent.cli"], capture_output=True,
@@ -333,10 +334,13 @@ def test_unprivileged_agent_counts_an_unreadable_cgroup_and_exits_0(open_dir: Pa
     for d in proc.iterdir():
         d.chmod(0o755)
     (proc / "10014" / "cgroup").chmod(0)
+    tmp = open_dir / "tmp"
+    tmp.mkdir(mode=0o1777)
+    tmp.chmod(0o1777)
     rc, out, err = unprivileged_agent(["once", "--nvml.fake=procs:2:4", f"--path.procfs={proc}",
                                        f"--path.cgroupfs={open_dir / 'cgroup'}",
                                        f"--collector.jobs.mapping-dir={open_dir / 'no-mapping'}",
-                                       "--no-collector.pods"])
+                                       "--no-collector.pods"], tmp)
     assert rc == 0, err
     got = parse(out)
     assert got[PERMISSION_DENIED] == 1, err

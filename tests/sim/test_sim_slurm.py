@@ -66,8 +66,13 @@ def publish_all(sim: Simulator, slurm: SlurmNodes, dirs: list[tuple[Path, Path, 
 
 def test_processes_and_cgroups_follow_the_jobs(tmp_path: Path) -> None:
     sim, slurm, dirs = published(tmp_path)
+    _, proc0, cg0 = dirs[0]
+    (proc0 / "4711").mkdir(parents=True)  # left by an earlier run in the same run directory
+    (proc0 / "4711" / "cgroup").write_text("0::/system.slice/slurmstepd.scope/job_9/step_0/user/task_0\n")
+    (cg0 / "system.slice" / "slurmstepd.scope" / "job_9").mkdir(parents=True)
     sim.step(1.0)
     snaps = publish_all(sim, slurm, dirs)
+    assert not (proc0 / "4711").exists() and slurm_job_exists(str(cg0), "9") is False
     pids: dict[int, tuple[str, int]] = {}
     for i, (snap, (_, proc, cg)) in enumerate(zip(snaps, dirs, strict=True)):
         assert sim.gpu_jobs(i) == ["77"] * 4
