@@ -11,7 +11,9 @@ carries one compute process (one rank), as NVML lists it (``nvmlDeviceGetCompute
   Slurm cgroup tree (``<cgroupfs>/system.slice/slurmstepd.scope/job_<N>/``) holds the job's cgroup.
 
 Processes come and go with the jobs: a job that ends, a GPU that falls off the bus, a node that
-reboots take their processes (and cgroup files) away; an idle GPU lists none. A GPU in MIG mode is
+reboots take their processes (and cgroup files) away; an idle GPU lists none. An inference service
+(a scenario job of ``kind = "inference"``, which has no job label) runs as Kubernetes pods instead:
+one per GPU it serves, its cgroup the pod's (``kubepods-burstable-pod<uid>.slice``, systemd driver). A GPU in MIG mode is
 left as the snapshot has it (no process model: NVML's NOT_SUPPORTED). The agent's ``--path.procfs``
 points at the node's fake procfs, so the node's ``<procfs>/pressure/cpu`` is written too, from the
 simulated host CPU pressure (cumulative stall in ``total=`` microseconds; ``full`` is not modelled).
@@ -24,6 +26,7 @@ fleet writes no job mapping files in this mode.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import shutil
 from collections.abc import Sequence
@@ -43,6 +46,8 @@ FIRST_JOB_ID = 1000
 PID_BASE = 100_000
 RANK_SLOTS = 128
 JOBS_PER_CYCLE = 20_000
+#: Inference pods' pids: POD_PID_BASE + (pod UID mod 8192) * RANK_SLOTS + local GPU.
+POD_PID_BASE = 3_000_000
 _MIB = 0xFFFFF
 #: Slurm's cgroup v2 hierarchy (``cgroup.conf`` CgroupPlugin=cgroup/v2): slurmstepd's scope under system.slice.
 SLURM_SCOPE = ("system.slice", "slurmstepd.scope")
@@ -75,9 +80,22 @@ def cgroup_path(slurm_job: str, local_rank: int) -> str:
     return f"/{'/'.join(SLURM_SCOPE)}/job_{slurm_job}/step_0/user/task_{local_rank}"
 
 
+def pod_uid(job: str, node: str, gpu: int) -> str:
+    """The UID of the Kubernetes pod of inference service ``job`` that serves ``gpu`` of ``node``."""
+    h = hashlib.sha256(f"{job}/{node}/{gpu}".encode()).hexdigest()
+    return f"{h[:8]}-{h[8:12]}-4{h[13:16]}-8{h[17:20]}-{h[20:32]}"
+
+
+def pod_cgroup_path(uid: str) -> str:
+    """A burstable pod's container under the kubelet's systemd cgroup driver (``_`` for ``-`` in the slice)."""
+    return (f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{uid.replace('-', '_')}.slice/"
+            f"cri-containerd-{uid.replace('-', '')}.scope")
+
+
 @dataclass(frozen=True)
 class RankProcess:
-    """One rank's compute process on a node: on local GPU ``gpu``, of simulated job ``job``."""
+    """One compute process on a node, on local GPU ``gpu``: a rank of simulated training job ``job`` (Slurm
+    job ``slurm_job``), or the process of inference service ``job``'s pod ``pod`` on that GPU."""
 
     pid: int
     gpu: int
@@ -85,10 +103,11 @@ class RankProcess:
     slurm_job: str
     rank: int
     local_rank: int
+    pod: str = ""
 
     @property
     def cgroup(self) -> str:
-        return f"0::{cgroup_path(self.slurm_job, self.local_rank)}\n"
+        return f"0::{pod_cgroup_path(self.pod) if self.pod else cgroup_path(self.slurm_job, self.local_rank)}\n"
 
 
 class SlurmNodes:
@@ -96,20 +115,29 @@ class SlurmNodes:
 
     def __init__(self, sim: Simulator) -> None:
         self.sim = sim
-        self.slurm_ids = slurm_job_ids([j.id for j in sim.fleet.jobs])
+        self.slurm_ids = slurm_job_ids([j.id for j in sim.fleet.jobs if not j.inference])
         self._jobs = {j.id: j for j in sim.fleet.jobs}
+        self._services = [j for j in sim.fleet.jobs if j.inference]
         self._written: dict[int, set[int]] = {}  # node -> pids whose cgroup file exists
         self._jobs_written: dict[int, set[str]] = {}  # node -> Slurm jobs whose cgroup exists
         self._psi: dict[int, tuple[float, float, list[float]]] = {}  # node -> (t, total s, averages)
 
     def processes(self, i: int) -> list[RankProcess | None]:
-        """Per local GPU of node ``i``: the compute process of the job running on it, or None (idle)."""
+        """Per local GPU of node ``i``: the compute process of the job or service running on it, or None (idle)."""
         per_node = self.sim.fleet.gpus_per_node
         out: list[RankProcess | None] = []
+        gpus = self.sim.fleet.node_gpus(i)
+        t = float(self.sim.physics.t)
+        service = next((j for j in self._services if i in j.nodes and j.active(t)), None)
         for k, job_id in enumerate(self.sim.gpu_jobs(i)):
             job = self._jobs.get(job_id) if job_id is not None else None
             if job_id is None or job is None or i not in job.nodes:
-                out.append(None)
+                if service is not None and self.sim.node_up(i) and not self.sim.physics.lost[int(gpus[k])]:
+                    uid = pod_uid(service.id, self.sim.nodes[i], k)
+                    out.append(RankProcess(POD_PID_BASE + int(uid[:5], 16) % 8192 * RANK_SLOTS + k, k, service.id,
+                                           "", k, k, uid))
+                else:
+                    out.append(None)
                 continue
             rank = sorted(job.nodes).index(i) * per_node + k
             slurm = self.slurm_ids[job_id]
@@ -138,7 +166,7 @@ class SlurmNodes:
         live = [p for k, p in enumerate(procs) if p is not None and k < len(samples)
                 and samples[k].processes]
         pids = {p.pid for p in live}
-        jobs = {p.slurm_job for p in live}
+        jobs = {p.slurm_job for p in live if p.slurm_job}
         scope = cgroupfs.joinpath(*SLURM_SCOPE)
         if i not in self._written:  # a run directory used before: what an earlier run left goes too
             self._written[i] = {int(d.name) for d in _dirs(procfs) if d.name.isdigit()}

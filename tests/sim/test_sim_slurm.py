@@ -10,18 +10,18 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from gpufleet.agent.cgroups import SLURM_JOB, Owner, parse_cgroup, slurm_job_exists
+from gpufleet.agent.cgroups import K8S_POD, SLURM_JOB, Owner, parse_cgroup, slurm_job_exists
 from gpufleet.agent.collectors.pressure import read_pressure
 from gpufleet.agent.fake.library import FakeNvml
 from gpufleet.agent.fake.live_source import LiveSource
 from gpufleet.agent.nvml.model import Snapshot
 from gpufleet.agent.sim.live import make_simulator
 from gpufleet.agent.sim.simulator import Simulator
-from gpufleet.agent.sim.slurm import SlurmNodes, slurm_job_ids
+from gpufleet.agent.sim.slurm import SlurmNodes, pod_uid, slurm_job_ids
 
 SCENARIO = """
 name = "slurm"
-description = "2 nodes x 4 GPUs: job 77 on both until 20 s, then job-b on node-001"
+description = "2 nodes x 4 GPUs: job 77 on both until 20 s, then job-b on node-001 and a service on node-000"
 duration = "1h"
 step = 1
 
@@ -37,6 +37,11 @@ end = "20s"
 [[jobs.fixed]]
 id = "job-b"
 nodes = ["node-001"]
+start = "25s"
+[[jobs.fixed]]
+id = "chat-service"
+kind = "inference"
+nodes = ["node-000"]
 start = "25s"
 """
 
@@ -100,12 +105,18 @@ def test_processes_and_cgroups_follow_the_jobs(tmp_path: Path) -> None:
         assert all(s.processes == [] for s in snap.samples)
         assert not [d for d in proc.iterdir() if d.name.isdigit()]
         assert slurm_job_exists(str(cg), "77") is False
-    sim.step(5.0)  # job-b on node-001 only, as Slurm job 1000
+    sim.step(5.0)  # job-b on node-001, as Slurm job 1000; the inference service's pods on node-000
+    assert slurm.slurm_ids == {"77": "77", "job-b": "1000"}  # a service is no Slurm job
     snaps = publish_all(sim, slurm, dirs)
-    assert all(s.processes == [] for s in snaps[0].samples)
     b = [p for s in snaps[1].samples for p in s.processes or []]
     assert len(b) == 4
     assert {parse_cgroup((dirs[1][1] / str(p.pid) / "cgroup").read_text()).id for p in b} == {"1000"}
+    assert sim.gpu_jobs(0) == [None] * 4  # no job label on a service's GPUs ...
+    pods = [p for s in snaps[0].samples for p in s.processes or []]
+    owners = [parse_cgroup((dirs[0][1] / str(p.pid) / "cgroup").read_text()) for p in pods]
+    assert len(pods) == 4 and {o.kind for o in owners} == {K8S_POD} and len({o.id for o in owners}) == 4
+    assert [o.id for o in owners] == [pod_uid("chat-service", "node-000", k) for k in range(4)]  # ... but a pod each
+    assert not [d for d in (dirs[0][2] / "system.slice" / "slurmstepd.scope").iterdir()]  # and no Slurm job cgroup
 
 
 def test_snapshots_with_and_without_processes_through_the_fake_nvml(tmp_path: Path) -> None:
