@@ -18,7 +18,8 @@ first line with a path below ``/``.
 
 Reading another user's ``/proc/PID/cgroup`` needs no privilege (mode 0444) unless ``/proc`` is
 mounted with ``hidepid=`` or the unit has ``ProtectProc=invisible``: then other users' processes
-are invisible (ENOENT), and their owner is unknown (counted by the caller).
+are invisible (ENOENT; with ``hidepid=noaccess``/``ProtectProc=noaccess`` they stay listed and the
+read fails with EPERM, ``permission_denied``), and their owner is unknown (counted by the caller).
 """
 
 from __future__ import annotations
