@@ -1,6 +1,6 @@
 """The simulated fleet's jobs as Slurm runs them: their compute processes, ``/proc`` cgroups and job cgroups.
 
-With ``LiveFleet(processes=True)`` (``gpufleet-sim serve --processes``) every GPU of a running job
+With ``LiveFleet(processes=True)`` (``gpufleet-sim serve|demo --processes``) every GPU of a running job
 carries one compute process (one rank), as NVML lists it (``nvmlDeviceGetComputeRunningProcesses``):
 
 * its pid is a function of (node, job, rank) (:func:`process_id`), so the same rank of the same
@@ -13,8 +13,9 @@ carries one compute process (one rank), as NVML lists it (``nvmlDeviceGetCompute
 Processes come and go with the jobs: a job that ends, a GPU that falls off the bus, a node that
 reboots take their processes (and cgroup files) away; an idle GPU lists none. An inference service
 (a scenario job of ``kind = "inference"``, which has no job label) runs as Kubernetes pods instead:
-one per GPU it serves, its cgroup the pod's (``kubepods-burstable-pod<uid>.slice``, systemd driver). A GPU in MIG mode is
-left as the snapshot has it (no process model: NVML's NOT_SUPPORTED). The agent's ``--path.procfs``
+one per GPU it serves, its cgroup the pod's (``kubepods-burstable-pod<uid>.slice``, systemd driver).
+A GPU in MIG mode is left as the snapshot has it (no process model: NVML's NOT_SUPPORTED). The
+agent's ``--path.procfs``
 points at the node's fake procfs, so the node's ``<procfs>/pressure/cpu`` is written too, from the
 simulated host CPU pressure (cumulative stall in ``total=`` microseconds; ``full`` is not modelled).
 
