@@ -8,7 +8,9 @@ the slice's job ``gpufleet_gpu_owner_processes`` with a ``gpu_instance`` (Slurm)
 holding the MIG device, ``gpufleet_gpu_pod_info`` with the MIG UUID as ``device``, resolved to its training job
 by :mod:`gpufleet.detector.jobs`) into a
 :class:`~gpufleet.detector.features.GpuFrame` with one entity per slice (parent GPU + GPU instance), and
-:func:`score` runs the same straggler machinery on it. Peers are the slices of one job *and* one profile
+:func:`score` runs the same straggler machinery on it. The ``dcgm`` profile gives the same slices from
+dcgm-exporter's GPU-instance series (``GPU_I_ID``, ``GPU_I_PROFILE``; the job is their ``hpc_job`` or pod,
+``@mig_job``; see :data:`gpufleet.detector.profiles.DCGM_MIG`). Peers are the slices of one job *and* one profile
 (a 1g.10gb slice is never compared with a 3g.40gb one), at least ``min_peers`` of them, busy ones only;
 slices without a job are never compared (unrelated workloads).
 

@@ -5,6 +5,7 @@ Every family name, type, help text, label name, job and port comes from :mod:`gp
 ``infiniband`` collector; ipmi_exporter's DCMI power); this module only says which simulated array each
 family shows. dcgm-exporter's counters carry no ``_total`` suffix, so the vocabulary types them ``unknown``
 to keep the names Prometheus stores for them. The site families are gpufleet's, as in the other profile.
+GPUs of ``[[mig]]`` nodes are written as dcgm-exporter's GPU instances (:class:`_MigInstances`).
 """
 
 from __future__ import annotations
