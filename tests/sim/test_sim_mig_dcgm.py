@@ -147,3 +147,15 @@ def test_a_healthy_mig_fleet_has_no_finding_in_either_profile(tmp_path: Path) ->
     _, found, _ = _run(SCENARIO, tmp_path)
     assert found == {"gpufleet": [], "dcgm": []}
 
+
+
+def test_a_mig_gpu_stuck_at_low_clocks_is_found_on_the_parent_in_both_profiles(tmp_path: Path) -> None:
+    """The parent's device readings come only through its instances' series in the dcgm profile: enough for its
+    throttling finding, and never a straggler finding of the whole GPU."""
+    fault = '\n[[faults]]\nkind = "clock_stuck_low"\nnode = "node-001"\ngpu = 1\nonset = "15m"\nseverity = "obvious"\n'
+    labels, found, _ = _run(SCENARIO + fault, tmp_path)
+    onset = labels["faults"][0]["onset"]
+    for p in ("gpufleet", "dcgm"):
+        assert [(f.kind, f.cause, f.node, f.gpu, f.gpu_instance) for f in found[p]] == \
+            [("throttling", "clock", "node-001", "1", "")], p
+        assert onset <= found[p][0].start <= onset + 300, p
