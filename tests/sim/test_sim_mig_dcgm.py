@@ -119,6 +119,7 @@ def test_a_mig_gpu_is_a_gpu_entity_but_never_a_whole_gpu_peer(faulty: Run) -> No
     assert not [m for m in snap.missing if m.startswith("DCGM_FI_PROF")]
 
 
+@pytest.mark.slow
 def test_a_real_prometheus_gives_the_same_dcgm_slices_and_finding(faulty: Run, tmp_path: Path) -> None:
     """The dcgm MIG queries as PromQL against the recording backfilled into Prometheus (promtool), on 127.0.0.1."""
     labels, _, files = faulty
