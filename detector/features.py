@@ -20,7 +20,14 @@ from typing import Any
 import numpy as np
 
 from gpufleet.agent.vocab import exporters
-from gpufleet.detector.profiles import JOB_LABELS, MASK_BITS, MODEL_LABELS, Query
+from gpufleet.detector.profiles import (
+    JOB_LABELS,
+    MASK_BITS,
+    MIG_INSTANCE_LABELS,
+    MIG_PROFILE_LABELS,
+    MODEL_LABELS,
+    Query,
+)
 from gpufleet.detector.source import Result, SeriesTable, Source, SourceError
 
 FloatArray = np.ndarray
@@ -159,7 +166,7 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
         else:
             results[q.feature].append((q, got))
     missing = {q.metric for feat, rs in results.items() if not any(r for _, r in rs)
-               for q, _ in rs if q.metric not in OPTIONAL_METRICS and q.entity != "meta"}
+               for q, _ in rs if q.metric not in OPTIONAL_METRICS and q.entity != "meta" and not q.optional}
     if errors and not any(r for rs in results.values() for _, r in rs):
         raise SourceError(f"every query failed; first: {errors[0]}")
 
@@ -204,7 +211,7 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
     job_count: list[FloatArray] = []
     jobs_of = _Jobs(JOB_LABELS.get(profile, ("job_id",)))
     models = np.full(n, "", dtype=object)
-    migs: dict[int, list[str]] = defaultdict(list)
+    migs: dict[int, dict[str, str]] = defaultdict(dict)
     pod_counts: dict[int, dict[tuple[str, str], float]] = defaultdict(dict)
     model_labels = MODEL_LABELS.get(profile, ("name",))
     for feat, q, res in gpu_rs:
@@ -224,10 +231,12 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
                         pod_counts[i][pk] = pod_counts[i].get(pk, 0.0) + v
         elif feat == "@model":
             models[pos[sel]] = _first_label_column(res.table, model_labels)[res.ids[sel]]
-        elif feat == "@mig":  # one series per MIG device: the GPU's layout, e.g. "MIG 1g.10gb*7"
-            for i, prof in zip(pos.tolist(), res.column("profile"), strict=True):
-                if i >= 0:
-                    migs[i].append(prof or "?")
+        elif feat == "@mig":  # the series of the MIG devices: the GPU's layout, e.g. "MIG 1g.10gb*7"
+            for i, sid in zip(pos.tolist(), res.ids.tolist(), strict=True):
+                if i >= 0:  # one profile per GPU instance (dcgm-exporter: several series while jobs change)
+                    dev = res.table.labels[sid]
+                    gi = first_label(dev, MIG_INSTANCE_LABELS) or f"#{sid}"
+                    migs[i].setdefault(gi, first_label(dev, MIG_PROFILE_LABELS) or "?")
         elif feat == "@mask":
             mask = np.zeros(n, dtype=np.int64)
             np.bitwise_or.at(mask, pos[sel], res.values[sel].astype(np.int64))
@@ -241,8 +250,8 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
         elif feat in values:
             _accumulate(values[feat], pos, res.values, q.agg)
 
-    for i, profiles in migs.items():
-        layout = "+".join(f"{p}*{k}" if k > 1 else p for p, k in sorted(Counter(profiles).items()))
+    for i, by_instance in migs.items():
+        layout = "+".join(f"{p}*{k}" if k > 1 else p for p, k in sorted(Counter(by_instance.values()).items()))
         models[i] = f"{models[i]} MIG {layout}"
     samples = values["samples"]
     full = float(np.nanmax(samples)) if len(samples) else 0.0
@@ -380,6 +389,11 @@ def _node_column(table: SeriesTable, naming: NodeNaming) -> list[str | None]:
         g = table.derived[("node", naming)] = _Growing(naming.node, object)
     g.get(table)
     return g.items  # type: ignore[return-value]  # naming.node returns str | None
+
+
+def first_label(labels: dict[str, str], names: tuple[str, ...]) -> str:
+    """The value of the first of ``names`` that ``labels`` has non-empty, else ""."""
+    return next((labels[m] for m in names if labels.get(m)), "")
 
 
 def _first_label_column(table: SeriesTable, names: tuple[str, ...]) -> np.ndarray:

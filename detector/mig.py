@@ -8,7 +8,9 @@ the slice's job ``gpufleet_gpu_owner_processes`` with a ``gpu_instance`` (Slurm)
 holding the MIG device, ``gpufleet_gpu_pod_info`` with the MIG UUID as ``device``, resolved to its training job
 by :mod:`gpufleet.detector.jobs`) into a
 :class:`~gpufleet.detector.features.GpuFrame` with one entity per slice (parent GPU + GPU instance), and
-:func:`score` runs the same straggler machinery on it. Peers are the slices of one job *and* one profile
+:func:`score` runs the same straggler machinery on it. The ``dcgm`` profile gives the same slices from
+dcgm-exporter's GPU-instance series (``GPU_I_ID``, ``GPU_I_PROFILE``; the job is their ``hpc_job`` or pod,
+``@mig_job``; see :data:`gpufleet.detector.profiles.DCGM_MIG`). Peers are the slices of one job *and* one profile
 (a 1g.10gb slice is never compared with a 3g.40gb one), at least ``min_peers`` of them, busy ones only;
 slices without a job are never compared (unrelated workloads).
 
@@ -30,7 +32,8 @@ from gpufleet.agent.vocab import exporters
 from gpufleet.detector import jobs, straggler
 from gpufleet.detector import shard as sharding
 from gpufleet.detector.config import DetectorConfig
-from gpufleet.detector.features import FeatureFrame, GpuFrame, NodeNaming
+from gpufleet.detector.features import FeatureFrame, GpuFrame, NodeNaming, first_label
+from gpufleet.detector.profiles import MIG_INSTANCE_LABELS, MIG_PROFILE_LABELS
 from gpufleet.detector.source import Result, SeriesTable
 from gpufleet.detector.straggler import Candidate
 
@@ -77,7 +80,7 @@ class _Keys:
 
     def get(self, table: SeriesTable) -> list[SliceKey | None]:
         for lb in table.labels[len(self.items):]:
-            node, gpu, gi = self.naming.node(lb), lb.get("gpu"), lb.get("gpu_instance")
+            node, gpu, gi = self.naming.node(lb), lb.get("gpu"), first_label(lb, MIG_INSTANCE_LABELS)
             self.items.append((node, gpu, gi) if node and gpu and gi else None)
         return self.items
 
@@ -109,6 +112,14 @@ def _fold(res: Result | None, naming: NodeNaming, pos: dict[SliceKey, int], arr:
     np.fmax.at(arr, at[sel], res.values[sel])
 
 
+def _pod_of(lb: dict[str, str]) -> tuple[str, str] | None:
+    """(namespace, pod) a series names, None when it names no pod."""
+    pod = lb.get(exporters.EXPORTED_POD_LABEL)  # honor_labels false: "pod" is the exporter's own
+    pk = (lb.get(exporters.EXPORTED_NAMESPACE_LABEL, ""), pod) if pod else (lb.get("namespace", ""),
+                                                                           lb.get(exporters.DCGM_POD_LABEL, ""))
+    return pk if pk[1] else None
+
+
 def _pod_rows(res: Result | None, naming: NodeNaming) -> list[tuple[tuple[str, str], tuple[str, str], float]]:
     """((node, MIG UUID), (namespace, pod), samples) of each pod-info series of a MIG device."""
     if res is None:
@@ -117,10 +128,8 @@ def _pod_rows(res: Result | None, naming: NodeNaming) -> list[tuple[tuple[str, s
     for sid, v in zip(res.ids.tolist(), res.values.tolist(), strict=True):
         lb = res.table.labels[sid]
         node, dev = naming.node(lb), lb.get("device", "")
-        pod = lb.get(exporters.EXPORTED_POD_LABEL)  # honor_labels false: "pod" is the agent's own
-        pk = (lb.get(exporters.EXPORTED_NAMESPACE_LABEL, ""), pod) if pod else (lb.get("namespace", ""),
-                                                                               lb.get(exporters.DCGM_POD_LABEL, ""))
-        if node and dev and pk[1]:
+        pk = _pod_of(lb)
+        if node and dev and pk is not None:
             out.append(((node, dev), pk, float(v)))
     return out
 
@@ -143,7 +152,7 @@ def slice_frame(snap: FeatureFrame, naming: NodeNaming, coverage: float = 0.8) -
     site: dict[SliceKey, str] = {}
     by_uuid: dict[tuple[str, str], SliceKey] = {}
     for key, lb, _ in _rows(meta.get("@mig_info"), naming):
-        profile.setdefault(key, lb.get("profile") or "?")
+        profile.setdefault(key, first_label(lb, MIG_PROFILE_LABELS) or "?")
         site.setdefault(key, lb.get("site") or "")
         if lb.get("uuid"):
             by_uuid[(key[0], lb["uuid"])] = key
@@ -157,6 +166,14 @@ def slice_frame(snap: FeatureFrame, naming: NodeNaming, coverage: float = 0.8) -
         sk = by_uuid.get(nd)
         if sk is not None:
             pods[sk][pk] = pods[sk].get(pk, 0.0) + v
+    # dcgm-exporter: the job (hpc_job) or the pod holding the MIG device on each of its GPU instance's series
+    for key, lb, v in _rows(meta.get("@mig_job"), naming):
+        if key not in profile:
+            continue
+        if lb.get(exporters.DCGM_JOB_LABEL):
+            _add(slurm, key, lb[exporters.DCGM_JOB_LABEL], v)
+        elif (holder := _pod_of(lb)) is not None:
+            pods[key][holder] = pods[key].get(holder, 0.0) + v
     keys = sorted(profile)
     parents = {(n, g): i for i, (n, g) in enumerate(zip(snap.gpu.nodes, snap.gpu.gpus, strict=True))}
     pos = {k: i for i, k in enumerate(keys)}

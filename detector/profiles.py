@@ -52,6 +52,8 @@ class Query:
     agg: Agg = "max"
     #: For configured sites: every matching series is summed into this site.
     site: str = ""
+    #: No series is normal (e.g. MIG devices in a fleet without MIG): never reported as a missing input.
+    optional: bool = False
 
     def promql(self, window: float) -> str:
         sel = ",".join(f'{k}{op}"{v}"' for k, op, v in self.matchers)
@@ -70,12 +72,13 @@ def _q(feature: str, metric: str, op: Op, entity: Entity = "gpu", matchers: tupl
     return Query(feature, metric, op, entity, matchers, scale, agg)
 
 
-def _x(feature: str, sample: str, op: Op, entity: Entity = "gpu", scale: float = 1.0, agg: Agg = "max") -> Query:
+def _x(feature: str, sample: str, op: Op, entity: Entity = "gpu", scale: float = 1.0, agg: Agg = "max", *,
+       matchers: tuple[tuple[str, str, str], ...] = (), optional: bool = False) -> Query:
     """A query of another exporter's series: ``sample`` must be a sample name of :mod:`~gpufleet.agent.vocab.exporters`."""
     metric = exporters.external(sample)  # KeyError for a name the vocabulary does not list
     if metric.sample != sample:
         raise ValueError(f"{sample}: the exporters' series is named {metric.sample}")
-    return Query(feature, metric.sample, op, entity, (), scale, agg)
+    return Query(feature, metric.sample, op, entity, matchers, scale, agg, optional=optional)
 
 
 def _eq(label: str, value: str) -> tuple[tuple[str, str, str], ...]:
@@ -158,20 +161,31 @@ GPUFLEET: tuple[Query, ...] = (
     _q("nic_pause_storm", "gpufleet_nic_pause_storm_events_total", "increase", "nicif", agg="sum"),
 )
 
+#: dcgm-exporter's series of a MIG device (GPU instance), and of a whole GPU (no GPU_I_ID).
+_GI = exporters.DCGM_MIG_INSTANCE_LABEL
+_DCGM_MIG = _re(_GI, ".+")
+_DCGM_WHOLE = _eq(_GI, "")
+
 #: dcgm-exporter reports MHz, percent (GPU_UTIL), mJ (energy) and microseconds (violation counters).
 DCGM: tuple[Query, ...] = (
     _x("util", "DCGM_FI_DEV_GPU_UTIL", "avg", scale=0.01),
     _x("samples", "DCGM_FI_DEV_GPU_UTIL", "count"),
     _x("@job", "DCGM_FI_DEV_GPU_UTIL", "count"),
     _x("@model", "DCGM_FI_DEV_GPU_UTIL", "last"),
+    # A GPU in MIG mode has no GPU_UTIL and no series without GPU_I_ID (dcgm-exporter's default --devices f): the
+    # parent readings its instances repeat make it a GPU entity (device-level readings, throttling findings) and
+    # their GPU_I_PROFILE its MIG layout (never scored as a whole GPU; its slices are, in detector.mig).
+    _x("samples", "DCGM_FI_DEV_SM_CLOCK", "count", matchers=_DCGM_MIG, optional=True),
+    _x("@model", "DCGM_FI_DEV_SM_CLOCK", "last", matchers=_DCGM_MIG, optional=True),
+    _x("@mig", "DCGM_FI_PROF_GR_ENGINE_ACTIVE", "last", matchers=_DCGM_MIG, optional=True),
     _x("sm_clock", "DCGM_FI_DEV_SM_CLOCK", "avg", scale=1e6),
     _x("mem_clock", "DCGM_FI_DEV_MEM_CLOCK", "avg", scale=1e6),
     _x("power", "DCGM_FI_DEV_POWER_USAGE", "avg"),
     _x("temp", "DCGM_FI_DEV_GPU_TEMP", "avg"),
     _x("mem_temp", "DCGM_FI_DEV_MEMORY_TEMP", "avg"),
-    _x("tensor", "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "avg"),
-    _x("sm_active", "DCGM_FI_PROF_GR_ENGINE_ACTIVE", "avg"),
-    _x("dram", "DCGM_FI_PROF_DRAM_ACTIVE", "avg"),
+    _x("tensor", "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "avg", matchers=_DCGM_WHOLE),
+    _x("sm_active", "DCGM_FI_PROF_GR_ENGINE_ACTIVE", "avg", matchers=_DCGM_WHOLE),
+    _x("dram", "DCGM_FI_PROF_DRAM_ACTIVE", "avg", matchers=_DCGM_WHOLE),
     _x("thr_thermal", "DCGM_FI_DEV_THERMAL_VIOLATION", "rate", scale=1e-6),
     _x("thr_power", "DCGM_FI_DEV_POWER_VIOLATION", "rate", scale=1e-6),
     _x("@mask", "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "last"),
@@ -218,6 +232,21 @@ MIG: tuple[Query, ...] = (
     _q("@mig_pod", "gpufleet_gpu_pod_info", "count", "meta", _re("device", "MIG-.+")),
 )
 
+#: dcgm: MIG slices from dcgm-exporter's GPU-instance series (GPU_I_ID, GPU_I_PROFILE): the same entities as
+#: :data:`MIG`. A slice's "SM active" is DCGM_FI_PROF_GR_ENGINE_ACTIVE (a default counter; SM_ACTIVE is not),
+#: its job the ``hpc_job`` (or pod) on its series (``@mig_job``).
+DCGM_MIG: tuple[Query, ...] = (
+    _x("@mig_info", "DCGM_FI_PROF_GR_ENGINE_ACTIVE", "last", "meta", matchers=_DCGM_MIG),
+    _x("@mig_samples", "DCGM_FI_PROF_GR_ENGINE_ACTIVE", "count", "meta", matchers=_DCGM_MIG),
+    _x("mig_sm_active", "DCGM_FI_PROF_GR_ENGINE_ACTIVE", "avg", "meta", matchers=_DCGM_MIG),
+    _x("mig_tensor", "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "avg", "meta", matchers=_DCGM_MIG),
+    _x("mig_dram", "DCGM_FI_PROF_DRAM_ACTIVE", "avg", "meta", matchers=_DCGM_MIG),
+    _x("@mig_job", "DCGM_FI_PROF_GR_ENGINE_ACTIVE", "count", "meta", matchers=_DCGM_MIG),
+)
+#: The labels naming a MIG slice's GPU instance and its profile: the agent's, dcgm-exporter's (first present wins).
+MIG_INSTANCE_LABELS = ("gpu_instance", exporters.DCGM_MIG_INSTANCE_LABEL)
+MIG_PROFILE_LABELS = ("profile", exporters.DCGM_MIG_PROFILE_LABEL)
+
 #: Site metrics used when no [[sites]] are configured (the simulator and DCIM bridges export these).
 SITE_DEFAULTS = {
     "facility_power": "gpufleet_site_facility_power_watts",
@@ -238,7 +267,7 @@ def queries(profile: str) -> tuple[Query, ...]:
     if profile == "gpufleet":
         return GPUFLEET + GPUFLEET_PODS + KUBE + MIG
     if profile == "dcgm":
-        return DCGM + KUBE
+        return DCGM + KUBE + DCGM_MIG
     raise ValueError(f"unknown profile {profile!r}; profiles: {', '.join(PROFILES)}")
 
 

@@ -107,6 +107,35 @@ DCGM_METRICS: tuple[ExternalMetric, ...] = (
 #: The newer name dcgm-exporter gives the reasons bitmask (DCGM 3.3+); the detector reads either.
 DCGM_CLOCKS_EVENT_REASONS = _dcgm("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "gauge", "Current clock event reasons (bitmask).")
 
+# ---------------------------------------------------------------- dcgm-exporter: MIG devices (GPU instances)
+# As read in NVIDIA/dcgm-exporter (Apache-2.0; names and behaviour only, no code): the GPU series template
+# (internal/pkg/rendermetrics/render_metrics.go) adds GPU_I_PROFILE and GPU_I_ID, after modelName, to the series
+# of a GPU instance; gpu, UUID, pci_bus_id, device and modelName stay the parent GPU's (collector/gpu_collector.go
+# toMetric). With the default ``--devices f`` (appconfig FlexKey; devicemonitoring.monitorAllGPUInstances) a GPU
+# in MIG mode is watched only through its GPU instances: it has no series without GPU_I_ID. The instances'
+# DCGM_FI_PROF_* and framebuffer fields are their own (issue #430: "reported for MIG devices"); device-wide
+# readings (clocks, temperature, power, ...) repeat the parent GPU's on every instance (issue #50: every
+# instance of a GPU has its SM/memory clock); DCGM_FI_DEV_GPU_UTIL is not reported for MIG instances (issues
+# #50, #105, #216). The Slurm mapping reads a file named ``<gpu>.<GPU_I_ID>`` for an instance's hpc_job
+# (transformation/hpc.go); Kubernetes puts the pod holding the MIG device on its instance's series
+# (transformation/kubernetes.go, the same pod/namespace/container labels as a GPU's).
+DCGM_MIG_INSTANCE_LABEL = "GPU_I_ID"
+DCGM_MIG_PROFILE_LABEL = "GPU_I_PROFILE"
+#: The MIG labels in the order dcgm-exporter writes them (after modelName, before Hostname).
+DCGM_MIG_LABELS = (DCGM_MIG_PROFILE_LABEL, DCGM_MIG_INSTANCE_LABEL)
+#: Families dcgm-exporter's counters CSV lists (FB_FREE by default, SM_OCCUPANCY commented out) that only the
+#: GPU-instance series of recordings carry.
+DCGM_FB_FREE = _dcgm("DCGM_FI_DEV_FB_FREE", "gauge", "Framebuffer memory free (in MiB).", "decmbytes")
+DCGM_SM_OCCUPANCY = _dcgm("DCGM_FI_PROF_SM_OCCUPANCY", "gauge", "The ratio of number of warps resident on an SM.",
+                          "percentunit")
+DCGM_MIG_METRICS: tuple[ExternalMetric, ...] = (DCGM_FB_FREE, DCGM_SM_OCCUPANCY)
+#: Fields a GPU instance reports of its own (every other DCGM_FI_* of an instance is its parent GPU's reading).
+DCGM_MIG_INSTANCE_FIELDS = ("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "DCGM_FI_PROF_SM_ACTIVE", "DCGM_FI_PROF_SM_OCCUPANCY",
+                            "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "DCGM_FI_PROF_DRAM_ACTIVE", "DCGM_FI_DEV_FB_USED",
+                            "DCGM_FI_DEV_FB_FREE")
+#: Fields a GPU instance does not report at all.
+DCGM_MIG_UNSUPPORTED = ("DCGM_FI_DEV_GPU_UTIL",)
+
 
 def _ib(name: str, typ: str, help_text: str, unit: str = "short", dashboard_help: str = "") -> ExternalMetric:
     return ExternalMetric(name, typ, help_text, NODE_EXPORTER, unit, dashboard_help)
@@ -181,7 +210,7 @@ EXPORTED_NAMESPACE_LABEL = "exported_namespace"
 BY_NAME: dict[str, ExternalMetric] = {
     n: m
     for m in (*DCGM_METRICS, DCGM_CLOCKS_EVENT_REASONS, *NODE_INFINIBAND_METRICS, IPMI_DCMI_POWER, KUBE_POD_OWNER,
-              KUBE_POD_LABELS, KUBE_POD_INFO, KUBE_JOB_OWNER)
+              KUBE_POD_LABELS, KUBE_POD_INFO, KUBE_JOB_OWNER, *DCGM_MIG_METRICS)
     for n in {m.name, m.sample}
 }
 

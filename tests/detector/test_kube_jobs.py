@@ -35,7 +35,7 @@ def pod_labels(pod: str, ns: str = NS, **labels: str) -> tuple[dict[str, str], f
 
 
 def test_vocabulary_names_the_kube_state_metrics_series() -> None:
-    names = {q.metric for q in queries("dcgm") if q.entity == "meta"}
+    names = {q.metric for q in queries("dcgm") if q.entity == "meta" and q.feature.startswith("@kube")}
     assert names == {"kube_pod_owner", "kube_pod_labels", "kube_job_owner"}
     assert names <= {q.metric for q in queries("gpufleet")}
     assert {"gpufleet_gpu_pod_info"} <= {q.metric for q in queries("gpufleet")}

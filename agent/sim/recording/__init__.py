@@ -17,6 +17,8 @@ needs its text in memory. Files:
   (``ipmi_dcmi_power_consumption_watts``; ``<node>:9290``, job ``ipmi``) would have exposed, all
   as :mod:`gpufleet.agent.vocab.exporters` declares them. dcgm-exporter's counters carry no
   ``_total`` suffix, so they are typed ``unknown`` to keep the names Prometheus stores for them.
+  A GPU in MIG mode has only its GPU instances' series (``GPU_I_PROFILE``, ``GPU_I_ID``), as
+  dcgm-exporter's default ``--devices f`` exports it.
 * ``labels.json`` — the ground truth.
 
 Both metric files end with ``# EOF`` and load with ``promtool tsdb create-blocks-from

@@ -5,27 +5,36 @@ Every family name, type, help text, label name, job and port comes from :mod:`gp
 ``infiniband`` collector; ipmi_exporter's DCMI power); this module only says which simulated array each
 family shows. dcgm-exporter's counters carry no ``_total`` suffix, so the vocabulary types them ``unknown``
 to keep the names Prometheus stores for them. The site families are gpufleet's, as in the other profile.
+GPUs of ``[[mig]]`` nodes are written as dcgm-exporter's GPU instances (:class:`_MigInstances`).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import numpy as np
 
+from gpufleet.agent.sim.mig import SliceSeries, slice_series
 from gpufleet.agent.sim.physics import ECC_KEYS, NIC_ERRORS, REMAP_CAUSES
 from gpufleet.agent.sim.recording.capture import Context
 from gpufleet.agent.sim.recording.gpufleet_profile import site_families
 from gpufleet.agent.sim.recording.openmetrics import OmWriter, prefix
 from gpufleet.agent.vocab.exporters import (
     DCGM,
+    DCGM_HOST_LABEL,
     DCGM_JOB_LABEL,
     DCGM_METRICS,
+    DCGM_MIG_INSTANCE_FIELDS,
+    DCGM_MIG_LABELS,
+    DCGM_MIG_METRICS,
+    DCGM_MIG_UNSUPPORTED,
     IPMI_DCMI_POWER,
     IPMI_EXPORTER,
     NODE_EXPORTER,
     NODE_INFINIBAND_METRICS,
     Exporter,
+    ExternalMetric,
 )
 from gpufleet.agent.vocab.nvml import NVLINK_ERRORS
 
@@ -115,10 +124,70 @@ def _dcgm_exporter(w: OmWriter, c: Context) -> None:
         "DCGM_FI_DEV_ROW_REMAP_PENDING": (fr["remap_pending"], 0),
         "DCGM_FI_DEV_XID_ERRORS": (_xid_last(c, w.n_ticks), 0),
     }
+    mig = _MigInstances(c)
+    masks &= ~mig.in_mig_mode[gpus][None, :]  # a GPU in MIG mode is watched through its GPU instances only
     for m in DCGM_METRICS:
         arr, dec = values[m.name]
         w.family(m.name, m.type, m.help)
         w.block([prefix(m.sample, b) for b in base], np.asarray(arr), dec, masks, cols=gpus)
+        mig.write(w, m, np.asarray(arr), dec)
+    for m in DCGM_MIG_METRICS:
+        if mig.slices:
+            w.family(m.name, m.type, m.help)
+            mig.write(w, m, None, 0)
+
+
+class _MigInstances:
+    """The GPU instances of the scenario's ``[[mig]]`` nodes as dcgm-exporter exposes them with its default
+    ``--devices f`` (see :mod:`gpufleet.agent.vocab.exporters`): each instance's series carry the parent GPU's
+    identity labels plus ``GPU_I_PROFILE`` and ``GPU_I_ID`` (and ``hpc_job`` while its slice runs a job); the
+    instance's own fields (:data:`DCGM_MIG_INSTANCE_FIELDS`) are its activity and memory, every other field the
+    parent GPU's reading, no ``DCGM_FI_DEV_GPU_UTIL``; the parent GPU has no series of its own."""
+
+    def __init__(self, c: Context) -> None:
+        sim, fr = c.sim, c.fr
+        self.in_mig_mode = np.zeros(c.f.n_gpus, dtype=bool)
+        for node in sim.mig_nodes:
+            self.in_mig_mode[sim.fleet.node_gpus(node)] = True
+        self.slices = slice_series(sim, fr.times, {f: fr[f] for f in ("sm_active", "tensor", "dram", "mem_used")}) \
+            if sim.mig_nodes else []
+        self.parents = np.array([int(sim.fleet.node_gpus(s.node)[s.gpu]) for s in self.slices], dtype=np.int64)
+        self.mask = c.gpu_present[:, self.parents]
+        self.prefix_labels: list[dict[str, str]] = []
+        for s in self.slices:
+            node, k = s.node, s.gpu
+            identity = (str(k), sim.uuid(int(sim.fleet.node_gpus(node)[k])), sim.pci_bus_id(node, k), f"nvidia{k}",
+                        c.f.nodes[node].model.name)
+            labels = dict(zip(DCGM.labels, identity, strict=False))  # up to modelName
+            labels.update(zip(DCGM_MIG_LABELS, (s.device.profile_name, str(s.device.gpu_instance_id)), strict=True))
+            labels[DCGM_HOST_LABEL] = c.nodes[node]
+            if s.job:
+                labels[DCGM_JOB_LABEL] = s.job
+            labels.update(_target(DCGM, c.nodes[node], c.site_of_node[node]))
+            self.prefix_labels.append(labels)
+        mib = 1048576.0
+        own: dict[str, Callable[[SliceSeries], np.ndarray]] = {
+            "DCGM_FI_PROF_GR_ENGINE_ACTIVE": lambda s: np.minimum(s.sm_active * 1.04, 1.0),
+            "DCGM_FI_PROF_SM_ACTIVE": lambda s: s.sm_active,
+            "DCGM_FI_PROF_SM_OCCUPANCY": lambda s: s.sm_occupancy,
+            "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": lambda s: s.tensor,
+            "DCGM_FI_PROF_DRAM_ACTIVE": lambda s: s.dram,
+            "DCGM_FI_DEV_FB_USED": lambda s: np.floor(s.memory_used / mib),
+            "DCGM_FI_DEV_FB_FREE": lambda s: np.floor((s.device.memory_total_bytes - s.memory_used) / mib),
+        }
+        self.own = {name: np.stack([own[name](s) for s in self.slices], axis=1) if self.slices else np.zeros((0, 0))
+                    for name in DCGM_MIG_INSTANCE_FIELDS}
+
+    def write(self, w: OmWriter, m: ExternalMetric, parent: np.ndarray | None, decimals: int) -> None:
+        """The instances' series of family ``m``: their own values, else the parent GPU's ``parent`` (ticks x
+        GPUs); nothing for a field no instance reports."""
+        if not self.slices or m.name in DCGM_MIG_UNSUPPORTED:
+            return
+        pre = [prefix(m.sample, lb) for lb in self.prefix_labels]
+        if m.name in self.own:
+            w.block(pre, self.own[m.name], 4 if m.name.startswith("DCGM_FI_PROF_") else 0, self.mask)
+        elif parent is not None:
+            w.block(pre, parent, decimals, self.mask, cols=self.parents)
 
 
 def _node_exporter(w: OmWriter, c: Context) -> None:
