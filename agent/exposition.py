@@ -4,9 +4,9 @@
 ``generate_latest`` and ``openmetrics.exposition.generate_latest`` give for the agent's
 families, several times faster: metric and label names come from the catalog (valid legacy
 names, so no escaping), label sets carry their rendered prefix
-(:class:`~gpufleet.agent.collectors.series.FrozenLabels`), and the rendered lines of reused
-samples (:class:`~gpufleet.agent.collectors.series.StickySample`) and of whole unchanged families
-are kept from one run to the next, separately per format. Whatever they do not handle (exemplars,
+(:class:`~gpufleet.agent.collectors.series.FrozenLabels`), the rendered line of a reused sample
+(:class:`~gpufleet.agent.collectors.series.StickySample`) is kept on its label set (the same line in both
+formats), and whole unchanged families are kept from one run to the next, per format. Whatever they do not handle (exemplars,
 native histograms, an OpenMetrics-only family in the text format, a name that needs escaping)
 goes to the reference encoder. :func:`negotiate` maps an ``Accept`` header to a :class:`Format`
 exactly as prometheus_client's ``choose_encoder`` does.
@@ -28,9 +28,7 @@ from prometheus_client.samples import Sample
 
 from gpufleet.agent.collectors.series import PREFIXES, FrozenLabels, StickySample, label_prefix
 
-#: id(sample) -> (sample, rendered line) of the StickySamples of the previous encode_text run.
-_STICKY: dict[int, tuple[Sample, str]] = {}
-_STICKY_LOCK = threading.Lock()
+_BLOCKS_LOCK = threading.Lock()
 #: (family name, type) -> (samples, rendered block) of the families of the previous run made only of
 #: StickySamples: a family with the very same samples again is copied as a whole.
 _BLOCKS: dict[tuple[str, str], tuple[list[Sample], str]] = {}
@@ -44,12 +42,10 @@ def encode_text(families: Sequence[Metric]) -> bytes:
     the catalog (valid legacy names, so no escaping checks) and rendered label sets are
     cached across scrapes.
     """
-    with _STICKY_LOCK:
-        sticky = dict(_STICKY)
+    with _BLOCKS_LOCK:
         blocks = dict(_BLOCKS)
     new_blocks: dict[tuple[str, str], tuple[list[Sample], str]] = {}
     float_memo = _FLOATS.get
-    seen: dict[int, tuple[Sample, str]] = {}
     out: list[str] = []
     append = out.append
     get = PREFIXES.get
@@ -75,15 +71,15 @@ def encode_text(families: Sequence[Metric]) -> bytes:
         created: list[str] = []
         created_name = fam.name + "_created"
         for s in samples:
+            sname, labels, v = s[0], s[1], s[2]
             if type(s) is StickySample:
-                hit = sticky.get(id(s))
-                if hit is not None and hit[0] is s:  # the very object rendered last time
-                    seen[id(s)] = hit
-                    append(hit[1])
-                    continue
+                if type(labels) is FrozenLabels:
+                    done = labels.line
+                    if done is not None and done[0] is s:  # the very object rendered last time
+                        append(done[1])
+                        continue
             else:
                 whole = False
-            sname, labels, v = s.name, s.labels, s.value
             if type(labels) is FrozenLabels and labels.name == sname:
                 p = labels.prefix
             else:
@@ -104,7 +100,8 @@ def encode_text(families: Sequence[Metric]) -> bytes:
                 whole = False
             elif type(s) is StickySample and s.timestamp is None:
                 line = p + txt + "\n"
-                seen[id(s)] = (s, line)
+                if type(labels) is FrozenLabels and labels.name == sname:
+                    labels.line = (s, line)
                 append(line)
             else:
                 whole = False
@@ -114,9 +111,7 @@ def encode_text(families: Sequence[Metric]) -> bytes:
             out.extend(created)
         if whole:
             new_blocks[key] = (list(samples), "".join(out[start:]))
-    with _STICKY_LOCK:  # keep only what this run saw: the caches never outgrow one exposition
-        _STICKY.clear()
-        _STICKY.update(seen)
+    with _BLOCKS_LOCK:  # keep only what this run saw: the cache never outgrows one exposition
         _BLOCKS.clear()
         _BLOCKS.update(new_blocks)
     return "".join(out).encode("utf-8")
@@ -173,9 +168,8 @@ class _Families:
         return self.families
 
 
-#: id(sample) -> (sample, rendered line), and (family name, type, doc, unit) -> (samples, rendered block),
-#: of the previous encode_openmetrics run: its own caches, as its blocks differ from the text format's.
-_OM_STICKY: dict[int, tuple[Sample, str]] = {}
+#: (family name, type, doc, unit) -> (samples, rendered block) of the previous encode_openmetrics run: its own
+#: cache, as its blocks differ from the text format's (its sample lines do not: FrozenLabels.line serves both).
 _OM_BLOCKS: dict[tuple[str, str, str, str], tuple[list[Sample], str]] = {}
 _OM_LOCK = threading.Lock()
 _LEGACY_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
@@ -197,10 +191,8 @@ def encode_openmetrics(families: Sequence[Metric], escaping: str = om.UNDERSCORE
     if escaping not in (om.UNDERSCORES, om.ALLOWUTF8):
         return _om_reference(families, escaping)
     with _OM_LOCK:
-        sticky = dict(_OM_STICKY)
         blocks = dict(_OM_BLOCKS)
     new_blocks: dict[tuple[str, str, str, str], tuple[list[Sample], str]] = {}
-    seen: dict[int, tuple[Sample, str]] = {}
     float_memo = _FLOATS.get
     out: list[str] = []
     append = out.append
@@ -226,15 +218,15 @@ def encode_openmetrics(families: Sequence[Metric], escaping: str = om.UNDERSCORE
         if fam.unit:
             append(f"# UNIT {name} {fam.unit}\n")
         for s in samples:
+            sname, labels, v = s[0], s[1], s[2]
             if type(s) is StickySample:
-                hit = sticky.get(id(s))
-                if hit is not None and hit[0] is s:
-                    seen[id(s)] = hit
-                    append(hit[1])
-                    continue
+                if type(labels) is FrozenLabels:
+                    done = labels.line
+                    if done is not None and done[0] is s:
+                        append(done[1])
+                        continue
             else:
                 whole = False
-            sname, labels, v = s.name, s.labels, s.value
             if s.exemplar is not None or s.native_histogram is not None or ":" in sname:
                 return _om_reference(families, escaping)
             if type(labels) is FrozenLabels and labels.name == sname:
@@ -253,7 +245,8 @@ def encode_openmetrics(families: Sequence[Metric], escaping: str = om.UNDERSCORE
                 append(f"{p}{txt} {s.timestamp}\n")
             elif type(s) is StickySample:
                 line = p + txt + "\n"
-                seen[id(s)] = (s, line)
+                if type(labels) is FrozenLabels and labels.name == sname:
+                    labels.line = (s, line)
                 append(line)
             else:
                 append(p + txt + "\n")
@@ -261,8 +254,6 @@ def encode_openmetrics(families: Sequence[Metric], escaping: str = om.UNDERSCORE
             new_blocks[key] = (list(samples), "".join(out[start:]))
     append("# EOF\n")
     with _OM_LOCK:
-        _OM_STICKY.clear()
-        _OM_STICKY.update(seen)
         _OM_BLOCKS.clear()
         _OM_BLOCKS.update(new_blocks)
     return "".join(out).encode("utf-8")
