@@ -71,18 +71,19 @@ def encode_text(families: Sequence[Metric]) -> bytes:
         created: list[str] = []
         created_name = fam.name + "_created"
         for s in samples:
-            sname, labels, v = s[0], s[1], s[2]
-            if type(s) is StickySample:
-                if type(labels) is FrozenLabels:
-                    done = labels.line
-                    if done is not None and done[0] is s:  # the very object rendered last time
-                        append(done[1])
-                        continue
-            else:
-                whole = False
-            if type(labels) is FrozenLabels and labels.name == sname:
+            labels = s[1]
+            sticky = type(s) is StickySample
+            frozen = type(labels) is FrozenLabels
+            if sticky and frozen:
+                done = labels.line
+                if done is not None and done[0] is s:  # the very object rendered last time
+                    append(done[1])
+                    continue
+            sname, v, ts = s[0], s[2], s[3]
+            if frozen and labels.name == sname:
                 p = labels.prefix
             else:
+                frozen = False
                 p = get((sname, tuple(labels.items()))) or label_prefix(sname, labels)
             # Fast paths: a finite float below 1e6 prints as repr() in Go's format too, and so does an
             # int in that range once made a float ("3.0"); larger values need Go's exponent form.
@@ -93,19 +94,19 @@ def encode_text(families: Sequence[Metric]) -> bytes:
                 txt = f"{v}.0" if v < 1_000_000 else _big_int(v)
             else:
                 txt = float_memo(v) or _float_memo(v)
-            if s.timestamp is not None:
-                txt += f" {int(float(s.timestamp) * 1000):d}"
+            if ts is not None:
+                txt += f" {int(float(ts) * 1000):d}"
+                whole = False
             if sname == created_name:
                 created.append(p + txt + "\n")
                 whole = False
-            elif type(s) is StickySample and s.timestamp is None:
-                line = p + txt + "\n"
-                if type(labels) is FrozenLabels and labels.name == sname:
-                    labels.line = (s, line)
-                append(line)
-            else:
+                continue
+            line = p + txt + "\n"
+            if not sticky:
                 whole = False
-                append(p + txt + "\n")
+            elif frozen and ts is None:
+                labels.line = (s, line)
+            append(line)
         if created:
             append(f"# HELP {fam.name}_created {doc}\n# TYPE {fam.name}_created gauge\n")
             out.extend(created)
@@ -134,12 +135,16 @@ def _float(v: float) -> str:
     return s
 
 
-def _big_int(v: float) -> str:
+def _big_int(v: int) -> str:
     """``_float(v)`` for an int in [1e6, 1e15): its digits are exactly float(v)'s shortest repr."""
-    digits = str(int(v))
+    digits = str(v)
     mantissa = digits.rstrip("0")
-    exp = len(digits) - 1
-    return f"{mantissa[0]}.{mantissa[1:]}e+{exp:02d}" if len(mantissa) > 1 else f"{mantissa}e+{exp:02d}"
+    exp = _EXPONENTS[len(digits) - 1]
+    return mantissa[0] + "." + mantissa[1:] + exp if len(mantissa) > 1 else mantissa + exp
+
+
+#: "e+06" ... "e+15": the exponents _big_int writes.
+_EXPONENTS = tuple(f"e+{e:02d}" for e in range(16))
 
 
 #: Formatted large values (clocks in Hz, memory sizes, ...) repeat from scrape to scrape.
@@ -218,20 +223,21 @@ def encode_openmetrics(families: Sequence[Metric], escaping: str = om.UNDERSCORE
         if fam.unit:
             append(f"# UNIT {name} {fam.unit}\n")
         for s in samples:
-            sname, labels, v = s[0], s[1], s[2]
-            if type(s) is StickySample:
-                if type(labels) is FrozenLabels:
-                    done = labels.line
-                    if done is not None and done[0] is s:
-                        append(done[1])
-                        continue
-            else:
-                whole = False
-            if s.exemplar is not None or s.native_histogram is not None or ":" in sname:
+            labels = s[1]
+            sticky = type(s) is StickySample
+            frozen = type(labels) is FrozenLabels
+            if sticky and frozen:
+                done = labels.line
+                if done is not None and done[0] is s:
+                    append(done[1])
+                    continue
+            sname, v, ts = s[0], s[2], s[3]
+            if s[4] is not None or s[5] is not None or ":" in sname:  # an exemplar, a native histogram
                 return _om_reference(families, escaping)
-            if type(labels) is FrozenLabels and labels.name == sname:
+            if frozen and labels.name == sname:
                 p = labels.prefix
             else:
+                frozen = False
                 p = get((sname, tuple(labels.items()))) or label_prefix(sname, labels)
             tv = type(v)  # the same fast paths as encode_text
             if tv is float and -1e308 < v < 1e6:
@@ -240,16 +246,16 @@ def encode_openmetrics(families: Sequence[Metric], escaping: str = om.UNDERSCORE
                 txt = f"{v}.0" if v < 1_000_000 else _big_int(v)
             else:
                 txt = float_memo(v) or _float_memo(v)
-            if s.timestamp is not None:
+            if ts is not None:
                 whole = False
-                append(f"{p}{txt} {s.timestamp}\n")
-            elif type(s) is StickySample:
-                line = p + txt + "\n"
-                if type(labels) is FrozenLabels and labels.name == sname:
-                    labels.line = (s, line)
-                append(line)
-            else:
-                append(p + txt + "\n")
+                append(f"{p}{txt} {ts}\n")
+                continue
+            line = p + txt + "\n"
+            if not sticky:
+                whole = False
+            elif frozen:
+                labels.line = (s, line)
+            append(line)
         if whole:
             new_blocks[key] = (list(samples), "".join(out[start:]))
     append("# EOF\n")
