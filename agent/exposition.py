@@ -73,17 +73,17 @@ def encode_text(families: Sequence[Metric]) -> bytes:
         for s in samples:
             labels = s[1]
             sticky = type(s) is StickySample
-            frozen = type(labels) is FrozenLabels
-            if sticky and frozen:
-                done = labels.line
+            frozen = labels if type(labels) is FrozenLabels else None
+            if sticky and frozen is not None:
+                done = frozen.line
                 if done is not None and done[0] is s:  # the very object rendered last time
                     append(done[1])
                     continue
             sname, v, ts = s[0], s[2], s[3]
-            if frozen and labels.name == sname:
-                p = labels.prefix
+            if frozen is not None and frozen.name == sname:
+                p = frozen.prefix
             else:
-                frozen = False
+                frozen = None
                 p = get((sname, tuple(labels.items()))) or label_prefix(sname, labels)
             # Fast paths: a finite float below 1e6 prints as repr() in Go's format too, and so does an
             # int in that range once made a float ("3.0"); larger values need Go's exponent form.
@@ -104,8 +104,8 @@ def encode_text(families: Sequence[Metric]) -> bytes:
             line = p + txt + "\n"
             if not sticky:
                 whole = False
-            elif frozen and ts is None:
-                labels.line = (s, line)
+            elif frozen is not None and ts is None:
+                frozen.line = (s, line)
             append(line)
         if created:
             append(f"# HELP {fam.name}_created {doc}\n# TYPE {fam.name}_created gauge\n")
@@ -135,9 +135,9 @@ def _float(v: float) -> str:
     return s
 
 
-def _big_int(v: int) -> str:
+def _big_int(v: float) -> str:
     """``_float(v)`` for an int in [1e6, 1e15): its digits are exactly float(v)'s shortest repr."""
-    digits = str(v)
+    digits = str(int(v))
     mantissa = digits.rstrip("0")
     exp = _EXPONENTS[len(digits) - 1]
     return mantissa[0] + "." + mantissa[1:] + exp if len(mantissa) > 1 else mantissa + exp
@@ -225,19 +225,19 @@ def encode_openmetrics(families: Sequence[Metric], escaping: str = om.UNDERSCORE
         for s in samples:
             labels = s[1]
             sticky = type(s) is StickySample
-            frozen = type(labels) is FrozenLabels
-            if sticky and frozen:
-                done = labels.line
+            frozen = labels if type(labels) is FrozenLabels else None
+            if sticky and frozen is not None:
+                done = frozen.line
                 if done is not None and done[0] is s:
                     append(done[1])
                     continue
             sname, v, ts = s[0], s[2], s[3]
             if s[4] is not None or s[5] is not None or ":" in sname:  # an exemplar, a native histogram
                 return _om_reference(families, escaping)
-            if frozen and labels.name == sname:
-                p = labels.prefix
+            if frozen is not None and frozen.name == sname:
+                p = frozen.prefix
             else:
-                frozen = False
+                frozen = None
                 p = get((sname, tuple(labels.items()))) or label_prefix(sname, labels)
             tv = type(v)  # the same fast paths as encode_text
             if tv is float and -1e308 < v < 1e6:
@@ -253,8 +253,8 @@ def encode_openmetrics(families: Sequence[Metric], escaping: str = om.UNDERSCORE
             line = p + txt + "\n"
             if not sticky:
                 whole = False
-            elif frozen:
-                labels.line = (s, line)
+            elif frozen is not None:
+                frozen.line = (s, line)
             append(line)
         if whole:
             new_blocks[key] = (list(samples), "".join(out[start:]))
