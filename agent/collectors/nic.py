@@ -12,6 +12,15 @@ stay open between scrapes and are re-read with ``pread`` (:mod:`.sysfsfiles`). A
 missing tree yields no InfiniBand series; a file that is missing, unreadable or
 does not hold what it should drops that one series (logged at debug) and never
 becomes a zero.
+
+What a scrape costs (the agent's own CPU per scrape has a budget): the devices' and ports' layout
+(names, device identity, the ports' directories) is kept per device while the device directory is
+the same one (its inode: a driver reload or firmware reset re-creates it) and, on a regular-file
+tree, while ``ports/`` is unchanged (:func:`os.stat`); on sysfs the ports of a device never change
+after it registered them (they are listed again only in its first :data:`~.sysfsfiles.RACY_SECONDS`).
+A scrape lists ``class/infiniband``, stats each device and reads the kept files; each file has
+a slot with its series' label set, its last text and its last sample, so a file whose text did not
+change costs a ``pread``, one comparison and an append.
 """
 
 from __future__ import annotations
@@ -19,13 +28,16 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Iterable
+import stat
+import time
+from collections.abc import Callable, Iterable, Sequence
 
 import psutil
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.samples import Sample
 
-from gpufleet.agent.collectors.series import SeriesCache
-from gpufleet.agent.collectors.sysfsfiles import SysfsFiles
+from gpufleet.agent.collectors.series import FrozenLabels, SeriesCache, StickySample
+from gpufleet.agent.collectors.sysfsfiles import RACY_SECONDS, SysfsFiles
 from gpufleet.agent.vocab import catalog
 
 log = logging.getLogger(__name__)
@@ -68,6 +80,14 @@ _RATE_SCALE = {b"": 1.0, b"K": 1e3, b"M": 1e6, b"G": 1e9, b"T": 1e12}
 _STATE_RE = re.compile(rb"^\s*(\d+)\s*:")
 
 INFINIBAND_CLASS = os.path.join("class", "infiniband")
+#: The families this collector fills (the rest of the "nic" group is the ethtool collector's), in the
+#: catalog's order, which is the exposition's.
+_PRODUCED = frozenset({_INFO, _RATE, _STATE, _PHYS, _TX_BYTES, _RX_BYTES, _TX_PKTS, _RX_PKTS, _TX_WAIT, _ERRORS,
+                       _HW, _NET_BYTES, _NET_PKTS, _NET_ERRS, _NET_DROPS})
+_RACY_NS = int(RACY_SECONDS * 1e9)
+_FILLED = tuple(s for s in catalog.by_group("nic") if s.name in _PRODUCED)
+#: family name -> its index among the scrape's families
+_INDEX = {s.name: i for i, s in enumerate(_FILLED)}
 
 
 def read_raw(path: str, dir_fd: int | None = None) -> bytes | None:
@@ -89,32 +109,6 @@ def read_raw(path: str, dir_fd: int | None = None) -> bytes | None:
         os.close(fd)
 
 
-def open_dir(path: str, dir_fd: int | None = None) -> int | None:
-    """A directory file descriptor (close it!), or None if ``path`` is not an openable directory."""
-    try:
-        return os.open(path, os.O_RDONLY | os.O_DIRECTORY, dir_fd=dir_fd)
-    except OSError:
-        return None
-
-
-def read_kept_counters(files: SysfsFiles, path: str, names: Iterable[str]) -> list[tuple[str, int]] | None:
-    """``(name, value)`` for each file in ``names`` under directory ``path`` that holds a non-negative
-    decimal integer, read through ``files`` (descriptors kept open across scrapes); the others are skipped and logged
-    at debug. None if the directory is not there."""
-    read = files.read(path, names)
-    if read is None:
-        return None
-    out: list[tuple[str, int]] = []
-    for name, raw in read:
-        if isinstance(raw, OSError):
-            log.debug("%s/%s: %s", path, name, raw.strerror)
-        elif raw.isdigit():
-            out.append((name, int(raw)))
-        else:
-            log.debug("%s/%s: not a counter: %r", path, name, raw[:40])
-    return out
-
-
 def parse_rate(raw: bytes | None) -> float | None:
     """``"400 Gb/sec (4X NDR)"`` -> bytes per second (5e10); None if unparsable."""
     if raw is None:
@@ -133,15 +127,121 @@ def parse_state(raw: bytes | None) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _listdir(path: str) -> list[str]:
-    try:
-        return sorted(os.listdir(path))
-    except OSError:
-        return []
+def _state_value(raw: bytes) -> float | None:
+    value = parse_state(raw)
+    return None if value is None else float(value)
+
+
+def _counter(mult: int) -> Callable[[bytes], float | None]:
+    """A non-negative decimal integer times ``mult`` (a counter file); None for anything else."""
+    def parse(raw: bytes) -> float | None:
+        return float(int(raw) * mult) if raw.isdigit() else None
+    return parse
+
+
+_COUNT = _counter(1)
 
 
 def _text(raw: bytes | None) -> str:
     return raw.decode("utf-8", "replace") if raw is not None else ""
+
+
+def _fresh(template: Family) -> Family:
+    """An empty family like ``template`` (what ``MetricSpec.family()`` makes, at a fraction of its cost:
+    the collector makes its families anew every scrape)."""
+    fam = template.__class__.__new__(template.__class__)
+    fam.__dict__.update(template.__dict__)
+    fam.samples = []
+    return fam
+
+
+class _Slot:
+    """One file's series: its family (index into the scrape's families), label set and parser, and the last
+    text read with the sample made of it (reused while the text is the same)."""
+
+    __slots__ = ("fam", "labels", "parse", "raw", "sample", "what")
+
+    def __init__(self, fam: int, labels: FrozenLabels, parse: Callable[[bytes], float | None], what: str) -> None:
+        self.fam = fam
+        self.labels = labels
+        self.parse = parse
+        self.what = what  # for the debug log of a file that does not parse
+        self.raw: bytes | None = None
+        self.sample: Sample | None = None
+
+
+def _slot(metric: str, labels: Sequence[str], parse: Callable[[bytes], float | None], what: str) -> _Slot:
+    i = _INDEX[metric]
+    spec = _FILLED[i]
+    return _Slot(i, FrozenLabels(spec.name, zip(spec.labels, labels, strict=True)), parse, what)
+
+
+class _Port:
+    """A port's directories and the slots of its files (kept while its device is the same one)."""
+
+    __slots__ = (
+
+        "attrs",
+        "counters",
+        "counters_path",
+        "device",
+        "hw_listing",
+        "hw_names",
+        "hw_path",
+        "hw_slots",
+        "info_key",
+        "info_sample",
+        "name",
+        "path",
+    )
+
+    def __init__(self, device: str, name: str, path: str) -> None:
+        self.device = device
+        self.name = name
+        self.path = path
+        self.counters_path = path + "/counters"
+        self.hw_path = path + "/hw_counters"
+        labels = (device, name)
+        self.attrs = [_slot(_RATE, labels, parse_rate, "not a port rate"),
+                      _slot(_STATE, labels, _state_value, "not a port state"),
+                      _slot(_PHYS, labels, _state_value, "not a port state")]
+        by_file = {f: _slot(metric, labels, _counter(mult), "not a counter") for f, metric, mult in _PORT_COUNTERS}
+        for f in catalog.IB_PORT_ERRORS:
+            by_file[f] = _slot(_ERRORS, (device, name, f), _COUNT, "not a counter")
+        self.counters = [by_file[f] for f in _COUNTER_FILES]
+        self.info_key: tuple[bytes | None, tuple[str, str, str]] | None = None
+        self.info_sample: Sample | None = None
+        self.hw_listing: list[str] | None = None
+        self.hw_names: list[str] = []
+        self.hw_slots: list[_Slot] = []
+
+    def select_hw(self, listed: list[str]) -> list[str]:
+        """The counters in a listing of hw_counters/ (the listing is the same object while unchanged)."""
+        if listed is not self.hw_listing:
+            names = [n for n in listed if n not in _HW_NOT_COUNTERS and n[:1] != "."]
+            if names != self.hw_names:
+                old = dict(zip(self.hw_names, self.hw_slots, strict=True))
+                self.hw_slots = [old.get(n) or _slot(_HW, (self.device, self.name, n), _COUNT,
+                                                              "not a counter") for n in names]
+                self.hw_names = names
+            self.hw_listing = listed
+        return self.hw_names
+
+
+class _Device:
+    """A device directory as last seen: its identity, information files and ports."""
+
+    __slots__ = ("info", "info_done", "key", "made", "ports", "ports_key", "relist", "sysfs")
+
+    def __init__(self, key: tuple[int, int], sysfs: bool, made: float) -> None:
+        self.key = key  # (st_dev, st_ino): a re-created device directory has a new inode
+        self.sysfs = sysfs
+        self.made = made
+        self.info: tuple[str, str, str] = ("", "", "")
+        self.info_done = False
+        self.ports: list[_Port] = []
+        self.ports_key: tuple[int, int, int] | None = None  # regular trees: ports/ when listed (trusted)
+        self.relist = True
 
 
 class NicCollector:
@@ -149,15 +249,18 @@ class NicCollector:
 
     name = "nic"
 
-    def __init__(self, sysfs_path: str = "/sys") -> None:
+    def __init__(self, sysfs_path: str = "/sys", files: SysfsFiles | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.sysfs_path = sysfs_path
         self.ib_root = os.path.join(sysfs_path, INFINIBAND_CLASS)
         self._specs = {s.name: s for s in catalog.by_group("nic")}
-        self._info_cache: dict[str, tuple[int, list[str]]] = {}
-        #: Label sets built once; unchanged values (most error counters) keep their sample.
-        self._put = SeriesCache(self._specs.values()).put
-        #: Counter files re-read with pread on descriptors kept open (sysfsfiles).
-        self._files = SysfsFiles()
+        self._templates = [s.family() for s in _FILLED]
+        self._devices: dict[str, _Device] = {}
+        #: Label sets built once; unchanged values keep their sample (the Ethernet counters).
+        self._put = SeriesCache(_FILLED).put
+        #: Port attribute and counter files re-read with pread on descriptors kept open (sysfsfiles).
+        self._files = files or SysfsFiles(clock=clock)
+        self._clock = clock
 
     def close(self) -> None:
         self._files.close()
@@ -166,101 +269,110 @@ class NicCollector:
         return [s.family() for s in self._specs.values()]
 
     def collect(self) -> Iterable[Metric]:
-        fams = {name: s.family() for name, s in self._specs.items()}
+        fams = [_fresh(t) for t in self._templates]
         self._collect_ib(fams)
         self._files.sweep()
         self._collect_net(fams)
-        return [f for f in fams.values() if f.samples]
+        return [f for f in fams if f.samples]
 
     # ------------------------------------------------------------------ InfiniBand / RoCE
-    def _device_info(self, device: str, dfd: int) -> list[str]:
-        """hca_type, board_id, fw_ver: read once per device instance (a driver reload or firmware
-        reset re-creates the sysfs directory, with a new inode, and they are read again)."""
+    def _collect_ib(self, fams: list[Family]) -> None:
         try:
-            ino = os.fstat(dfd).st_ino
+            names = sorted(os.listdir(self.ib_root))
         except OSError:
-            ino = -1
-        cached = self._info_cache.get(device)
-        if cached is not None and cached[0] == ino:
-            return cached[1]
-        info = [_text(read_raw(attr, dfd)) for attr in _DEVICE_INFO]
-        if all(info) and ino != -1:  # a device still being set up is read again next time
-            self._info_cache[device] = (ino, info)
-        return info
-
-    def _collect_ib(self, fams: dict[str, Family]) -> None:
-        for device in _listdir(self.ib_root):
-            dfd = open_dir(os.path.join(self.ib_root, device))
-            if dfd is None:
-                continue
+            names = []
+        kept: dict[str, _Device] = {}
+        lists = [f.samples for f in fams]
+        for name in names:
+            path = os.path.join(self.ib_root, name)
             try:
-                info = self._device_info(device, dfd)
-                pfd = open_dir("ports", dfd)
-                if pfd is None:
-                    continue
-                try:
-                    for port in sorted(os.listdir(pfd)):
-                        fd = open_dir(port, pfd)
-                        if fd is not None:
-                            try:
-                                self._collect_port(fams, device, port, fd, info)
-                            finally:
-                                os.close(fd)
-                finally:
-                    os.close(pfd)
-            finally:
-                os.close(dfd)
+                st = os.stat(path)
+            except OSError:
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                continue
+            dev = kept[name] = self._device(name, path, st, self._devices.get(name))
+            for port in dev.ports:
+                if not self._collect_port(lists, dev, port):
+                    dev.relist = True  # the port's directory went: list the ports again next time
+        self._devices = kept
 
-    def _collect_port(self, fams: dict[str, Family], device: str, port: str, pfd: int, info: list[str]) -> None:
-        where = f"{self.ib_root}/{device}/ports/{port}"
-        put = self._put
-        labels = (device, port)
-        hca_type, board_id, fw_ver = info
-        attrs = {n: v for n, v in self._files.read(where, _PORT_ATTRS) or () if isinstance(v, bytes)}
-        link_layer = _text(attrs.get("link_layer"))
-        put(fams[_INFO], (device, port, link_layer, hca_type, board_id, fw_ver), 1.0)
+    def _device(self, name: str, path: str, st: os.stat_result, dev: _Device | None) -> _Device:
+        """The device's entry, made anew when its directory is another one (or at the rescan); its
+        information files read until they are all there; its ports listed again when they may have changed."""
+        now = self._clock()
+        key = (st.st_dev, st.st_ino)
+        if dev is None or dev.key != key or now - dev.made >= self._files.rescan_seconds:
+            if dev is not None:
+                self._files.forget(path)  # the kept files of the old directory
+            dev = _Device(key, self._files.is_sysfs(st.st_dev), now)
+        if not dev.info_done:
+            # hca_type, board_id, fw_ver: read once per device instance; a device still being set up again
+            info = tuple(_text(read_raw(os.path.join(path, attr))) for attr in _DEVICE_INFO)
+            dev.info = (info[0], info[1], info[2])
+            dev.info_done = all(info)
+        ports = os.path.join(path, "ports")
+        if dev.sysfs:
+            # sysfs: a device's ports are made when it registers and stay while it exists (a removed device
+            # answers ENODEV, a re-created one has a new inode); listed again only in its first moments
+            if not dev.relist and dev.ports and now - dev.made >= RACY_SECONDS:
+                return dev
+            dev.relist = False
+        else:
+            # a regular-file tree: list ports/ again whenever it changed (or changed too recently to tell)
+            now_ns = time.time_ns()
+            try:
+                pst = os.stat(ports)
+            except OSError:
+                dev.ports, dev.ports_key = [], None
+                return dev
+            pkey = (pst.st_dev, pst.st_ino, pst.st_mtime_ns)
+            if not dev.relist and pkey == dev.ports_key:
+                return dev
+            dev.relist = False
+            dev.ports_key = pkey if pst.st_mtime_ns < now_ns - _RACY_NS else None
+        try:
+            listed = sorted(os.listdir(ports))
+        except OSError:
+            dev.ports = []
+            return dev
+        old = {p.name: p for p in dev.ports}
+        dev.ports = [old.get(p) or _Port(name, p, f"{ports}/{p}") for p in listed
+                     if os.path.isdir(os.path.join(ports, p))]
+        return dev
 
-        raw = attrs.get("rate")
-        rate = parse_rate(raw)
-        if rate is not None:
-            put(fams[_RATE], labels, rate)
-        elif raw is not None:
-            log.debug("%s/rate: not a port rate: %r", where, raw[:40])
-        for fname, metric in (("state", _STATE), ("phys_state", _PHYS)):
-            raw = attrs.get(fname)
-            value = parse_state(raw)
-            if value is not None:
-                put(fams[metric], labels, float(value))
-            elif raw is not None:
-                log.debug("%s/%s: not a port state: %r", where, fname, raw[:40])
-
-        if (counted := read_kept_counters(self._files, where + "/counters", _COUNTER_FILES)) is not None:
-            found = dict(counted)
-            for fname, metric, mult in _PORT_COUNTERS:
-                count = found.get(fname)
-                if count is not None:
-                    put(fams[metric], labels, float(count * mult))
-            errors = fams[_ERRORS]
-            for fname in catalog.IB_PORT_ERRORS:
-                count = found.get(fname)
-                if count is not None:
-                    put(errors, (device, port, fname), float(count))
-
-        listed = self._files.listdir(hpath := where + "/hw_counters")
-        if listed is not None:
-            names = [n for n in listed if n not in _HW_NOT_COUNTERS and n[:1] != "."]
-            hw = read_kept_counters(self._files, hpath, names) or []
-            hw_fam = fams[_HW]
-            for fname, count in hw:
-                put(hw_fam, (device, port, fname), float(count))
+    def _collect_port(self, lists: list[list[Sample]], dev: _Device, port: _Port) -> bool:
+        """The port's series into ``lists`` (the scrape's families' samples); False if its directory is gone."""
+        files = self._files
+        attrs = files.read(port.path, _PORT_ATTRS)
+        if attrs is None:
+            return False
+        link_layer = attrs[0][1]
+        info_key = (link_layer if type(link_layer) is bytes else None, dev.info)
+        if info_key != port.info_key or port.info_sample is None:
+            hca_type, board_id, fw_ver = dev.info
+            values = (port.device, port.name, _text(info_key[0]), hca_type, board_id, fw_ver)
+            labels = _slot(_INFO, values, _COUNT, "").labels
+            port.info_sample = StickySample(labels.name, labels, 1.0)
+            port.info_key = info_key
+        lists[_INDEX[_INFO]].append(port.info_sample)
+        _fill(lists, port.attrs, attrs[1:], port.path)
+        got = files.read(port.counters_path, _COUNTER_FILES)
+        if got is not None:
+            _fill(lists, port.counters, got, port.counters_path)
+        hw = files.read_listed(port.hw_path, port.select_hw)
+        if hw is not None:
+            _fill(lists, port.hw_slots, hw[1], port.hw_path)
+        return True
 
     # ------------------------------------------------------------------ Ethernet (psutil)
-    def _collect_net(self, fams: dict[str, Family]) -> None:
+    def _collect_net(self, fams: list[Family]) -> None:
         try:
             counters = psutil.net_io_counters(pernic=True)
         except (OSError, RuntimeError) as e:
             log.warning("psutil.net_io_counters failed: %s", e)
             return
+        index = _INDEX
         for iface in sorted(counters):
             if iface == "lo":
                 continue
@@ -271,6 +383,25 @@ class NicCollector:
                 (_NET_ERRS, c.errout, c.errin),
                 (_NET_DROPS, c.dropout, c.dropin),
             ):
-                self._put(fams[metric], (iface, "transmit"), float(tx))
-                self._put(fams[metric], (iface, "receive"), float(rx))
+                fam = fams[index[metric]]
+                self._put(fam, (iface, "transmit"), float(tx))
+                self._put(fam, (iface, "receive"), float(rx))
 
+
+def _fill(lists: list[list[Sample]], slots: list[_Slot], got: Sequence[tuple[str, bytes | OSError]],
+          where: str) -> None:
+    """Each file's sample (the slot's last one while its text is the same) into its family's list."""
+    for slot, (name, raw) in zip(slots, got, strict=True):
+        if raw != slot.raw:
+            slot.raw = slot.sample = None
+            if type(raw) is not bytes:
+                log.debug("%s/%s: %s", where, name, getattr(raw, "strerror", raw))
+                continue
+            value = slot.parse(raw)
+            if value is None:
+                log.debug("%s/%s: %s: %r", where, name, slot.what, raw[:40])
+                continue
+            slot.raw = raw
+            slot.sample = StickySample(slot.labels.name, slot.labels, value)
+        if slot.sample is not None:
+            lists[slot.fam].append(slot.sample)

@@ -13,7 +13,11 @@ for the file at its path:
   :data:`RACY_SECONDS` of the time it was checked may still change within the same timestamp tick
   (as git's "racily clean" index entries), so it is not trusted: its files are opened, read and closed
   each time, as without this module, until the directory has been quiet that long;
-* every :data:`RESCAN_SECONDS` everything is opened again anyway.
+* a directory on sysfs itself (its device is one of a ``sysfs`` mount's in ``/proc/self/mountinfo``) needs none
+  of that: sysfs never replaces an attribute file while its directory exists, and a removed one answers ENODEV,
+  so such a directory is stat'ed only when its entry is made, is trusted at once, and its reads are
+  preads alone;
+* every :data:`RESCAN_SECONDS` everything is opened again anyway (and a sysfs directory listed again).
 
 At most ``max_fds`` descriptors stay open (a quarter of the open-file limit, at most 2048, and leaving room
 for the HTTP server's connections); past that, files are read with open/read/close. :meth:`SysfsFiles.close` closes them all (the collector's ``close``); a
@@ -30,7 +34,7 @@ import resource
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 RESCAN_SECONDS = 300.0
@@ -44,6 +48,45 @@ _GONE = frozenset({errno.ENODEV, errno.ENOENT, errno.ESTALE, errno.ENXIO})
 
 #: Descriptors left to others: the HTTP server's connections (512 by default) and a reserve beside them.
 _OTHERS = 512 + 128
+
+
+#: The file systems whose directories need no rename check (their device numbers: :func:`sysfs_devices`).
+_SYSFS_TYPES = frozenset({"sysfs"})
+_MOUNTINFO = "/proc/self/mountinfo"
+_sysfs_devs: tuple[float, frozenset[int]] = (-float("inf"), frozenset())
+
+
+def parse_mountinfo(text: str, types: frozenset[str] = _SYSFS_TYPES) -> frozenset[int]:
+    """The device numbers (``st_dev``) of the mounts of the file system ``types`` in a ``mountinfo`` text
+    (``36 35 0:22 / /sys rw,relatime - sysfs sysfs rw``: the third field, ``major:minor``, and the type after
+    ``-``); lines it cannot parse are skipped."""
+    out: set[int] = set()
+    for line in text.splitlines():
+        fields = line.split()
+        try:
+            fstype = fields[fields.index("-") + 1]
+            major, minor = fields[2].split(":")
+            if fstype in types:
+                out.add(os.makedev(int(major), int(minor)))
+        except (ValueError, IndexError):
+            continue
+    return frozenset(out)
+
+
+def sysfs_devices(clock: Callable[[], float] = time.monotonic) -> frozenset[int]:
+    """The device numbers of this process's sysfs mounts (read again every :data:`RESCAN_SECONDS`; none if
+    ``/proc/self/mountinfo`` cannot be read: every directory then gets the regular-file checks)."""
+    global _sysfs_devs
+    now = clock()
+    at, devs = _sysfs_devs
+    if now - at >= RESCAN_SECONDS or now < at:
+        try:
+            with open(_MOUNTINFO, encoding="utf-8", errors="replace") as f:
+                devs = parse_mountinfo(f.read())
+        except OSError:
+            devs = frozenset()
+        _sysfs_devs = (now, devs)
+    return devs
 
 
 def default_max_fds() -> int:
@@ -63,6 +106,7 @@ class _Dir:
     fds: dict[str, int] = field(default_factory=dict)
     names: list[str] | None = None  # the directory's listing (sorted), read once per entry
     missing: set[str] = field(default_factory=set)  # not there when opened (a new file changes the mtime)
+    sysfs: bool = False  # on sysfs: not stat'ed again until the rescan (module docstring)
 
 
 def _close_all(fds: dict[str, int]) -> None:
@@ -82,10 +126,13 @@ class SysfsFiles:
     """Reads files of sysfs directories by path, keeping descriptors open where that is safe (module docstring)."""
 
     def __init__(self, max_fds: int | None = None, rescan_seconds: float = RESCAN_SECONDS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 is_sysfs: Callable[[int], bool] | None = None) -> None:
         self.max_fds = default_max_fds() if max_fds is None else max_fds
         self.rescan_seconds = rescan_seconds
         self._clock = clock
+        #: Whether a directory's ``st_dev`` is a sysfs mount's (tests may pretend).
+        self.is_sysfs: Callable[[int], bool] = is_sysfs or (lambda dev: dev in sysfs_devices())
         self._dirs: dict[str, _Dir] = {}
         self._used: set[str] = set()
         #: close() from another thread (shutdown) never closes a descriptor a read is about to use.
@@ -108,9 +155,21 @@ class SysfsFiles:
                 self._forget(path)
             self._used.clear()
 
+    def forget(self, prefix: str) -> None:
+        """Drop the entries (and close the descriptors) of ``prefix`` and the directories below it: the next
+        read checks them afresh (a device that was re-created)."""
+        with self._lock:
+            below = prefix.rstrip("/") + "/"
+            for path in [p for p in self._dirs if p == prefix or p.startswith(below)]:
+                self._forget(path)
+
     def _entry(self, path: str) -> _Dir | None:
         """The checked entry of directory ``path`` (made anew when it changed); None if it is not there."""
         self._used.add(path)
+        d = self._dirs.get(path)
+        mono = self._clock()
+        if d is not None and d.sysfs and mono - d.opened < self.rescan_seconds:
+            return d  # sysfs: nothing to check (a removed file answers ENODEV)
         now_ns = time.time_ns()
         try:
             st = os.stat(path)
@@ -118,13 +177,12 @@ class SysfsFiles:
             self._forget(path)
             return None
         key = (st.st_dev, st.st_ino, st.st_mtime_ns)
-        d = self._dirs.get(path)
-        mono = self._clock()
         if d is not None and d.trusted and d.key == key and mono - d.opened < self.rescan_seconds:
             return d
         if d is not None:
             _close_all(d.fds)
-        d = _Dir(key, st.st_mtime_ns < now_ns - int(RACY_SECONDS * 1e9), mono)
+        sysfs = self.is_sysfs(st.st_dev)
+        d = _Dir(key, sysfs or st.st_mtime_ns < now_ns - int(RACY_SECONDS * 1e9), mono, sysfs=sysfs)
         self._dirs[path] = d
         return d
 
@@ -138,8 +196,8 @@ class SysfsFiles:
         with self._lock:
             return self._listdir(path)
 
-    def _listdir(self, path: str) -> list[str] | None:
-        d = self._entry(path)
+    def _listdir(self, path: str, d: _Dir | None = None) -> list[str] | None:
+        d = d or self._entry(path)
         if d is None:
             return None
         if d.names is None:
@@ -159,8 +217,24 @@ class SysfsFiles:
         with self._lock:
             return self._read(path, names)
 
-    def _read(self, path: str, names: Iterable[str]) -> list[tuple[str, bytes | OSError]] | None:
-        d = self._entry(path)
+    def read_listed(self, path: str, select: Callable[[list[str]], Sequence[str]],
+                    ) -> tuple[Sequence[str], list[tuple[str, bytes | OSError]]] | None:
+        """:meth:`listdir` and :meth:`read` of the names ``select`` picks from the listing, with one check of
+        the directory: ``(picked names, read)``, or None if the directory is not there or cannot be listed."""
+        with self._lock:
+            d = self._entry(path)
+            if d is None:
+                return None
+            listed = self._listdir(path, d)
+            if listed is None:
+                return None
+            names = select(listed)
+            read = self._read(path, names, d)
+            return None if read is None else (names, read)
+
+    def _read(self, path: str, names: Iterable[str], d: _Dir | None = None,
+              ) -> list[tuple[str, bytes | OSError]] | None:
+        d = d or self._entry(path)
         if d is None:
             return None
         out: list[tuple[str, bytes | OSError]] = []
@@ -190,7 +264,7 @@ class SysfsFiles:
                 fd = open_(os.path.join(path, name), _O_FLAGS)
             except OSError as e:
                 append((name, e))
-                if keep and e.errno == errno.ENOENT:
+                if keep and e.errno == errno.ENOENT and not d.sysfs:  # sysfs: no mtime tells when it comes
                     d.missing.add(name)
                 continue
             try:
