@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import stat
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -277,60 +276,65 @@ class NicCollector:
 
     # ------------------------------------------------------------------ InfiniBand / RoCE
     def _collect_ib(self, fams: list[Family]) -> None:
+        files = self._files
         try:
             names = sorted(os.listdir(self.ib_root))
         except OSError:
             names = []
+        files.check(self.ib_root)  # the devices are then checked by name in it
         kept: dict[str, _Device] = {}
         lists = [f.samples for f in fams]
         for name in names:
             path = os.path.join(self.ib_root, name)
-            try:
-                st = os.stat(path)
-            except OSError:
+            dev = self._device(name, path, self._devices.get(name))
+            if dev is None:
                 continue
-            if not stat.S_ISDIR(st.st_mode):
-                continue
-            dev = kept[name] = self._device(name, path, st, self._devices.get(name))
+            kept[name] = dev
             for port in dev.ports:
                 if not self._collect_port(lists, dev, port):
                     dev.relist = True  # the port's directory went: list the ports again next time
         self._devices = kept
 
-    def _device(self, name: str, path: str, st: os.stat_result, dev: _Device | None) -> _Device:
-        """The device's entry, made anew when its directory is another one (or at the rescan); its
-        information files read until they are all there; its ports listed again when they may have changed."""
+    def _device(self, name: str, path: str, dev: _Device | None) -> _Device | None:
+        """The device's entry (None if it is not a directory), made anew when its directory is another one (or
+        at the rescan); its information files read until they are all there; its ports listed again when they
+        may have changed."""
+        files = self._files
+        checked = files.check(path)
+        if checked is None:
+            return None
+        (st_dev, st_ino, _), _, sysfs = checked
+        if sysfs:  # check() looks at a sysfs directory only at the rescan: its identity is looked at here
+            try:
+                st = os.stat(path)
+            except OSError:
+                return None
+            st_dev, st_ino = st.st_dev, st.st_ino
         now = self._clock()
-        key = (st.st_dev, st.st_ino)
-        if dev is None or dev.key != key or now - dev.made >= self._files.rescan_seconds:
+        if dev is None or dev.key != (st_dev, st_ino) or now - dev.made >= files.rescan_seconds:
             if dev is not None:
-                self._files.forget(path)  # the kept files of the old directory
-            dev = _Device(key, self._files.is_sysfs(st.st_dev), now)
+                files.forget(path)  # the kept files of the old directory
+            dev = _Device((st_dev, st_ino), sysfs, now)
         if not dev.info_done:
             # hca_type, board_id, fw_ver: read once per device instance; a device still being set up again
             info = tuple(_text(read_raw(os.path.join(path, attr))) for attr in _DEVICE_INFO)
             dev.info = (info[0], info[1], info[2])
             dev.info_done = all(info)
         ports = os.path.join(path, "ports")
-        if dev.sysfs:
+        listed_at = files.check(ports)
+        if listed_at is None:
+            dev.ports, dev.ports_key = [], None
+            return dev
+        pkey, trusted, _ = listed_at
+        if sysfs:
             # sysfs: a device's ports are made when it registers and stay while it exists (a removed device
-            # answers ENODEV, a re-created one has a new inode); listed again only in its first moments
+            # answers ENODEV, a re-created one has a new inode): listed again only in its first moments
             if not dev.relist and dev.ports and now - dev.made >= RACY_SECONDS:
                 return dev
-            dev.relist = False
-        else:
-            # a regular-file tree: list ports/ again whenever it changed (or changed too recently to tell)
-            now_ns = time.time_ns()
-            try:
-                pst = os.stat(ports)
-            except OSError:
-                dev.ports, dev.ports_key = [], None
-                return dev
-            pkey = (pst.st_dev, pst.st_ino, pst.st_mtime_ns)
-            if not dev.relist and pkey == dev.ports_key:
-                return dev
-            dev.relist = False
-            dev.ports_key = pkey if pst.st_mtime_ns < now_ns - _RACY_NS else None
+        elif not dev.relist and pkey == dev.ports_key:
+            return dev  # a regular-file tree: listed again whenever ports/ changed (or too recently to tell)
+        dev.relist = False
+        dev.ports_key = pkey if trusted else None
         try:
             listed = sorted(os.listdir(ports))
         except OSError:

@@ -107,6 +107,11 @@ class _Dir:
     names: list[str] | None = None  # the directory's listing (sorted), read once per entry
     missing: set[str] = field(default_factory=set)  # not there when opened (a new file changes the mtime)
     sysfs: bool = False  # on sysfs: not stat'ed again until the rescan (module docstring)
+    dirfd: int = -1  # regular trees, trusted: the directory itself (O_PATH), to check its subdirectories by name
+    gen: int = -1  # the sweep generation it was last checked in
+
+
+_O_DIR = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC
 
 
 def _close_all(fds: dict[str, int]) -> None:
@@ -116,9 +121,33 @@ def _close_all(fds: dict[str, int]) -> None:
     fds.clear()
 
 
+def _close_dir(d: _Dir) -> None:
+    _close_all(d.fds)
+    if d.dirfd >= 0:
+        with contextlib.suppress(OSError):
+            os.close(d.dirfd)
+        d.dirfd = -1
+
+
+def _open_dir(path: str, key: tuple[int, int, int]) -> int:
+    """A descriptor of directory ``path`` if it is still the one ``key`` names (-1 if not, or not openable)."""
+    try:
+        fd = os.open(path, _O_DIR)
+    except OSError:
+        return -1
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) == key[:2]:
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return -1
+
+
 def _close_dirs(dirs: dict[str, _Dir]) -> None:
     for d in dirs.values():
-        _close_all(d.fds)
+        _close_dir(d)
     dirs.clear()
 
 
@@ -135,13 +164,15 @@ class SysfsFiles:
         self.is_sysfs: Callable[[int], bool] = is_sysfs or (lambda dev: dev in sysfs_devices())
         self._dirs: dict[str, _Dir] = {}
         self._used: set[str] = set()
+        #: Bumped by sweep(): a parent checked in the current generation vouches for its directory descriptor.
+        self._gen = 0
         #: close() from another thread (shutdown) never closes a descriptor a read is about to use.
         self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _close_dirs, self._dirs)
 
     @property
     def open_fds(self) -> int:
-        return sum(len(d.fds) for d in self._dirs.values())
+        return sum(len(d.fds) + (d.dirfd >= 0) for d in self._dirs.values())
 
     def close(self) -> None:
         """Close every kept descriptor (reads after this open them again)."""
@@ -154,6 +185,16 @@ class SysfsFiles:
             for path in [p for p in self._dirs if p not in self._used]:
                 self._forget(path)
             self._used.clear()
+            self._gen += 1
+
+    def check(self, path: str) -> tuple[tuple[int, int, int], bool, bool] | None:
+        """``((st_dev, st_ino, st_mtime_ns), trusted, on sysfs)`` of directory ``path`` as its entry was made (the entry is
+        made anew when the directory changed: see the module docstring), None if it is not there. A
+        subdirectory read after its parent's check, before the next :meth:`sweep`, is checked by name in the
+        parent's descriptor instead of by a walk of its whole path."""
+        with self._lock:
+            d = self._entry(path)
+            return None if d is None else (d.key, d.trusted, d.sysfs)
 
     def forget(self, prefix: str) -> None:
         """Drop the entries (and close the descriptors) of ``prefix`` and the directories below it: the next
@@ -171,25 +212,36 @@ class SysfsFiles:
         if d is not None and d.sysfs and mono - d.opened < self.rescan_seconds:
             return d  # sysfs: nothing to check (a removed file answers ENODEV)
         now_ns = time.time_ns()
+        # The parent checked in this generation (a regular tree's): its descriptor is the directory at its
+        # path now, so the name in it is this path (one lookup instead of a walk through every component).
+        parent, _, leaf = path.rpartition("/")
+        up = self._dirs.get(parent) if parent else None
+        base = -1
+        if up is not None and up.gen == self._gen and up.trusted and not up.sysfs:
+            if up.dirfd < 0 and self.open_fds < self.max_fds:
+                up.dirfd = _open_dir(parent, up.key)  # kept from its first child on (leaves need none)
+            base = up.dirfd
         try:
-            st = os.stat(path)
+            st = os.stat(leaf, dir_fd=base) if base >= 0 else os.stat(path)
         except OSError:
             self._forget(path)
             return None
         key = (st.st_dev, st.st_ino, st.st_mtime_ns)
         if d is not None and d.trusted and d.key == key and mono - d.opened < self.rescan_seconds:
+            d.gen = self._gen
             return d
         if d is not None:
-            _close_all(d.fds)
+            _close_dir(d)
         sysfs = self.is_sysfs(st.st_dev)
-        d = _Dir(key, sysfs or st.st_mtime_ns < now_ns - int(RACY_SECONDS * 1e9), mono, sysfs=sysfs)
+        d = _Dir(key, sysfs or st.st_mtime_ns < now_ns - int(RACY_SECONDS * 1e9), mono, sysfs=sysfs, gen=self._gen)
         self._dirs[path] = d
         return d
+
 
     def _forget(self, path: str) -> None:
         d = self._dirs.pop(path, None)
         if d is not None:
-            _close_all(d.fds)
+            _close_dir(d)
 
     def listdir(self, path: str) -> list[str] | None:
         """The sorted names in directory ``path`` (cached while it is unchanged), None if it cannot be listed."""
