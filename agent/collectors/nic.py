@@ -158,10 +158,12 @@ class _Slot:
     """One file's series: its family (index into the scrape's families), label set and parser, and the last
     text read with the sample made of it (reused while the text is the same)."""
 
-    __slots__ = ("fam", "labels", "parse", "raw", "sample", "what")
+    __slots__ = ("fam", "file", "labels", "parse", "raw", "sample", "what")
 
-    def __init__(self, fam: int, labels: FrozenLabels, parse: Callable[[bytes], float | None], what: str) -> None:
+    def __init__(self, fam: int, labels: FrozenLabels, parse: Callable[[bytes], float | None], what: str,
+                 file: str) -> None:
         self.fam = fam
+        self.file = file
         self.labels = labels
         self.parse = parse
         self.what = what  # for the debug log of a file that does not parse
@@ -169,10 +171,11 @@ class _Slot:
         self.sample: Sample | None = None
 
 
-def _slot(metric: str, labels: Sequence[str], parse: Callable[[bytes], float | None], what: str) -> _Slot:
+def _slot(metric: str, labels: Sequence[str], parse: Callable[[bytes], float | None], what: str,
+          file: str = "") -> _Slot:
     i = _INDEX[metric]
     spec = _FILLED[i]
-    return _Slot(i, FrozenLabels(spec.name, zip(spec.labels, labels, strict=True)), parse, what)
+    return _Slot(i, FrozenLabels(spec.name, zip(spec.labels, labels, strict=True)), parse, what, file)
 
 
 class _Port:
@@ -201,12 +204,12 @@ class _Port:
         self.counters_path = path + "/counters"
         self.hw_path = path + "/hw_counters"
         labels = (device, name)
-        self.attrs = [_slot(_RATE, labels, parse_rate, "not a port rate"),
-                      _slot(_STATE, labels, _state_value, "not a port state"),
-                      _slot(_PHYS, labels, _state_value, "not a port state")]
-        by_file = {f: _slot(metric, labels, _counter(mult), "not a counter") for f, metric, mult in _PORT_COUNTERS}
+        self.attrs = [_slot(_RATE, labels, parse_rate, "not a port rate", "rate"),
+                      _slot(_STATE, labels, _state_value, "not a port state", "state"),
+                      _slot(_PHYS, labels, _state_value, "not a port state", "phys_state")]
+        by_file = {f: _slot(metric, labels, _counter(mult), "not a counter", f) for f, metric, mult in _PORT_COUNTERS}
         for f in catalog.IB_PORT_ERRORS:
-            by_file[f] = _slot(_ERRORS, (device, name, f), _COUNT, "not a counter")
+            by_file[f] = _slot(_ERRORS, (device, name, f), _COUNT, "not a counter", f)
         self.counters = [by_file[f] for f in _COUNTER_FILES]
         self.info_key: tuple[bytes | None, tuple[str, str, str]] | None = None
         self.info_sample: Sample | None = None
@@ -221,7 +224,7 @@ class _Port:
             if names != self.hw_names:
                 old = dict(zip(self.hw_names, self.hw_slots, strict=True))
                 self.hw_slots = [old.get(n) or _slot(_HW, (self.device, self.name, n), _COUNT,
-                                                              "not a counter") for n in names]
+                                                              "not a counter", n) for n in names]
                 self.hw_names = names
             self.hw_listing = listed
         return self.hw_names
@@ -348,10 +351,10 @@ class NicCollector:
     def _collect_port(self, lists: list[list[Sample]], dev: _Device, port: _Port) -> bool:
         """The port's series into ``lists`` (the scrape's families' samples); False if its directory is gone."""
         files = self._files
-        attrs = files.read(port.path, _PORT_ATTRS)
+        attrs = files.values(port.path, _PORT_ATTRS)
         if attrs is None:
             return False
-        link_layer = attrs[0][1]
+        link_layer = attrs[0]
         info_key = (link_layer if type(link_layer) is bytes else None, dev.info)
         if info_key != port.info_key or port.info_sample is None:
             hca_type, board_id, fw_ver = dev.info
@@ -361,10 +364,10 @@ class NicCollector:
             port.info_key = info_key
         lists[_INDEX[_INFO]].append(port.info_sample)
         _fill(lists, port.attrs, attrs[1:], port.path)
-        got = files.read(port.counters_path, _COUNTER_FILES)
+        got = files.values(port.counters_path, _COUNTER_FILES)
         if got is not None:
             _fill(lists, port.counters, got, port.counters_path)
-        hw = files.read_listed(port.hw_path, port.select_hw)
+        hw = files.values_listed(port.hw_path, port.select_hw)
         if hw is not None:
             _fill(lists, port.hw_slots, hw[1], port.hw_path)
         return True
@@ -392,20 +395,20 @@ class NicCollector:
                 self._put(fam, (iface, "receive"), float(rx))
 
 
-def _fill(lists: list[list[Sample]], slots: list[_Slot], got: Sequence[tuple[str, bytes | OSError]],
-          where: str) -> None:
+def _fill(lists: list[list[Sample]], slots: list[_Slot], got: Sequence[bytes | OSError], where: str) -> None:
     """Each file's sample (the slot's last one while its text is the same) into its family's list."""
-    for slot, (name, raw) in zip(slots, got, strict=True):
-        if raw != slot.raw:
-            slot.raw = slot.sample = None
-            if type(raw) is not bytes:
-                log.debug("%s/%s: %s", where, name, getattr(raw, "strerror", raw))
-                continue
-            value = slot.parse(raw)
-            if value is None:
-                log.debug("%s/%s: %s: %r", where, name, slot.what, raw[:40])
-                continue
-            slot.raw = raw
-            slot.sample = StickySample(slot.labels.name, slot.labels, value)
-        if slot.sample is not None:
-            lists[slot.fam].append(slot.sample)
+    for slot, raw in zip(slots, got, strict=True):
+        if raw == slot.raw:  # set only beside a sample
+            lists[slot.fam].append(slot.sample)  # type: ignore[arg-type]  # never None with raw set
+            continue
+        slot.raw = slot.sample = None
+        if type(raw) is not bytes:
+            log.debug("%s/%s: %s", where, slot.file, getattr(raw, "strerror", raw))
+            continue
+        value = slot.parse(raw)
+        if value is None:
+            log.debug("%s/%s: %s: %r", where, slot.file, slot.what, raw[:40])
+            continue
+        slot.raw = raw
+        sample = slot.sample = StickySample(slot.labels.name, slot.labels, value)
+        lists[slot.fam].append(sample)

@@ -41,6 +41,9 @@ RESCAN_SECONDS = 300.0
 RACY_SECONDS = 1.0
 MAX_FDS = 2048
 READ_SIZE = 4096  # the kernel's sysfs page: an attribute is never larger
+#: What :meth:`SysfsFiles.values` reads first: a counter's or state's text is shorter, and a buffer of this size
+#: costs a third of a 4096-byte one; a text that fills it is read again whole.
+SMALL_READ = 128
 _O_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
 #: A descriptor that answers these no longer stands for a file: open the directory again.
 _GONE = frozenset({errno.ENODEV, errno.ENOENT, errno.ESTALE, errno.ENXIO})
@@ -109,6 +112,10 @@ class _Dir:
     sysfs: bool = False  # on sysfs: not stat'ed again until the rescan (module docstring)
     dirfd: int = -1  # regular trees, trusted: the directory itself (O_PATH), to check its subdirectories by name
     gen: int = -1  # the sweep generation it was last checked in
+    #: The names of the last :meth:`SysfsFiles.values` call whose files all have kept descriptors (these), so
+    #: that the same call again is one pread each; None once any descriptor of the directory is closed.
+    fast: Sequence[str] | None = None
+    fast_fds: list[int] = field(default_factory=list)
 
 
 _O_DIR = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC
@@ -122,6 +129,7 @@ def _close_all(fds: dict[str, int]) -> None:
 
 
 def _close_dir(d: _Dir) -> None:
+    d.fast = None
     _close_all(d.fds)
     if d.dirfd >= 0:
         with contextlib.suppress(OSError):
@@ -269,10 +277,18 @@ class SysfsFiles:
         with self._lock:
             return self._read(path, names)
 
-    def read_listed(self, path: str, select: Callable[[list[str]], Sequence[str]],
-                    ) -> tuple[Sequence[str], list[tuple[str, bytes | OSError]]] | None:
-        """:meth:`listdir` and :meth:`read` of the names ``select`` picks from the listing, with one check of
-        the directory: ``(picked names, read)``, or None if the directory is not there or cannot be listed."""
+    def values(self, path: str, names: Sequence[str]) -> list[bytes | OSError] | None:
+        """What :meth:`read` reads, the texts (or errors) alone, in the order of ``names``. Called again with
+        the same ``names`` object while every one of its files has a kept descriptor, it is one ``pread`` per
+        file and nothing else."""
+        with self._lock:
+            d = self._entry(path)
+            return None if d is None else self._values(path, names, d)
+
+    def values_listed(self, path: str, select: Callable[[list[str]], Sequence[str]],
+                      ) -> tuple[Sequence[str], list[bytes | OSError]] | None:
+        """:meth:`listdir` and :meth:`values` of the names ``select`` picks from the listing, with one check of
+        the directory: ``(picked names, values)``, or None if the directory is not there or cannot be listed."""
         with self._lock:
             d = self._entry(path)
             if d is None:
@@ -281,8 +297,30 @@ class SysfsFiles:
             if listed is None:
                 return None
             names = select(listed)
-            read = self._read(path, names, d)
-            return None if read is None else (names, read)
+            got = self._values(path, names, d)
+            return None if got is None else (names, got)
+
+    def _values(self, path: str, names: Sequence[str], d: _Dir) -> list[bytes | OSError] | None:
+        if d.fast is names:
+            pread, small = os.pread, SMALL_READ
+            try:
+                raws = [pread(fd, small, 0) for fd in d.fast_fds]
+                if raws and max(map(len, raws)) >= small:
+                    raws = [pread(fd, READ_SIZE, 0) if len(raw) >= small else raw
+                            for fd, raw in zip(d.fast_fds, raws, strict=True)]
+                return [raw.strip() for raw in raws]
+            except OSError:
+                pass  # the general path below tells which file and why
+        read = self._read(path, names, d)
+        if read is None:
+            return None
+        out: list[bytes | OSError] = [raw for _, raw in read]
+        fds = d.fds
+        if self._dirs.get(path) is d and all(type(raw) is bytes for raw in out) and all(n in fds for n in names):
+            d.fast, d.fast_fds = names, [fds[n] for n in names]
+        else:
+            d.fast = None
+        return out
 
     def _read(self, path: str, names: Iterable[str], d: _Dir | None = None,
               ) -> list[tuple[str, bytes | OSError]] | None:
@@ -307,6 +345,7 @@ class SysfsFiles:
                         append((name, e))
                         continue
                     gone = True  # fall through: open it again by its path
+                    d.fast = None
                     del fds[name]
                     close(fd)
             elif name in d.missing:
