@@ -6,6 +6,7 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -191,3 +192,125 @@ def test_kept_descriptors_leave_room_for_connections(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(resource, "getrlimit", lambda _: (soft, 1 << 20))
     assert sysfsfiles.default_max_fds() == kept
+
+
+def test_mountinfo_names_the_sysfs_mounts() -> None:
+    from gpufleet.agent.collectors.sysfsfiles import parse_mountinfo
+
+    text = ("23 27 0:22 / /sys rw,relatime shared:7 - sysfs sysfs rw\n"
+            "27 1 253:1 / / rw,relatime shared:1 - ext4 /dev/vda1 rw\n"
+            "90 23 0:31 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n"
+            "91 27 0:45 / /host/sys rw - sysfs sysfs rw\n"
+            "garbage line\n")
+    assert parse_mountinfo(text) == {os.makedev(0, 22), os.makedev(0, 45)}
+
+
+def test_a_sysfs_directory_is_not_stat_again_and_its_files_stay_fresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On sysfs a kept descriptor never outlives its file (ENODEV): no stat per read, only preads."""
+    stat = Path("/sys/class/net/lo/statistics")
+    if not stat.is_dir():
+        pytest.skip("no /sys/class/net/lo")
+    files = SysfsFiles()
+    first = files.values(str(stat), ("tx_packets",))
+    if not files._dirs[str(stat)].sysfs:
+        pytest.skip("/sys is not a sysfs mount here")
+    assert first is not None and isinstance(first[0], bytes)
+
+    def no_stat(*a: object, **k: object) -> None:
+        raise AssertionError("a sysfs directory was stat'ed again")
+
+    monkeypatch.setattr(os, "stat", no_stat)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _ in range(5):
+            s.sendto(b"x", ("127.0.0.1", 9))
+    second = files.values(str(stat), ("tx_packets",))
+    assert second is not None and isinstance(second[0], bytes) and int(second[0]) >= int(first[0]) + 5
+    files.close()
+
+
+def test_a_subdirectory_checked_in_its_parent_sees_the_parent_replaced(tmp_path: Path) -> None:
+    """A subdirectory is looked up by name in its parent's descriptor: sound only because the parent was checked
+    (by path) first in the same pass; a parent replaced by another directory is followed."""
+    a = tmp_path / "a"
+    (a / "sub").mkdir(parents=True)
+    (a / "x").write_text("1\n")
+    (a / "sub" / "y").write_text("1\n")
+    age(tmp_path)
+    files = SysfsFiles()
+    for expected in (b"1", b"2"):
+        for _ in range(2):
+            assert files.values(str(a), ("x",)) == [b"1"]
+            assert files.values(str(a / "sub"), ("y",)) == [expected]
+            files.sweep()
+        new = tmp_path / "a.new"  # the whole tree replaced: a new parent with a new subdirectory
+        shutil.copytree(a, new)
+        (new / "sub" / "y").write_text("2\n")
+        age(new)
+        a.rename(tmp_path / "a.old")
+        new.rename(a)
+        shutil.rmtree(tmp_path / "a.old")
+    assert files._dirs[str(a)].dirfd >= 0  # the parent's descriptor is kept, the leaf's is not needed
+    assert files._dirs[str(a / "sub")].dirfd == -1
+    assert open_fds_of(files) == files.open_fds
+    files.close()
+
+
+def counted(calls: list[str], name: str, real: Callable[..., object]) -> Callable[..., object]:
+    def call(*a: object, **k: object) -> object:
+        calls.append(name)
+        return real(*a, **k)
+    return call
+
+
+def open_fds_of(files: SysfsFiles) -> int:
+    return sum(len(d.fds) + (d.dirfd >= 0) for d in files._dirs.values())
+
+
+def test_nic_on_sysfs_lists_and_stats_only_the_devices(tree: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tree taken for sysfs (where files are never replaced): after the first scrapes, a scrape lists
+    class/infiniband, stats each device (a re-created one has a new inode) and reads the kept files."""
+    now = [0.0]
+    files = SysfsFiles(clock=lambda: now[0], is_sysfs=lambda dev: True)
+    nic = NicCollector(sysfs_with(tree, tmp_path), files=files, clock=lambda: now[0])
+    first = scrape(nic)
+    now[0] += 15
+    assert scrape(nic) == first
+    write_in_place(tree / "mlx5_0" / "ports" / "1" / "counters" / "port_rcv_data", "1000\n")
+    devices = len(list(tree.iterdir()))
+    calls: list[str] = []
+    for name in ("stat", "listdir", "open"):
+        monkeypatch.setattr(os, name, counted(calls, name, getattr(os, name)))
+    now[0] += 15
+    series = scrape(nic)
+    monkeypatch.undo()
+    assert sorted(calls) == ["listdir"] + ["stat"] * devices
+    assert value(series, RCV, device="mlx5_0", port="1") == 4000
+    # a device re-created (driver reload): its new directory is read, its identity again
+    (tree / "mlx5_0").rename(tmp_path / "old")
+    shutil.copytree(tmp_path / "old", tree / "mlx5_0")
+    (tree / "mlx5_0" / "fw_ver").write_text("28.43.2026\n")
+    write_in_place(tree / "mlx5_0" / "ports" / "1" / "counters" / "port_rcv_data", "5\n")
+    now[0] += 15
+    series = scrape(nic)
+    assert value(series, RCV, device="mlx5_0", port="1") == 20
+    assert {dict(k[1])["fw_ver"] for k in series if k[0] == "gpufleet_ib_port_info"
+            and ("device", "mlx5_0") in k[1]} == {"28.43.2026"}
+    nic.close()
+
+
+def test_values_reads_a_text_longer_than_the_first_read_whole(tmp_path: Path) -> None:
+    from gpufleet.agent.collectors.sysfsfiles import SMALL_READ
+
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "short").write_text("1\n")
+    (d / "long").write_text("x" * (SMALL_READ - 1) + "\n")  # fills the first read exactly
+    (d / "longer").write_text("y" * 3000 + "\n")
+    age(d)
+    files = SysfsFiles()
+    names = ("short", "long", "longer")
+    for _ in range(3):  # the first call opens them, the later ones are the preads alone
+        assert files.values(str(d), names) == [b"1", b"x" * (SMALL_READ - 1), b"y" * 3000]
+    assert files._dirs[str(d)].fast is names
+    files.close()
