@@ -36,8 +36,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.samples import Sample
 
 from gpufleet.agent.collectors.series import FrozenLabels, SeriesCache, StickySample
-from gpufleet.agent.collectors.sysfsfiles import RACY_SECONDS, SysfsFiles
+from gpufleet.agent.collectors.sysfsfiles import RACY_SECONDS, SysfsFiles, sysfs_devices
 from gpufleet.agent.vocab import catalog
+from gpufleet.agent.vocab.sysfs import IN_PLACE_MARKER
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,25 @@ def _counter(mult: int) -> Callable[[bytes], float | None]:
 
 
 _COUNT = _counter(1)
+
+
+def read_as_sysfs(sysfs_path: str) -> Callable[[str, int], bool]:
+    """Whether a directory (its path, its ``st_dev``) is sysfs, or in the tree under ``sysfs_path`` when that holds
+    the marker saying its writer writes as sysfs does (the simulated host's, ``vocab.sysfs``) on the same file
+    system: such a tree is read without the checks of a tree of files replaced by rename."""
+    root = sysfs_path.rstrip("/") + "/"
+    marker = root + IN_PLACE_MARKER
+
+    def is_sysfs(path: str, dev: int) -> bool:
+        if dev in sysfs_devices():
+            return True
+        if not path.startswith(root):
+            return False
+        try:
+            return os.stat(marker).st_dev == dev
+        except OSError:
+            return False
+    return is_sysfs
 
 
 def _text(raw: bytes | None) -> str:
@@ -261,7 +281,7 @@ class NicCollector:
         #: Label sets built once; unchanged values keep their sample (the Ethernet counters).
         self._put = SeriesCache(_FILLED).put
         #: Port attribute and counter files re-read with pread on descriptors kept open (sysfsfiles).
-        self._files = files or SysfsFiles(clock=clock)
+        self._files = files or SysfsFiles(clock=clock, is_sysfs=read_as_sysfs(sysfs_path))
         self._clock = clock
 
     def close(self) -> None:

@@ -13,8 +13,8 @@ for the file at its path:
   :data:`RACY_SECONDS` of the time it was checked may still change within the same timestamp tick
   (as git's "racily clean" index entries), so it is not trusted: its files are opened, read and closed
   each time, as without this module, until the directory has been quiet that long;
-* a directory on sysfs itself (its device is one of a ``sysfs`` mount's in ``/proc/self/mountinfo``) needs none
-  of that: sysfs never replaces an attribute file while its directory exists, and a removed one answers ENODEV,
+* a directory on sysfs itself (its device is one of a ``sysfs`` mount's in ``/proc/self/mountinfo``; or one of a
+  tree whose writer says it writes as sysfs does: ``is_sysfs``) needs none of that: sysfs never replaces an attribute file while its directory exists, and a removed one answers ENODEV,
   so such a directory is stat'ed only when its entry is made, is trusted at once, and its reads are
   preads alone;
 * every :data:`RESCAN_SECONDS` everything is opened again anyway (and a sysfs directory listed again).
@@ -164,12 +164,14 @@ class SysfsFiles:
 
     def __init__(self, max_fds: int | None = None, rescan_seconds: float = RESCAN_SECONDS,
                  clock: Callable[[], float] = time.monotonic,
-                 is_sysfs: Callable[[int], bool] | None = None) -> None:
+                 is_sysfs: Callable[[str, int], bool] | None = None) -> None:
         self.max_fds = default_max_fds() if max_fds is None else max_fds
         self.rescan_seconds = rescan_seconds
         self._clock = clock
-        #: Whether a directory's ``st_dev`` is a sysfs mount's (tests may pretend).
-        self.is_sysfs: Callable[[int], bool] = is_sysfs or (lambda dev: dev in sysfs_devices())
+        #: Whether a directory (its path and ``st_dev``) is read as sysfs: by default when it is on a sysfs mount
+        #: (a collector may add a tree written as sysfs is, see :data:`~gpufleet.agent.vocab.sysfs.IN_PLACE_MARKER`;
+        #: tests may pretend).
+        self.is_sysfs: Callable[[str, int], bool] = is_sysfs or (lambda path, dev: dev in sysfs_devices())
         self._dirs: dict[str, _Dir] = {}
         self._used: set[str] = set()
         #: Bumped by sweep(): a parent checked in the current generation vouches for its directory descriptor.
@@ -240,7 +242,7 @@ class SysfsFiles:
             return d
         if d is not None:
             _close_dir(d)
-        sysfs = self.is_sysfs(st.st_dev)
+        sysfs = self.is_sysfs(path, st.st_dev)
         d = _Dir(key, sysfs or st.st_mtime_ns < now_ns - int(RACY_SECONDS * 1e9), mono, sysfs=sysfs, gen=self._gen)
         self._dirs[path] = d
         return d

@@ -271,7 +271,7 @@ def test_nic_on_sysfs_lists_and_stats_only_the_devices(tree: Path, tmp_path: Pat
     """A tree taken for sysfs (where files are never replaced): after the first scrapes, a scrape lists
     class/infiniband, stats each device (a re-created one has a new inode) and reads the kept files."""
     now = [0.0]
-    files = SysfsFiles(clock=lambda: now[0], is_sysfs=lambda dev: True)
+    files = SysfsFiles(clock=lambda: now[0], is_sysfs=lambda path, dev: True)
     nic = NicCollector(sysfs_with(tree, tmp_path), files=files, clock=lambda: now[0])
     first = scrape(nic)
     now[0] += 15
@@ -314,3 +314,56 @@ def test_values_reads_a_text_longer_than_the_first_read_whole(tmp_path: Path) ->
         assert files.values(str(d), names) == [b"1", b"x" * (SMALL_READ - 1), b"y" * 3000]
     assert files._dirs[str(d)].fast is names
     files.close()
+
+
+def test_value_writer_writes_in_place_and_the_nic_reads_its_tree_as_sysfs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fake's writer changes files as sysfs does (same inode, never a rename) and says so at its root; the
+    NIC collector then reads the tree as sysfs: per scrape a listdir, a stat per device, the preads."""
+    from gpufleet.agent.fake.sysfs import (
+        IB_COUNTER_FILES,
+        ValueWriter,
+        add_ib_device,
+        add_pci_function,
+        add_port,
+    )
+    from gpufleet.agent.vocab.sysfs import IN_PLACE_MARKER
+
+    monkeypatch.setattr(psutil, "net_io_counters", lambda pernic=False: {})
+    root = tmp_path / "sys"
+    fn = add_pci_function(root, ["pci0000:00", "0000:00:01.0", "0000:01:00.0"])
+    dev = add_ib_device(root, "mlx5_0", fn, files={"hca_type": "MT4129", "board_id": "MT_1", "fw_ver": "28.1"})
+    add_port(dev, 1, files={"rate": "400 Gb/sec (4X NDR)", "state": "4: ACTIVE", "phys_state": "5: LinkUp",
+                            "link_layer": "InfiniBand"}, counters=dict.fromkeys(IB_COUNTER_FILES, 0),
+             hw_counters={"np_cnp_sent": 0})
+    writer = ValueWriter(root)
+    counters = "class/infiniband/mlx5_0/ports/1/counters"
+    rcv = root / counters / "port_rcv_data"
+    writer.update({f"{counters}/port_rcv_data": 123456, f"{counters}/symbol_error": 0,
+                   "class/infiniband/mlx5_0/ports/1/state": "4: ACTIVE"})
+    assert (root / IN_PLACE_MARKER).exists()
+    inode = rcv.stat().st_ino
+    now = [0.0]
+    nic = NicCollector(str(root), clock=lambda: now[0])
+    assert value(scrape(nic), RCV, device="mlx5_0", port="1") == 123456 * 4
+    assert all(d.sysfs for d in nic._files._dirs.values())
+    for v in (123457, 99):  # grown, then reset (a shorter text)
+        writer.update({f"{counters}/port_rcv_data": v})
+        now[0] += 15
+        assert rcv.read_text() == f"{v}\n" and rcv.stat().st_ino == inode
+        calls: list[str] = []
+        with monkeypatch.context() as m:
+            for name in ("stat", "listdir", "open"):
+                m.setattr(os, name, counted(calls, name, getattr(os, name)))
+            series = scrape(nic)
+        assert value(series, RCV, device="mlx5_0", port="1") == v * 4
+        assert sorted(calls) == ["listdir", "stat"]
+    writer.update({"class/infiniband/mlx5_0/ports/1/state": "1: DOWN"})
+    assert value(scrape(nic), "gpufleet_ib_port_state_id", device="mlx5_0", port="1") == 1
+    nic.close()
+    # the same tree without the marker: a tree of files that may be replaced, checked as such
+    (root / IN_PLACE_MARKER).unlink()
+    nic = NicCollector(str(root))
+    assert value(scrape(nic), RCV, device="mlx5_0", port="1") == 99 * 4
+    assert not any(d.sysfs for d in nic._files._dirs.values())
+    nic.close()
