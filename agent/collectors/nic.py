@@ -165,7 +165,7 @@ def _text(raw: bytes | None) -> str:
     return raw.decode("utf-8", "replace") if raw is not None else ""
 
 
-def _fresh(template: Family) -> Family:
+def fresh_family(template: Family) -> Family:
     """An empty family like ``template`` (what ``MetricSpec.family()`` makes, at a fraction of its cost:
     the collector makes its families anew every scrape)."""
     fam = template.__class__.__new__(template.__class__)
@@ -291,7 +291,7 @@ class NicCollector:
         return [s.family() for s in self._specs.values()]
 
     def collect(self) -> Iterable[Metric]:
-        fams = [_fresh(t) for t in self._templates]
+        fams = [fresh_family(t) for t in self._templates]
         self._collect_ib(fams)
         self._files.sweep()
         self._collect_net(fams)
