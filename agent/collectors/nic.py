@@ -283,6 +283,8 @@ class NicCollector:
         #: Port attribute and counter files re-read with pread on descriptors kept open (sysfsfiles).
         self._files = files or SysfsFiles(clock=clock, is_sysfs=read_as_sysfs(sysfs_path))
         self._clock = clock
+        #: interface -> (psutil's counters, the samples made of them) at the last scrape
+        self._net_last: dict[str, tuple[tuple[int, ...], list[tuple[int, Sample]]]] = {}
 
     def close(self) -> None:
         self._files.close()
@@ -400,19 +402,31 @@ class NicCollector:
             log.warning("psutil.net_io_counters failed: %s", e)
             return
         index = _INDEX
+        last, now = self._net_last, {}
         for iface in sorted(counters):
             if iface == "lo":
                 continue
             c = counters[iface]
+            seen = last.get(iface)
+            if seen is not None and seen[0] == c:  # an idle interface: the same samples again
+                now[iface] = seen
+                for i, sample in seen[1]:
+                    fams[i].samples.append(sample)
+                continue
+            made: list[tuple[int, Sample]] = []
             for metric, tx, rx in (
                 (_NET_BYTES, c.bytes_sent, c.bytes_recv),
                 (_NET_PKTS, c.packets_sent, c.packets_recv),
                 (_NET_ERRS, c.errout, c.errin),
                 (_NET_DROPS, c.dropout, c.dropin),
             ):
-                fam = fams[index[metric]]
+                i = index[metric]
+                fam = fams[i]
                 self._put(fam, (iface, "transmit"), float(tx))
                 self._put(fam, (iface, "receive"), float(rx))
+                made += ((i, fam.samples[-2]), (i, fam.samples[-1]))
+            now[iface] = (c, made)
+        self._net_last = now
 
 
 def _fill(lists: list[list[Sample]], slots: list[_Slot], got: Sequence[bytes | OSError], where: str) -> None:
