@@ -18,6 +18,8 @@ What a scrape costs (the agent's own CPU per scrape has a budget): the devices' 
 the same one (its inode: a driver reload or firmware reset re-creates it) and, on a regular-file
 tree, while ``ports/`` is unchanged (:func:`os.stat`); on sysfs the ports of a device never change
 after it registered them (they are listed again only in its first :data:`~.sysfsfiles.RACY_SECONDS`).
+A tree whose root holds :data:`~gpufleet.agent.vocab.sysfs.IN_PLACE_MARKER` (the simulated host's: its
+writer changes files in place, as sysfs does) is read as sysfs (:func:`read_as_sysfs`).
 A scrape lists ``class/infiniband``, stats each device and reads the kept files; each file has
 a slot with its series' label set, its last text and its last sample, so a file whose text did not
 change costs a ``pread``, one comparison and an append.
@@ -202,7 +204,6 @@ class _Port:
     """A port's directories and the slots of its files (kept while its device is the same one)."""
 
     __slots__ = (
-
         "attrs",
         "counters",
         "counters_path",

@@ -7,21 +7,27 @@ for the file at its path:
 
 * real sysfs: a removed attribute (hot-unplug, driver reload) answers ENODEV (ENOENT/ESTALE/ENXIO on other
   file systems); the directory's descriptors are closed and it is opened afresh on the next read;
-* a regular-file tree (the simulator's, tests'): a file replaced by a rename or removed keeps its old text
-  behind an open descriptor, so every read first ``stat``\\ s the directory (one call per directory, not per
-  file) and opens its files again when its inode or mtime changed. A directory whose mtime is within
-  :data:`RACY_SECONDS` of the time it was checked may still change within the same timestamp tick
-  (as git's "racily clean" index entries), so it is not trusted: its files are opened, read and closed
-  each time, as without this module, until the directory has been quiet that long;
-* a directory on sysfs itself (its device is one of a ``sysfs`` mount's in ``/proc/self/mountinfo``; or one of a
-  tree whose writer says it writes as sysfs does: ``is_sysfs``) needs none of that: sysfs never replaces an attribute file while its directory exists, and a removed one answers ENODEV,
-  so such a directory is stat'ed only when its entry is made, is trusted at once, and its reads are
-  preads alone;
+* a regular-file tree (tests'): a file replaced by a rename or removed keeps its old text behind an open
+  descriptor, so every read first ``stat``\\ s the directory (one call per directory, not per file) and opens
+  its files again when its inode or mtime changed. A directory whose mtime is within :data:`RACY_SECONDS` of
+  the time it was checked may still change within the same timestamp tick (as git's "racily clean" index
+  entries), so it is not trusted: its files are opened, read and closed each time, as without this module,
+  until the directory has been quiet that long. A directory whose parent was checked since the last
+  :meth:`SysfsFiles.sweep` is looked up by name in the parent's kept descriptor (one component instead of a
+  walk of the whole path): the parent's check made sure that descriptor is the directory at its path now;
+* a directory on sysfs itself (its device is one of a ``sysfs`` mount's in ``/proc/self/mountinfo``), or in a
+  tree whose writer writes as sysfs does (``is_sysfs``: the simulated host's, see
+  :data:`~gpufleet.agent.vocab.sysfs.IN_PLACE_MARKER`), needs none of that: sysfs never replaces an attribute
+  file while its directory exists, and a removed one answers ENODEV, so such a directory is stat'ed only when
+  its entry is made, is trusted at once, and its reads are preads alone;
 * every :data:`RESCAN_SECONDS` everything is opened again anyway (and a sysfs directory listed again).
 
+:meth:`SysfsFiles.values` called again with the same names while every one of them has a kept descriptor is
+one ``pread`` per file (of :data:`SMALL_READ` bytes first) and nothing else.
+
 At most ``max_fds`` descriptors stay open (a quarter of the open-file limit, at most 2048, and leaving room
-for the HTTP server's connections); past that, files are read with open/read/close. :meth:`SysfsFiles.close` closes them all (the collector's ``close``); a
-``SysfsFiles`` that is dropped without it closes them when collected; :meth:`SysfsFiles.sweep` after each scrape
+for the HTTP server's connections); past that, files are read with open/read/close (a directory's own
+descriptor counts too). :meth:`SysfsFiles.close` closes them all (the collector's ``close``); a ``SysfsFiles`` that is dropped without it closes them when collected; :meth:`SysfsFiles.sweep` after each scrape
 closes those of directories that were not read in it.
 """
 
