@@ -367,3 +367,25 @@ def test_value_writer_writes_in_place_and_the_nic_reads_its_tree_as_sysfs(
     assert value(scrape(nic), RCV, device="mlx5_0", port="1") == 99 * 4
     assert not any(d.sysfs for d in nic._files._dirs.values())
     nic.close()
+
+
+def test_nic_on_sysfs_sees_ports_made_while_the_device_registers_and_new_files_at_the_rescan(
+        tree: Path, tmp_path: Path) -> None:
+    """sysfs makes a device's ports right after the device: they are listed again in the device's first moments
+    (RACY_SECONDS); what is listed once settled (hw_counters) is listed again at the rescan."""
+    now = [0.0]
+    files = SysfsFiles(clock=lambda: now[0], is_sysfs=lambda path, dev: True, rescan_seconds=300)
+    nic = NicCollector(sysfs_with(tree, tmp_path), files=files, clock=lambda: now[0])
+    first = scrape(nic)
+    assert value(first, RCV, device="mlx5_0", port="2") is None
+    port2 = tree / "mlx5_0" / "ports" / "2"
+    shutil.copytree(tree / "mlx5_0" / "ports" / "1", port2)  # registered a moment after the first scrape
+    now[0] += RACY_SECONDS / 2
+    assert value(scrape(nic), RCV, device="mlx5_0", port="2") == 4 * int((port2 / "counters" / "port_rcv_data")
+                                                                           .read_text())
+    (port2 / "hw_counters" / "new_counter").write_text("5\n")
+    now[0] += 15
+    assert value(scrape(nic), HW, device="mlx5_0", port="2", counter="new_counter") is None  # settled: not listed
+    now[0] += 300
+    assert value(scrape(nic), HW, device="mlx5_0", port="2", counter="new_counter") == 5
+    nic.close()
