@@ -36,7 +36,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.samples import Sample
 
 from gpufleet.agent.collectors.ethtool_stats import Kind, Malformed, Stat, base_value, parse_ethtool_s, plan
-from gpufleet.agent.collectors.nic import fresh_family
+from gpufleet.agent.collectors.families import fresh_family
 from gpufleet.agent.collectors.series import FrozenLabels, SeriesCache, StickySample
 from gpufleet.agent.vocab import catalog
 

@@ -37,6 +37,7 @@ import psutil
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.samples import Sample
 
+from gpufleet.agent.collectors.families import fresh_family
 from gpufleet.agent.collectors.series import FrozenLabels, SeriesCache, StickySample
 from gpufleet.agent.collectors.sysfsfiles import RACY_SECONDS, SysfsFiles, sysfs_devices
 from gpufleet.agent.vocab import catalog
@@ -165,15 +166,6 @@ def read_as_sysfs(sysfs_path: str) -> Callable[[str, int], bool]:
 
 def _text(raw: bytes | None) -> str:
     return raw.decode("utf-8", "replace") if raw is not None else ""
-
-
-def fresh_family(template: Family) -> Family:
-    """An empty family like ``template`` (what ``MetricSpec.family()`` makes, at a fraction of its cost:
-    the collector makes its families anew every scrape)."""
-    fam = template.__class__.__new__(template.__class__)
-    fam.__dict__.update(template.__dict__)
-    fam.samples = []
-    return fam
 
 
 class _Slot:
