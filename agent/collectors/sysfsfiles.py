@@ -196,7 +196,8 @@ class SysfsFiles:
             _close_dirs(self._dirs)
 
     def sweep(self) -> None:
-        """Close the descriptors of directories not read since the last sweep (a device that went away)."""
+        """Close the descriptors of directories not read since the last sweep (a device that went away); call it
+        after each pass over the tree (a parent's check vouches for its subdirectories until the next sweep)."""
         with self._lock:
             for path in [p for p in self._dirs if p not in self._used]:
                 self._forget(path)
@@ -252,7 +253,6 @@ class SysfsFiles:
         d = _Dir(key, sysfs or st.st_mtime_ns < now_ns - int(RACY_SECONDS * 1e9), mono, sysfs=sysfs, gen=self._gen)
         self._dirs[path] = d
         return d
-
 
     def _forget(self, path: str) -> None:
         d = self._dirs.pop(path, None)
