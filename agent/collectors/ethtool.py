@@ -36,7 +36,6 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.samples import Sample
 
 from gpufleet.agent.collectors.ethtool_stats import Kind, Malformed, Stat, base_value, parse_ethtool_s, plan
-from gpufleet.agent.collectors.families import fresh_family
 from gpufleet.agent.collectors.series import FrozenLabels, SeriesCache, StickySample
 from gpufleet.agent.vocab import catalog
 
@@ -239,8 +238,6 @@ class EthtoolCollector:
         self._unavailable = False
         #: interface -> (the names its slots are for, (position, slot) of each statistic that feeds a series)
         self._plans: dict[str, tuple[Sequence[str], list[tuple[int, _Slot]]]] = {}
-        self._templates = {k: s.family() for k, s in _FAMILIES.items()}
-        self._netdev = _NETDEV.family()
         specs = (*_FAMILIES.values(), _ERRORS, _NETDEV)
         self._put = SeriesCache(specs).put
 
@@ -280,9 +277,9 @@ class EthtoolCollector:
         if reader is None:
             return []
         put = self._put
-        fams = {k: fresh_family(t) for k, t in self._templates.items()}
+        fams = {k: s.family() for k, s in _FAMILIES.items()}
         lists = {k: f.samples for k, f in fams.items()}
-        netdev = fresh_family(self._netdev)
+        netdev = _NETDEV.family()
         for ifname in ifnames:
             try:
                 names, values = reader.read(ifname)

@@ -25,7 +25,6 @@ from typing import Any, cast
 import psutil
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from gpufleet.agent.collectors.families import fresh_family
 from gpufleet.agent.vocab import catalog
 
 log = logging.getLogger(__name__)
@@ -62,7 +61,7 @@ class HostCollector:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._templates = {n: catalog.spec(n).family() for n in _NAMES}
+        self._specs = {n: catalog.spec(n) for n in _NAMES}
         self._last: tuple[float, float, float] | None = None  # (clock, busy, total)
         self._times: Any = None  # the newest psutil.cpu_times() sample (steal, iowait)
         try:
@@ -94,7 +93,7 @@ class HostCollector:
 
         def gauge(name: str, value: float | None) -> None:
             if value is not None:
-                fam = cast(GaugeMetricFamily, fresh_family(self._templates[name]))
+                fam = cast(GaugeMetricFamily, self._specs[name].family())
                 fam.add_metric([], float(value))
                 fams.append(fam)
 
@@ -102,7 +101,7 @@ class HostCollector:
         for name, field in ((_STEAL, "steal"), (_IOWAIT, "iowait")):
             value = getattr(self._times, field, None)
             if value is not None:
-                fam = fresh_family(self._templates[name])
+                fam = self._specs[name].family()
                 fam.add_metric([], float(value))
                 fams.append(fam)
         gauge(_COUNT, psutil.cpu_count(logical=True))
@@ -114,7 +113,7 @@ class HostCollector:
         except OSError:  # pragma: no cover - not on Linux
             loads = None
         if loads is not None:
-            fam = cast(GaugeMetricFamily, fresh_family(self._templates[_LOAD]))
+            fam = cast(GaugeMetricFamily, self._specs[_LOAD].family())
             for window, value in zip(_WINDOWS, loads, strict=True):
                 fam.add_metric([window], value)
             fams.append(fam)

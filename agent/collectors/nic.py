@@ -37,7 +37,6 @@ import psutil
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.samples import Sample
 
-from gpufleet.agent.collectors.families import fresh_family
 from gpufleet.agent.collectors.series import FrozenLabels, SeriesCache, StickySample
 from gpufleet.agent.collectors.sysfsfiles import RACY_SECONDS, SysfsFiles, sysfs_devices
 from gpufleet.agent.vocab import catalog
@@ -269,7 +268,6 @@ class NicCollector:
         self.sysfs_path = sysfs_path
         self.ib_root = os.path.join(sysfs_path, INFINIBAND_CLASS)
         self._specs = {s.name: s for s in catalog.by_group("nic")}
-        self._templates = [s.family() for s in _FILLED]
         self._devices: dict[str, _Device] = {}
         #: Label sets built once; unchanged values keep their sample (the Ethernet counters).
         self._put = SeriesCache(_FILLED).put
@@ -286,7 +284,7 @@ class NicCollector:
         return [s.family() for s in self._specs.values()]
 
     def collect(self) -> Iterable[Metric]:
-        fams = [fresh_family(t) for t in self._templates]
+        fams = [s.family() for s in _FILLED]
         self._collect_ib(fams)
         self._files.sweep()
         self._collect_net(fams)

@@ -299,13 +299,3 @@ def test_ethernet_counters_follow_psutil_scrape_after_scrape(tmp_path: Path, mon
     third = scrape(collector)
     assert {dict(k[1])["interface"] for k in third} == {"eth1", "ib0"}
     assert len(third) == 2 * 4 * 2
-
-
-def test_fresh_family_is_what_the_catalog_makes() -> None:
-    from gpufleet.agent.collectors.families import fresh_family
-
-    for spec in catalog.SPECS:
-        template = spec.family()
-        template.add_metric(["x"] * len(spec.labels), 1.0)  # a template that was used: its samples stay its own
-        fam, new = fresh_family(template), spec.family()
-        assert type(fam) is type(new) and vars(fam) == vars(new) and fam.samples is not template.samples
