@@ -4,9 +4,9 @@
 ``generate_latest`` and ``openmetrics.exposition.generate_latest`` give for the agent's
 families, several times faster: metric and label names come from the catalog (valid legacy
 names, so no escaping), label sets carry their rendered prefix
-(:class:`~gpufleet.agent.collectors.series.FrozenLabels`), and the rendered lines of reused
-samples (:class:`~gpufleet.agent.collectors.series.StickySample`) and of whole unchanged families
-are kept from one run to the next, separately per format. Whatever they do not handle (exemplars,
+(:class:`~gpufleet.agent.collectors.series.FrozenLabels`), the rendered line of a reused sample
+(:class:`~gpufleet.agent.collectors.series.StickySample`) is kept on its label set (the same line in both
+formats), and whole unchanged families are kept from one run to the next, per format. Whatever they do not handle (exemplars,
 native histograms, an OpenMetrics-only family in the text format, a name that needs escaping)
 goes to the reference encoder. :func:`negotiate` maps an ``Accept`` header to a :class:`Format`
 exactly as prometheus_client's ``choose_encoder`` does.
@@ -28,9 +28,7 @@ from prometheus_client.samples import Sample
 
 from gpufleet.agent.collectors.series import PREFIXES, FrozenLabels, StickySample, label_prefix
 
-#: id(sample) -> (sample, rendered line) of the StickySamples of the previous encode_text run.
-_STICKY: dict[int, tuple[Sample, str]] = {}
-_STICKY_LOCK = threading.Lock()
+_BLOCKS_LOCK = threading.Lock()
 #: (family name, type) -> (samples, rendered block) of the families of the previous run made only of
 #: StickySamples: a family with the very same samples again is copied as a whole.
 _BLOCKS: dict[tuple[str, str], tuple[list[Sample], str]] = {}
@@ -44,12 +42,10 @@ def encode_text(families: Sequence[Metric]) -> bytes:
     the catalog (valid legacy names, so no escaping checks) and rendered label sets are
     cached across scrapes.
     """
-    with _STICKY_LOCK:
-        sticky = dict(_STICKY)
+    with _BLOCKS_LOCK:
         blocks = dict(_BLOCKS)
     new_blocks: dict[tuple[str, str], tuple[list[Sample], str]] = {}
     float_memo = _FLOATS.get
-    seen: dict[int, tuple[Sample, str]] = {}
     out: list[str] = []
     append = out.append
     get = PREFIXES.get
@@ -75,18 +71,19 @@ def encode_text(families: Sequence[Metric]) -> bytes:
         created: list[str] = []
         created_name = fam.name + "_created"
         for s in samples:
-            if type(s) is StickySample:
-                hit = sticky.get(id(s))
-                if hit is not None and hit[0] is s:  # the very object rendered last time
-                    seen[id(s)] = hit
-                    append(hit[1])
+            labels = s[1]
+            sticky = type(s) is StickySample
+            frozen = labels if type(labels) is FrozenLabels else None
+            if sticky and frozen is not None:
+                done = frozen.line
+                if done is not None and done[0] is s:  # the very object rendered last time
+                    append(done[1])
                     continue
+            sname, v, ts = s[0], s[2], s[3]
+            if frozen is not None and frozen.name == sname:
+                p = frozen.prefix
             else:
-                whole = False
-            sname, labels, v = s.name, s.labels, s.value
-            if type(labels) is FrozenLabels and labels.name == sname:
-                p = labels.prefix
-            else:
+                frozen = None
                 p = get((sname, tuple(labels.items()))) or label_prefix(sname, labels)
             # Fast paths: a finite float below 1e6 prints as repr() in Go's format too, and so does an
             # int in that range once made a float ("3.0"); larger values need Go's exponent form.
@@ -97,26 +94,25 @@ def encode_text(families: Sequence[Metric]) -> bytes:
                 txt = f"{v}.0" if v < 1_000_000 else _big_int(v)
             else:
                 txt = float_memo(v) or _float_memo(v)
-            if s.timestamp is not None:
-                txt += f" {int(float(s.timestamp) * 1000):d}"
+            if ts is not None:
+                txt += f" {int(float(ts) * 1000):d}"
+                whole = False
             if sname == created_name:
                 created.append(p + txt + "\n")
                 whole = False
-            elif type(s) is StickySample and s.timestamp is None:
-                line = p + txt + "\n"
-                seen[id(s)] = (s, line)
-                append(line)
-            else:
+                continue
+            line = p + txt + "\n"
+            if not sticky:
                 whole = False
-                append(p + txt + "\n")
+            elif frozen is not None and ts is None:
+                frozen.line = (s, line)
+            append(line)
         if created:
             append(f"# HELP {fam.name}_created {doc}\n# TYPE {fam.name}_created gauge\n")
             out.extend(created)
         if whole:
             new_blocks[key] = (list(samples), "".join(out[start:]))
-    with _STICKY_LOCK:  # keep only what this run saw: the caches never outgrow one exposition
-        _STICKY.clear()
-        _STICKY.update(seen)
+    with _BLOCKS_LOCK:  # keep only what this run saw: the cache never outgrows one exposition
         _BLOCKS.clear()
         _BLOCKS.update(new_blocks)
     return "".join(out).encode("utf-8")
@@ -143,8 +139,12 @@ def _big_int(v: float) -> str:
     """``_float(v)`` for an int in [1e6, 1e15): its digits are exactly float(v)'s shortest repr."""
     digits = str(int(v))
     mantissa = digits.rstrip("0")
-    exp = len(digits) - 1
-    return f"{mantissa[0]}.{mantissa[1:]}e+{exp:02d}" if len(mantissa) > 1 else f"{mantissa}e+{exp:02d}"
+    exp = _EXPONENTS[len(digits) - 1]
+    return mantissa[0] + "." + mantissa[1:] + exp if len(mantissa) > 1 else mantissa + exp
+
+
+#: "e+06" ... "e+15": the exponents _big_int writes.
+_EXPONENTS = tuple(f"e+{e:02d}" for e in range(16))
 
 
 #: Formatted large values (clocks in Hz, memory sizes, ...) repeat from scrape to scrape.
@@ -173,9 +173,8 @@ class _Families:
         return self.families
 
 
-#: id(sample) -> (sample, rendered line), and (family name, type, doc, unit) -> (samples, rendered block),
-#: of the previous encode_openmetrics run: its own caches, as its blocks differ from the text format's.
-_OM_STICKY: dict[int, tuple[Sample, str]] = {}
+#: (family name, type, doc, unit) -> (samples, rendered block) of the previous encode_openmetrics run: its own
+#: cache, as its blocks differ from the text format's (its sample lines do not: FrozenLabels.line serves both).
 _OM_BLOCKS: dict[tuple[str, str, str, str], tuple[list[Sample], str]] = {}
 _OM_LOCK = threading.Lock()
 _LEGACY_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
@@ -197,10 +196,8 @@ def encode_openmetrics(families: Sequence[Metric], escaping: str = om.UNDERSCORE
     if escaping not in (om.UNDERSCORES, om.ALLOWUTF8):
         return _om_reference(families, escaping)
     with _OM_LOCK:
-        sticky = dict(_OM_STICKY)
         blocks = dict(_OM_BLOCKS)
     new_blocks: dict[tuple[str, str, str, str], tuple[list[Sample], str]] = {}
-    seen: dict[int, tuple[Sample, str]] = {}
     float_memo = _FLOATS.get
     out: list[str] = []
     append = out.append
@@ -226,20 +223,21 @@ def encode_openmetrics(families: Sequence[Metric], escaping: str = om.UNDERSCORE
         if fam.unit:
             append(f"# UNIT {name} {fam.unit}\n")
         for s in samples:
-            if type(s) is StickySample:
-                hit = sticky.get(id(s))
-                if hit is not None and hit[0] is s:
-                    seen[id(s)] = hit
-                    append(hit[1])
+            labels = s[1]
+            sticky = type(s) is StickySample
+            frozen = labels if type(labels) is FrozenLabels else None
+            if sticky and frozen is not None:
+                done = frozen.line
+                if done is not None and done[0] is s:
+                    append(done[1])
                     continue
-            else:
-                whole = False
-            sname, labels, v = s.name, s.labels, s.value
-            if s.exemplar is not None or s.native_histogram is not None or ":" in sname:
+            sname, v, ts = s[0], s[2], s[3]
+            if s[4] is not None or s[5] is not None or ":" in sname:  # an exemplar, a native histogram
                 return _om_reference(families, escaping)
-            if type(labels) is FrozenLabels and labels.name == sname:
-                p = labels.prefix
+            if frozen is not None and frozen.name == sname:
+                p = frozen.prefix
             else:
+                frozen = None
                 p = get((sname, tuple(labels.items()))) or label_prefix(sname, labels)
             tv = type(v)  # the same fast paths as encode_text
             if tv is float and -1e308 < v < 1e6:
@@ -248,21 +246,20 @@ def encode_openmetrics(families: Sequence[Metric], escaping: str = om.UNDERSCORE
                 txt = f"{v}.0" if v < 1_000_000 else _big_int(v)
             else:
                 txt = float_memo(v) or _float_memo(v)
-            if s.timestamp is not None:
+            if ts is not None:
                 whole = False
-                append(f"{p}{txt} {s.timestamp}\n")
-            elif type(s) is StickySample:
-                line = p + txt + "\n"
-                seen[id(s)] = (s, line)
-                append(line)
-            else:
-                append(p + txt + "\n")
+                append(f"{p}{txt} {ts}\n")
+                continue
+            line = p + txt + "\n"
+            if not sticky:
+                whole = False
+            elif frozen is not None:
+                frozen.line = (s, line)
+            append(line)
         if whole:
             new_blocks[key] = (list(samples), "".join(out[start:]))
     append("# EOF\n")
     with _OM_LOCK:
-        _OM_STICKY.clear()
-        _OM_STICKY.update(seen)
         _OM_BLOCKS.clear()
         _OM_BLOCKS.update(new_blocks)
     return "".join(out).encode("utf-8")

@@ -33,9 +33,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, cast
 
 from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.samples import Sample
 
 from gpufleet.agent.collectors.ethtool_stats import Kind, Malformed, Stat, base_value, parse_ethtool_s, plan
-from gpufleet.agent.collectors.series import SeriesCache
+from gpufleet.agent.collectors.series import FrozenLabels, SeriesCache, StickySample
 from gpufleet.agent.vocab import catalog
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,20 @@ _NETDEV = catalog.spec("gpufleet_nic_netdev_info")
 #: Seconds between looks for the RDMA devices' network interfaces.
 DISCOVER_SECONDS = 60.0
 _IB_CLASS = os.path.join("class", "infiniband")
+
+
+class _Slot:
+    """One statistic's series of one interface: its family, label set, the last value read and its sample."""
+
+    __slots__ = ("kind", "labels", "raw", "sample", "stat")
+
+    def __init__(self, ifname: str, stat: Stat) -> None:
+        spec = _FAMILIES[stat.kind]
+        self.kind = stat.kind
+        self.stat = stat
+        self.labels = FrozenLabels(spec.name, zip(spec.labels, (ifname, *stat.labels), strict=True))
+        self.raw: int | None = None
+        self.sample: Sample | None = None
 
 
 class Gone(Exception):
@@ -221,7 +236,8 @@ class EthtoolCollector:
         self._errors: dict[str, int] = {}
         self._warned: set[tuple[str, str]] = set()
         self._unavailable = False
-        self._plans: dict[str, tuple[Sequence[str], list[tuple[int, Stat]]]] = {}
+        #: interface -> (the names its slots are for, (position, slot) of each statistic that feeds a series)
+        self._plans: dict[str, tuple[Sequence[str], list[tuple[int, _Slot]]]] = {}
         specs = (*_FAMILIES.values(), _ERRORS, _NETDEV)
         self._put = SeriesCache(specs).put
 
@@ -262,6 +278,7 @@ class EthtoolCollector:
             return []
         put = self._put
         fams = {k: s.family() for k, s in _FAMILIES.items()}
+        lists = {k: f.samples for k, f in fams.items()}
         netdev = _NETDEV.family()
         for ifname in ifnames:
             try:
@@ -277,13 +294,20 @@ class EthtoolCollector:
                 continue
             cached = self._plans.get(ifname)
             if cached is None or (cached[0] is not names and cached[0] != names):
-                cached = self._plans[ifname] = (names, plan(names, self.all_stats))
+                cached = self._plans[ifname] = (names, [(i, _Slot(ifname, st))
+                                                        for i, st in plan(names, self.all_stats)])
             if len(values) != len(names):
                 self._errors[ifname] = self._errors.get(ifname, 0) + 1
                 continue
             self._errors.setdefault(ifname, 0)
-            for i, st in cached[1]:
-                put(fams[st.kind], [ifname, *st.labels], base_value(st, values[i]))
+            for i, slot in cached[1]:
+                # the slot's last sample while the value read is the same (same type: it prints the same)
+                v = values[i]
+                sample = slot.sample
+                if sample is None or v != slot.raw or type(v) is not type(slot.raw):
+                    slot.raw = v
+                    sample = slot.sample = StickySample(slot.labels.name, slot.labels, base_value(slot.stat, v))
+                lists[slot.kind].append(sample)
             for dev, port in self._ports.get(ifname, ()):
                 put(netdev, [dev, port, ifname], 1.0)
         out: list[Metric] = [f for f in fams.values() if f.samples]

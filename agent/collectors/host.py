@@ -61,6 +61,7 @@ class HostCollector:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
+        self._specs = {n: catalog.spec(n) for n in _NAMES}
         self._last: tuple[float, float, float] | None = None  # (clock, busy, total)
         self._times: Any = None  # the newest psutil.cpu_times() sample (steal, iowait)
         try:
@@ -92,7 +93,7 @@ class HostCollector:
 
         def gauge(name: str, value: float | None) -> None:
             if value is not None:
-                fam = cast(GaugeMetricFamily, catalog.spec(name).family())
+                fam = cast(GaugeMetricFamily, self._specs[name].family())
                 fam.add_metric([], float(value))
                 fams.append(fam)
 
@@ -100,7 +101,7 @@ class HostCollector:
         for name, field in ((_STEAL, "steal"), (_IOWAIT, "iowait")):
             value = getattr(self._times, field, None)
             if value is not None:
-                fam = catalog.spec(name).family()
+                fam = self._specs[name].family()
                 fam.add_metric([], float(value))
                 fams.append(fam)
         gauge(_COUNT, psutil.cpu_count(logical=True))
@@ -112,7 +113,7 @@ class HostCollector:
         except OSError:  # pragma: no cover - not on Linux
             loads = None
         if loads is not None:
-            fam = cast(GaugeMetricFamily, catalog.spec(_LOAD).family())
+            fam = cast(GaugeMetricFamily, self._specs[_LOAD].family())
             for window, value in zip(_WINDOWS, loads, strict=True):
                 fam.add_metric([window], value)
             fams.append(fam)

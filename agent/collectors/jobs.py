@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, cast
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from gpufleet.agent.cgroups import SLURM_JOB, slurm_job_exists
+from gpufleet.agent.collectors.series import SeriesCache
 from gpufleet.agent.vocab import catalog
 
 if TYPE_CHECKING:
@@ -48,6 +49,8 @@ log = logging.getLogger(__name__)
 _SPEC = catalog.spec("gpufleet_gpu_job_info")
 _SKIPPED = catalog.spec("gpufleet_gpu_job_mapping_skipped_files")
 _STALE = catalog.spec("gpufleet_gpu_job_mapping_stale_files")
+#: The (gpu, job) label sets repeat scrape after scrape: built once, their samples (and rendered lines) reused.
+_put = SeriesCache([_SPEC]).put
 #: Largest mapping file read; a bigger file is not a job list and is skipped.
 MAX_FILE_BYTES = 64 * 1024
 #: Longest job id accepted (Slurm and Kubernetes ids are far shorter).
@@ -203,7 +206,7 @@ class JobsCollector:
             fam = cast(GaugeMetricFamily, _SPEC.family())
             for gpu, jobs in mapping.items():
                 for job in jobs:
-                    fam.add_metric([gpu, job], 1.0)
+                    _put(fam, (gpu, job), 1.0)
             out.append(fam)
         if skipped is not None:
             skip = cast(GaugeMetricFamily, _SKIPPED.family())

@@ -31,6 +31,7 @@ from typing import cast
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from gpufleet.agent.collectors.series import SeriesCache
+from gpufleet.agent.collectors.sysfsfiles import SysfsFiles, default_max_fds
 from gpufleet.agent.vocab import catalog
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,10 @@ MAX_DIRS = 5000
 #: Seconds before job ids that were not found are searched for again.
 RETRY_SECONDS = 60.0
 _MAX_FILE_BYTES = 4096
+#: The files of a cgroup directory, in the order of RESOURCES.
+_CGROUP_FILES = tuple(f"{r}.pressure" for r in RESOURCES)
+#: What answers "no data" rather than an error: no such file, or PSI off for it.
+_ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EOPNOTSUPP})
 
 
 class Unreadable(Exception):
@@ -139,19 +144,41 @@ class PressureCollector:
         self._errors: dict[tuple[str, str], int] = {}
         self._warned: set[tuple[str, str]] = set()
         self._put = SeriesCache((_HOST, _JOB, _ERRORS)).put  # unchanged values reuse their samples
+        #: The PSI files stay open and are re-read with pread (procfs and cgroupfs regenerate them at offset 0);
+        #: a few descriptors at most, the rest of the budget is the NIC collector's.
+        self._files = SysfsFiles(max_fds=min(64, default_max_fds() // 8))
+
+    def close(self) -> None:
+        self._files.close()
+
+    def _read_all(self, scope: str, directory: str, names: tuple[str, ...]) -> list[dict[str, float] | None]:
+        """:func:`read_pressure` of each file ``names`` (one per resource) of ``directory``, through the kept
+        descriptors; a file that exists but cannot be read or parsed is counted and gives None."""
+        got = self._files.values(directory, names)
+        if got is None:
+            return [None] * len(names)
+        out: list[dict[str, float] | None] = []
+        for resource, name, raw in zip(RESOURCES, names, got, strict=True):
+            try:
+                if isinstance(raw, OSError):
+                    if raw.errno in _ABSENT:
+                        out.append(None)
+                        continue
+                    raise Unreadable(raw.strerror or str(raw))
+                out.append(parse_pressure(raw))
+            except Unreadable as e:
+                self._count_error(scope, resource, os.path.join(directory, name), e)
+                out.append(None)
+        return out
+
+    def _count_error(self, scope: str, resource: str, path: str, e: Unreadable) -> None:
+        self._errors[(scope, resource)] = self._errors.get((scope, resource), 0) + 1
+        level = logging.DEBUG if (path, str(e)) in self._warned else logging.WARNING
+        self._warned.add((path, str(e)))
+        log.log(level, "pressure file %s: %s", path, e)
 
     def describe(self) -> Iterable[Metric]:
         return [_HOST.family(), _JOB.family(), _ERRORS.family()]
-
-    def _read(self, scope: str, resource: str, path: str) -> dict[str, float] | None:
-        try:
-            return read_pressure(path)
-        except Unreadable as e:
-            self._errors[(scope, resource)] = self._errors.get((scope, resource), 0) + 1
-            level = logging.DEBUG if (path, str(e)) in self._warned else logging.WARNING
-            self._warned.add((path, str(e)))
-            log.log(level, "pressure file %s: %s", path, e)
-            return None
 
     def job_cgroups(self) -> dict[str, str]:
         """Job id -> cgroup directory for the attributed jobs that have one."""
@@ -174,8 +201,8 @@ class PressureCollector:
     def collect(self) -> Iterable[Metric]:
         put = self._put
         host = cast(CounterMetricFamily, _HOST.family())
-        for resource in RESOURCES:
-            values = self._read("host", resource, os.path.join(self.procfs_path, "pressure", resource))
+        for resource, values in zip(RESOURCES, self._read_all("host", os.path.join(self.procfs_path, "pressure"),
+                                                              RESOURCES), strict=True):
             for kind, seconds in (values or {}).items():
                 put(host, [resource, kind], seconds)
         job = cast(CounterMetricFamily, _JOB.family())
@@ -183,10 +210,10 @@ class PressureCollector:
             if not os.path.isdir(directory):  # the job ended: search again next time
                 del self._paths[job_id]
                 continue
-            for resource in RESOURCES:
-                values = self._read("job", resource, os.path.join(directory, f"{resource}.pressure"))
+            for resource, values in zip(RESOURCES, self._read_all("job", directory, _CGROUP_FILES), strict=True):
                 for kind, seconds in (values or {}).items():
                     put(job, [job_id, resource, kind], seconds)
+        self._files.sweep()  # the descriptors of jobs that ended
         out: list[Metric] = [f for f in (host, job) if f.samples]
         if out or self._errors:
             errors = cast(CounterMetricFamily, _ERRORS.family())

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from prometheus_client.core import Metric
 
 from gpufleet.agent.cgroups import Owner
-from gpufleet.agent.collectors.series import SeriesCache
+from gpufleet.agent.collectors.series import FrozenLabels, SeriesCache
 from gpufleet.agent.collectors.usage import GpuUsage
 from gpufleet.agent.nvml.processes import GpuProcess
 from gpufleet.agent.vocab import catalog
@@ -37,7 +37,10 @@ _PID_SM = catalog.spec("gpufleet_gpu_process_sm_utilization_ratio")
 _SPECS = (_COUNT, _OWNER, _MEM, _SM, _MEMUTIL, _ERRORS)
 _PER_PCT = 100
 #: Label sets built once, unchanged samples reused (the encoder then reuses their rendered lines).
-_put = SeriesCache((*_SPECS, _PID_MEM, _PID_SM)).put
+_CACHE = SeriesCache((*_SPECS, _PID_MEM, _PID_SM))
+_put, _labels_of, _emit = _CACHE.put, _CACHE.labels_of, _CACHE.emit
+#: The families of one owner row (gpu, gpu_instance, owner_kind, owner), in this order.
+_ROW = (_OWNER.name, _MEM.name, _SM.name, _MEMUTIL.name)
 
 
 class _Agg:
@@ -78,6 +81,9 @@ class ProcessesCollector:
     def __init__(self, usage: GpuUsage, *, per_pid: bool = False) -> None:
         self.usage = usage
         self.per_pid = per_pid
+        #: (gpu, gpu_instance, owner_kind, owner) -> its label set in each _ROW family, for the owners of the
+        #: last scrape (an owner stays on a GPU for many scrapes).
+        self._rows: dict[tuple[str, str, str, str], tuple[FrozenLabels, ...]] = {}
 
     def describe(self) -> Iterable[Metric]:
         specs = (*_SPECS, _PID_MEM, _PID_SM) if self.per_pid else _SPECS
@@ -86,20 +92,27 @@ class ProcessesCollector:
     def collect(self) -> Iterable[Metric]:
         snap = self.usage.snapshot()
         f = {s.name: s.family() for s in (*_SPECS, _PID_MEM, _PID_SM)}
+        owners, mems, sms, memutils = (f[name].samples for name in _ROW)
+        rows = self._rows
+        seen: dict[tuple[str, str, str, str], tuple[FrozenLabels, ...]] = {}
         for use in snap.gpus:
             if use.processes is None:
                 continue
             g = use.gpu
             _put(f[_COUNT.name], [g], len(use.processes))
             for (gi, kind, owner), a in sorted(aggregate(use.processes).items()):
-                labels = [g, gi, kind, owner]
-                _put(f[_OWNER.name], labels, a.n)
+                key = (g, gi, kind, owner)
+                row = rows.get(key)
+                if row is None:
+                    row = tuple(_labels_of(name, key) for name in _ROW)
+                seen[key] = row
+                _emit(owners, row[0], a.n)
                 if a.mem is not None:
-                    _put(f[_MEM.name], labels, a.mem)
+                    _emit(mems, row[1], a.mem)
                 if a.sm is not None:
-                    _put(f[_SM.name], labels, a.sm / _PER_PCT)
+                    _emit(sms, row[2], a.sm / _PER_PCT)
                 if a.memutil is not None:
-                    _put(f[_MEMUTIL.name], labels, a.memutil / _PER_PCT)
+                    _emit(memutils, row[3], a.memutil / _PER_PCT)
             if self.per_pid:
                 for p, o in use.processes:
                     gi = "" if p.gpu_instance is None else str(p.gpu_instance)
@@ -107,6 +120,7 @@ class ProcessesCollector:
                         _put(f[_PID_MEM.name], [g, gi, str(p.pid), o.kind, o.id], p.used_memory_bytes)
                     if p.sm_util_pct is not None:
                         _put(f[_PID_SM.name], [g, gi, str(p.pid)], p.sm_util_pct / _PER_PCT)
+        self._rows = seen
         if snap.up:
             err = f[_ERRORS.name]
             for reason, n in sorted(snap.owner_errors.items()):

@@ -13,7 +13,7 @@ simulator's nodes, the tests), in the layout of a real host (see the H100 captur
 Links are relative (``../../../devices/...``) or, with ``absolute=True``, ``/sys/...`` (as some
 container runtimes and bind mounts show them). Every function is idempotent (an existing tree
 is completed, not rebuilt). :class:`ValueWriter` rewrites the values that change (counters) and
-only those.
+only those, in place as sysfs does.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from gpufleet.agent.vocab.sysfs import IN_PLACE_MARKER
 
 #: The files of an mlx5 port's counters/ directory.
 IB_COUNTER_FILES = (
@@ -135,14 +137,19 @@ def add_port(device: Path, port: int = 1, *, files: Mapping[str, str] | None = N
 class ValueWriter:
     """Keeps files under ``root`` at given values, writing only those whose value changed.
 
-    A counter that grew is overwritten in place (its text is at least as long as before: one
-    pwrite, no truncate; ext4 flushes on truncate and on rename over a file, milliseconds each);
-    anything else is written to a temporary file and renamed over the old one.
+    Every value is written the way sysfs shows a new one: in place, over the old text at the same inode (one
+    pwrite, and an ftruncate when the new text is shorter; no rename, no truncate to zero, so ext4 does not
+    flush), so a reader's kept descriptor reads it. After its first update it leaves
+    :data:`~gpufleet.agent.vocab.sysfs.IN_PLACE_MARKER` at ``root``: the agent may then read the tree as it
+    reads sysfs. A reader between the pwrite and the ftruncate of a shorter text sees the new text followed
+    by a newline and the old text's tail (``"99\\n45\\n"``): not a number, so no series for that read, never
+    a wrong value.
     """
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self._written: dict[str, str | int] = {}
+        self._marked = False
 
     def forget(self) -> None:
         """Write every value again on the next :meth:`update` (the tree was rebuilt)."""
@@ -155,19 +162,20 @@ class ValueWriter:
             old = written.get(rel)
             if old == value:
                 continue
-            grew = type(value) is int and type(old) is int and value > old
-            _write(self.root / rel, f"{value}\n".encode(), in_place=grew)
+            data = f"{value}\n".encode()
+            # the length of the text there: unknown (the tree's builder wrote it) until this writer wrote it
+            _write_in_place(self.root / rel, data, None if old is None else len(f"{old}\n".encode()))
             written[rel] = value
+        if not self._marked:
+            (self.root / IN_PLACE_MARKER).touch()
+            self._marked = True
 
 
-def _write(path: Path, data: bytes, *, in_place: bool) -> None:
-    if in_place:
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            os.pwrite(fd, data, 0)
-        finally:
-            os.close(fd)
-        return
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+def _write_in_place(path: Path, data: bytes, old_len: int | None) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        os.pwrite(fd, data, 0)
+        if old_len is None or len(data) < old_len:
+            os.ftruncate(fd, len(data))
+    finally:
+        os.close(fd)

@@ -9,7 +9,9 @@ the start of the interval and report the last rates again.
 from __future__ import annotations
 
 import ctypes
+import struct
 import time
+from functools import cache
 from typing import Any
 
 import pynvml
@@ -42,6 +44,16 @@ class _GpmMetricsGet(ctypes.Structure):
 
 
 assert ctypes.sizeof(_GpmMetricsGet) == ctypes.sizeof(pynvml.c_nvmlGpmMetricsGet_t)
+_METRICS_AT = _GpmMetricsGet.metrics.offset
+_STRIDE = ctypes.sizeof(_GpmMetric)
+assert (_GpmMetric.nvmlReturn.offset, _GpmMetric.value.offset) == (4, 8)
+
+
+@cache
+def _results(n: int) -> struct.Struct:
+    """The (nvmlReturn, value) of the first ``n`` metrics of a _GpmMetricsGet, unpacked in one call
+    (ctypes builds an object per element and attribute: 8 metrics x 3 reads per GPU per scrape)."""
+    return struct.Struct("=" + f"4xId{_STRIDE - 16}x" * n)
 
 
 def read_gpm(b: NvmlBackend, dev: Device, h: pynvml.c_nvmlDevice_t, state: ReaderState,
@@ -113,14 +125,14 @@ def _gpm_metrics(b: NvmlBackend, state: ReaderState, prev: Any, cur: Any, interv
         return None
     rates = GpmRates(interval_s=interval)
     lost = False
-    results = mg.metrics
+    got = _results(len(metrics)).unpack_from(mg, _METRICS_AT)
     for i, (_, attr) in enumerate(metrics):
-        m = results[i]
-        if m.nvmlReturn == pynvml.NVML_SUCCESS:
-            setattr(rates, attr, float(m.value))
+        code = got[2 * i]
+        if code == _SUCCESS:
+            setattr(rates, attr, got[2 * i + 1])
         else:
-            b.count_error("nvmlGpmMetricsGet", m.nvmlReturn)
-            lost = lost or m.nvmlReturn == pynvml.NVML_ERROR_GPU_IS_LOST
+            b.count_error("nvmlGpmMetricsGet", code)
+            lost = lost or code == pynvml.NVML_ERROR_GPU_IS_LOST
     if lost:
         raise GpuLost("nvmlGpmMetricsGet")
     state.gpm_pcie_ok = rates.pcie_tx_mibps is not None or rates.pcie_rx_mibps is not None

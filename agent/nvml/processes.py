@@ -14,6 +14,7 @@ utilization in MIG mode and none for a process that did not run in the interval:
 from __future__ import annotations
 
 import ctypes
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,14 @@ class _UtilsInfo(ctypes.Structure):
 assert ctypes.sizeof(_ProcessInfo) == ctypes.sizeof(pynvml.c_nvmlProcessInfo_v2_t)
 assert ctypes.sizeof(_UtilInfo) == ctypes.sizeof(pynvml.c_nvmlProcessUtilizationInfo_v1_t)
 assert ctypes.sizeof(_UtilsInfo) == ctypes.sizeof(pynvml.c_nvmlProcessesUtilizationInfo_v1_t)
+
+#: nvmlProcessInfo_v2_t as (pid, usedGpuMemory, gpuInstanceId, computeInstanceId) and nvmlProcessUtilizationInfo_v1_t
+#: as (timeStamp, pid, smUtil, memUtil), unpacked from the buffers in one pass (no object per element and field).
+_PROC = struct.Struct("=I4xQII")
+_UTIL = struct.Struct(f"=QIII{ctypes.sizeof(_UtilInfo) - 20}x")
+assert _PROC.size == ctypes.sizeof(_ProcessInfo) and _UTIL.size == ctypes.sizeof(_UtilInfo)
+assert (_ProcessInfo.usedGpuMemory.offset, _ProcessInfo.gpuInstanceId.offset) == (8, 16)
+assert (_UtilInfo.pid.offset, _UtilInfo.smUtil.offset, _UtilInfo.memUtil.offset) == (8, 12, 16)
 
 _TOO_OLD = frozenset({pynvml.NVML_ERROR_FUNCTION_NOT_FOUND, pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH})
 _NO_ID = 0xFFFFFFFF
@@ -96,8 +105,9 @@ def _running(b: NvmlBackend, h: pynvml.c_nvmlDevice_t, state: ProcessState,
              mig_devices: Sequence[MigDevice]) -> list[GpuProcess] | None:
     code, raw = _list(h, state)
     if code == pynvml.NVML_SUCCESS:
-        return [GpuProcess(int(p.pid), _memory(int(p.usedGpuMemory)), _id(int(p.gpuInstanceId)),
-                           _id(int(p.computeInstanceId))) for p in raw]
+        # used memory above _MAX_MEMORY (NVML_VALUE_NOT_AVAILABLE, garbage) and _NO_ID: no value
+        return [GpuProcess(pid, mem if mem <= _MAX_MEMORY else None, None if gi == _NO_ID else gi,
+                           None if ci == _NO_ID else ci) for pid, mem, gi, ci in raw]
     if code != pynvml.NVML_ERROR_NO_PERMISSION or not mig_devices:
         b.failed("nvmlDeviceGetComputeRunningProcesses", code)
         return None
@@ -107,14 +117,15 @@ def _running(b: NvmlBackend, h: pynvml.c_nvmlDevice_t, state: ProcessState,
         if code != pynvml.NVML_SUCCESS:
             b.failed("nvmlDeviceGetComputeRunningProcesses", code)
             return None
-        out.extend(GpuProcess(int(p.pid), _memory(int(p.usedGpuMemory)), d.gpu_instance, d.compute_instance)
-                   for p in raw)
+        out.extend(GpuProcess(pid, mem if mem <= _MAX_MEMORY else None, d.gpu_instance, d.compute_instance)
+                   for pid, mem, _, _ in raw)
     return out
 
 
-def _list(h: pynvml.c_nvmlDevice_t, state: ProcessState) -> tuple[int, list[Any]]:
-    """(return code, the processes) of nvmlDeviceGetComputeRunningProcesses_v3 on a reused plain buffer:
-    what pynvml's wrapper does, without building a Python object per process and attribute."""
+def _list(h: pynvml.c_nvmlDevice_t, state: ProcessState) -> tuple[int, list[tuple[int, int, int, int]]]:
+    """(return code, (pid, used memory, GPU instance, compute instance) per process) of
+    nvmlDeviceGetComputeRunningProcesses_v3 on a reused plain buffer: what pynvml's wrapper does,
+    without building a Python object per process and attribute."""
     try:
         fn = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetComputeRunningProcesses_v3")
     except pynvml.NVMLError as e:
@@ -125,20 +136,12 @@ def _list(h: pynvml.c_nvmlDevice_t, state: ProcessState) -> tuple[int, list[Any]
         count = ctypes.c_uint(cap)
         ret = int(fn(h, ctypes.byref(count), buf))
         if ret == pynvml.NVML_SUCCESS:
-            n = int(count.value)
-            return ret, list(buf[:n]) if n and buf is not None else []
+            n = min(int(count.value), cap)
+            return ret, list(_PROC.iter_unpack(memoryview(buf).cast("B")[:n * _PROC.size])) if n else []
         if ret != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
             return ret, []
         state.procs_buf = (_ProcessInfo * (int(count.value) * 2 + 8))()
     return pynvml.NVML_ERROR_INSUFFICIENT_SIZE, []
-
-
-def _memory(v: int) -> int | None:
-    return v if 0 <= v <= _MAX_MEMORY else None  # NVML_VALUE_NOT_AVAILABLE (and garbage): no value
-
-
-def _id(v: int) -> int | None:
-    return None if v == _NO_ID else v
 
 
 def _utilization(b: NvmlBackend, h: pynvml.c_nvmlDevice_t, state: ProcessState, by_pid: dict[int, GpuProcess]) -> None:
@@ -178,8 +181,9 @@ def _util_info(h: pynvml.c_nvmlDevice_t, state: ProcessState) -> list[tuple[int,
             info.procUtilArray = ctypes.cast(buf, ctypes.POINTER(_UtilInfo))
         ret = int(fn(h, ctypes.byref(info)))
         if ret == pynvml.NVML_SUCCESS:
-            n = int(info.processSamplesCount)
-            return [(int(u.pid), int(u.timeStamp), int(u.smUtil), int(u.memUtil)) for u in buf[:n]] if n else []
+            n = min(int(info.processSamplesCount), len(buf) if buf is not None else 0)
+            return [(pid, ts, sm, mem) for ts, pid, sm, mem in
+                    _UTIL.iter_unpack(memoryview(buf).cast("B")[:n * _UTIL.size])] if n else []
         if ret != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
             raise pynvml.NVMLError(ret)
         state.util_buf = (_UtilInfo * (int(info.processSamplesCount) * 2 + 8))()

@@ -29,6 +29,8 @@ if TYPE_CHECKING:  # the families are built only where prometheus-client is inst
 
 
 MetricType = Literal["gauge", "counter"]
+#: (spec name, label names or None) -> the validated family that MetricSpec.family copies.
+_FAMILIES: dict[tuple[str, tuple[str, ...] | None], GaugeMetricFamily | CounterMetricFamily] = {}
 
 #: Groups: which collector (or component) produces the family.
 GROUPS = (
@@ -64,7 +66,20 @@ class MetricSpec:
     label_values: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def family(self, labels: Sequence[str] | None = None) -> GaugeMetricFamily | CounterMetricFamily:
-        """A new, empty prometheus-client metric family for this spec."""
+        """A new, empty prometheus-client metric family for this spec.
+
+        The first one per label list is built (and validated) by prometheus-client; later ones copy its
+        attributes with a fresh sample list (collectors make about a hundred families per scrape)."""
+        key = (self.name, None if labels is None else tuple(labels))
+        proto = _FAMILIES.get(key)
+        if proto is None:
+            proto = _FAMILIES[key] = self._new_family(labels)
+        fam = proto.__class__.__new__(proto.__class__)
+        fam.__dict__.update(proto.__dict__)
+        fam.samples = []
+        return fam
+
+    def _new_family(self, labels: Sequence[str] | None) -> GaugeMetricFamily | CounterMetricFamily:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         names = list(self.labels if labels is None else labels)

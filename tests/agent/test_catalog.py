@@ -61,3 +61,16 @@ def test_readme_metric_reference_matches_the_catalog() -> None:
     assert catalog.readme_section() in readme, (
         "README's metric reference is stale: run python -m gpufleet.agent.vocab.catalog --readme README.md"
     )
+
+
+def test_a_family_is_what_prometheus_client_makes_and_its_own() -> None:
+    """MetricSpec.family copies a validated prototype: each copy equals what prometheus-client builds for the
+    spec, and samples added to one never show up in another."""
+    for spec in catalog.SPECS:
+        used = spec.family()
+        used.add_metric(["x"] * len(spec.labels), 1.0)
+        fam, reference = spec.family(), spec._new_family(None)
+        assert type(fam) is type(reference) and vars(fam) == vars(reference)
+        assert fam.samples == [] and fam.samples is not used.samples and len(used.samples) == 1
+        other = spec.family(["gpu"])
+        assert other._labelnames == ("gpu",) and spec.family()._labelnames == tuple(spec.labels)

@@ -167,6 +167,40 @@ def test_every_family_type_and_oddity_matches_the_reference() -> None:
     assert encode_text([g, c, info]) == generate_latest(_Fixed([g, c, info]))
 
 
+def test_a_reused_sample_line_is_right_in_both_formats_whatever_their_order() -> None:
+    """A reused sample's rendered line is kept on its label set and served to both encoders: series that
+    hold still, move, go to 0.0 or -0.0, gain a timestamp or come back must still give the reference's bytes,
+    whichever format is asked first."""
+    import random
+
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    from gpufleet.agent.collectors.series import SeriesCache
+
+    specs = [catalog.spec("gpufleet_gpu_power_watts"), catalog.spec("gpufleet_gpu_energy_joules_total")]
+    put = SeriesCache(specs).put
+    rnd = random.Random(3)
+    values: list[float] = [0.0, -0.0, 1.5, 3, 2_000_000, 1e22, 7]
+    for step in range(12):
+        gauge = specs[0].family()
+        counter = specs[1].family()
+        for gpu in range(6):
+            put(gauge, [str(gpu)], rnd.choice(values) if rnd.random() < 0.5 else float(gpu))
+            put(counter, [str(gpu)], float(gpu * 10 + (step if gpu % 2 else 0)))
+        fams: list[Metric] = [gauge, counter]
+        if step % 3 == 2:  # a sample of the same label set with a timestamp, then without again
+            stamped = CounterMetricFamily(counter.name, counter.documentation, labels=["gpu"])
+            stamped.samples = [counter.samples[0]._replace(timestamp=1700000000.5), *counter.samples[1:]]
+            fams = [gauge, stamped]
+        order = [encode_text, encode_openmetrics] if step % 2 else [encode_openmetrics, encode_text]
+        for encode in order:
+            if encode is encode_text:
+                assert encode_text(fams) == generate_latest(_Fixed(fams)), step
+            else:
+                assert encode_openmetrics(fams) == om.generate_latest(_Fixed(fams)), step  # type: ignore[no-untyped-call]
+        assert isinstance(gauge, GaugeMetricFamily) and isinstance(counter, CounterMetricFamily)
+
+
 @pytest.mark.parametrize("accept", [
     None, "", "text/plain", "text/plain;version=0.0.4", "*/*", PROMETHEUS_2, PROMETHEUS_3,
     "application/openmetrics-text", "application/openmetrics-text; version=1.0.0",

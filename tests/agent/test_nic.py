@@ -279,3 +279,23 @@ def test_parse_rate(raw: bytes | None, expected: float | None) -> None:
 ])
 def test_parse_state(raw: bytes | None, expected: int | None) -> None:
     assert parse_state(raw) == expected
+
+
+def test_ethernet_counters_follow_psutil_scrape_after_scrape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An idle interface keeps its samples, a busy one gets new ones, a gone one goes, a new one comes."""
+    counters = {"eth0": snetio(1, 2, 3, 4, 0, 0, 0, 0), "eth1": snetio(10, 20, 30, 40, 0, 0, 0, 0)}
+    monkeypatch.setattr(psutil, "net_io_counters", lambda pernic=False: dict(counters))
+    collector = NicCollector(str(tmp_path))
+    first = scrape(collector)
+    assert scrape(collector) == first
+    counters["eth1"] = snetio(11, 20, 31, 40, 0, 0, 0, 1)
+    second = scrape(collector)
+    assert value(second, "gpufleet_net_bytes_total", interface="eth1", direction="transmit") == 11
+    assert value(second, "gpufleet_net_drops_total", interface="eth1", direction="transmit") == 1
+    assert {k: v for k, v in second.items() if ("interface", "eth0") in k[1]} == \
+        {k: v for k, v in first.items() if ("interface", "eth0") in k[1]}
+    del counters["eth0"]
+    counters["ib0"] = snetio(5, 6, 7, 8, 0, 0, 0, 0)
+    third = scrape(collector)
+    assert {dict(k[1])["interface"] for k in third} == {"eth1", "ib0"}
+    assert len(third) == 2 * 4 * 2

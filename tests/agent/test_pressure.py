@@ -106,10 +106,11 @@ def test_psi_disabled_for_a_cgroup_reads_as_absent(tmp_path: Path, monkeypatch: 
     """Reading a pressure file with PSI off (cgroup.pressure 0) fails with EOPNOTSUPP: no data, no error."""
     proc = procfs(tmp_path, cpu=CPU)
 
-    def no_psi(fd: int, n: int) -> bytes:
+    def no_psi(fd: int, n: int, offset: int = 0) -> bytes:
         raise OSError(errno.EOPNOTSUPP, "Operation not supported")
 
     monkeypatch.setattr(os, "read", no_psi)
+    monkeypatch.setattr(os, "pread", no_psi)  # the collector re-reads kept descriptors at offset 0
     series = scrape(PressureCollector(str(proc), str(tmp_path / "cg"), lambda: []))
     assert series == {}
 
@@ -239,3 +240,39 @@ def test_real_host_reads_without_error() -> None:
     assert all(v == 0 for v in named(series, ERR).values())
     if os.path.exists("/proc/pressure/cpu"):
         assert key(HOST, resource="cpu", kind="some") in series
+
+
+def test_kept_psi_files_follow_new_text_replaced_files_and_ended_jobs(tmp_path: Path) -> None:
+    """The PSI files stay open between scrapes (re-read at offset 0): a new total, a file replaced by a rename and
+    a job whose cgroup went are all seen, and close() leaves no descriptor behind."""
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    proc = procfs(tmp_path, cpu=CPU, memory=MEMORY, io=IO)
+    cg = tmp_path / "cg"
+    job = job_cgroup(cg, "42")
+    for d in (proc / "pressure", job):  # as old as a host's: the descriptors are kept
+        os.utime(d, (1e9, 1e9))
+    before = fds()
+    c = PressureCollector(str(proc), str(cg), lambda: ["42"])
+    assert scrape(c)[key(JOB, job_id="42", resource="io", kind="some")] == 98.0
+    assert fds() == before + 6  # three host files, three of the job's
+    cpu = proc / "pressure" / "cpu"
+    fd = os.open(cpu, os.O_WRONLY)  # a new total in place (the kernel's file regenerates its text)
+    os.pwrite(fd, CPU.replace("total=157656722", "total=157656723").encode(), 0)
+    os.close(fd)
+    assert scrape(c)[key(HOST, resource="cpu", kind="some")] == 157.656723
+    tmp = cpu.with_name(".cpu")
+    tmp.write_text(CPU_OLD)
+    os.replace(tmp, cpu)  # a rename: the directory changed, its files are opened again
+    series = scrape(c)
+    assert series[key(HOST, resource="cpu", kind="some")] == 1.5
+    assert key(HOST, resource="cpu", kind="full") not in series
+    for f in job.iterdir():
+        f.unlink()
+    job.rmdir()  # the job ended
+    series = scrape(c)
+    assert not named(series, JOB)
+    assert fds() <= before + 3
+    c.close()
+    assert fds() == before
