@@ -82,6 +82,7 @@ class ProcessState:
     #: Reused buffers of the direct calls (grown when NVML answers INSUFFICIENT_SIZE).
     procs_buf: Any = None
     util_buf: Any = None
+    util_ptr: Any = None  # util_buf as the pointer the request holds
 
 
 def read_processes(b: NvmlBackend, dev: Device, state: ProcessState,
@@ -178,7 +179,7 @@ def _util_info(h: pynvml.c_nvmlDevice_t, state: ProcessState) -> list[tuple[int,
         info = _UtilsInfo(version=pynvml.ProcessesUtilizationInfo_v1, processSamplesCount=len(buf) if buf else 0,
                           lastSeenTimeStamp=state.last_seen_us)
         if buf is not None:
-            info.procUtilArray = ctypes.cast(buf, ctypes.POINTER(_UtilInfo))
+            info.procUtilArray = state.util_ptr
         ret = int(fn(h, ctypes.byref(info)))
         if ret == pynvml.NVML_SUCCESS:
             n = min(int(info.processSamplesCount), len(buf) if buf is not None else 0)
@@ -187,6 +188,7 @@ def _util_info(h: pynvml.c_nvmlDevice_t, state: ProcessState) -> list[tuple[int,
         if ret != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
             raise pynvml.NVMLError(ret)
         state.util_buf = (_UtilInfo * (int(info.processSamplesCount) * 2 + 8))()
+        state.util_ptr = ctypes.cast(state.util_buf, ctypes.POINTER(_UtilInfo))
     raise pynvml.NVMLError(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
 
 
