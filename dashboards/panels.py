@@ -120,7 +120,7 @@ def legend(labels: Iterable[str]) -> str:
 
 
 def default_legend(s: MetricSpec | ExternalSeries, *, with_instance: bool = True) -> str:
-    labels = [label for label in s.labels if label not in ("UUID", "pci_bus_id", "device", "modelName", "Hostname")
+    labels = [label for label in s.labels if label not in ("UUID", "pci_bus_id", "device", "modelName", "Hostname", "hostname")
               or (label == "device" and "port" in s.labels)]
     return legend((["instance"] if with_instance and "node" not in s.labels else []) + labels)
 

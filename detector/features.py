@@ -57,7 +57,10 @@ class NodeNaming:
     fallback: str = exporters.DCGM_HOST_LABEL
 
     def node(self, labels: dict[str, str]) -> str | None:
-        return self._node(labels.get(self.label), labels.get(self.fallback))
+        fallback = labels.get(self.fallback)
+        if fallback is None and self.fallback == exporters.DCGM_HOST_LABEL:  # newer dcgm-exporters write it lower-case
+            fallback = labels.get(exporters.DCGM_HOST_LABEL_LOWER)
+        return self._node(labels.get(self.label), fallback)
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - few instances, bounded cache
     def _node(self, primary: str | None, fallback: str | None) -> str | None:

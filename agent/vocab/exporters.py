@@ -57,6 +57,8 @@ DCGM_POD_LABEL = "pod"
 #: dcgm-exporter's labels naming the GPU model and the host (the detector's node when no ``instance`` names it).
 DCGM_MODEL_LABEL = "modelName"
 DCGM_HOST_LABEL = "Hostname"
+#: The same label as dcgm-exporter writes it from its PR #655 (May 2026) on.
+DCGM_HOST_LABEL_LOWER = "hostname"
 NODE_EXPORTER = Exporter("node_exporter", "node", 9100, ("device", "port"))
 IPMI_EXPORTER = Exporter("ipmi_exporter", "ipmi", 9290)
 KUBE_STATE_METRICS = Exporter("kube-state-metrics", "kube-state-metrics", 8080, ("namespace", "pod", "uid"))

@@ -25,3 +25,16 @@ def test_dcgm_labels_come_from_the_vocabulary() -> None:
     assert profiles.MODEL_LABELS["dcgm"] == (exporters.DCGM_MODEL_LABEL,)
     assert {exporters.DCGM_MODEL_LABEL, exporters.DCGM_HOST_LABEL} <= set(exporters.DCGM.labels)
     assert exporters.DCGM_POD_LABEL in exporters.DCGM_POD_LABELS
+
+
+def test_dcgm_host_label_is_the_node_in_either_spelling() -> None:
+    """Without an instance label the node is dcgm-exporter's host label: "Hostname", or "hostname" as
+    dcgm-exporter writes it since May 2026."""
+    from gpufleet.detector.features import NodeNaming
+
+    naming = NodeNaming()
+    assert naming.node({"Hostname": "gpu-node-1"}) == "gpu-node-1"
+    assert naming.node({exporters.DCGM_HOST_LABEL_LOWER: "gpu-node-2"}) == "gpu-node-2"
+    assert naming.node({"instance": "10.0.0.3:9400", "hostname": "gpu-node-3"}) == "10.0.0.3"
+    assert naming.node({"gpu": "0"}) is None
+
