@@ -30,22 +30,11 @@ from typing import Any
 
 
 def child(spec: str, scrapes: int) -> dict[str, float]:
-    from gpufleet.agent import registry
-    from gpufleet.agent.app import Agent
-    from gpufleet.agent.config import AgentConfig
-    from gpufleet.agent.modes import tune_gc
-    from gpufleet.agent.nvml import reader
+    from bench_shared import clocked_agent
 
-    agent: Any = Agent(AgentConfig(nvml_fake=spec))
-    agent.start()
-    tune_gc()
-    now = [time.time()]
-    src = agent.backend.source
-    inner = getattr(src, "inner", src)
-    inner._clock = lambda: now[0]
-    reader.slow_clock = lambda: now[0]
-    if agent._usage is not None:
-        agent._usage._clock = lambda: now[0]
+    from gpufleet.agent import registry
+
+    agent, now = clocked_agent(spec)
     fake = agent.backend.fake
     fake.cpu_accounting = True
     spent: dict[str, list[float]] = defaultdict(list)

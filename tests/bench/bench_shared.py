@@ -38,9 +38,10 @@ CPU_TARGET_MS = 5.0
 RSS_TARGET_MB = 60.0
 
 
-def child(spec: str, scrapes: int, interval: float) -> dict[str, Any]:
-    import psutil
-
+def clocked_agent(spec: str) -> tuple[Any, list[float]]:
+    """The real agent (every collector on, default configuration) on fake NVML ``spec``, started as the daemon
+    starts, with every clock it reads on the simulated host (the source's, the slow tier's, the usage reader's)
+    on ``now[0]``: the caller moves it on before each scrape."""
     from gpufleet.agent.app import Agent
     from gpufleet.agent.config import AgentConfig
     from gpufleet.agent.modes import tune_gc
@@ -54,9 +55,15 @@ def child(spec: str, scrapes: int, interval: float) -> dict[str, Any]:
     inner = getattr(src, "inner", src)
     inner._clock = lambda: now[0]
     reader.slow_clock = lambda: now[0]
-    usage = agent._usage
-    if usage is not None:
-        usage._clock = lambda: now[0]
+    if agent._usage is not None:
+        agent._usage._clock = lambda: now[0]
+    return agent, now
+
+
+def child(spec: str, scrapes: int, interval: float) -> dict[str, Any]:
+    import psutil
+
+    agent, now = clocked_agent(spec)
     fake = agent.backend.fake
     fake.cpu_accounting = True
     try:
