@@ -92,6 +92,8 @@ def encode_text(families: Sequence[Metric]) -> bytes:
                 txt = repr(v)
             elif tv is int and -_EXACT < v < _EXACT:
                 txt = f"{v}.0" if v < 1_000_000 else _big_int(v)
+            elif tv is float and 1e6 <= v < 1e15 and v.is_integer():  # a byte or packet counter made a float
+                txt = _big_int(v)
             else:
                 txt = float_memo(v) or _float_memo(v)
             if ts is not None:
@@ -244,6 +246,8 @@ def encode_openmetrics(families: Sequence[Metric], escaping: str = om.UNDERSCORE
                 txt = repr(v)
             elif tv is int and -_EXACT < v < _EXACT:
                 txt = f"{v}.0" if v < 1_000_000 else _big_int(v)
+            elif tv is float and 1e6 <= v < 1e15 and v.is_integer():  # a byte or packet counter made a float
+                txt = _big_int(v)
             else:
                 txt = float_memo(v) or _float_memo(v)
             if ts is not None:

@@ -12,7 +12,6 @@ import ctypes
 import struct
 import time
 from functools import cache
-from typing import Any
 
 import pynvml
 
@@ -65,7 +64,10 @@ def read_gpm(b: NvmlBackend, dev: Device, h: pynvml.c_nvmlDevice_t, state: Reade
     if not state.buffers:
         try:
             state.buffers = [pynvml.nvmlGpmSampleAlloc(), pynvml.nvmlGpmSampleAlloc()]
-            state.metrics_get = _GpmMetricsGet()
+            # One request per direction of the double buffer (index: the current buffer), its samples set once.
+            state.metrics_get = [_GpmMetricsGet(), _GpmMetricsGet()]
+            for current, mg in enumerate(state.metrics_get):
+                mg.sample1, mg.sample2 = state.buffers[current ^ 1], state.buffers[current]
         except pynvml.NVMLError as e:
             b.count_error("nvmlGpmSampleAlloc", e.value)
             state.close()
@@ -84,8 +86,7 @@ def read_gpm(b: NvmlBackend, dev: Device, h: pynvml.c_nvmlDevice_t, state: Reade
         return None
     if state.prev_valid:
         try:
-            rates = _gpm_metrics(b, state, state.buffers[state.current ^ 1], cur, now - state.prev_t,
-                                 GPM_METRICS if gpu_instance is None else MIG_GPM_METRICS)
+            rates = _gpm_metrics(b, state, now - state.prev_t, GPM_METRICS if gpu_instance is None else MIG_GPM_METRICS)
         except _NoNewInterval:
             # Both samples carry the same time (a source that did not move on since the last scrape):
             # keep the older sample as the start of the interval and report the last rates again.
@@ -103,16 +104,15 @@ class _NoNewInterval(Exception):
     pass
 
 
-def _gpm_metrics(b: NvmlBackend, state: ReaderState, prev: Any, cur: Any, interval: float,
+def _gpm_metrics(b: NvmlBackend, state: ReaderState, interval: float,
                  metrics: tuple[tuple[int, str], ...] = GPM_METRICS) -> GpmRates | None:
-    mg = state.metrics_get
+    """The metrics between the previous sample and the current one (``state.current``)."""
+    mg = state.metrics_get[state.current]
     if mg.numMetrics != len(metrics):  # fill the request once; NVML only writes the results
         mg.version = pynvml.NVML_GPM_METRICS_GET_VERSION
         mg.numMetrics = len(metrics)
         for i, (mid, _) in enumerate(metrics):
             mg.metrics[i].metricId = mid
-    mg.sample1 = prev
-    mg.sample2 = cur
     try:  # what pynvml.nvmlGpmMetricsGet does, on the plain struct
         ret = int(pynvml._nvmlGetFunctionPointer("nvmlGpmMetricsGet")(ctypes.byref(mg)))
     except pynvml.NVMLError as e:
