@@ -18,7 +18,9 @@ temperature, clocks, ECC) stay with the GPU reader.
 
 from __future__ import annotations
 
+import ctypes
 import re
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -66,11 +68,23 @@ class MigReading:
     devices: list[MigUse] = field(default_factory=list)
 
 
+class _Memory(ctypes.Structure):
+    """nvmlMemory_t with pynvml's layout, plain (pynvml's hooks every attribute read; 56 slices per scrape)."""
+
+    _fields_ = list(pynvml.c_nvmlMemory_t._fields_)
+
+
+#: (total, free, used) of a _Memory.
+_MEMORY = struct.Struct("=QQQ")
+assert _MEMORY.size == ctypes.sizeof(_Memory) and [f[0] for f in _Memory._fields_] == ["total", "free", "used"]
+
+
 @dataclass
 class MigState:
     """What the MIG reader keeps per GPU between scrapes."""
 
     mode: int | None = None
+    memory: _Memory = field(default_factory=_Memory)  # nvmlDeviceGetMemoryInfo's answer, reused
     devices: list[MigDevice] | None = None
     listed_at: float = 0.0
     #: per GPU instance id: GPM double buffer (the GPU reader's ReaderState, one per instance)
@@ -120,11 +134,11 @@ def read_mig(b: NvmlBackend, dev: Device, state: MigState, *, clock: Callable[[]
         for d in state.devices:
             use = MigUse(d)
             errors = b.error_total
-            mem = b.call(pynvml.nvmlDeviceGetMemoryInfo, d.handle)
+            mem = _memory(b, d.handle, state.memory)
             if mem is None:
                 failed = failed or b.error_total != errors  # an error, not NOT_SUPPORTED: the handle may be gone
             else:
-                use.memory_used_bytes, use.memory_total_bytes = int(mem.used), int(mem.total)
+                use.memory_total_bytes, use.memory_used_bytes = mem
             if d.gpu_instance not in seen_gi:
                 st = state.gpm.setdefault(d.gpu_instance, ReaderState())
                 seen_gi[d.gpu_instance] = read_gpm(b, dev, h, st, gpu_instance=d.gpu_instance)
@@ -136,6 +150,19 @@ def read_mig(b: NvmlBackend, dev: Device, state: MigState, *, clock: Callable[[]
     except GpuLost:
         state.close()
         return None
+
+
+def _memory(b: NvmlBackend, h: pynvml.c_nvmlDevice_t, buf: _Memory) -> tuple[int, int] | None:
+    """(total, used) bytes of a MIG device: what ``b.call(pynvml.nvmlDeviceGetMemoryInfo, h)`` gives, on ``buf``."""
+    try:
+        ret = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetMemoryInfo")(h, ctypes.byref(buf))
+    except pynvml.NVMLError as e:
+        ret = e.value
+    if ret != pynvml.NVML_SUCCESS:
+        b.failed("nvmlDeviceGetMemoryInfo", ret)
+        return None
+    total, _, used = _MEMORY.unpack_from(buf)
+    return total, used
 
 
 def _list(b: NvmlBackend, h: pynvml.c_nvmlDevice_t) -> list[MigDevice] | None:

@@ -206,6 +206,26 @@ def test_mig_host_exposition_passes_promtool_and_matches_golden(tmp_path: Path) 
     assert 'gpufleet_mig_device_info{compute_instance="0",gpu="1",gpu_instance="2",profile="3g.40gb"' in mine
 
 
+def test_failed_mig_memory_is_counted_without_series_and_the_slices_listed_again(
+        mig: tuple[FakeHost, FakeNvml, NvmlBackend, GpuUsage]) -> None:
+    src, fake, backend, usage = mig
+    c = MigCollector(usage)
+    assert any(k[0] == "gpufleet_mig_memory_used_bytes" for k in scrape(c))
+    listed = usage._mig["0"].devices
+    advance(src, 5.0)
+    fake.inject_error(pynvml.NVML_ERROR_UNKNOWN, function="nvmlDeviceGetMemoryInfo")
+    got = scrape(c)
+    assert not any(k[0].startswith("gpufleet_mig_memory") for k in got)  # no value, never a 0
+    assert any(k[0] == "gpufleet_mig_device_info" for k in got)  # the slices are still known
+    assert backend.errors()[("nvmlDeviceGetMemoryInfo", "UNKNOWN")] >= 1
+    assert usage._mig["0"].devices is None  # a MIG handle that failed: enumerated again on the next read
+    fake.clear_errors()
+    advance(src, 5.0)
+    got = scrape(c)
+    assert usage._mig["0"].devices is not None and usage._mig["0"].devices is not listed
+    assert got[("gpufleet_mig_memory_total_bytes", frozenset({("gpu", "0"), ("gpu_instance", "2")}))] > 0
+
+
 def test_unsupported_mig_memory_has_no_series_and_no_error(mig: tuple[FakeHost, FakeNvml, NvmlBackend, GpuUsage]) -> None:
     src, _, backend, usage = mig
     src.samples[0].mig[1].memory_used_bytes = None  # the driver answers NOT_SUPPORTED for this MIG device
