@@ -1,4 +1,4 @@
-"""Shared test helpers: free loopback ports, bounded subprocesses, HTTP waits.
+"""Shared test helpers: free loopback ports, bounded subprocesses, HTTP waits, collectors' expositions parsed back.
 
 Every server a test starts listens on 127.0.0.1 only, is waited for with a
 deadline, and is stopped when the test ends.
@@ -18,10 +18,46 @@ from pathlib import Path
 
 import pytest
 import requests
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
 BIN = Path(sys.executable).parent
+#: An exposition parsed back: (sample name, its labels) -> value.
+Series = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def exposition(*collectors: object) -> str:
+    """The text exposition of prometheus-client collectors, in a registry of their own."""
+    reg = CollectorRegistry()
+    for c in collectors:
+        reg.register(c)  # type: ignore[arg-type]
+    return generate_latest(reg).decode()
+
+
+def parse(text: str) -> Series:
+    """A text exposition as (sample name, labels) -> value, ``_created`` samples left out; a series given
+    twice fails the test."""
+    out: Series = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.endswith("_created"):
+                continue
+            k = (s.name, frozenset(s.labels.items()))
+            assert k not in out, f"duplicate series {k}"
+            out[k] = s.value
+    return out
+
+
+def scrape(*collectors: object) -> Series:
+    """What the collectors expose, parsed back (:func:`parse`)."""
+    return parse(exposition(*collectors))
+
+
+def key(name: str, **labels: str) -> tuple[str, frozenset[tuple[str, str]]]:
+    """A :data:`Series` key."""
+    return (name, frozenset(labels.items()))
 
 
 def free_port() -> int:

@@ -7,9 +7,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from support import FIXTURES, need_binary
+from support import FIXTURES, key, need_binary, scrape
 
 from gpufleet.agent import settings
 from gpufleet.agent.collectors.ethtool import (
@@ -22,20 +21,7 @@ from gpufleet.agent.collectors.ethtool import (
 )
 from gpufleet.agent.collectors.ethtool_stats import Malformed, classify, parse_ethtool_s
 
-Series = dict[tuple[str, frozenset[tuple[str, str]]], float]
 ETHTOOL = FIXTURES / "ethtool"
-
-
-def scrape(collector: object) -> Series:
-    registry = CollectorRegistry()
-    registry.register(collector)  # type: ignore[arg-type]
-    text = generate_latest(registry).decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples if not s.name.endswith("_created")}
-
-
-def key(name: str, **labels: str) -> tuple[str, frozenset[tuple[str, str]]]:
-    return (name, frozenset(labels.items()))
 
 
 def recorded(tmp_path: Path, **outputs: str) -> TextReader:

@@ -14,7 +14,8 @@ import time
 
 import pynvml
 import pytest
-from test_gpu_collector import FakeHost, Series, expected_series, pick, scrape, value
+from support import Series, scrape
+from test_gpu_collector import FakeHost, expected_series, pick, value
 
 from gpufleet.agent.collectors.gpu import GpuCollector
 from gpufleet.agent.collectors.xid import XidCollector

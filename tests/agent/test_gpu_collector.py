@@ -10,8 +10,8 @@ from typing import Any
 
 import pynvml
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client import CollectorRegistry
+from support import Series, scrape
 
 from gpufleet.agent.collectors.gpu import GpuCollector
 from gpufleet.agent.collectors.xid import XidCollector
@@ -27,8 +27,6 @@ from gpufleet.agent.nvml.model import (
 )
 from gpufleet.agent.vocab import catalog
 from gpufleet.agent.vocab.nvml import CLOCK_EVENT_BITS
-
-Series = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 class FakeHost:
@@ -108,22 +106,6 @@ class FakeHost:
                 s.gpm.nvlink_rx_bytes += int(2 * nvlink_bps * dt)
                 s.gpm.pcie_tx_bytes += int(pcie_bps * dt)
                 s.gpm.pcie_rx_bytes += int(3 * pcie_bps * dt)
-
-
-def scrape(*collectors: object) -> Series:
-    reg = CollectorRegistry()
-    for c in collectors:
-        reg.register(c)  # type: ignore[arg-type]
-    text = generate_latest(reg).decode()
-    out: Series = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name.endswith("_created"):
-                continue
-            key = (s.name, frozenset(s.labels.items()))
-            assert key not in out, f"duplicate series {key}"
-            out[key] = s.value
-    return out
 
 
 def pick(series: Series, name: str, **labels: str) -> dict[frozenset[tuple[str, str]], float]:

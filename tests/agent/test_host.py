@@ -9,24 +9,11 @@ from collections.abc import Iterator
 
 import psutil
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
+from support import key, scrape
 
 from gpufleet.agent.collectors.host import HostCollector, cpu_busy_total
 
 scputimes = namedtuple("scputimes", "user nice system idle iowait irq softirq steal guest guest_nice")
-
-
-def scrape(collector: HostCollector) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    registry = CollectorRegistry()
-    registry.register(collector)
-    text = generate_latest(registry).decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
-def key(name: str, **labels: str) -> tuple[str, frozenset[tuple[str, str]]]:
-    return (name, frozenset(labels.items()))
 
 
 def fake_times(seq: list[scputimes], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pynvml
 import pytest
-from support import BIN, FIXTURES, need_binary
-from test_gpu_collector import FakeHost, Series, scrape
+from support import BIN, FIXTURES, Series, need_binary, scrape
+from test_gpu_collector import FakeHost
 
 from gpufleet.agent.collectors.gpu import GpuCollector
 from gpufleet.agent.collectors.mig import MigCollector

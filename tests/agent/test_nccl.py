@@ -7,29 +7,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-from support import FIXTURES
+from support import FIXTURES, key, scrape
 
 from gpufleet.agent import settings
 from gpufleet.agent.collectors import nccl
 from gpufleet.agent.collectors.nccl import NcclCollector
 from gpufleet.agent.collectors.nccl_trace import bus_factor, parse_trace
 
-Series = dict[tuple[str, frozenset[tuple[str, str]]], float]
 COMM = 673864846479792718
-
-
-def scrape(collector: object) -> Series:
-    registry = CollectorRegistry()
-    registry.register(collector)  # type: ignore[arg-type]
-    text = generate_latest(registry).decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples if not s.name.endswith("_created")}
-
-
-def key(name: str, **labels: str) -> tuple[str, frozenset[tuple[str, str]]]:
-    return (name, frozenset(labels.items()))
 
 
 def trace(rank: int, durations_us: list[float], *, count: int = 1 << 24, pid: int = 4000, name: str = "AllReduce",

@@ -9,9 +9,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-from support import FIXTURES
+from support import FIXTURES, Series, scrape
 
 from gpufleet.agent.collectors.nic import NicCollector, parse_rate, parse_state
 from gpufleet.agent.vocab import catalog
@@ -28,22 +26,7 @@ DATA_COUNTERS = {
 #: counters/ files deliberately not exported (split of port_*_packets by cast type).
 NOT_EXPORTED = {"unicast_xmit_packets", "unicast_rcv_packets", "multicast_xmit_packets", "multicast_rcv_packets"}
 
-Series = dict[tuple[str, frozenset[tuple[str, str]]], float]
 snetio = namedtuple("snetio", "bytes_sent bytes_recv packets_sent packets_recv errin errout dropin dropout")
-
-
-def scrape(collector: NicCollector) -> Series:
-    """The collector's exposition, parsed back: (sample name, labels) -> value."""
-    registry = CollectorRegistry()
-    registry.register(collector)
-    text = generate_latest(registry).decode()
-    out: Series = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            key = (s.name, frozenset(s.labels.items()))
-            assert key not in out, f"duplicate series {key}"
-            out[key] = s.value
-    return out
 
 
 def ib_series(series: Series) -> Series:

@@ -14,7 +14,8 @@ from typing import Any
 
 import pynvml
 import pytest
-from test_gpu_collector import FakeHost, assert_series_equal, expected_series, pick, scrape, value
+from support import scrape
+from test_gpu_collector import FakeHost, assert_series_equal, expected_series, pick, value
 
 from gpufleet.agent.collectors.gpu import GpuCollector
 from gpufleet.agent.fake.library import FakeNvml

@@ -18,9 +18,8 @@ from typing import Any
 
 import pynvml
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-from test_gpu_collector import FakeHost, Series, scrape
+from support import Series, exposition, parse, scrape
+from test_gpu_collector import FakeHost
 
 from gpufleet.agent.cgroups import (
     K8S_POD,
@@ -244,18 +243,6 @@ def unprivileged(fn: Callable[[], str], warm_up: Callable[[], object] | None = N
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, "the unprivileged child failed (its traceback is above)"
     return data.decode()
-
-
-def parse(text: str) -> Series:
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples if not s.name.endswith("_created")}
-
-
-def exposition(*collectors: object) -> str:
-    reg = CollectorRegistry()
-    for c in collectors:
-        reg.register(c)  # type: ignore[arg-type]
-    return generate_latest(reg).decode()
 
 
 def test_unreadable_cgroup_file_is_permission_denied(

@@ -7,26 +7,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
+from support import Series, key, scrape
 from sysfs_tree import H100_GPUS, H100_NICS, Node, add_pci_function, build_h100_node, nvml_bus_id
 
 from gpufleet.agent.collectors.pcie import PcieCollector, parse_aer, parse_speed, parse_width
 from gpufleet.agent.fake import sysfs
-
-Series = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def scrape(collector: PcieCollector) -> Series:
-    registry = CollectorRegistry()
-    registry.register(collector)
-    text = generate_latest(registry).decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
-def key(name: str, **labels: str) -> tuple[str, frozenset[tuple[str, str]]]:
-    return (name, frozenset(labels.items()))
 
 
 def named(series: Series, name: str) -> dict[frozenset[tuple[str, str]], float]:

@@ -9,15 +9,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
+from support import Series, key, scrape
 
 from gpufleet.agent import settings
 from gpufleet.agent.collectors import pressure
 from gpufleet.agent.collectors.host import HostCollector
 from gpufleet.agent.collectors.pressure import PressureCollector, Unreadable, find_job_cgroups, parse_pressure
-
-Series = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 #: The kernel's formats (Documentation/accounting/psi.rst); totals in microseconds.
 CPU = ("some avg10=2.04 avg60=0.75 avg300=0.40 total=157656722\n"
@@ -27,18 +24,6 @@ MEMORY = ("some avg10=0.00 avg60=0.00 avg300=0.00 total=4200000\n"
           "full avg10=0.00 avg60=0.00 avg300=0.00 total=2100000\n")
 IO = ("some avg10=12.50 avg60=8.10 avg300=3.00 total=98000000\n"
       "full avg10=10.00 avg60=6.00 avg300=2.00 total=76000000\n")
-
-
-def scrape(collector: object) -> Series:
-    registry = CollectorRegistry()
-    registry.register(collector)  # type: ignore[arg-type]
-    text = generate_latest(registry).decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
-def key(name: str, **labels: str) -> tuple[str, frozenset[tuple[str, str]]]:
-    return (name, frozenset(labels.items()))
 
 
 def named(series: Series, name: str) -> dict[frozenset[tuple[str, str]], float]:

@@ -13,8 +13,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from support import FIXTURES, running
-from test_gpu_collector import FakeHost, assert_series_equal, expected_series, pick, scrape, value
+from support import FIXTURES, running, scrape
+from test_gpu_collector import FakeHost, assert_series_equal, expected_series, pick, value
 
 from gpufleet.agent.collectors.gpu import GpuCollector
 from gpufleet.agent.fake.library import FakeNvml

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from support import FIXTURES
-from test_nic import scrape, sysfs_with, value
+from support import FIXTURES, scrape
+from test_nic import sysfs_with, value
 
 from gpufleet.agent.collectors.nic import NicCollector
 from gpufleet.agent.collectors.sysfsfiles import RACY_SECONDS, SysfsFiles

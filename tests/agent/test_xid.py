@@ -7,7 +7,8 @@ from collections.abc import Callable, Iterator
 
 import pynvml
 import pytest
-from test_gpu_collector import FakeHost, pick, scrape, value
+from support import scrape
+from test_gpu_collector import FakeHost, pick, value
 
 from gpufleet.agent.collectors.xid import XidCollector
 from gpufleet.agent.fake.library import FakeNvml

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_gpu_collector import scrape
+from support import scrape
 
 from gpufleet.agent.collectors.mig import MigCollector
 from gpufleet.agent.collectors.usage import GpuUsage
