@@ -107,7 +107,8 @@ def cpu_with_and_without(agent: Any, tick: Any, new: tuple[str, ...], blocks: in
 
 
 def _virtual_clock(agent: Any, interval: float) -> Any:
-    """Make the simulator and the slow tier run on a clock that ``tick()`` moves on by ``interval``."""
+    """Make the simulated host, the slow tier, the MIG/process reader and the collectors with a re-read interval
+    of their own run on a clock that ``tick()`` moves on by ``interval``."""
     from gpufleet.agent.collectors.pcie import PcieCollector
     from gpufleet.agent.nvml import reader
 
@@ -119,8 +120,11 @@ def _virtual_clock(agent: Any, interval: float) -> Any:
     def tick() -> None:
         now[0] += interval
 
-    agent.backend.source._clock = clock
+    source = agent.backend.source
+    getattr(source, "inner", source)._clock = clock  # a MIG/process host wraps the simulated one
     reader.slow_clock = clock
+    if agent._usage is not None:
+        agent._usage._clock = clock
     for c in agent.collectors:  # collectors with a re-read interval of their own (pcie) follow the same clock
         if isinstance(c, PcieCollector):
             c._clock = clock

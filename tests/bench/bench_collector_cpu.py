@@ -34,7 +34,7 @@ def child(spec: str, scrapes: int) -> dict[str, float]:
 
     from gpufleet.agent import registry
 
-    agent, now = clocked_agent(spec)
+    agent, tick = clocked_agent(spec, 15.0)
     fake = agent.backend.fake
     fake.cpu_accounting = True
     spent: dict[str, list[float]] = defaultdict(list)
@@ -60,12 +60,12 @@ def child(spec: str, scrapes: int) -> dict[str, float]:
     registry._Flight.encoded = encode  # type: ignore[method-assign]  # benchmark instrumentation
     try:
         for _ in range(3):
-            now[0] += 15
+            tick()
             agent.exposition(None)
         time.sleep(1.1)  # the simulator's tree was just written; a host's is as old as its boot (RACY_SECONDS)
         spent.clear()
         for _ in range(scrapes):
-            now[0] += 15
+            tick()
             f0, c0 = fake.cpu_seconds, time.process_time()
             agent.exposition(None)
             spent["total"].append((time.process_time() - c0) - (fake.cpu_seconds - f0))

@@ -30,7 +30,6 @@ import bench_agent
 from test_nccl import trace
 
 from gpufleet.agent.app import Agent
-from gpufleet.agent.collectors.pcie import PcieCollector
 from gpufleet.agent.config import COLLECTORS, AgentConfig
 from gpufleet.agent.fake.ethtool import SimEthtool, mlx5_stat_names
 from gpufleet.agent.modes import tune_gc
@@ -52,9 +51,6 @@ def main() -> int:
         tune_gc()
         tick = bench_agent._virtual_clock(agent, 15.0)
         backend: Any = agent.backend
-        for c in agent.collectors:
-            if isinstance(c, PcieCollector):
-                c._clock = backend.source._clock
         eth: SimEthtool = backend.source.ethtool
         eth.names = mlx5_stat_names(args.channels)
         eth._index = {n: i for i, n in enumerate(eth.names)}

@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_agent
 
 from gpufleet.agent.app import Agent
-from gpufleet.agent.collectors.pcie import PcieCollector
 from gpufleet.agent.config import COLLECTORS, AgentConfig
 from gpufleet.agent.modes import tune_gc
 
@@ -43,9 +42,6 @@ def main() -> int:
     tune_gc()
     tick = bench_agent._virtual_clock(agent, 15.0)
     backend: Any = agent.backend
-    for c in agent.collectors:
-        if isinstance(c, PcieCollector):
-            c._clock = backend.source._clock
     fake = backend.fake
     fake.cpu_accounting = True
     try:

@@ -32,48 +32,43 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 CPU_TARGET_MS = 5.0
 RSS_TARGET_MB = 60.0
 
 
-def clocked_agent(spec: str) -> tuple[Any, list[float]]:
+def clocked_agent(spec: str, interval: float) -> tuple[Any, Callable[[], None]]:
     """The real agent (every collector on, default configuration) on fake NVML ``spec``, started as the daemon
-    starts, with every clock it reads on the simulated host (the source's, the slow tier's, the usage reader's)
-    on ``now[0]``: the caller moves it on before each scrape."""
+    starts, and the ``tick()`` that moves every clock it reads on the simulated host on by ``interval``
+    (``bench_agent._virtual_clock``): call it before each scrape."""
+    from bench_agent import _virtual_clock
+
     from gpufleet.agent.app import Agent
     from gpufleet.agent.config import AgentConfig
     from gpufleet.agent.modes import tune_gc
-    from gpufleet.agent.nvml import reader
 
     agent: Any = Agent(AgentConfig(nvml_fake=spec))
     agent.start()
     tune_gc()
-    now = [time.time()]
-    src = agent.backend.source
-    inner = getattr(src, "inner", src)
-    inner._clock = lambda: now[0]
-    reader.slow_clock = lambda: now[0]
-    if agent._usage is not None:
-        agent._usage._clock = lambda: now[0]
-    return agent, now
+    return agent, _virtual_clock(agent, interval)
 
 
 def child(spec: str, scrapes: int, interval: float) -> dict[str, Any]:
     import psutil
 
-    agent, now = clocked_agent(spec)
+    agent, tick = clocked_agent(spec, interval)
     fake = agent.backend.fake
     fake.cpu_accounting = True
     try:
         for _ in range(3):
-            now[0] += interval
+            tick()
             body = agent.exposition(None)[0]
         time.sleep(1.1)  # the simulator's sysfs tree was just written; a host's is as old as its boot (RACY_SECONDS)
         own: list[float] = []
         for _ in range(scrapes):
-            now[0] += interval
+            tick()
             f0, c0 = fake.cpu_seconds, time.process_time()
             body = agent.exposition(None)[0]
             own.append((time.process_time() - c0) - (fake.cpu_seconds - f0))
