@@ -90,6 +90,8 @@ _RACY_NS = int(RACY_SECONDS * 1e9)
 _FILLED = tuple(s for s in catalog.by_group("nic") if s.name in _PRODUCED)
 #: family name -> its index among the scrape's families
 _INDEX = {s.name: i for i, s in enumerate(_FILLED)}
+#: A file's value into its family's samples, its label set's last sample again while the value is the same.
+_emit = SeriesCache(_FILLED).emit
 
 
 def read_raw(path: str, dir_fd: int | None = None) -> bytes | None:
@@ -169,9 +171,9 @@ def _text(raw: bytes | None) -> str:
 
 class _Slot:
     """One file's series: its family (index into the scrape's families), label set and parser, and the last
-    text read with the sample made of it (reused while the text is the same)."""
+    text read (its sample is the label set's last one, reused while the text is the same)."""
 
-    __slots__ = ("fam", "file", "labels", "parse", "raw", "sample", "what")
+    __slots__ = ("fam", "file", "labels", "parse", "raw", "what")
 
     def __init__(self, fam: int, labels: FrozenLabels, parse: Callable[[bytes], float | None], what: str,
                  file: str) -> None:
@@ -180,8 +182,7 @@ class _Slot:
         self.labels = labels
         self.parse = parse
         self.what = what  # for the debug log of a file that does not parse
-        self.raw: bytes | None = None
-        self.sample: Sample | None = None
+        self.raw: bytes | None = None  # set only while ``labels.last`` is the sample made of it
 
 
 def _slot(metric: str, labels: Sequence[str], parse: Callable[[bytes], float | None], what: str,
@@ -424,9 +425,9 @@ def _fill(lists: list[list[Sample]], slots: list[_Slot], got: Sequence[bytes | O
     """Each file's sample (the slot's last one while its text is the same) into its family's list."""
     for slot, raw in zip(slots, got, strict=True):
         if raw == slot.raw:  # set only beside a sample
-            lists[slot.fam].append(slot.sample)  # type: ignore[arg-type]  # never None with raw set
+            lists[slot.fam].append(slot.labels.last)  # type: ignore[arg-type]  # never None with raw set
             continue
-        slot.raw = slot.sample = None
+        slot.raw = None
         if type(raw) is not bytes:
             log.debug("%s/%s: %s", where, slot.file, getattr(raw, "strerror", raw))
             continue
@@ -435,5 +436,4 @@ def _fill(lists: list[list[Sample]], slots: list[_Slot], got: Sequence[bytes | O
             log.debug("%s/%s: %s: %r", where, slot.file, slot.what, raw[:40])
             continue
         slot.raw = raw
-        sample = slot.sample = StickySample(slot.labels.name, slot.labels, value)
-        lists[slot.fam].append(sample)
+        _emit(lists[slot.fam], slot.labels, value)
