@@ -105,6 +105,8 @@ class SeriesCache:
             last = lbl.last
             if last is not None:
                 v = last[2]
+                # Equal and of the same type prints the same, except 0.0 / -0.0 (equal, printed differently:
+                # a float zero is reused only with the same sign; most error counters sit at 0.0).
                 if v == value and type(v) is type(value) and (value or type(value) is int
                                                               or copysign(1.0, v) == copysign(1.0, value)):
                     samples.append(last)
@@ -113,25 +115,7 @@ class SeriesCache:
             samples.append(sample)
 
         def put(fam: SampleSink, labels: Sequence[str], value: float) -> None:
-            # labels_of and emit written out (this runs about 1,500 times a scrape; two calls more cost ~10 %)
-            key = (fam.name, *labels)
-            lbl = get(key)
-            if lbl is None:
-                sname, names = families[fam.name]
-                if len(sets) >= max_series:
-                    sets.clear()
-                lbl = sets[key] = FrozenLabels(sname, zip(names, labels, strict=True))
-            last = lbl.last
-            if last is not None:
-                v = last[2]
-                # Equal and of the same type prints the same, except 0.0 / -0.0 (equal, printed differently:
-                # a float zero is reused only with the same sign; most error counters sit at 0.0).
-                if v == value and type(v) is type(value) and (value or type(value) is int
-                                                              or copysign(1.0, v) == copysign(1.0, value)):
-                    fam.samples.append(last)
-                    return
-            sample = lbl.last = new(sticky, (lbl.name, lbl, value, None, None, None))
-            fam.samples.append(sample)
+            emit(fam.samples, labels_of(fam.name, labels), value)
 
         #: ``fam.add_metric(labels, value)`` (label values in the spec's order), via the cache.
         self.put: Callable[[SampleSink, Sequence[str], float], None] = put
