@@ -1,0 +1,184 @@
+"""The fast reader of well-formed recordings: a series' lines found as one block, its values converted at once.
+
+Anything unusual (a series whose lines are not contiguous, exemplars, odd labels or spacing, a sample outside
+its family, a missing ``# EOF``) makes :func:`load_fast` return None, and the strict line-by-line reader
+(:mod:`gpufleet.detector.recording_strict`) reads the file and reports what is wrong with its line number.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+from prometheus_client.openmetrics.parser import text_fd_to_metric_families
+
+FloatArray = np.ndarray
+
+#: Per sample name and label set: chunks of timestamps and of values (lists or arrays), in file order.
+RawSeries = dict[str, dict[tuple[tuple[str, str], ...], tuple[list[FloatArray], list[FloatArray]]]]
+
+
+def load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
+    """Parse one well-formed recording quickly; None when anything is unusual (the strict reader then reports it).
+
+    The OpenMetrics parser validates the metadata (``# TYPE``/``# HELP``/``# UNIT``, ``# EOF``); each series'
+    ``name{labels}`` is checked here against the OpenMetrics grammar (names, quoting, escapes, duplicate
+    labels) and against its family's type (a counter's samples are ``<family>_total``). The lines of a series
+    are contiguous and repeat that text, so a series is one block: its end is found by binary search, and its
+    ``value timestamp`` pairs are converted by numpy at once.
+    """
+    meta: list[str] = []
+    raw: RawSeries = {}
+    seen: set[str] = set()
+    family, ftype = "", ""
+    last_stamps: tuple[list[str], FloatArray] = ([], np.zeros(0))
+    last_block = 0  # the length of the last series' block of lines
+    n = len(text)
+    p = 0
+    eof = False
+    while p < n:
+        eol = text.find("\n", p)
+        if eol < 0:
+            return None  # a last line without a newline (or no '# EOF'): let the strict reader say what is wrong
+        if eof:
+            return None  # data after '# EOF'
+        c = text[p]
+        if c == "#" or eol == p:
+            line = text[p:eol]
+            meta.append(line + "\n")
+            eof = line == "# EOF"
+            parts = line.split(" ", 3)
+            if len(parts) >= 3 and parts[1] in ("TYPE", "HELP", "UNIT"):
+                if parts[2] != family:
+                    family, ftype = parts[2], "unknown"
+                if parts[1] == "TYPE" and len(parts) == 4:
+                    ftype = parts[3]
+            p = eol + 1
+            continue
+        if c not in NAME_START:
+            return None
+        line = text[p:eol]
+        brace = line.rfind("}")
+        prefix = line[: brace + 1] if brace >= 0 else line[: line.find(" ")] if " " in line else ""
+        if not prefix:
+            return None
+        lead = prefix + " "
+        # The block ends at the first line not starting with this series' text: a binary search over offsets
+        # (the line holding an offset starts with it before the end, not after), checked below. Blocks are
+        # often as long as the one before: the search starts by bracketing the end around that length.
+        lo, hi = eol + 1, n
+        step = max(last_block >> 6, 64)
+        probe = p + last_block - 1
+        while lo <= probe < hi:
+            if text.startswith(lead, text.rfind("\n", 0, probe) + 1):
+                lo = probe + 1
+                probe += step
+            else:
+                hi = probe
+                probe -= step
+            step *= 2
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if text.startswith(lead, text.rfind("\n", 0, mid) + 1):
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo >= n:
+            return None
+        q = text.rfind("\n", 0, lo) + 1
+        last_block = q - p
+        brace_at = prefix.find("{")
+        name = prefix[:brace_at] if brace_at >= 0 else prefix
+        if wanted is not None and name not in wanted:
+            p = q
+            continue
+        if prefix in seen:
+            return None  # samples of one series not contiguous
+        seen.add(prefix)
+        labels = _series_labels(prefix, name)
+        if labels is None or _SAMPLE_SUFFIX.get(ftype) is None or name != family + _SAMPLE_SUFFIX[ftype]:
+            return None  # unusual labels, or a sample outside its family: the strict reader decides
+        block = text[p:q]
+        lines = block.count("\n")
+        if block.count("\n" + lead) != lines - 1:
+            return None  # another line within the block: the series is not contiguous
+        if block.find("#", len(line)) >= 0:
+            return None  # exemplars
+        if _SPACE.search(prefix) is None:  # the usual case: each line is three fields
+            parts = block.split()
+            if len(parts) != 3 * lines:
+                return None
+            values, stamps = parts[1::3], parts[2::3]
+        else:
+            parts = block.replace(lead, "").split()
+            if len(parts) != 2 * lines:
+                return None
+            values, stamps = parts[0::2], parts[1::2]
+        try:
+            vs = np.array(values, dtype=np.float64)
+            # Series scraped together share their timestamps' text: convert each distinct column once.
+            if stamps == last_stamps[0]:
+                ts = last_stamps[1]
+            else:
+                ts = np.array(stamps, dtype=np.float64)
+                if not np.isfinite(ts).all():
+                    return None
+                ts.flags.writeable = False  # shared between series
+                last_stamps = (stamps, ts)
+        except ValueError:
+            return None
+        have = raw.setdefault(name, {}).setdefault(tuple(sorted(labels.items())), ([], []))
+        if have[0]:
+            return None  # the same label set twice
+        have[0].append(ts)
+        have[1].append(vs)
+        p = q
+    if not eof:
+        return None
+    try:
+        for _ in text_fd_to_metric_families(iter(meta)):  # type: ignore[no-untyped-call]
+            pass
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+    return raw
+
+
+#: The sample name of a series, per family type, that the fast reader accepts (others go to the strict one).
+_SAMPLE_SUFFIX = {"gauge": "", "unknown": "", "counter": "_total", "info": "_info", "stateset": ""}
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\[\\"n])*)"')
+_ESCAPE = re.compile(r"\\(.)")
+
+
+def _series_labels(prefix: str, name: str) -> dict[str, str] | None:
+    """The labels of a series line's ``name{labels}`` text; None unless it is plainly valid OpenMetrics."""
+    if not _METRIC_NAME.fullmatch(name):
+        return None
+    if len(prefix) == len(name):
+        return {}
+    body = prefix[len(name) + 1: -1]
+    labels: dict[str, str] = {}
+    pos = 0
+    while pos < len(body):
+        m = _LABEL.match(body, pos)
+        if m is None:
+            return None
+        k, v = m.group(1), m.group(2)
+        if k in labels:
+            return None
+        labels[k] = _ESCAPE.sub(lambda e: "\n" if e.group(1) == "n" else e.group(1), v) if "\\" in v else v
+        pos = m.end()
+        if pos < len(body):
+            if body[pos] != ",":
+                return None
+            pos += 1
+            if pos == len(body):
+                return None  # a trailing comma
+    return labels
+
+
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
+_SPACE = re.compile(r"\s")
+#: Characters that may start a metric name, so a sample line.
+NAME_START = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_:")
