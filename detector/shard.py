@@ -1,10 +1,10 @@
 """Sharding: N detector replicas, each owning a stable share of the fleet (``--shard i/N``).
 
 A GPU belongs to the shard of its training job (``job:<id>``), so a job's ranks, which are each other's
-peers, are always scored together; a GPU without a job belongs to the shard of its node (``node:<name>``).
-A NIC finding belongs to the shard of its node and a site finding to the shard of ``site:<name>``; every
-replica still evaluates the whole NIC frame, as a NIC's peers (the same rail on other nodes) span the
-fleet. The hash is Lamping and Veach's jump consistent hash ("A Fast, Minimal Memory, Consistent Hash
+peers, are always scored together. What spans the fleet is handled once, by shard 0 (the *fleet shard*):
+the GPUs without a job (compared by model across the whole fleet) and the sites (PUE). Each shard reads
+only the nodes its GPUs are on (:mod:`gpufleet.detector.shard_source`); a NIC finding belongs to the
+lowest-numbered shard that reads the NIC's node (:func:`nic_owners`), so exactly one shard reports it. The hash is Lamping and Veach's jump consistent hash ("A Fast, Minimal Memory, Consistent Hash
 Algorithm", 2014) of a 64-bit BLAKE2b digest of the key: stable across processes and versions, and when N
 grows to N + 1 only about 1/(N + 1) of the jobs move.
 
@@ -41,7 +41,7 @@ class Shard:
         return f"{self.index}/{self.count}"
 
     def owns(self, key: str) -> bool:
-        return self.count == 1 or bucket(key, self.count) == self.index
+        return owner(key, self.count) == self.index
 
 
 def parse(text: str) -> Shard:
@@ -64,9 +64,21 @@ def bucket(key: str, count: int) -> int:
     return b
 
 
+#: The key of every GPU without a job: they are each other's peers (by model) across the fleet, so one shard
+#: (shard 0, the fleet shard) scores them all.
+FLEET_KEY = "fleet"
+
+
 def gpu_key(job: str | None, node: str) -> str:
-    """The key a GPU is sharded by: its job, else its node."""
-    return f"job:{job}" if job else f"node:{node}"
+    """The key a GPU is sharded by: its job, else :data:`FLEET_KEY` (``node`` is kept for callers' symmetry)."""
+    return f"job:{job}" if job else FLEET_KEY
+
+
+def owner(key: str, count: int) -> int:
+    """The shard (0 .. count-1) that owns ``key``: shard 0 for :data:`FLEET_KEY` and ``site:`` keys, else the hash."""
+    if count == 1 or key == FLEET_KEY or key.startswith("site:"):
+        return 0
+    return bucket(key, count)
 
 
 def gpu_mask(frame: GpuFrame, shard: Shard) -> np.ndarray:
@@ -95,15 +107,33 @@ def select(features: FeatureFrame, shard: Shard | None) -> FeatureFrame:
     return replace(features, gpu=_take(features.gpu, keep))
 
 
-def owns_finding(shard: Shard | None, kind: str, node: str | None, site: str | None) -> bool:
+def nic_owners(gpu: GpuFrame, shard: Shard | None) -> dict[str, int]:
+    """Per node of ``gpu`` (the frame before :func:`select`): the lowest shard that owns one of its GPUs.
+
+    A shard reads every series of each node it reads (all its GPUs), so every shard that reads a node computes
+    the same owner for it; a node without GPUs is read by shard 0 only (see shard_source)."""
+    if shard is None or shard.count == 1:
+        return {}
+    owners: dict[str, int] = {}
+    for job, node in zip(gpu.jobs, gpu.nodes, strict=True):
+        o = owner(gpu_key(job, node), shard.count)
+        if o < owners.get(node, shard.count):
+            owners[node] = o
+    return owners
+
+
+def owns_finding(shard: Shard | None, kind: str, node: str | None, site: str | None,
+                 nics: dict[str, int] | None = None) -> bool:
     """Does ``shard`` report a finding of ``kind``? GPU findings come from its own GPUs only, so this
-    decides NIC findings (by node) and site findings (by site)."""
+    decides NIC findings (by :func:`nic_owners`; shard 0 for a node without GPUs) and site findings (shard 0)."""
     if shard is None or shard.count == 1:
         return True
     if kind == "network":
-        return shard.owns(f"node:{node or ''}")
+        if nics is None:  # no owner map: by the node's hash (every shard reading the whole NIC frame)
+            return shard.owns(f"node:{node or ''}")
+        return nics.get(node or "", 0) == shard.index
     if kind == "pue_drift":
-        return shard.owns(f"site:{site or ''}")
+        return shard.index == 0
     return True
 
 
