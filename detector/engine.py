@@ -116,6 +116,7 @@ class Detector:
         for node, gpu in zip(g.nodes, g.gpus, strict=True):
             if node in whole:
                 nic_flags.setdefault((node, gpu), whole[node])
+        nic_owner = shard.nic_owners(snap.gpu, cfg.shard)  # --shard i/N: one shard reports each node's NICs
         snap = shard.select(snap, cfg.shard)  # --shard i/N: this replica's jobs only (NIC peers span the fleet)
         g = snap.gpu
         limit_ref = self.baseline.gpu_power_limit(g.nodes, g.gpus, g.get("power_limit"), t)
@@ -137,7 +138,7 @@ class Detector:
                       "onset": state.onset or t, "cusum": state.cusum}
                 cands.append(("pue_drift", Candidate("", None, None, site, "", 10.0 * (state.magnitude or 0.0)
                                                      / max(cfg.pue.min_drift, 1e-9), ev)))
-        cands = [(k, c) for k, c in cands if shard.owns_finding(cfg.shard, k, c.node, c.site)]
+        cands = [(k, c) for k, c in cands if shard.owns_finding(cfg.shard, k, c.node, c.site, nic_owner)]
         # Which entities were judged in this evaluation (the tracker asks only for its pending and open findings'
         # keys, so look them up in arrays through a (node, gpu) index kept while the fleet's GPUs stay the same).
         # A straggler can only be judged while the GPU is scored (busy among busy peers): while its job pauses

@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from gpufleet.detector import shard_source
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.engine import Detector, gc_paused
 from gpufleet.detector.findings import Finding
@@ -34,7 +35,7 @@ def replay(files: Sequence[str], cfg: DetectorConfig, step: float | None = None,
             src = RecordingSource.load_beside(files, metrics, _import_forest)
         else:
             src = RecordingSource.load(files, metrics)
-    det = Detector(cfg, src)
+    det = Detector(cfg, shard_source.view(src, cfg))  # --shard i/N: only the nodes of this shard's GPUs
     lo, hi = src.time_range()
     step = step or cfg.interval_seconds
     if step <= 0:

@@ -18,6 +18,7 @@ from pathlib import Path
 from gpufleet.agent.serving import sdnotify
 from gpufleet.agent.serving.server import MetricsServer
 from gpufleet.agent.serving.webconfig import load_web_config
+from gpufleet.detector import shard_source
 from gpufleet.detector.config import ConfigError, DetectorConfig
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.exporter import Exposer, Health, registry_for
@@ -44,7 +45,7 @@ def _source(cfg: DetectorConfig) -> PrometheusSource:
 
 def serve(cfg: DetectorConfig, once: bool) -> int:
     live = Liveness()  # the evaluation loop's progress, for systemd's watchdog
-    det = Detector(cfg, live.track(_source(cfg)))
+    det = Detector(cfg, live.track(shard_source.view(_source(cfg), cfg)))  # --shard: its nodes' series only
     health = Health()
     if once:
         det.evaluate(time.time())

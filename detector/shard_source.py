@@ -46,13 +46,12 @@ def scope(q: Query) -> str:
 
 
 def map_queries(queries: Iterable[Query]) -> list[Query]:
-    """The job map's queries: each GPU's job and model series, one NIC info series, kube-state-metrics'."""
+    """The job map's queries: the series that make a GPU (its sample count), its job and model, one NIC series,
+    and kube-state-metrics' (read as instant vector selectors: one sample per series)."""
     out: list[Query] = []
     nic_done = False
     for q in queries:
-        if q.entity == "gpu" and q.feature in ("@job", "@model"):
-            out.append(q)
-        elif q.entity == "meta" and q.metric.startswith("kube_"):
+        if (q.entity == "gpu" and q.feature in ("samples", "@job", "@model")) or scope(q) == "fleet":
             out.append(q)
         elif q.entity == "nic" and not nic_done and q.feature in ("@nic_layer", "nic_rate"):
             out.append(q)
@@ -148,10 +147,7 @@ class ShardSource:
             else:
                 parts.append([len(sent)])
                 sent.append(q)
-        answers = self._run(sent, t, window)
-        if done is not None:
-            for _ in queries:
-                done()
+        answers = self._run(sent, t, window, done)
         mine = set(plan.nodes)
         out: list[Result | SourceError] = []
         for q, pos in zip(queries, parts, strict=True):
@@ -183,8 +179,8 @@ class ShardSource:
                     sel = ",".join(f'{k}{op}"{v}"' for k, op, v in q.matchers)
                     got = instant(f"{q.metric}{{{sel}}}" if sel else q.metric, t, 1.0)
                     answers[q] = got if isinstance(got, Result) else Result.empty()
-                else:
-                    answers[q] = self.inner.query(replace(q, op="last"), t, window)
+                else:  # in memory: the query itself (precomputed over a replay), the same jobs over the window
+                    answers[q] = self.inner.query(q, t, window)
             except SourceError as e:
                 answers[q] = e
         if mq and all(isinstance(a, SourceError) for a in answers.values()):
@@ -202,11 +198,13 @@ class ShardSource:
         nodes = sorted(n for n, r in readers.items() if self.shard.index in r)
         return Plan(nodes, readers, node_regexes(nodes, self.cfg.strip_port, self.max_selector_bytes))
 
-    def _run(self, sent: list[Query], t: float, window: float) -> list[Result | SourceError]:
+    def _run(self, sent: list[Query], t: float, window: float,
+             done: Callable[[], None] | None) -> list[Result | SourceError]:
+        """Every query of ``sent`` (``done`` after each, as the inner source reports them)."""
         self.requests += len(sent)
         batch = getattr(self.inner, "query_all", None)
         if callable(batch):
-            got: list[Result | SourceError] = batch(sent, t, window)
+            got: list[Result | SourceError] = batch(sent, t, window, done)
             return got
         out: list[Result | SourceError] = []
         for q in sent:
@@ -214,6 +212,8 @@ class ShardSource:
                 out.append(self.inner.query(q, t, window))
             except SourceError as e:
                 out.append(e)
+            if done is not None:
+                done()
         return out
 
     def _only(self, res: Result, nodes: set[str]) -> Result:

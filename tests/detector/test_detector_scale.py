@@ -17,7 +17,7 @@ import requests
 from support import backfilled_prometheus, free_port, need_binary, running, wait_http
 from test_detector_core import T0, Fault, Synth, fast_cfg, synth
 
-from gpufleet.detector import shard
+from gpufleet.detector import shard, shard_source
 from gpufleet.detector.cli import main
 from gpufleet.detector.config import ConfigError, DetectorConfig, parse
 from gpufleet.detector.engine import Detector
@@ -113,14 +113,24 @@ def test_two_shards_find_exactly_what_one_detector_finds(prometheus: str) -> Non
     one = run(fast_cfg(), PrometheusSource(prometheus))
     kinds = {k[0] for k in one}
     assert {"straggler", "network"} <= kinds, one
-    parts = [run(fast_cfg(detector__shard=f"{i}/2"), PrometheusSource(prometheus)) for i in range(2)]
+    # each shard queries only the nodes of its jobs (shard_source: job map, node selectors sent to Prometheus)
+    parts = [run(cfg, shard_source.view(PrometheusSource(prometheus), cfg))
+             for cfg in (fast_cfg(detector__shard=f"{i}/2") for i in range(2))]
     assert parts[0] and parts[1]
     assert not parts[0] & parts[1]  # each finding reported by one shard only
     assert parts[0] | parts[1] == one
     # an HA pair (two replicas of one shard) reports identical findings: nothing replica-specific in them
-    assert run(fast_cfg(detector__shard="1/2"), PrometheusSource(prometheus)) == parts[1]
+    cfg = fast_cfg(detector__shard="1/2")
+    assert run(cfg, shard_source.view(PrometheusSource(prometheus), cfg)) == parts[1]
     # queries in flight at once change nothing
     assert run(fast_cfg(), PrometheusSource(prometheus, parallel=4)) == one
+
+
+def test_shards_on_victoriametrics_find_what_one_detector_finds(victoria: str) -> None:
+    one = run(fast_cfg(), PrometheusSource(victoria))
+    parts = [run(cfg, shard_source.view(PrometheusSource(victoria), cfg))
+             for cfg in (fast_cfg(detector__shard=f"{i}/4") for i in range(4))]
+    assert sum(len(p) for p in parts) == len(one) and set().union(*parts) == one
 
 
 def test_victoriametrics_gives_the_same_features_and_findings(prometheus: str, victoria: str) -> None:

@@ -1,0 +1,143 @@
+"""Shards that split the query load: each shard reads only its jobs' nodes (job map, node selectors), the
+fleet-wide parts once, and together they find exactly what one detector finds."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from test_detector_core import T0, Fault, Synth, fast_cfg, synth
+
+from gpufleet.detector import shard, shard_source
+from gpufleet.detector.config import DetectorConfig
+from gpufleet.detector.engine import Detector
+from gpufleet.detector.findings import Finding
+from gpufleet.detector.profiles import Query, queries
+from gpufleet.detector.source import Result
+from gpufleet.detector.source_recording import RecordingSource
+
+TIMES = [T0 + 607.5 + 60.0 * i for i in range(8)]
+FAULTS = [Fault("clock", 1, 2, 540.0), Fault("thermal", 2, 5, 540.0), Fault("link", 6, 1, 540.0)]
+
+
+@pytest.fixture(scope="module")
+def recording(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return synth(tmp_path_factory.mktemp("shards") / "rec.om",
+                 Synth(nodes=8, seconds=1200.0, faults=FAULTS, idle_nodes=(7,), jobs=4, seed=3))
+
+
+@pytest.fixture(scope="module")
+def source(recording: Path) -> RecordingSource:
+    return RecordingSource.load([recording])
+
+
+STEP = 15.0  # the recording's scrape interval
+_SELECTOR = re.compile(r'(\w+)(?:\{(.*)\})?')
+_MATCHER = re.compile(r'(\w+)(=~|=)"([^"]*)"')
+
+
+class Counting:
+    """A recording source as a backend would serve it: it counts the samples its queries touch (a range query:
+    every sample in the window; an instant vector selector, as the job map sends: one per series)."""
+
+    def __init__(self, inner: RecordingSource) -> None:
+        self.inner = inner
+        self.query_errors = 0
+        self.samples = 0.0
+
+    def query(self, q: Query, t: float, window: float) -> Result:
+        res = self.inner.query(q, t, window)
+        self.samples += len(res) * (window // STEP + 1)
+        return res
+
+    def instant(self, expr: str, t: float, scale: float = 1.0) -> Result:
+        m = _SELECTOR.fullmatch(expr)
+        assert m is not None, expr
+        matchers = tuple((k, op, v) for k, op, v in _MATCHER.findall(m.group(2) or ""))
+        res = self.inner.query(Query("@instant", m.group(1), "last", matchers=matchers), t, STEP)
+        self.samples += len(res)
+        return res
+
+
+def _key(f: Finding) -> tuple[object, ...]:
+    return (f.kind, f.cause, f.node, f.gpu, f.job, f.site, f.nic, f.start, f.end)
+
+
+def run(cfg: DetectorConfig, src: object) -> set[tuple[object, ...]]:
+    det = Detector(cfg, src)  # type: ignore[arg-type]
+    for t in TIMES:
+        det.evaluate(t)
+    return {_key(f) for f in det.tracker.all_findings()}
+
+
+@pytest.mark.parametrize("local", [True, False])
+@pytest.mark.parametrize("n", [2, 4])
+def test_shards_together_find_exactly_what_one_detector_finds(source: RecordingSource, n: int, local: bool) -> None:
+    one_src = Counting(source)
+    served = 0.0
+    one = run(fast_cfg(), one_src)
+    assert {"straggler", "network"} <= {k[0] for k in one}, one
+    parts: list[set[tuple[object, ...]]] = []
+    for i in range(n):
+        cfg = fast_cfg(detector__shard=f"{i}/{n}")
+        counted = Counting(source)
+        view = shard_source.ShardSource(counted, shard.Shard(i, n), cfg, local=local)
+        parts.append(run(cfg, view))
+        served += counted.samples
+        if not local:  # the backend itself was asked for this shard's nodes only (a shard may own no job)
+            assert view.plan is not None and bool(view.plan.selectors) == bool(view.plan.nodes)
+    union: set[tuple[object, ...]] = set().union(*parts)
+    assert union == one
+    assert sum(len(p) for p in parts) == len(one)  # each finding from one shard only
+    if not local:
+        # the samples all shards together touch: one detector's, plus a small job map per shard
+        assert served < 1.2 * one_src.samples, (served, one_src.samples)
+
+
+def test_each_shard_reads_only_its_nodes_and_shard_0_the_fleet_parts(source: RecordingSource) -> None:
+    qs = queries("gpufleet")
+    plans = []
+    for i in range(4):
+        view = shard_source.ShardSource(source, shard.Shard(i, 4), fast_cfg(detector__shard=f"{i}/4"), local=False)
+        plans.append(view.make_plan(qs, TIMES[0], 120.0))
+    every = {f"node-{k:03d}" for k in range(8)}
+    assert set().union(*(p.nodes for p in plans)) == every
+    # node-007 is idle (no job): its GPUs are compared across the fleet, by shard 0
+    assert "node-007" in plans[0].nodes and all("node-007" not in p.nodes for p in plans[1:])
+    for p in plans:
+        assert p.readers == plans[0].readers  # every shard computes the same map
+        for node in p.nodes:
+            assert re.fullmatch(p.selectors[0], f"{node}:9445")
+
+
+def test_node_regexes_quote_batch_and_match_ports() -> None:
+    nodes = [f"gpu-{i:05d}.dc1.example" for i in range(2000)] + ["[fe80::1]", "a+b"]
+    rxs = shard_source.node_regexes(nodes, strip_port=True, max_bytes=4000)
+    assert len(rxs) > 1 and all(len(r) <= 4000 + 40 for r in rxs)
+    compiled = [re.compile(r) for r in rxs]
+    for n in ("gpu-00000.dc1.example", "gpu-01999.dc1.example", "a+b"):
+        assert sum(bool(c.fullmatch(f"{n}:9400")) for c in compiled) == 1
+        assert sum(bool(c.fullmatch(n)) for c in compiled) == 1
+    assert not any(c.fullmatch("gpu-00000Xdc1.example:9400") for c in compiled)  # dots are literal
+    assert not any(c.fullmatch("aab") for c in compiled)
+    assert shard_source.node_regexes(["n1"], strip_port=False) == ["(?:n1)"]
+    assert shard_source.node_regexes([], strip_port=True) == []
+
+
+def test_unsharded_detector_reads_the_source_itself(source: RecordingSource) -> None:
+    assert shard_source.view(source, fast_cfg()) is source
+    assert shard_source.view(source, fast_cfg(detector__shard="0/1")) is source
+    assert isinstance(shard_source.view(source, fast_cfg(detector__shard="1/2")), shard_source.ShardSource)
+
+
+def test_jobless_gpus_and_sites_belong_to_shard_0() -> None:
+    assert shard.gpu_key(None, "node-3") == shard.FLEET_KEY
+    assert all(shard.Shard(0, n).owns(shard.FLEET_KEY) for n in (1, 2, 4, 8))
+    assert not shard.Shard(1, 2).owns(shard.FLEET_KEY)
+    assert shard.owns_finding(shard.Shard(0, 4), "pue_drift", None, "dc1")
+    assert not shard.owns_finding(shard.Shard(2, 4), "pue_drift", None, "dc1")
+    owners = {"node-1": 2}
+    assert shard.owns_finding(shard.Shard(2, 4), "network", "node-1", None, owners)
+    assert not shard.owns_finding(shard.Shard(0, 4), "network", "node-1", None, owners)
+    assert shard.owns_finding(shard.Shard(0, 4), "network", "storage-1", None, owners)  # no GPU: shard 0
