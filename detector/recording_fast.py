@@ -100,20 +100,21 @@ def load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
             return None  # unusual labels, or a sample outside its family: the strict reader decides
         block = text[p:q]
         lines = block.count("\n")
-        if block.count("\n" + lead) != lines - 1:
-            return None  # another line within the block: the series is not contiguous
         if block.find("#", len(line)) >= 0:
             return None  # exemplars
-        if _SPACE.search(prefix) is None:  # the usual case: each line is three fields
-            parts = block.split()
-            if len(parts) != 3 * lines:
-                return None
-            values, stamps = parts[1::3], parts[2::3]
-        else:
-            parts = block.replace(lead, "").split()
-            if len(parts) != 2 * lines:
-                return None
-            values, stamps = parts[0::2], parts[1::2]
+        # Each line is the series' text, a value and a timestamp, single-spaced: with the prefix's k tokens, every
+        # line is k + 2 tokens. The first and last token of the prefix at their place on every line, and the
+        # space count, show the lines align; where the prefix holds spaces, its middle is checked on every line.
+        ptoks = prefix.split()
+        k = len(ptoks)
+        stride = k + 2
+        parts = block.split()
+        if (len(parts) != stride * lines or block.count(" ") != (prefix.count(" ") + 2) * lines
+                or parts[0::stride] != [ptoks[0]] * lines or parts[k - 1::stride] != [ptoks[-1]] * lines):
+            return None
+        if k > 1 and block.count("\n" + lead) != lines - 1:
+            return None  # another line within the block: the series is not contiguous
+        values, stamps = parts[k::stride], parts[k + 1::stride]
         try:
             vs = np.array(values, dtype=np.float64)
             # Series scraped together share their timestamps' text: convert each distinct column once.

@@ -1,16 +1,18 @@
 """A shard's share of the queries: one cheap job map, then every per-node query for its own nodes only.
 
 With ``--shard i/N`` the detector reads through a :class:`ShardSource`. At each evaluation it first asks the
-backend for a *job map*: the GPUs' job and model series and the NIC info series as instant vector selectors
-(one sample per series, against a range query's window of samples), and kube-state-metrics' pod owners and
-labels. From it the shard resolves every GPU's job exactly as the detector does (:func:`jobs.resolve`) and
-so knows which nodes hold the GPUs it owns (:func:`gpufleet.detector.shard.owner`: GPUs by job, GPUs
-without a job and nodes without GPUs by shard 0). Every query of a per-node series (GPUs, NICs, node and
-interface series, MIG) is then sent with one more matcher, the node label matching those nodes
-(``instance=~"(?:node-1|node-2)(?::[0-9]+)?"``), in batches of at most ``max_selector_bytes`` of
-regular expression, so no request grows past what Prometheus, VictoriaMetrics, Thanos and Mimir accept; the
-batches' answers are joined. Site series (PUE) are read by shard 0 only; kube-state-metrics' series (one per
-pod) by every shard. The fleet's query load is then about one detector's whatever N is.
+backend for a *job map* (:func:`map_queries`): each GPU's sample, job and model series, one NIC series, the
+node series and kube-state-metrics' pod owners and labels, as instant vector selectors (one sample per series,
+where a range query touches a window of samples). From it the shard resolves every GPU's job exactly as the
+detector does (:func:`jobs.resolve`) and so knows which nodes hold the GPUs it owns
+(:func:`gpufleet.detector.shard.owner`: GPUs by job; GPUs without a job and nodes without GPUs by shard 0).
+Every query of a per-node series (GPUs, NICs, node and interface series, MIG) is then sent with one more
+matcher, the node label matching those nodes: an alternation of the label's exact values as the job map saw
+them (``instance=~"node-1:9400|node-1:9100|node-2:9400|..."``), which Prometheus and VictoriaMetrics match by
+looking each value up (any other expression is run against every value of the label), in batches of at most
+``max_selector_bytes``, so no request grows past what Prometheus, VictoriaMetrics, Thanos and Mimir accept;
+the batches' answers are joined. Site series (PUE) are read by shard 0 only; kube-state-metrics' series (one
+per pod) by every shard. The fleet's query load is then about one detector's whatever N is.
 
 A source that evaluates in memory (a recording) is filtered by node after the query instead (the same
 series; its whole-recording precomputation stays valid), unless ``local=False`` asks for the matchers.
@@ -32,8 +34,10 @@ from gpufleet.detector.source import Result, Source, SourceError
 
 #: Characters RE2 (Prometheus, Thanos, Mimir) and VictoriaMetrics treat as special in a regular expression.
 _SPECIAL = re.compile(r"([\\.+*?()|\[\]{}^$])")
-#: The longest node regular expression sent in one query (bytes); a shard's nodes are split into batches.
-MAX_SELECTOR_BYTES = 4000
+#: The longest node regular expression sent in one query (bytes); a shard's nodes are split into batches. Below
+#: VictoriaMetrics' default -search.maxQueryLen (16 KB) with the rest of the query; Prometheus, Thanos and Mimir
+#: take the query as a POST form without such a limit.
+MAX_SELECTOR_BYTES = 12000
 
 
 def scope(q: Query) -> str:
@@ -47,36 +51,35 @@ def scope(q: Query) -> str:
 
 def map_queries(queries: Iterable[Query]) -> list[Query]:
     """The job map's queries: the series that make a GPU (its sample count), its job and model, one NIC series,
-    and kube-state-metrics' (read as instant vector selectors: one sample per series)."""
+    every node series (one per node) and kube-state-metrics', read as instant vector selectors (one sample per
+    series). Together they hold every node label value (each exporter's ``instance``) the shard's queries meet."""
     out: list[Query] = []
-    nic_done = False
+    first: set[str] = set()
     for q in queries:
         if (q.entity == "gpu" and q.feature in ("samples", "@job", "@model")) or scope(q) == "fleet":
             out.append(q)
-        elif q.entity == "nic" and not nic_done and q.feature in ("@nic_layer", "nic_rate"):
+        elif q.entity == "node" or (q.entity in ("nic", "nicif", "netdev") and q.entity not in first):
             out.append(q)
-            nic_done = True
+            first.add(q.entity)
     return out
 
 
-def node_regexes(nodes: Sequence[str], strip_port: bool, max_bytes: int = MAX_SELECTOR_BYTES) -> list[str]:
-    """Regular expressions (fully anchored, as PromQL's ``=~``) matching the node label values of ``nodes``,
-    each at most about ``max_bytes`` long; a value with a ``:port`` matches when ports are stripped."""
-    suffix = r"(?::[0-9]+)?" if strip_port else ""
+def node_regexes(values: Iterable[str], max_bytes: int = MAX_SELECTOR_BYTES) -> list[str]:
+    """Regular expressions (fully anchored, as PromQL's ``=~``) matching exactly the node label ``values``, each
+    at most about ``max_bytes`` long: alternations of literals, which Prometheus (and VictoriaMetrics) match by a
+    set lookup of the label's values rather than by running the expression on each."""
     out: list[str] = []
     batch: list[str] = []
     size = 0
-    for n in sorted(nodes):
-        quoted = _SPECIAL.sub(r"\\\1", n)
-        if strip_port and ":" in n:  # an IPv6 address: Prometheus writes it [addr]:port
-            quoted = rf"\[?{quoted}\]?"
+    for v in sorted(set(values)):
+        quoted = _SPECIAL.sub(r"\\\1", v)
         if batch and size + len(quoted) + 1 > max_bytes:
-            out.append(f"(?:{'|'.join(batch)}){suffix}")
+            out.append("|".join(batch))
             batch, size = [], 0
         batch.append(quoted)
         size += len(quoted) + 1
     if batch:
-        out.append(f"(?:{'|'.join(batch)}){suffix}")
+        out.append("|".join(batch))
     return out
 
 
@@ -86,6 +89,7 @@ class Plan:
 
     nodes: list[str]
     readers: dict[str, set[int]]
+    #: The node label's values (each exporter's ``instance``) of ``nodes``, as batched regular expressions.
     selectors: list[str]
 
 
@@ -196,7 +200,17 @@ class ShardSource:
         for node in frame.nic.nodes:  # a node with NICs and no GPU: shard 0
             readers.setdefault(node, {0})
         nodes = sorted(n for n, r in readers.items() if self.shard.index in r)
-        return Plan(nodes, readers, node_regexes(nodes, self.cfg.strip_port, self.max_selector_bytes))
+        mine = set(nodes)
+        values: set[str] = set()
+        label = self.cfg.node_label
+        for got in answers.values():
+            if isinstance(got, Result):
+                labels = got.table.labels
+                for i in set(got.ids.tolist()):
+                    v = labels[i].get(label)
+                    if v is not None and self.naming.node(labels[i]) in mine:
+                        values.add(v)
+        return Plan(nodes, readers, node_regexes(values, self.max_selector_bytes))
 
     def _run(self, sent: list[Query], t: float, window: float,
              done: Callable[[], None] | None) -> list[Result | SourceError]:

@@ -109,20 +109,22 @@ def test_each_shard_reads_only_its_nodes_and_shard_0_the_fleet_parts(source: Rec
         assert p.readers == plans[0].readers  # every shard computes the same map
         for node in p.nodes:
             assert re.fullmatch(p.selectors[0], f"{node}:9445")
+        for node in every - set(p.nodes):
+            assert not any(re.fullmatch(rx, f"{node}:9445") for rx in p.selectors)
 
 
-def test_node_regexes_quote_batch_and_match_ports() -> None:
-    nodes = [f"gpu-{i:05d}.dc1.example" for i in range(2000)] + ["[fe80::1]", "a+b"]
-    rxs = shard_source.node_regexes(nodes, strip_port=True, max_bytes=4000)
-    assert len(rxs) > 1 and all(len(r) <= 4000 + 40 for r in rxs)
+def test_node_regexes_are_batched_literal_alternations() -> None:
+    values = [f"gpu-{i:05d}.dc1.example:9400" for i in range(2000)] + ["[fe80::1]:9100", "a+b:1"]
+    rxs = shard_source.node_regexes(values, max_bytes=4000)
+    assert len(rxs) > 1 and all(len(r) <= 4000 for r in rxs)
     compiled = [re.compile(r) for r in rxs]
-    for n in ("gpu-00000.dc1.example", "gpu-01999.dc1.example", "a+b"):
-        assert sum(bool(c.fullmatch(f"{n}:9400")) for c in compiled) == 1
-        assert sum(bool(c.fullmatch(n)) for c in compiled) == 1
+    for v in values:
+        assert sum(bool(c.fullmatch(v)) for c in compiled) == 1, v
     assert not any(c.fullmatch("gpu-00000Xdc1.example:9400") for c in compiled)  # dots are literal
-    assert not any(c.fullmatch("aab") for c in compiled)
-    assert shard_source.node_regexes(["n1"], strip_port=False) == ["(?:n1)"]
-    assert shard_source.node_regexes([], strip_port=True) == []
+    assert not any(c.fullmatch("gpu-00000.dc1.example") for c in compiled)  # exact values only
+    assert not any(c.fullmatch("aab:1") for c in compiled)
+    assert shard_source.node_regexes(["n1:9445", "n1:9445"]) == ["n1:9445"]
+    assert shard_source.node_regexes([]) == []
 
 
 def test_unsharded_detector_reads_the_source_itself(source: RecordingSource) -> None:
@@ -141,3 +143,36 @@ def test_jobless_gpus_and_sites_belong_to_shard_0() -> None:
     assert shard.owns_finding(shard.Shard(2, 4), "network", "node-1", None, owners)
     assert not shard.owns_finding(shard.Shard(0, 4), "network", "node-1", None, owners)
     assert shard.owns_finding(shard.Shard(0, 4), "network", "storage-1", None, owners)  # no GPU: shard 0
+
+
+def test_shards_on_a_simulated_dcgm_fleet_read_every_exporter(tmp_path: Path) -> None:
+    """dcgm-exporter (:9400), node_exporter (:9100) and ipmi_exporter (:9290) name one node three ways: the job map
+    finds each exporter's instance, so every shard reads its nodes' GPU, NIC and node series from all three."""
+    from gpufleet.agent.sim.cli import main as sim_main
+
+    assert sim_main(["generate", "--scenario", "ib_link_degraded", "--out", str(tmp_path), "--profile", "dcgm",
+                     "--hours", "0.75", "--quiet"]) == 0
+    src = RecordingSource.load([tmp_path / "metrics.dcgm.om"])
+    lo, hi = src.time_range()
+    times = [lo + 300.0 + 60.0 * i for i in range(int((hi - lo - 300.0) // 60.0))]
+
+    def found(cfg: DetectorConfig, s: object) -> set[tuple[object, ...]]:
+        det = Detector(cfg, s)  # type: ignore[arg-type]
+        for t in times:
+            det.evaluate(t)
+        return {_key(f) for f in det.tracker.all_findings()}
+
+    one = found(fast_cfg(detector__profile="dcgm"), src)
+    assert "network" in {k[0] for k in one}, one
+    parts = []
+    reading = 0
+    for i in range(8):  # job-a's and job-b's nodes on shards 1 and 7 (the others read nothing)
+        cfg = fast_cfg(detector__profile="dcgm", detector__shard=f"{i}/8")
+        view = shard_source.ShardSource(Counting(src), shard.Shard(i, 8), cfg, local=False)
+        parts.append(found(cfg, view))
+        assert view.plan is not None
+        ports = {v.rsplit(":", 1)[1] for rx in view.plan.selectors for v in rx.split("|")}
+        assert ports == ({"9400", "9100", "9290"} if view.plan.nodes else set()), ports
+        reading += bool(view.plan.nodes)
+    assert sum(len(p) for p in parts) == len(one) and set().union(*parts) == one
+    assert reading >= 2  # the fleet was split
