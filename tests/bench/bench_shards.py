@@ -81,7 +81,7 @@ def evaluate(cfg: DetectorConfig, url: str, t: float, pid: int) -> dict[str, Any
     det = Detector(cfg, shard_source.view(src, cfg))
     c0, w0, p0 = time.process_time(), time.perf_counter(), prometheus_cpu(pid)
     ev = det.evaluate(t)
-    out = {"samples": src.samples, "eval": src.eval_s, "prom_cpu": prometheus_cpu(pid) - p0,
+    out: dict[str, Any] = {"samples": src.samples, "eval": src.eval_s, "prom_cpu": prometheus_cpu(pid) - p0,
            "wall": time.perf_counter() - w0, "cpu": time.process_time() - c0, "requests": src.requests,
            "gpus": len(ev.features.gpu)}
     out["found"] = {(k, c.node, c.gpu, c.nic, c.cause, c.job) for k, c in ev.candidates}
