@@ -102,19 +102,25 @@ def load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
         lines = block.count("\n")
         if block.find("#", len(line)) >= 0:
             return None  # exemplars
-        # Each line is the series' text, a value and a timestamp, single-spaced: with the prefix's k tokens, every
-        # line is k + 2 tokens. The first and last token of the prefix at their place on every line, and the
-        # space count, show the lines align; where the prefix holds spaces, its middle is checked on every line.
-        ptoks = prefix.split()
-        k = len(ptoks)
-        stride = k + 2
-        parts = block.split()
-        if (len(parts) != stride * lines or block.count(" ") != (prefix.count(" ") + 2) * lines
-                or parts[0::stride] != [ptoks[0]] * lines or parts[k - 1::stride] != [ptoks[-1]] * lines):
+        # Each line is the series' text, a value and a timestamp, single-spaced. Where the series' text holds no
+        # space, a line is three tokens, the first the text itself; otherwise every line is checked to start with
+        # it and only what follows it is split.
+        spaces = prefix.count(" ")
+        if block.count(" ") != (spaces + 2) * lines:
             return None
-        if k > 1 and block.count("\n" + lead) != lines - 1:
-            return None  # another line within the block: the series is not contiguous
-        values, stamps = parts[k::stride], parts[k + 1::stride]
+        if spaces == 0 and _SPACE.search(prefix) is None:
+            parts = block.split()
+            if len(parts) != 3 * lines or parts[0::3] != [prefix] * lines:
+                return None
+            values, stamps = parts[1::3], parts[2::3]
+        else:
+            if not line.startswith(lead) or block.count("\n" + lead) != lines - 1:
+                return None  # another line within the block: the series is not contiguous
+            cut = len(lead)
+            parts = " ".join([ln[cut:] for ln in block.split("\n")]).split()
+            if len(parts) != 2 * lines:
+                return None
+            values, stamps = parts[0::2], parts[1::2]
         try:
             vs = np.array(values, dtype=np.float64)
             # Series scraped together share their timestamps' text: convert each distinct column once.
@@ -122,7 +128,9 @@ def load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
                 ts = last_stamps[1]
             else:
                 ts = np.array(stamps, dtype=np.float64)
-                if not np.isfinite(ts).all():
+                # finite and in order (a line with a field too few and another with one too many would shift
+                # the columns: the strict reader then says which line is wrong; it also sorts unordered series)
+                if not np.isfinite(ts).all() or (len(ts) > 1 and not (ts[1:] >= ts[:-1]).all()):
                     return None
                 ts.flags.writeable = False  # shared between series
                 last_stamps = (stamps, ts)

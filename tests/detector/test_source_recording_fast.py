@@ -61,6 +61,10 @@ def test_fast_reader_handles_spaces_in_label_values_and_special_values(tmp_path:
     ("# TYPE m gauge\nm{1a=\"1\"} 1 10\n# EOF\n", r"s\.om:\d+: not valid OpenMetrics"),
     ("# TYPE m gauge\nm{a=\"1\",a=\"2\"} 1 10\n# EOF\n", r"s\.om:\d+: not valid OpenMetrics"),
     ("# TYPE c counter\nc 1 10\n# EOF\n", r"s\.om:\d+: not valid OpenMetrics"),
+    # a field too few on one line and one too many on the next: the columns would shift
+    ("# TYPE m gauge\nm{a=\"1\"} 1 10\nm{a=\"1\"} 2\nm{a=\"1\"} 3 30 4\n# EOF\n", r"s\.om:3: sample without a timestamp"),
+    ("# TYPE m gauge\nm{a=\"x y\"} 1 10\nm{a=\"x y\"} 2\nm{a=\"x y\"} 3 30 4\n# EOF\n",
+     r"s\.om:3: sample without a timestamp"),
 ])
 def test_unusual_files_get_the_strict_readers_message(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "s.om"

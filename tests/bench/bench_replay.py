@@ -1,0 +1,150 @@
+"""Replay beside promtool on two recording shapes: cost per sample and cost per evaluation.
+
+Run: ``.venv/bin/python tests/bench/bench_replay.py [--shape dcgm192 fleet512] [--repeat 3] [--gz]``.
+
+- ``dcgm192``: many evaluations over few GPUs. The simulator (``gpufleet-sim generate``, seed 23, the dcgm profile,
+  ``--series core``) writes 24 nodes x 8 GPUs, 2 h of 30 s scrapes with job churn and one fault; replay evaluates it
+  at the default interval (15 s: 472 evaluations).
+- ``fleet512``: the large-fleet shape of ``bench_detector.py --replay-nodes 64``: 512 GPUs x 1 h of 15 s scrapes of
+  the gpufleet profile (test_detector_core's synth), evaluated every 15 s.
+
+Each round runs ``gpufleet-detector replay FILE`` (a fresh process: imports, read, every evaluation) and
+``promtool tsdb create-blocks-from openmetrics FILE DIR`` on the same file, alternately; the medians of wall and CPU
+seconds (user + system of the process and its children: replay's reader process, promtool's threads) are
+reported with every run. Samples are the file's sample lines (what promtool ingests); replay keeps only the
+profile's metrics, so its rate is over the same count. ``--gz`` also times the gzip-compressed file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "detector"))
+
+SCENARIO = """name = "bench-dcgm192"
+description = "bench shape: 24 nodes x 8 GPUs, 2 h of 30 s scrapes, job churn, one power-capped node"
+seed = 23
+hours = 2
+step = 30
+
+[[sites]]
+name = "site-a"
+nodes = 24
+
+[jobs]
+auto = true
+fill = 0.85
+mean_hours = 1
+max_nodes = 8
+
+[[faults]]
+kind = "power_cap"
+node = "node-005"
+onset = "40m"
+severity = "moderate"
+"""
+
+
+def _children_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def make(shape: str, d: Path) -> tuple[Path, list[str]]:
+    """The recording of ``shape`` and the replay's extra arguments."""
+    if shape == "dcgm192":
+        scen = d / "scenario.toml"
+        scen.write_text(SCENARIO)
+        subprocess.run([sys.executable, "-m", "gpufleet.agent.sim.cli", "generate", "--scenario", str(scen), "--out",
+                        str(d / "sim"), "--profile", "dcgm", "--series", "core", "--quiet"], check=True)
+        return d / "sim" / "metrics.dcgm.om", ["--profile", "dcgm"]
+    from test_detector_core import Fault, Synth, synth
+
+    rec = synth(d / "r.om", Synth(nodes=64, seconds=3600.0, faults=[Fault("clock", 2, 5, 1800.0)]))
+    cfg = d / "d.toml"
+    cfg.write_text("[detector]\nwindow_seconds = 120.0\ninterval_seconds = 15.0\n")
+    return rec, ["--config", str(cfg)]
+
+
+def timed(argv: list[str]) -> tuple[float, float, str]:
+    w0, c0 = time.perf_counter(), _children_cpu()
+    out = subprocess.run(argv, capture_output=True, text=True, check=True)
+    return time.perf_counter() - w0, _children_cpu() - c0, out.stdout
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", nargs="+", choices=("dcgm192", "fleet512"), default=["dcgm192", "fleet512"])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--gz", action="store_true", help="also replay the gzip-compressed file")
+    args = ap.parse_args()
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        raise SystemExit("promtool not installed (Debian package prometheus; tests/run.sh installs it)")
+    for shape in args.shape:
+        with tempfile.TemporaryDirectory() as tmp:
+            d = Path(tmp)
+            rec, extra = make(shape, d)
+            samples = 0
+            with open(rec, "rb") as f:
+                for line in f:
+                    if line[:1] != b"#":
+                        samples += 1
+            files = {"plain": rec}
+            if args.gz:
+                gz = d / (rec.name + ".gz")
+                gz.write_bytes(gzip.compress(rec.read_bytes(), compresslevel=6))
+                files["gz"] = gz
+            runs: dict[str, list[tuple[float, float]]] = {k: [] for k in [*files, "promtool"]}
+            outputs: dict[str, str] = {}
+            for i in range(args.repeat):
+                for kind, path in files.items():
+                    wall, cpu, out = timed([sys.executable, "-m", "gpufleet.detector.cli", "replay", str(path), *extra])
+                    runs[kind].append((wall, cpu))
+                    outputs[kind] = out
+                wall, cpu, _ = timed([promtool, "tsdb", "create-blocks-from", "openmetrics", str(rec),
+                                      str(d / f"blocks{i}")])
+                shutil.rmtree(d / f"blocks{i}", ignore_errors=True)
+                runs["promtool"].append((wall, cpu))
+            evals = _evaluations(rec, extra)
+            med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in runs.items()}
+            pw, pc = med["promtool"]
+            print(f"{shape}: {rec.stat().st_size / 1e6:.0f} MB, {samples:,} samples, {evals} evaluations "
+                  f"({len(outputs['plain'].splitlines())} findings)")
+            for kind in files:
+                w, c = med[kind]
+                same = "" if kind == "plain" else (", same findings as the plain file" if outputs[kind] == outputs["plain"]
+                                                   else ", FINDINGS DIFFER from the plain file")
+                print(f"  replay ({kind}): median wall {w:.2f} s, cpu {c:.2f} s = {samples / w:,.0f} samples/s; "
+                      f"{w / evals * 1e3:.2f} ms wall and {c / evals * 1e3:.2f} ms cpu per evaluation, "
+                      f"{w / samples * 1e6:.2f} us wall per sample; {pw / w:.2f}x promtool by wall, {pc / c:.2f}x by cpu"
+                      f" (runs: {' '.join(f'{x:.2f}/{y:.2f}' for x, y in runs[kind])}){same}")
+            print(f"  promtool create-blocks-from openmetrics: median wall {pw:.2f} s, cpu {pc:.2f} s = "
+                  f"{samples / pw:,.0f} samples/s (runs: {' '.join(f'{x:.2f}/{y:.2f}' for x, y in runs['promtool'])})",
+                  flush=True)
+
+
+def _evaluations(rec: Path, extra: list[str]) -> int:
+    """How many evaluations the replay runs (from the recording's time range, the window and the interval)."""
+    from gpufleet.detector.cli import _config
+    from gpufleet.detector.profiles import sample_names
+    from gpufleet.detector.source_recording import RecordingSource
+
+    cfg = _config(extra[1] if extra[0] == "--config" else None, extra[1] if extra[0] == "--profile" else None)
+    lo, hi = RecordingSource.load([rec], sample_names(cfg.profile)).time_range()
+    first = lo + cfg.window_seconds
+    return int((hi - first) // cfg.interval_seconds) + 1 if hi >= first else 0
+
+
+if __name__ == "__main__":
+    main()
