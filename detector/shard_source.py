@@ -11,7 +11,9 @@ matcher, the node label matching those nodes: an alternation of the label's exac
 them (``instance=~"node-1:9400|node-1:9100|node-2:9400|..."``), which Prometheus and VictoriaMetrics match by
 looking each value up (any other expression is run against every value of the label), in batches of at most
 ``max_selector_bytes``, so no request grows past what Prometheus, VictoriaMetrics, Thanos and Mimir accept;
-the batches' answers are joined. Site series (PUE) are read by shard 0 only; kube-state-metrics' series (one
+the batches' answers are joined. A query of a metric the backend holds no series of over the window (the label
+values API, one index lookup per evaluation) is not sent at all: each request costs the backend a parse and a
+regular expression compile whatever it finds. Site series (PUE) are read by shard 0 only; kube-state-metrics' series (one
 per pod) by every shard. The fleet's query load is then about one detector's whatever N is.
 
 A source that evaluates in memory (a recording) is filtered by node after the query instead (the same
@@ -38,6 +40,9 @@ _SPECIAL = re.compile(r"([\\.+*?()|\[\]{}^$])")
 #: VictoriaMetrics' default -search.maxQueryLen (16 KB) with the rest of the query; Prometheus, Thanos and Mimir
 #: take the query as a POST form without such a limit.
 MAX_SELECTOR_BYTES = 12000
+#: The most values in one node expression: Prometheus looks up an alternation of at most 256 literals as a set
+#: (``maxSetMatches`` in its regexp matcher); a longer one is run as a regular expression against every value.
+MAX_SELECTOR_VALUES = 256
 
 
 def scope(q: Query) -> str:
@@ -64,16 +69,17 @@ def map_queries(queries: Iterable[Query]) -> list[Query]:
     return out
 
 
-def node_regexes(values: Iterable[str], max_bytes: int = MAX_SELECTOR_BYTES) -> list[str]:
+def node_regexes(values: Iterable[str], max_bytes: int = MAX_SELECTOR_BYTES,
+                 max_values: int = MAX_SELECTOR_VALUES) -> list[str]:
     """Regular expressions (fully anchored, as PromQL's ``=~``) matching exactly the node label ``values``, each
-    at most about ``max_bytes`` long: alternations of literals, which Prometheus (and VictoriaMetrics) match by a
-    set lookup of the label's values rather than by running the expression on each."""
+    at most ``max_bytes`` long and of ``max_values`` values: alternations of literals, which Prometheus (and
+    VictoriaMetrics) match by a set lookup of the label's values rather than by running the expression on each."""
     out: list[str] = []
     batch: list[str] = []
     size = 0
     for v in sorted(set(values)):
         quoted = _SPECIAL.sub(r"\\\1", v)
-        if batch and size + len(quoted) + 1 > max_bytes:
+        if batch and (size + len(quoted) + 1 > max_bytes or len(batch) >= max_values):
             out.append("|".join(batch))
             batch, size = [], 0
         batch.append(quoted)
@@ -138,12 +144,13 @@ class ShardSource:
 
     def query_all(self, queries: Sequence[Query], t: float, window: float,
                   done: Callable[[], None] | None = None) -> list[Result | SourceError]:
-        plan = self.plan = self.make_plan(queries, t, window)
+        present = self._present(t, window)
+        plan = self.plan = self.make_plan(queries, t, window, present)
         sent: list[Query] = []
         parts: list[list[int]] = []  # per query of ``queries``: its positions in ``sent`` (none: answered empty)
         for q in queries:
             where = scope(q)
-            if where == "site" and self.shard.index != 0:
+            if (where == "site" and self.shard.index != 0) or (present is not None and q.metric not in present):
                 parts.append([])
             elif where == "nodes" and not self.local:
                 parts.append(list(range(len(sent), len(sent) + len(plan.selectors))))
@@ -171,9 +178,21 @@ class ShardSource:
             out.append(res)
         return out
 
-    def make_plan(self, queries: Sequence[Query], t: float, window: float) -> Plan:
-        """Read the job map at ``t`` and decide which nodes this shard reads."""
-        mq = map_queries(queries)
+    def _present(self, t: float, window: float) -> set[str] | None:
+        """The metric names the backend holds over the window (None: unknown, or a source in memory). A query of
+        a name it does not hold answers nothing: it is not sent (once per node batch)."""
+        names = getattr(self.inner, "metric_names", None)
+        if self.local or not callable(names):
+            return None
+        self.requests += 1
+        got = names(t - window, t)
+        return got if isinstance(got, set) else None
+
+    def make_plan(self, queries: Sequence[Query], t: float, window: float,
+                  present: set[str] | None = None) -> Plan:
+        """Read the job map at ``t`` and decide which nodes this shard reads (``present``: the metric names the
+        backend holds; the job map skips the others)."""
+        mq = [q for q in map_queries(queries) if present is None or q.metric in present]
         answers: dict[Query, Result | SourceError] = {}
         instant = getattr(self.inner, "instant", None)
         for q in mq:

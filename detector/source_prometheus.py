@@ -77,6 +77,24 @@ class PrometheusSource:
                 out.append(e)
         return out
 
+    def metric_names(self, start: float, end: float) -> set[str] | None:
+        """The metric names the backend holds series of between ``start`` and ``end`` (the label values API: an
+        index lookup, no samples read; a superset where the backend answers at block granularity); None when
+        the backend does not answer (callers then query as if every name were there)."""
+        base = self.url.removesuffix("/query")
+        try:
+            r = self.session.get(f"{base}/label/__name__/values", params={"start": f"{start:.3f}", "end": f"{end:.3f}"},
+                                 timeout=self.timeout)
+            body: Any = r.json()
+        except (requests.RequestException, ValueError):
+            return None
+        if r.status_code != 200 or not isinstance(body, dict) or body.get("status") != "success":
+            return None
+        names = body.get("data")
+        if not isinstance(names, list):
+            return None
+        return {str(n) for n in names}
+
     def instant(self, expr: str, t: float, scale: float = 1.0) -> Result:
         return self._build(expr, self._fetch(expr, t), scale)
 

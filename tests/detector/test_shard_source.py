@@ -45,11 +45,17 @@ class Counting:
         self.inner = inner
         self.query_errors = 0
         self.samples = 0.0
+        self.name_lookups = 0
 
     def query(self, q: Query, t: float, window: float) -> Result:
         res = self.inner.query(q, t, window)
         self.samples += len(res) * (window // STEP + 1)
         return res
+
+    def metric_names(self, start: float, end: float) -> set[str]:
+        """As the label values API answers: the names in the recording (a superset of those in the window)."""
+        self.name_lookups += 1
+        return self.inner.metric_names()
 
     def instant(self, expr: str, t: float, scale: float = 1.0) -> Result:
         m = _SELECTOR.fullmatch(expr)
@@ -87,6 +93,9 @@ def test_shards_together_find_exactly_what_one_detector_finds(source: RecordingS
         served += counted.samples
         if not local:  # the backend itself was asked for this shard's nodes only (a shard may own no job)
             assert view.plan is not None and bool(view.plan.selectors) == bool(view.plan.nodes)
+            # metrics the backend does not hold (MIG, Kubernetes, RoCE here) are not asked for
+            assert counted.name_lookups == len(TIMES)
+            assert view.requests < len(TIMES) * (1 + len(queries("gpufleet")) * max(1, len(view.plan.selectors))) / 2
     union: set[tuple[object, ...]] = set().union(*parts)
     assert union == one
     assert sum(len(p) for p in parts) == len(one)  # each finding from one shard only
