@@ -1,9 +1,10 @@
 """A shard's share of the queries: one cheap job map, then every per-node query for its own nodes only.
 
 With ``--shard i/N`` the detector reads through a :class:`ShardSource`. At each evaluation it first asks the
-backend for a *job map* (:func:`map_queries`): each GPU's sample, job and model series, one NIC series, the
-node series and kube-state-metrics' pod owners and labels, as instant vector selectors (one sample per series,
-where a range query touches a window of samples). From it the shard resolves every GPU's job exactly as the
+backend for a *job map* (:func:`map_queries`): each GPU's sample and job series and kube-state-metrics' pod
+owners and labels from the series API (label sets from the index: no sample is read), and the node label values
+of the other per-node metrics (:func:`other_metrics`: NICs, node series; each exporter names a node its own
+way) from the label values API. From it the shard resolves every GPU's job exactly as the
 detector does (:func:`jobs.resolve`) and so knows which nodes hold the GPUs it owns
 (:func:`gpufleet.detector.shard.owner`: GPUs by job; GPUs without a job and nodes without GPUs by shard 0).
 Every query of a per-node series (GPUs, NICs, node and interface series, MIG) is then sent with one more
@@ -55,18 +56,17 @@ def scope(q: Query) -> str:
 
 
 def map_queries(queries: Iterable[Query]) -> list[Query]:
-    """The job map's queries: the series that make a GPU (its sample count), its job and model, one NIC series,
-    every node series (one per node) and kube-state-metrics', read as instant vector selectors (one sample per
-    series). Together they hold every node label value (each exporter's ``instance``) the shard's queries meet."""
-    out: list[Query] = []
-    first: set[str] = set()
-    for q in queries:
-        if (q.entity == "gpu" and q.feature in ("samples", "@job", "@model")) or scope(q) == "fleet":
-            out.append(q)
-        elif q.entity == "node" or (q.entity in ("nic", "nicif", "netdev") and q.entity not in first):
-            out.append(q)
-            first.add(q.entity)
-    return out
+    """The job map's queries: the series that make a GPU (its sample count) and name its job, and
+    kube-state-metrics' (pods to training jobs). Read from the backend's series API (label sets from the index,
+    no samples decoded) where it has one."""
+    return [q for q in queries if (q.entity == "gpu" and q.feature in ("samples", "@job")) or scope(q) == "fleet"]
+
+
+def other_metrics(queries: Iterable[Query]) -> list[str]:
+    """The per-node metrics that are not GPU series (NICs, node and interface series, MIG): the job map learns
+    the node label values of their exporters (node_exporter's ``instance`` is not dcgm-exporter's) and the nodes
+    that hold no GPU from the label values API."""
+    return sorted({q.metric for q in queries if scope(q) == "nodes" and q.entity != "gpu"})
 
 
 def node_regexes(values: Iterable[str], max_bytes: int = MAX_SELECTOR_BYTES,
@@ -193,14 +193,15 @@ class ShardSource:
         """Read the job map at ``t`` and decide which nodes this shard reads (``present``: the metric names the
         backend holds; the job map skips the others)."""
         mq = [q for q in map_queries(queries) if present is None or q.metric in present]
+        others = [m for m in other_metrics(queries) if present is None or m in present]
         answers: dict[Query, Result | SourceError] = {}
-        instant = getattr(self.inner, "instant", None)
+        series = getattr(self.inner, "series", None)
         for q in mq:
             self.requests += 1
             try:
-                if callable(instant) and not self.local:
+                if callable(series) and not self.local:
                     sel = ",".join(f'{k}{op}"{v}"' for k, op, v in q.matchers)
-                    got = instant(f"{q.metric}{{{sel}}}" if sel else q.metric, t, 1.0)
+                    got = series(f"{q.metric}{{{sel}}}" if sel else q.metric, t - window, t)
                     answers[q] = got if isinstance(got, Result) else Result.empty()
                 else:  # in memory: the query itself (precomputed over a replay), the same jobs over the window
                     answers[q] = self.inner.query(q, t, window)
@@ -216,20 +217,46 @@ class ShardSource:
         readers: dict[str, set[int]] = {}
         for job, node in zip(frame.gpu.jobs, frame.gpu.nodes, strict=True):
             readers.setdefault(node, set()).add(shard.owner(shard.gpu_key(job, node), count))
-        for node in frame.nic.nodes:  # a node with NICs and no GPU: shard 0
-            readers.setdefault(node, {0})
-        nodes = sorted(n for n, r in readers.items() if self.shard.index in r)
-        mine = set(nodes)
-        values: set[str] = set()
         label = self.cfg.node_label
+        values: dict[str, set[str]] = {}  # node -> its node label values
         for got in answers.values():
             if isinstance(got, Result):
                 labels = got.table.labels
                 for i in set(got.ids.tolist()):
-                    v = labels[i].get(label)
-                    if v is not None and self.naming.node(labels[i]) in mine:
-                        values.add(v)
-        return Plan(nodes, readers, node_regexes(values, self.max_selector_bytes))
+                    v, at = labels[i].get(label), self.naming.node(labels[i])
+                    if v is not None and at is not None:
+                        values.setdefault(at, set()).add(v)
+        for v in self._other_values(queries, others, t, window):
+            at = self.naming.node({label: v})
+            if at is not None:
+                values.setdefault(at, set()).add(v)
+                readers.setdefault(at, {0})  # a node without GPUs (NICs, a host): shard 0
+        nodes = sorted(n for n, r in readers.items() if self.shard.index in r)
+        mine = [v for n in nodes for v in values.get(n, ())]
+        return Plan(nodes, readers, node_regexes(mine, self.max_selector_bytes))
+
+    def _other_values(self, queries: Sequence[Query], metrics: list[str], t: float, window: float) -> set[str]:
+        """The node label values of the series of ``metrics`` over the window (one label values lookup)."""
+        if not metrics:
+            return set()
+        label = self.cfg.node_label
+        lookup = getattr(self.inner, "label_values", None)
+        if callable(lookup) and not self.local:
+            self.requests += 1
+            got = lookup(label, metrics, t - window, t)
+            if isinstance(got, set):
+                return got
+        out: set[str] = set()  # in memory, or no label values API: the queries themselves
+        first = {q.metric: q for q in reversed(queries)}
+        for m in metrics:
+            self.requests += 1
+            try:
+                res = self.inner.query(first[m], t, window)
+            except SourceError:
+                continue
+            col = res.table.labels
+            out.update(v for v in (col[i].get(label) for i in set(res.ids.tolist())) if v is not None)
+        return out
 
     def _run(self, sent: list[Query], t: float, window: float,
              done: Callable[[], None] | None) -> list[Result | SourceError]:

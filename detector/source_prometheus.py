@@ -78,22 +78,42 @@ class PrometheusSource:
         return out
 
     def metric_names(self, start: float, end: float) -> set[str] | None:
-        """The metric names the backend holds series of between ``start`` and ``end`` (the label values API: an
-        index lookup, no samples read; a superset where the backend answers at block granularity); None when
-        the backend does not answer (callers then query as if every name were there)."""
-        base = self.url.removesuffix("/query")
+        """The metric names the backend holds series of between ``start`` and ``end``; see :meth:`label_values`."""
+        return self.label_values("__name__", (), start, end)
+
+    def label_values(self, label: str, match: Sequence[str], start: float, end: float) -> set[str] | None:
+        """The values of ``label`` over the series of the ``match`` selectors (all series when empty) between
+        ``start`` and ``end``: the label values API, an index lookup that reads no samples (a superset where the
+        backend answers at block granularity). None when the backend does not answer: callers then do without."""
+        params: list[tuple[str, str]] = [("start", f"{start:.3f}"), ("end", f"{end:.3f}")]
+        params += [("match[]", m) for m in match]
+        data = self._api("GET", f"label/{label}/values", params)
+        return {str(v) for v in data} if isinstance(data, list) else None
+
+    def series(self, selector: str, start: float, end: float) -> Result:
+        """The series of ``selector`` with samples between ``start`` and ``end`` (the series API: label sets from
+        the index, no samples decoded), each with the value 1; SourceError when the backend does not answer."""
+        data = self._api("POST", "series", [("match[]", selector), ("start", f"{start:.3f}"), ("end", f"{end:.3f}")])
+        if not isinstance(data, list):
+            self._error()
+            raise SourceError(f"series {selector}: the backend gave no series list")
+        return self._build(selector, [{"metric": m, "value": [end, "1"]} for m in data], 1.0)
+
+    def _api(self, method: str, path: str, params: list[tuple[str, str]]) -> object:
+        """The ``data`` of one metadata API call; None on any failure (not counted as a query error)."""
+        url = f"{self.url.removesuffix('/query')}/{path}"
         try:
-            r = self.session.get(f"{base}/label/__name__/values", params={"start": f"{start:.3f}", "end": f"{end:.3f}"},
-                                 timeout=self.timeout)
+            if method == "GET":
+                r = self.session.get(url, params=params, timeout=self.timeout)
+            else:
+                r = self.session.post(url, data=params, timeout=self.timeout)
             body: Any = r.json()
         except (requests.RequestException, ValueError):
             return None
         if r.status_code != 200 or not isinstance(body, dict) or body.get("status") != "success":
             return None
-        names = body.get("data")
-        if not isinstance(names, list):
-            return None
-        return {str(n) for n in names}
+        data: object = body.get("data")
+        return data
 
     def instant(self, expr: str, t: float, scale: float = 1.0) -> Result:
         return self._build(expr, self._fetch(expr, t), scale)

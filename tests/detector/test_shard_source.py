@@ -39,13 +39,14 @@ _MATCHER = re.compile(r'(\w+)(=~|=)"([^"]*)"')
 
 class Counting:
     """A recording source as a backend would serve it: it counts the samples its queries touch (a range query:
-    every sample in the window; an instant vector selector, as the job map sends: one per series)."""
+    every sample in the window) and its metadata lookups (the series and label values APIs read no sample)."""
 
     def __init__(self, inner: RecordingSource) -> None:
         self.inner = inner
         self.query_errors = 0
         self.samples = 0.0
         self.name_lookups = 0
+        self.metadata = 0
 
     def query(self, q: Query, t: float, window: float) -> Result:
         res = self.inner.query(q, t, window)
@@ -57,13 +58,18 @@ class Counting:
         self.name_lookups += 1
         return self.inner.metric_names()
 
-    def instant(self, expr: str, t: float, scale: float = 1.0) -> Result:
-        m = _SELECTOR.fullmatch(expr)
-        assert m is not None, expr
+    def series(self, selector: str, start: float, end: float) -> Result:
+        """As the series API answers (label sets from the index, no sample read): the selector's series, value 1."""
+        m = _SELECTOR.fullmatch(selector)
+        assert m is not None, selector
         matchers = tuple((k, op, v) for k, op, v in _MATCHER.findall(m.group(2) or ""))
-        res = self.inner.query(Query("@instant", m.group(1), "last", matchers=matchers), t, STEP)
-        self.samples += len(res)
-        return res
+        res = self.inner.query(Query("@series", m.group(1), "count", matchers=matchers), end, end - start)
+        self.metadata += 1
+        return Result(res.table, res.ids, res.values * 0 + 1)
+
+    def label_values(self, label: str, match: list[str], start: float, end: float) -> set[str]:
+        self.metadata += 1
+        return {v for name in match for s in self.inner.series.get(name, []) if (v := s.labels.get(label)) is not None}
 
 
 def _key(f: Finding) -> tuple[object, ...]:
