@@ -50,7 +50,7 @@ class RecordingSource:
         self.table = table if table is not None else SeriesTable()
         self._ids = {name: np.array([self.table.intern(s.labels) for s in ss], dtype=np.int64)
                      for name, ss in series.items()}
-        self._cache: dict[tuple[Query, float], tuple[dict[float, int], IntArray, FloatArray]] = {}
+        self._cache: dict[tuple[Query, float], tuple[dict[float, int], IntArray, FloatArray, np.ndarray]] = {}
         self.query_errors = 0
         self.samples = sum(len(s.ts) for ss in series.values() for s in ss)
 
@@ -137,7 +137,12 @@ class RecordingSource:
                 mat[:, part] = window_ops(query.op, ts, vs, t, window).T
         if query.scale != 1.0:
             mat *= query.scale
-        self._cache[(query, window)] = ({float(x): i for i, x in enumerate(t)}, ids, mat)
+        mat.flags.writeable = False  # rows are handed out as the answers' values
+        # per time: the answer's ids and values, the row itself where it has no gap (most rows: no copy)
+        gaps = np.zeros(len(t), dtype=bool)
+        if mat.size:
+            np.any(np.isnan(mat), axis=1, out=gaps)
+        self._cache[(query, window)] = ({float(x): i for i, x in enumerate(t)}, ids, mat, gaps)
 
     def query(self, query: Query, t: float, window: float) -> Result:
         cached = self._cache.get((query, window))
@@ -145,8 +150,9 @@ class RecordingSource:
             self.precompute(query, [t], window)
             cached = self._cache[(query, window)]
         idx = cached[0][float(t)]
-        ids, mat = cached[1], cached[2]
-        row = mat[idx]
+        ids, row = cached[1], cached[2][idx]
+        if not cached[3][idx]:
+            return Result(self.table, ids, row)
         keep = ~np.isnan(row)
         return Result(self.table, ids[keep], row[keep])
 

@@ -5,6 +5,8 @@ Run: ``.venv/bin/python tests/bench/bench_replay.py [--shape dcgm192 fleet512] [
 - ``dcgm192``: many evaluations over few GPUs. The simulator (``gpufleet-sim generate``, seed 23, the dcgm profile,
   ``--series core``) writes 24 nodes x 8 GPUs, 2 h of 30 s scrapes with job churn and one fault; replay evaluates it
   at the default interval (15 s: 472 evaluations).
+- ``dcgm192-inputs``: the same recording with only the metric families the dcgm profile reads (1.19 M samples,
+  the size of the held-out recording of issue 23): promtool then ingests no more than replay reads.
 - ``fleet512``: the large-fleet shape of ``bench_detector.py --replay-nodes 64``: 512 GPUs x 1 h of 15 s scrapes of
   the gpufleet profile (test_detector_core's synth), evaluated every 15 s.
 
@@ -62,18 +64,45 @@ def _children_cpu() -> float:
 
 def make(shape: str, d: Path) -> tuple[Path, list[str]]:
     """The recording of ``shape`` and the replay's extra arguments."""
-    if shape == "dcgm192":
+    if shape.startswith("dcgm192"):
         scen = d / "scenario.toml"
         scen.write_text(SCENARIO)
         subprocess.run([sys.executable, "-m", "gpufleet.agent.sim.cli", "generate", "--scenario", str(scen), "--out",
-                        str(d / "sim"), "--profile", "dcgm", "--series", "core", "--quiet"], check=True)
-        return d / "sim" / "metrics.dcgm.om", ["--profile", "dcgm"]
+                        str(d / "sim"), "--profile", "dcgm", "--series", "core", "--quiet"], check=True,
+                       stdout=subprocess.DEVNULL)
+        rec = d / "sim" / "metrics.dcgm.om"
+        if shape == "dcgm192-inputs":
+            rec = _inputs_only(rec, d / "inputs.om")
+        return rec, ["--profile", "dcgm"]
     from test_detector_core import Fault, Synth, synth
 
     rec = synth(d / "r.om", Synth(nodes=64, seconds=3600.0, faults=[Fault("clock", 2, 5, 1800.0)]))
     cfg = d / "d.toml"
     cfg.write_text("[detector]\nwindow_seconds = 120.0\ninterval_seconds = 15.0\n")
     return rec, ["--config", str(cfg)]
+
+
+def _inputs_only(rec: Path, out: Path) -> Path:
+    """``rec`` with only the metric families the dcgm profile (and the site queries) read."""
+    from gpufleet.detector.config import DetectorConfig
+    from gpufleet.detector.profiles import sample_names
+    from gpufleet.detector.replay import _site_metrics
+
+    cfg = DetectorConfig()
+    cfg.profile = "dcgm"
+    wanted = sample_names("dcgm") | _site_metrics(cfg)
+    keep = False
+    with open(rec) as src, open(out, "w") as dst:
+        for line in src:
+            if line.startswith("# EOF"):
+                dst.write(line)
+                break
+            if line.startswith("#"):
+                fam = line.split()[2]
+                keep = any(w == fam or w.startswith(fam + "_") for w in wanted)
+            if keep:
+                dst.write(line)
+    return out
 
 
 def timed(argv: list[str]) -> tuple[float, float, str]:
@@ -84,7 +113,8 @@ def timed(argv: list[str]) -> tuple[float, float, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", nargs="+", choices=("dcgm192", "fleet512"), default=["dcgm192", "fleet512"])
+    ap.add_argument("--shape", nargs="+", choices=("dcgm192", "dcgm192-inputs", "fleet512"),
+                    default=["dcgm192", "dcgm192-inputs", "fleet512"])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--gz", action="store_true", help="also replay the gzip-compressed file")
     args = ap.parse_args()
