@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gpufleet.detector.candidate import DIRECT, Candidate, Evidence
 from gpufleet.detector.causes import nic_fabric
 from gpufleet.detector.features import GpuFrame, NicFrame
 from gpufleet.detector.robust import nanmedian, robust_z
-from gpufleet.detector.straggler import Candidate
 
 FloatArray = np.ndarray
 
@@ -157,8 +157,7 @@ def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray 
         ks = per_node[nd]
         best = max(ks, key=lambda k: score[k])
         jobs = {job_of.get((nd, g)) for k in ks for g in nic.gpus[k]} - {None}
-        ev = _evidence(nic, best, cause_detail[best])
-        ev["value:nics"] = float(len(ks))
+        ev = _evidence(nic, best, cause_detail[best], float(score[best])).with_members(len(ks))
         out.append(Candidate(nd, None, jobs.pop() if len(jobs) == 1 else None, nic.sites[best], "network",
                              float(score[best]), ev, nic=""))
     for i in flagged:
@@ -168,14 +167,15 @@ def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray 
         g = gpus[0] if len(gpus) == 1 else None
         job = job_of.get((nic.nodes[i], g)) if g is not None else None
         out.append(Candidate(nic.nodes[i], g, job, nic.sites[i], "network", float(score[i]),
-                             _evidence(nic, int(i), cause_detail[i]), nic=f"{nic.devices[i]}/{nic.ports[i]}"))
+                             _evidence(nic, int(i), cause_detail[i], float(score[i])),
+                             nic=f"{nic.devices[i]}/{nic.ports[i]}"))
     return out
 
 
-def _evidence(nic: NicFrame, i: int, detail: list[str]) -> dict[str, float]:
-    ev = {k: 1.0 for k in detail}
+def _evidence(nic: NicFrame, i: int, detail: list[str], score: float) -> Evidence:
+    values = {}
     for f in ("nic_xmit_wait", "nic_symbol_errors", "nic_link_downed", "nic_rate"):
         v = nic.get(f)[i]
         if np.isfinite(v):
-            ev[f"value:{f}"] = float(v)
-    return ev
+            values[f] = float(v)
+    return Evidence(causes={"network": DIRECT + score}, values=values, flags=tuple(detail))
