@@ -115,6 +115,7 @@ class Detector:
         cfg = self.cfg
         snap = self._frame(t)                                       # 1. frame
         jobs.resolve(snap.gpu, snap.meta, cfg.kubernetes)           # 2. jobs (the whole fleet: NIC peers span it)
+        snap.gpu.edge = self.edges.update(snap.gpu)                 # ... and which are at a job-wide phase edge
         net = self._network(snap, t)                                # 4. network candidates (fleet-wide peers)
         snap = shard.select(snap, cfg.shard)                        # 2. ... this replica's jobs
         peers = self._peers(snap.gpu, t)                            # 3. peers and phases
@@ -147,7 +148,7 @@ class Detector:
         capability = self.baseline.nic_capability(nic.nodes, nic.devices, nic.ports, nic.get("nic_rate"), t)
         flaps = self.baseline.nic_flaps(nic.nodes, nic.devices, nic.ports, nic.get("nic_link_downed"), t,
                                         cfg.network.flap_hours * 3600.0)
-        nets = network.find(nic, g, cfg.network, capability, flaps)
+        nets = network.find(nic, g, cfg.network, capability, flaps, _quiet_nodes(g, cfg.straggler.busy_util))
         # A link that went down within the flap horizon may go down again at any time: between its downs it
         # cannot be judged healthy, so its open findings (and the network straggler of a GPU it serves) are held.
         went_down = np.flatnonzero(flaps >= 1)
@@ -162,7 +163,7 @@ class Detector:
 
     def _peers(self, g: GpuFrame, t: float) -> _Peers:
         limit_ref = self.baseline.gpu_power_limit(g.nodes, g.gpus, g.get("power_limit"), t)
-        edge = self.edges.update(g)  # jobs at a job-wide phase edge in this window
+        edge = g.edge if g.edge is not None else np.zeros(len(g), dtype=bool)
         valid = np.asarray(g.valid, dtype=bool)
         busy = valid & (np.nan_to_num(g.get("util"), nan=0.0) >= JUDGE_UTIL)
         low = self._job_phase_low(g, busy, t) | (edge & valid)  # a lighter phase, or a job-wide edge
@@ -230,6 +231,17 @@ class Detector:
         for job in lowjobs:
             low[members[job]] = True
         return low
+
+
+def _quiet_nodes(g: GpuFrame, busy_util: float) -> set[str]:
+    """Nodes whose GPUs did not compute steadily through the window: a job-wide phase edge on any of them (a
+    checkpoint, an evaluation pass, a restart), or none busy. Their ports' traffic then is no collective
+    traffic (a checkpoint's burst to storage is no congestion), so they are not judged for congestion."""
+    edge = g.edge if g.edge is not None else np.zeros(len(g), dtype=bool)
+    busy = np.nan_to_num(g.get("util"), nan=0.0) >= busy_util
+    at_edge = {n for n, e in zip(g.nodes, edge.tolist(), strict=True) if e}
+    computing = {n for n, b in zip(g.nodes, busy.tolist(), strict=True) if b}
+    return at_edge | (set(g.nodes) - computing)
 
 
 class _EntityIndex:

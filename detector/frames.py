@@ -73,6 +73,8 @@ class GpuFrame:
     pods: list[str | None] = field(default_factory=list)
     namespaces: list[str | None] = field(default_factory=list)
     sync: FloatArray | None = None
+    #: bool per GPU: its job is at a job-wide phase edge in this window (detector.phases; None: not known yet)
+    edge: FloatArray | None = None
 
     def __len__(self) -> int:
         return len(self.gpus)
