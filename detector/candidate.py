@@ -62,6 +62,13 @@ class Candidate:
     pod: str = ""
     gpu_instance: str = ""  # MIG: the slice (GPU instance of ``gpu``) and its profile (detector.mig)
     mig_profile: str = ""
+    #: Who is told (detector.workload): "hardware" (the on-call) or "workload" (the job's owner, a ticket), the
+    #: workload pattern and the owner; ``group``: a job-level candidate's identity beyond its kind (the job and
+    #: pattern of a workload finding: one per job and pattern, whichever GPUs show it).
+    route: str = "hardware"
+    pattern: str = ""
+    owner: str = ""
+    group: str = ""
 
     @property
     def direct(self) -> bool:

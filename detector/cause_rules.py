@@ -126,6 +126,18 @@ def _pcie_replays(v: GpuView) -> float:
     return DIRECT + 1.0 if not v.has("pcie_gen") and v.val("pcie_replay") >= v.t.pcie_replays else 0.0
 
 
+def _more_work(v: GpuView) -> float:
+    """A GPU busier than its peers (tensor or SM activity) at its peers' clocks (SM and memory) while drawing at
+    least their power: it does more work per step, at full speed. (A slow part is busier *because* it is slow:
+    its clock is held below its peers', and its power with it.) Worth less than any cause of a slow part."""
+    busier = max(v.zf("tensor"), v.zf("sm_active"))
+    if busier < _cz(v) or v.zf("sm_clock") <= -_cz(v) / 2 or v.zf("mem_clock") <= -_cz(v) / 2:
+        return 0.0
+    if "power" in v.z and v.zf("power") < 0.0:
+        return 0.0
+    return min(busier, DIRECT) / 2
+
+
 def _inferred(fn: Callable[[GpuView], float]) -> Callable[[GpuView], float]:
     return lambda v: min(max(fn(v), 0.0), DIRECT)
 
@@ -170,6 +182,9 @@ RULES: tuple[Rule, ...] = (
     Rule("host", "inferred", "starved",
          _inferred(lambda v: max(-v.zf("util"), -v.zf("tensor"))
                    if v.zf("util") <= -_cz(v) or v.zf("tensor") <= -_cz(v) else 0.0)),
+    # The job's own doing: the GPU simply does more work than its peers (busier at the same clocks, drawing
+    # more power, no reason, no error): below every other inferred cause, which all read a slow part.
+    Rule("workload", "inferred", "more_work", lambda v: _more_work(v)),
 )
 LINK_RULES = tuple(r for r in RULES if r.kind == "link")
 

@@ -15,7 +15,8 @@ harness. Each evaluation reads the fleet once and moves its data one way:
 5. **causes**: every straggler candidate's cause from the one table of cause rules
    (:mod:`~gpufleet.detector.cause_rules`), fed by the NIC flags and the node evidence
    (:func:`~gpufleet.detector.causes.node_causes`); pods named on every candidate
-   (:func:`~gpufleet.detector.jobs.attribute`);
+   (:func:`~gpufleet.detector.jobs.attribute`); stragglers with no hardware evidence that simply do more work
+   routed to their job's owner, one ticket per job and pattern (:mod:`~gpufleet.detector.workload`);
 6. **incidents** (:class:`~gpufleet.detector.findings.Tracker`): candidates that persist become findings with
    hysteresis, grouped into incidents, given what this evaluation could judge (a
    :class:`~gpufleet.detector.judgement.Judgement`).
@@ -46,6 +47,7 @@ from gpufleet.detector.pue import PueMonitor, PueState
 from gpufleet.detector.source import Source
 from gpufleet.detector.straggler import StragglerResult
 from gpufleet.detector.summary import summarize
+from gpufleet.detector.workload import WorkloadRouter
 
 #: A GPU busy for less of the window than this cannot be judged clear of a straggler or throttling finding
 #: (it idled: a checkpoint, its job down or restarting); the finding neither closes nor goes on meanwhile.
@@ -102,6 +104,7 @@ class Detector:
         self.pue: dict[str, PueMonitor] = {}
         self.baseline = Baseline()
         self.edges = phases.JobEdges(cfg.straggler.min_peers)
+        self.workload = WorkloadRouter(cfg.window_seconds)
         self._gpu_index = _EntityIndex()
         self._nic_index = _EntityIndex()
         self.last: Evaluation | None = None
@@ -128,6 +131,8 @@ class Detector:
         pue_states = self._pue(snap, t, cands)
         cands = [(k, c) for k, c in cands if shard.owns_finding(cfg.shard, k, c.node, c.site)]
         jobs.attribute(cands, snap.gpu)                             # 5. ... pods named
+        self.workload.observe(snap.gpu, t)                          # 5. ... the job's own doing: its owner's
+        cands = self.workload.route(cands, t)
         cands += [("straggler", c) for c in slices.candidates]  # named by their own pods, not their GPU's
         judged = self._judgement(snap, st, peers, net, slices.observed, set(pue_states))
         self.tracker.update(t, cands, judged.observed, judged.held)  # 6. incidents

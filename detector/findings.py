@@ -70,6 +70,14 @@ class Finding:
     pod: str = ""
     gpu_instance: str = ""  # MIG: the slice (GPU instance of ``gpu``) and its profile ("" when not a slice)
     mig_profile: str = ""
+    #: Who is told (issue 19): "hardware" (the hardware on-call: throttling, errors, a slow part) or "workload"
+    #: (the job's owner: the job itself puts more work on some ranks); the workload pattern ("stage_imbalance",
+    #: "data_skew", "hot_experts"; "" when none or not told) and the owner who gets the ticket (the pod's
+    #: namespace, a team label or the Slurm account: whatever the frame knows; "" when nothing).
+    route: str = "hardware"
+    pattern: str = ""
+    owner: str = ""
+    group: str = ""  # a job-level finding's identity beyond its kind (Candidate.group)
     #: How often it came back after it had closed (within the tracker's ``reopen_seconds``): each return keeps
     #: it open through a longer clear gap (``merge_seconds`` times one more than this).
     recurrences: int = 0
@@ -92,10 +100,13 @@ class Finding:
                 "site": self.site, "start": self.start, "detected": self.opened, "end": self.end,
                 "score": round(self.score, 3), "summary": self.summary, "incident": self.incident,
                 "other_causes": self.other_causes(), "namespace": self.namespace or None, "pod": self.pod or None,
+                "route": self.route, "pattern": self.pattern or None, "owner": self.owner or None,
                 **({"gpu_instance": self.gpu_instance, "mig_profile": self.mig_profile} if self.gpu_instance else {})}
 
 
 def key_of(kind: str, c: Candidate) -> Key:
+    if c.group:  # a job-level candidate (a workload pattern): its group, whichever node and GPUs show it
+        return (kind, "", "", "", "", c.group)
     gpu = (c.gpu or "") + (f"/{c.gpu_instance}" if c.gpu_instance else "")  # a MIG slice is its own entity
     return (kind, c.node, gpu, c.nic, c.site if kinds.spec(kind).by_site else "", "")
 
@@ -103,7 +114,7 @@ def key_of(kind: str, c: Candidate) -> Key:
 def _as_candidate(f: Finding) -> Candidate:
     """The identity fields of a finding as a candidate's (for :func:`key_of`)."""
     return Candidate(f.node or "", f.gpu, f.job, f.site or "", f.cause or "", f.score, nic=f.nic,
-                     gpu_instance=f.gpu_instance)
+                     gpu_instance=f.gpu_instance, group=f.group)
 
 
 @dataclass
@@ -119,7 +130,7 @@ def _top(causes: dict[str, float]) -> str:
 
 
 def _incident_id(kind: str, c: Candidate, t: float) -> str:
-    what = f"{kind}|{c.node}|{c.gpu or ''}|{c.nic}|{c.site}|{t:.0f}"
+    what = f"{kind}|{c.node}|{c.gpu or ''}|{c.nic}|{c.site}|{t:.0f}" + (f"|{c.group}" if c.group else "")
     return hashlib.sha1(what.encode(), usedforsecurity=False).hexdigest()[:12]
 
 
@@ -252,9 +263,10 @@ class Tracker:
         start = min(p.first, best.evidence.onset if best.evidence.onset is not None else p.first)
         f = Finding(kind, cause or None, c.node or None, c.gpu, c.job, c.site or None, start, None, best.score,
                     self.summarize(kind, best), c.nic, best.evidence, p.causes, t, t, namespace=best.namespace,
-                    pod=best.pod, gpu_instance=best.gpu_instance, mig_profile=best.mig_profile)
+                    pod=best.pod, gpu_instance=best.gpu_instance, mig_profile=best.mig_profile, route=best.route,
+                    pattern=best.pattern, owner=best.owner, group=best.group)
         f.incident = self._related_incident(f) or _incident_id(kind, c, t)
-        if c.gpu is None and kinds.spec(kind).on_nodes:
+        if c.gpu is None and kinds.spec(kind).on_nodes and not c.group:
             for ok, of in list(self.active.items()):
                 if of.kind == kind and of.node == f.node and of.gpu is not None and not of.nic:
                     f.start = min(f.start, of.start)
@@ -269,9 +281,11 @@ class Tracker:
 
     def _related_incident(self, f: Finding) -> str:
         """The incident of an open finding on the same node and GPU (or on the whole node), if any."""
-        if not kinds.spec(f.kind).on_nodes or not f.node:
+        if not kinds.spec(f.kind).on_nodes or not f.node or f.group:
             return ""
         for of in self.active.values():
+            if of.group:  # a job-level ticket (a workload pattern) is an incident of its own
+                continue
             if of.node == f.node and kinds.spec(of.kind).on_nodes and (of.gpu == f.gpu or of.gpu is None
                                                                        or f.gpu is None):
                 return of.incident

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import time
 
+from gpufleet.detector import workload
 from gpufleet.detector.candidate import Candidate
 
 
 def summarize(kind: str, c: Candidate) -> str:
     ev = c.evidence
+    if c.route == "workload":
+        return workload.summary(c)
     if kind == "straggler":
         dev = ", ".join(f"{k} {v:+.1f} sigma" for k, v in ev.top_deviations())
         who = f"GPU {c.gpu} on {c.node}" if c.gpu is not None else f"{ev.members} GPUs of {c.node}"

@@ -124,7 +124,7 @@ IB_PORT_ERRORS = (
     "VL15_dropped",
 )
 FINDING_KINDS = ("straggler", "throttling", "network", "pue_drift")
-FINDING_CAUSES = ("thermal", "power", "clock", "network", "pcie", "memory", "host", "unknown")
+FINDING_CAUSES = ("thermal", "power", "clock", "network", "pcie", "memory", "host", "unknown", "workload")
 
 _G: MetricType = "gauge"
 _C: MetricType = "counter"
