@@ -69,6 +69,13 @@ class Finding:
     pod: str = ""
     gpu_instance: str = ""  # MIG: the slice (GPU instance of ``gpu``) and its profile ("" when not a slice)
     mig_profile: str = ""
+    #: Who is told (issue 19): "hardware" (the hardware on-call: throttling, errors, a slow part) or "workload"
+    #: (the job's owner: the job itself puts more work on some ranks); the workload pattern ("stage_imbalance",
+    #: "data_skew", "hot_experts"; "" when none or not told) and the owner who gets the ticket (the pod's
+    #: namespace, a team label or the Slurm account: whatever the frame knows; "" when nothing).
+    route: str = "hardware"
+    pattern: str = ""
+    owner: str = ""
 
     @property
     def detected(self) -> float:
@@ -90,6 +97,7 @@ class Finding:
                 "site": self.site, "start": self.start, "detected": self.opened, "end": self.end,
                 "score": round(self.score, 3), "summary": self.summary, "incident": self.incident,
                 "other_causes": self.other_causes(), "namespace": self.namespace or None, "pod": self.pod or None,
+                "route": self.route, "pattern": self.pattern or None, "owner": self.owner or None,
                 **({"gpu_instance": self.gpu_instance, "mig_profile": self.mig_profile} if self.gpu_instance else {})}
 
 
