@@ -47,6 +47,8 @@ from gpufleet.agent.sim.physics import (
     Physics,
 )
 from gpufleet.agent.sim.scenario import JobSpec, Scenario, load_scenario
+from gpufleet.agent.sim.workload import WorkloadSchedule
+from gpufleet.agent.sim.workload import labels as workload_labels
 from gpufleet.agent.vocab.nvml import CLOCK_EVENT_COUNTED
 
 IB_HW_COUNTER_FILES = (
@@ -130,7 +132,7 @@ class Simulator:
                 site=site_index[fs.site] if fs.site is not None else None,
                 node=node_index[fs.node] if fs.node is not None else None, gpu=fs.gpu, nic=fs.nic,
             ))
-        self.fault_schedule = FaultSchedule(self.faults)
+        self.fault_schedule = FaultSchedule(self.faults) if not sc.workloads else WorkloadSchedule(self.faults, self)
         self._reboots = sorted((r["at"], node_index[r["node"]]) for r in sc.reboots)
         self._blips = sorted((b["at"], k) for k, b in enumerate(sc.blips))
         self._uuids = [self._uuid(g) for g in range(self.fleet.n_gpus)]
@@ -452,4 +454,5 @@ class Simulator:
             "nodes": [{"node": n.name, "site": self.fleet.sites[n.site].name, "gpus": n.gpus,
                        "gpu_model": n.model.key} for n in self.fleet.nodes],
             "faults": faults, "confounders": confounders, "jobs": jobs,
+            **({"workloads": workload_labels(self)} if sc.workloads else {}),
         }
