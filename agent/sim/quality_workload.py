@@ -63,7 +63,7 @@ FAULTS: dict[str, dict[str, Any]] = {
     "moe_hca": {"kind": "ib_link_degraded", "node": "node-013", "nic": 5},  # job-moe
 }
 ONSET_S = 1800.0
-TARGETS = {"false_pages": 0, "precision": 0.97, "recall": 0.97, "cause_accuracy": 0.95}
+TARGETS: dict[str, float] = {"false_pages": 0, "precision": 0.97, "recall": 0.97, "cause_accuracy": 0.95}
 
 
 @dataclass
@@ -200,7 +200,7 @@ def summarize(outs: Sequence[WorkloadOutcome]) -> dict[str, Any]:
         truth = sum(len(o.truth) for o in os_)
         ticketed = sum(sum(1 for j, p, _ in o.truth if o.tickets.get(f"{j}/{p}")) for o in os_)
         tickets = sum(sum(o.tickets.values()) for o in os_)
-        row = {
+        row: dict[str, Any] = {
             "runs": len(os_), "false_pages": sum(pages.values()), "false_pages_by_pattern": dict(sorted(pages.items())),
             "false_pages_max_per_run": max((sum(o.false_pages.values()) for o in os_), default=0),
             "hardware_findings": tp + fp, "hardware_false": fp, "faults": len(det),

@@ -175,7 +175,8 @@ class _Active:
         if s.pattern == "stage_imbalance":
             stage = s.stage % s.stages
             n = len(self.ranks)
-            return self.ranks[(np.arange(n) * s.stages) // n == stage]
+            busy: np.ndarray = self.ranks[(np.arange(n) * s.stages) // n == stage]
+            return busy
         if s.pattern == "data_skew":
             node = self._node_index(s.node)
             base = node * self.gpn
