@@ -14,6 +14,10 @@ move between nodes (``hot_experts``), per-step sequence-length noise in all thre
   ``slack_thermal`` (a cooling failure on a GPU of a stage with slack: its throttling finding, though the job
   barely slows), ``moe_hca`` (a degraded rail HCA in the MoE job: network).
 
+Seed 1 is the scenario as written; every other seed draws its knobs anew (:func:`vary`: which stage is busier and
+by how much, which node and rank are skewed and when, how many hot experts and how often they move, the noise)
+and places the fault where it means the same, so a detector is measured on fleets it was not tuned on.
+
 Scoring. A finding's ``route`` says who it goes to. Hardware-routed findings are scored against the faults as
 the bare-metal harness scores every finding (:func:`gpufleet.agent.sim.quality.score_run`: precision counting
 every hardware finding, recall, cause accuracy); a hardware-routed finding that is not a fault's and lies in a
@@ -38,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from gpufleet.agent.sim.faults import SEVERITY_WORDS
 from gpufleet.agent.sim.quality import (
     END_SLACK_SECONDS,
@@ -50,7 +56,8 @@ from gpufleet.agent.sim.quality import (
     run_all,
     score_run,
 )
-from gpufleet.agent.sim.scenario import FaultSpec
+from gpufleet.agent.sim.scenario import FaultSpec, Scenario, load_scenario
+from gpufleet.agent.sim.workload import WorkloadSpec, job_nodes
 from gpufleet.detector.findings import Finding
 from gpufleet.detector.profiles import PROFILES
 from gpufleet.detector.replay import replay
@@ -139,13 +146,64 @@ def score(run: Run, profile: str, labels: dict[str, Any], findings: list[Finding
     return out
 
 
-def scenario(run: Run) -> Any:
-    from gpufleet.agent.sim.scenario import load_scenario
-
+def scenario(run: Run) -> Scenario:
+    """The fleet of a run: seed 1 is the built-in scenario as written (faults where :data:`FAULTS` puts them);
+    every other seed varies it (:func:`vary`), so a detector is also measured on fleets it was not tuned on."""
     sc = load_scenario(SCENARIO, hours=run.hours, seed=run.seed)
+    fault = dict(FAULTS.get(run.scenario, {}))
+    if run.seed > 1:
+        fault = vary(sc, np.random.default_rng([run.seed, 19]), run.scenario)
     if run.kind == "fault":
-        sc.faults = [FaultSpec(onset=ONSET_S, severity=SEVERITY_WORDS[run.severity], **FAULTS[run.scenario])]
+        sc.faults = [FaultSpec(onset=ONSET_S, severity=SEVERITY_WORDS[run.severity], **fault)]
     return sc
+
+
+def vary(sc: Scenario, rng: np.random.Generator, case: str) -> dict[str, Any]:
+    """Draw the workload tables' knobs anew (which stage is busier and by how much; which node, then which rank,
+    is skewed, when and how much; how many hot experts, how hot, how often they move; the noise) and place the
+    fault of ``case`` where it means the same: ``stage_clock`` on a GPU of the busier stage, ``slack_thermal`` on
+    a GPU of another stage, ``moe_hca`` on a rail NIC of the MoE job. Returns the fault's FaultSpec fields."""
+    names = sc.node_names
+    gpn = sc.sites[0].gpus_per_node
+
+    def nodes_of(job: str) -> list[str]:
+        return [names[i] for i in job_nodes(sc, job)]
+
+    by_pattern: dict[str, list[WorkloadSpec]] = {}
+    for w in sc.workloads:
+        by_pattern.setdefault(w.pattern, []).append(w)
+    minute = 60.0
+    stage = by_pattern["stage_imbalance"][0]
+    stage.stage = int(rng.integers(0, stage.stages))
+    stage.extra = float(rng.uniform(0.12, 0.3))
+    skews = by_pattern["data_skew"]
+    dp_nodes = nodes_of(skews[0].job) if skews else []
+    t = float(rng.uniform(15.0, 40.0)) * minute
+    for w, node in zip(skews, rng.permutation(dp_nodes), strict=False):
+        w.node = str(node)
+        w.gpu = None if w.gpu is None else int(rng.integers(0, gpn))
+        w.extra = float(rng.uniform(0.2, 0.45))
+        w.start, w.end = t, min(t + float(rng.uniform(8.0, 25.0)) * minute, sc.duration - 5 * minute)
+        t = w.end + float(rng.uniform(3.0, 8.0)) * minute
+    for w in by_pattern["hot_experts"]:
+        w.hot, w.extra = int(rng.integers(1, 4)), float(rng.uniform(0.25, 0.5))
+        w.move_every = float(rng.uniform(3.0, 8.0)) * minute
+    for w in by_pattern["seqlen_noise"]:
+        w.sigma = float(rng.uniform(0.03, 0.07))
+    pp = nodes_of(stage.job)
+    ranks = len(pp) * gpn
+    stage_of = [(r * stage.stages) // ranks for r in range(ranks)]
+    busy = [r for r in range(ranks) if stage_of[r] == stage.stage % stage.stages]
+    if case == "stage_clock":
+        r = int(rng.choice(busy))
+        return {"kind": "clock_stuck_low", "node": str(pp[r // gpn]), "gpu": r % gpn}
+    if case == "slack_thermal":
+        r = int(rng.choice([r for r in range(ranks) if r not in busy]))
+        return {"kind": "cooling_failure", "node": str(pp[r // gpn]), "gpu": r % gpn}
+    if case == "moe_hca":
+        moe = nodes_of(by_pattern["hot_experts"][0].job)
+        return {"kind": "ib_link_degraded", "node": str(rng.choice(moe)), "nic": int(rng.integers(0, gpn))}
+    return {}
 
 
 def execute(run: Run, workdir: str) -> list[WorkloadOutcome]:

@@ -107,7 +107,7 @@ def parse_workloads(items: object, sc: Scenario, where: str) -> list[WorkloadSpe
         spec.sigma = _get(w, "sigma", float, ww, spec.sigma)
         if not 0.0 < spec.sigma <= 0.5:
             raise ScenarioError(f"{ww}.sigma: must be in (0, 0.5]")
-        members = _job_nodes(sc, spec.job)
+        members = job_nodes(sc, spec.job)
         spec.stages = _get(w, "stages", int, ww, spec.stages)
         if not 2 <= spec.stages <= len(members) * gpn:
             raise ScenarioError(f"{ww}.stages: must be between 2 and the job's GPUs ({len(members) * gpn})")
@@ -140,7 +140,8 @@ def parse_workloads(items: object, sc: Scenario, where: str) -> list[WorkloadSpe
     return out
 
 
-def _job_nodes(sc: Scenario, job: str) -> list[int]:
+def job_nodes(sc: Scenario, job: str) -> list[int]:
+    """Node indices of a scenario's fixed job, in order."""
     js = next(j for j in sc.jobs if j.id == job)
     names = sc.node_names
     if js.nodes == "all":

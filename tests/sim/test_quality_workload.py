@@ -90,11 +90,11 @@ def test_plan_and_fault_cases() -> None:
     assert [r.scenario for r in runs if r.kind == "control"] == ["control"]
     assert {(r.scenario, r.severity) for r in runs if r.kind == "fault"} == {
         (c, s) for c in qw.FAULTS for s in ("moderate", "obvious")}
-    sc = qw.scenario(Run("moe_hca", "moderate", 2, 1.5, "fault"))
+    sc = qw.scenario(Run("moe_hca", "moderate", 1, 1.5, "fault"))
     [fault] = sc.faults
     assert (fault.kind, fault.node, fault.nic, fault.severity, fault.onset) == ("ib_link_degraded", "node-013", 5, 0.5,
                                                                                  1800.0)
-    assert sc.seed == 2 and sc.workloads and not qw.scenario(Run("control", "-", 1, 1.5, "control")).faults
+    assert sc.seed == 1 and sc.workloads and not qw.scenario(Run("control", "-", 1, 1.5, "control")).faults
 
 
 @pytest.mark.slow
@@ -107,3 +107,24 @@ def test_a_short_recording_through_the_detector(tmp_path: Path) -> None:
         assert sum(o.routes.values()) == len(o.findings)
         assert sum(o.false_pages.values()) + sum(o.tickets.values()) + o.untold + o.false_tickets > 0
         assert not o.hw.detected
+
+
+def test_other_seeds_vary_the_fleet_and_keep_each_fault_where_it_means_the_same() -> None:
+    seen = set()
+    for seed in range(2, 8):
+        sc = qw.scenario(Run("stage_clock", "obvious", seed, 1.5, "fault"))
+        stage = next(w for w in sc.workloads if w.pattern == "stage_imbalance")
+        [fault] = sc.faults
+        node = sc.node_names.index(fault.node or "")
+        assert fault.gpu is not None and (node * 8 + fault.gpu) * stage.stages // 64 == stage.stage  # the busier stage
+        thermal = qw.scenario(Run("slack_thermal", "obvious", seed, 1.5, "fault")).faults[0]
+        assert thermal.gpu is not None
+        assert (sc.node_names.index(thermal.node or "") * 8 + thermal.gpu) * stage.stages // 64 != stage.stage
+        skews = [w for w in sc.workloads if w.pattern == "data_skew"]
+        assert skews[0].end is not None and skews[1].start is not None and skews[0].end < skews[1].start
+        assert skews[0].node != skews[1].node and skews[1].gpu is not None
+        seen.add((stage.stage, round(stage.extra, 3), skews[0].node))
+    assert len(seen) == 6
+    first = qw.scenario(Run("stage_clock", "obvious", 1, 1.5, "fault"))  # seed 1: as written
+    assert (first.faults[0].node, first.faults[0].gpu) == ("node-007", 2)
+    assert next(w for w in first.workloads if w.pattern == "stage_imbalance").stage == -1
