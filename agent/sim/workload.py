@@ -39,13 +39,11 @@ report: one ``straggler``/``workload`` finding routed to the owner with the patt
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gpufleet.agent.sim.faults import Fault, FaultSchedule
 from gpufleet.agent.sim.physics import Physics
 
 if TYPE_CHECKING:
@@ -213,24 +211,22 @@ class _Active:
         self.placements.append((t, min(self.end, self._hot_until), self._hot_node, local))
 
 
-class WorkloadSchedule(FaultSchedule):
-    """The fault schedule, then the workloads' uneven work (:attr:`Mods.work`) of the tick."""
+class Workloads:
+    """A tick's uneven work (:attr:`Mods.work`): called after the fault schedule (:meth:`Simulator.step`)."""
 
-    def __init__(self, faults: Iterable[Fault], sim: Simulator) -> None:
-        super().__init__(faults)
+    def __init__(self, sim: Simulator) -> None:
         self.rng = np.random.default_rng([sim.seed, 19])
         self.active = [_Active(w, sim) for w in sim.scenario.workloads]
 
     def __call__(self, p: Physics, t: float, dt: float) -> None:
-        super().__call__(p, t, dt)
         for a in self.active:
             a.apply(p.mods.work, t, self.rng)
 
 
 def labels(sim: Simulator) -> list[dict[str, Any]]:
     """The ``workloads`` section of the ground truth (see the module docstring)."""
-    sched = sim.fault_schedule
-    if not isinstance(sched, WorkloadSchedule):
+    sched = sim.workloads
+    if sched is None:
         return []
     names = sim.nodes
     end_of_run = sim.scenario.duration
