@@ -44,7 +44,9 @@ from typing import Any
 
 import numpy as np
 
+from gpufleet.agent.sim import kubernetes
 from gpufleet.agent.sim.faults import SEVERITY_WORDS
+from gpufleet.agent.sim.kubernetes import KubeScenario
 from gpufleet.agent.sim.quality import (
     END_SLACK_SECONDS,
     QUALITY_CONFIG,
@@ -70,6 +72,10 @@ FAULTS: dict[str, dict[str, Any]] = {
     "moe_hca": {"kind": "ib_link_degraded", "node": "node-013", "nic": 5},  # job-moe
 }
 ONSET_S = 1800.0
+#: Frames the fleet is recorded in: bare metal (Slurm job ids, no owner in the data) or Kubernetes (each job a
+#: PyTorchJob in its owner's namespace: :func:`on_kubernetes`).
+KUBERNETES = "workload-k8s"
+FRAMES = {"slurm": SCENARIO, "kubernetes": KUBERNETES}
 TARGETS: dict[str, float] = {"false_pages": 0, "precision": 0.97, "recall": 0.97, "cause_accuracy": 0.95}
 
 
@@ -206,13 +212,28 @@ def vary(sc: Scenario, rng: np.random.Generator, case: str) -> dict[str, Any]:
     return {}
 
 
+def on_kubernetes(sc: Scenario, seed: int) -> KubeScenario:
+    """The fleet as a Kubernetes cluster: every training job a PyTorchJob (pods ``<job>-worker-<rank>``, one per
+    node) in the namespace of its owner, so the owner is in the data (the pods' namespace)."""
+    owners = {w.job: w.owner for w in sc.workloads if w.owner}
+    pods = [kubernetes.Pod(owners.get(j.id, "default"), f"{j.id}-worker-{rank}", node, j.id, "PyTorchJob", j.id, j.id,
+                           j.start, sc.duration if j.end is None else j.end)
+            for j in sc.jobs if j.kind == "training" for rank, node in enumerate(job_nodes(sc, j.id))]
+    return kubernetes.KubeScenario(sc, pods, {}, set(), set(), seed)
+
+
 def execute(run: Run, workdir: str) -> list[WorkloadOutcome]:
     from gpufleet.agent.sim.recording import record
     from gpufleet.agent.sim.scenario import parse_time
     from gpufleet.agent.sim.simulator import Simulator
 
-    d = Path(workdir) / f"workload-{run.scenario}-{run.severity}-{run.seed}"
-    res = record(Simulator(scenario(run), seed=run.seed, start=parse_time(START)), d, PROFILES, series=run.series)
+    d = Path(workdir) / f"{run.fleet}-{run.scenario}-{run.severity}-{run.seed}"
+    if run.fleet == KUBERNETES:
+        res = kubernetes.record(on_kubernetes(scenario(run), run.seed), d, PROFILES, series=run.series,
+                                start=parse_time(START))
+    else:
+        res = record(Simulator(scenario(run), seed=run.seed, start=parse_time(START)), d, PROFILES,
+                     series=run.series)
     labels = json.loads(res.labels.read_text())
     outs = []
     for profile in PROFILES:
@@ -224,11 +245,14 @@ def execute(run: Run, workdir: str) -> list[WorkloadOutcome]:
     return outs
 
 
-def plan(quick: bool, seeds: int) -> list[Run]:
+def plan(quick: bool, seeds: int, frames: Sequence[str] = (SCENARIO,)) -> list[Run]:
+    """Controls, then every fault case and severity per seed, in each frame (:data:`FRAMES`)."""
     sev = ("moderate", "obvious") if quick else tuple(SEVERITY_WORDS)
-    runs = [Run("control", "-", seed, 1.5, "control", fleet=SCENARIO) for seed in range(1, seeds + 1)]
-    runs += [Run(name, v, seed, 1.5, "fault", fleet=SCENARIO) for seed in range(1, seeds + 1) for name in FAULTS
-             for v in sev]
+    runs = []
+    for fr in frames:
+        runs += [Run("control", "-", seed, 1.5, "control", fleet=fr) for seed in range(1, seeds + 1)]
+        runs += [Run(name, v, seed, 1.5, "fault", fleet=fr) for seed in range(1, seeds + 1) for name in FAULTS
+                 for v in sev]
     return runs
 
 
@@ -240,10 +264,9 @@ def summarize(outs: Sequence[WorkloadOutcome]) -> dict[str, Any]:
     """Per profile: false pages (by pattern), hardware faults' precision, recall and cause accuracy (all runs'
     hardware findings count for precision), workload tickets, and every finding's route."""
     table: dict[str, Any] = {}
-    for profile in PROFILES:
-        os_ = [o for o in outs if o.hw.profile == profile]
-        if not os_:
-            continue
+    keys = sorted({(o.hw.run.fleet, o.hw.profile) for o in outs}, key=lambda k: (k[0], PROFILES.index(k[1])))
+    for fleet, profile in keys:
+        os_ = [o for o in outs if o.hw.profile == profile and o.hw.run.fleet == fleet]
         pages: Counter[str] = Counter()
         for o in os_:
             pages.update(o.false_pages)
@@ -277,7 +300,7 @@ def summarize(outs: Sequence[WorkloadOutcome]) -> dict[str, Any]:
         row["meets_targets"] = (row["false_pages"] == TARGETS["false_pages"]
                                 and all(row[k] is not None and row[k] >= TARGETS[k]
                                         for k in ("precision", "recall", "cause_accuracy")))
-        table[profile] = row
+        table[f"{profile} (kubernetes)" if fleet == KUBERNETES else profile] = row
     return table
 
 
@@ -323,10 +346,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="parallel worker processes")
     ap.add_argument("--only", nargs="*", choices=("control", *FAULTS), help="only these cases")
     ap.add_argument("--out", default="quality-results", help="directory for quality-workload.json")
+    ap.add_argument("--frame", choices=(*FRAMES, "both"), default="slurm",
+                    help="record the fleet on bare metal (slurm: job ids only; default), on Kubernetes (each job in "
+                         "its owner's namespace: the owner is in the data) or both")
     args = ap.parse_args(argv)
     if args.seeds is not None and args.seeds < 1:
         ap.error("--seeds must be at least 1")
-    runs = plan(args.quick, args.seeds or (1 if args.quick else 2))
+    frames = tuple(FRAMES.values()) if args.frame == "both" else (FRAMES[args.frame],)
+    runs = plan(args.quick, args.seeds or (1 if args.quick else 2), frames)
     if args.only:
         runs = [r for r in runs if r.scenario in args.only]
     out = Path(args.out)
@@ -341,13 +368,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for o in res:
             r = o.hw.run
             det = ", ".join(f"{t}:{'miss' if lat is None else f'{lat:.0f}'}" for t, lat, _ in o.hw.detected) or "control"
-            sys.stderr.write(f"[{i}/{len(runs)}] {r.scenario} {r.severity} seed {r.seed} {o.hw.profile}: {det}; "
+            sys.stderr.write(f"[{i}/{len(runs)}] {r.fleet} {r.scenario} {r.severity} seed {r.seed} {o.hw.profile}: {det}; "
                              f"false pages {sum(o.false_pages.values())} {o.false_pages} ({o.hw.seconds:.1f} s)\n")
         summary = summarize(results)
         (out / "quality-workload.json").write_text(json.dumps(
             {"summary": summary, "targets": TARGETS, "config": QUALITY_CONFIG, "completed_runs": f"{i}/{len(runs)}",
              "wall_seconds": round(time.perf_counter() - started, 1),
-             "runs": [{"scenario": o.hw.run.scenario, "severity": o.hw.run.severity, "seed": o.hw.run.seed,
+             "runs": [{"frame": o.hw.run.fleet, "scenario": o.hw.run.scenario, "severity": o.hw.run.severity, "seed": o.hw.run.seed,
                        "profile": o.hw.profile, "detected": o.hw.detected, "false_pages": o.false_pages,
                        "tickets": o.tickets, "findings": o.findings} for o in results]}, indent=1))
         (out / "quality-workload.md").write_text(markdown(summary))

@@ -128,3 +128,13 @@ def test_other_seeds_vary_the_fleet_and_keep_each_fault_where_it_means_the_same(
     first = qw.scenario(Run("stage_clock", "obvious", 1, 1.5, "fault"))  # seed 1: as written
     assert (first.faults[0].node, first.faults[0].gpu) == ("node-007", 2)
     assert next(w for w in first.workloads if w.pattern == "stage_imbalance").stage == -1
+
+
+def test_kubernetes_frame_puts_each_job_in_its_owners_namespace() -> None:
+    sc = qw.scenario(Run("moe_hca", "obvious", 1, 1.5, "fault", fleet=qw.KUBERNETES))
+    ks = qw.on_kubernetes(sc, 1)
+    assert {(p.namespace, p.workload) for p in ks.pods} == {("team-llm", "job-pp"), ("team-vision", "job-dp"),
+                                                             ("team-moe", "job-moe")}
+    assert len(ks.pods) == 16 and ks.pod_of("job-pp", 7) is not None and ks.pod_of("job-pp", 7).name == "job-pp-worker-7"
+    runs = qw.plan(quick=True, seeds=1, frames=tuple(qw.FRAMES.values()))
+    assert {r.fleet for r in runs} == {"workload", "workload-k8s"} and len(runs) == 14
