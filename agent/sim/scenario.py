@@ -51,6 +51,11 @@ Example::
     job = "5001"                     # optional: the Slurm job of every slice ("": none, each its own workload)
     activity = 0.75                  # optional: SM activity of the job's slices
 
+    [[workloads]]                    # uneven work inside a training job: see gpufleet.agent.sim.workload
+    job = "job-0001"
+    pattern = "stage_imbalance"      # stage_imbalance | data_skew | hot_experts | seqlen_noise
+    owner = "team-llm"
+
     [[mig_faults]]                   # a fault of one MIG slice (gpufleet.agent.sim.mig.MIG_FAULTS)
     kind = "mig_slice_slow"
     node = "node-003"
