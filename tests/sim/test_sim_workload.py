@@ -122,3 +122,16 @@ def test_builtin_workload_scenario() -> None:
     sc = load_scenario("workload")
     assert {w.pattern for w in sc.workloads} == {"stage_imbalance", "data_skew", "hot_experts", "seqlen_noise"}
     assert {w.owner for w in sc.workloads} == {"team-llm", "team-vision", "team-moe"}
+
+
+def test_builtin_workload_faults_ground_truth_tells_faults_from_workloads() -> None:
+    sim = Simulator(load_scenario("workload_faults"), seed=1, start=1.75e9)
+    doc = sim.labels()
+    faults = {(f["type"], f["node"], f["gpu"], f["nic"], f["job_id"]) for f in doc["faults"]}
+    assert faults == {("clock_stuck_low", "node-007", "2", None, "job-pp"),
+                      ("cooling_failure", "node-001", "4", None, "job-pp"),
+                      ("ib_link_degraded", "node-013", None, "mlx5_5", "job-moe")}
+    assert all(f["expected_findings"] for f in doc["faults"])
+    stage = next(w for w in doc["workloads"] if w["pattern"] == "stage_imbalance")
+    assert stage["busier_nodes"] == ["node-006", "node-007"]  # the clock-stuck GPU is in the busier stage
+    assert "node-001" not in stage["busier_nodes"]  # the thermal one in a stage with slack
