@@ -135,6 +135,7 @@ def test_kubernetes_frame_puts_each_job_in_its_owners_namespace() -> None:
     ks = qw.on_kubernetes(sc, 1)
     assert {(p.namespace, p.workload) for p in ks.pods} == {("team-llm", "job-pp"), ("team-vision", "job-dp"),
                                                              ("team-moe", "job-moe")}
-    assert len(ks.pods) == 16 and ks.pod_of("job-pp", 7) is not None and ks.pod_of("job-pp", 7).name == "job-pp-worker-7"
+    pod = ks.pod_of("job-pp", 7)
+    assert len(ks.pods) == 16 and pod is not None and pod.name == "job-pp-worker-7"
     runs = qw.plan(quick=True, seeds=1, frames=tuple(qw.FRAMES.values()))
     assert {r.fleet for r in runs} == {"workload", "workload-k8s"} and len(runs) == 14
