@@ -366,7 +366,8 @@ REPLAY_KEYS: dict[str, type | tuple[type, ...]] = {
     "kind": str, "cause": (str, type(None)), "node": (str, type(None)), "gpu": (str, type(None)),
     "job": (str, type(None)), "site": (str, type(None)), "start": (int, float),
     "end": (int, float, type(None)), "score": (int, float), "summary": str, "detected": (int, float),
-    "incident": str, "other_causes": list, "namespace": (str, type(None)), "pod": (str, type(None))}
+    "incident": str, "other_causes": list, "namespace": (str, type(None)), "pod": (str, type(None)),
+    "route": str, "pattern": (str, type(None)), "owner": (str, type(None))}
 
 
 def test_replay_json_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
