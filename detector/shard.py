@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
+from gpufleet.detector import kinds
 from gpufleet.detector.features import FeatureFrame, GpuFrame
 
 _SPEC = re.compile(r"(\d+)/(\d+)")
@@ -128,12 +129,13 @@ def owns_finding(shard: Shard | None, kind: str, node: str | None, site: str | N
     decides NIC findings (by :func:`nic_owners`; shard 0 for a node without GPUs) and site findings (shard 0)."""
     if shard is None or shard.count == 1:
         return True
-    if kind == "network":
+    spec = kinds.spec(kind)
+    if spec.by_site:
+        return shard.index == 0
+    if spec.judged == "nic":
         if nics is None:  # no owner map: by the node's hash (every shard reading the whole NIC frame)
             return shard.owns(f"node:{node or ''}")
         return nics.get(node or "", 0) == shard.index
-    if kind == "pue_drift":
-        return shard.index == 0
     return True
 
 

@@ -51,6 +51,11 @@ Example::
     job = "5001"                     # optional: the Slurm job of every slice ("": none, each its own workload)
     activity = 0.75                  # optional: SM activity of the job's slices
 
+    [[workloads]]                    # uneven work inside a training job: see gpufleet.agent.sim.workload
+    job = "job-0001"
+    pattern = "stage_imbalance"      # stage_imbalance | data_skew | hot_experts | seqlen_noise
+    owner = "team-llm"
+
     [[mig_faults]]                   # a fault of one MIG slice (gpufleet.agent.sim.mig.MIG_FAULTS)
     kind = "mig_slice_slow"
     node = "node-003"
@@ -74,6 +79,7 @@ from typing import Any
 from gpufleet.agent.sim.faults import FAULTS, SEVERITY_WORDS
 from gpufleet.agent.sim.fleet import GPU_MODELS
 from gpufleet.agent.sim.mig import MIG_FAULTS, MigFaultSpec, MigSpec, instance_ids, layout_of
+from gpufleet.agent.sim.workload import WorkloadSpec, parse_workloads
 
 DEFAULT_START = "2026-07-01T00:00:00Z"
 
@@ -152,6 +158,8 @@ class Scenario:
     #: Nodes in MIG mode and faults of single MIG slices (gpufleet.agent.sim.mig).
     mig: list[MigSpec] = field(default_factory=list)
     mig_faults: list[MigFaultSpec] = field(default_factory=list)
+    #: Uneven work inside training jobs (gpufleet.agent.sim.workload): busier stages, ranks, hot experts, noise.
+    workloads: list[WorkloadSpec] = field(default_factory=list)
 
     @property
     def node_names(self) -> list[str]:
@@ -233,7 +241,7 @@ def parse_scenario(data: dict[str, Any], source: str = "<scenario>") -> Scenario
     w = source
     _check_keys(data, {"name", "description", "seed", "hours", "duration", "step", "start", "scrape_miss_rate",
                        "sites", "jobs", "faults", "heatwaves", "reboots", "blips", "exporter_restarts", "mig",
-                       "mig_faults"}, w)
+                       "mig_faults", "workloads"}, w)
     sc = Scenario(name=_get(data, "name", str, w, Path(source).stem))
     sc.description = _get(data, "description", str, w, "")
     sc.seed = _get(data, "seed", int, w, 0)
@@ -335,6 +343,7 @@ def parse_scenario(data: dict[str, Any], source: str = "<scenario>") -> Scenario
         sc.exporter_restarts.append({"node": node, "at": parse_duration(r.get("at", 0), f"{rw}.at"),
                                      "seconds": parse_duration(r.get("seconds", 60), f"{rw}.seconds")})
     _parse_mig(sc, data, w)
+    sc.workloads = parse_workloads(data.get("workloads"), sc, w)
     return sc
 
 
