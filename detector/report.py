@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpufleet.detector import kinds
+from gpufleet.detector import kinds, shard_source
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.findings import Finding
 from gpufleet.detector.profiles import JOB_LABELS, Query
@@ -108,7 +108,7 @@ def _site_series(det: Detector, src: RecordingSource, site: str, feature: str) -
 
 def pue_plot(det: Detector, f: Finding) -> list[str]:
     """Observed PUE (red) against the model's expected PUE (blue) around a drift."""
-    src = det.source
+    src = shard_source.unwrap(det.source)  # --shard: the recording behind the shard's view
     if not isinstance(src, RecordingSource) or f.site is None:
         return []
     fac = _site_series(det, src, f.site, "facility_power")
@@ -130,7 +130,7 @@ def pue_plot(det: Detector, f: Finding) -> list[str]:
 
 
 def finding_plots(det: Detector, f: Finding) -> list[str]:
-    src = det.source
+    src = shard_source.unwrap(det.source)  # --shard: the recording behind the shard's view
     if kinds.spec(f.kind).by_site:
         return pue_plot(det, f)
     if not isinstance(src, RecordingSource) or f.node is None:

@@ -122,7 +122,7 @@ class ShardSource:
         self.shard = shard_
         self.cfg = cfg
         self.naming = NodeNaming(cfg.node_label, cfg.strip_port)
-        self.local = local if local is not None else not callable(getattr(inner, "instant", None))
+        self.local = local if local is not None else not callable(getattr(inner, "series", None))
         self.max_selector_bytes = max_selector_bytes
         self.plan: Plan | None = None
         #: Requests sent to the backend, all evaluations together (job map included).
@@ -289,3 +289,8 @@ def view(source: Source, cfg: DetectorConfig, *, local: bool | None = None) -> S
     if cfg.shard is None or cfg.shard.count == 1:
         return source
     return ShardSource(source, cfg.shard, cfg, local=local)
+
+
+def unwrap(source: object) -> object:
+    """The source a shard's view reads through (``source`` itself when it is no view): the report plots from it."""
+    return source.inner if isinstance(source, ShardSource) else source

@@ -191,3 +191,19 @@ def test_shards_on_a_simulated_dcgm_fleet_read_every_exporter(tmp_path: Path) ->
         reading += bool(view.plan.nodes)
     assert sum(len(p) for p in parts) == len(one) and set().union(*parts) == one
     assert reading >= 2  # the fleet was split
+
+
+def test_report_of_a_shard_plots_from_the_recording(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gpufleet.detector.cli import main as cli_main
+
+    rec = synth(tmp_path / "r.om", Synth(faults=[Fault("clock", 1, 3, 600.0)], seconds=1200.0))
+    cfg = tmp_path / "d.toml"
+    cfg.write_text("[detector]\nwindow_seconds = 120\n[findings]\nopen_after = 2\n")
+    mine = shard.owner("job:job-a", 2)
+    out = tmp_path / "report.html"
+    assert cli_main(["report", str(rec), "--config", str(cfg), "--step", "60", "--html", str(out),
+                     "--shard", f"{mine}/2"]) == 0
+    assert "node-001" in capsys.readouterr().out
+    assert out.read_text().count("<svg") == 4  # the finding's evidence, read through the shard's view
+    assert cli_main(["report", str(rec), "--config", str(cfg), "--step", "60", "--shard", f"{1 - mine}/2"]) == 0
+    assert "findings (0)" in capsys.readouterr().out
