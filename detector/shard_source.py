@@ -198,15 +198,20 @@ class ShardSource:
         series = getattr(self.inner, "series", None)
         for q in mq:
             self.requests += 1
-            try:
-                if callable(series) and not self.local:
-                    sel = ",".join(f'{k}{op}"{v}"' for k, op, v in q.matchers)
-                    got = series(f"{q.metric}{{{sel}}}" if sel else q.metric, t - window, t)
-                    answers[q] = got if isinstance(got, Result) else Result.empty()
-                else:  # in memory: the query itself (precomputed over a replay), the same jobs over the window
-                    answers[q] = self.inner.query(q, t, window)
-            except SourceError as e:
-                answers[q] = e
+            got: Result | SourceError | None = None
+            if callable(series) and not self.local:
+                sel = ",".join(f'{k}{op}"{v}"' for k, op, v in q.matchers)
+                try:
+                    listed = series(f"{q.metric}{{{sel}}}" if sel else q.metric, t - window, t)
+                    got = listed if isinstance(listed, Result) else None
+                except SourceError:
+                    got = None  # a backend without the series API (or refusing it): the query itself
+            if got is None:  # in memory (precomputed over a replay), or the fallback: the same jobs over the window
+                try:
+                    got = self.inner.query(q, t, window)
+                except SourceError as e:
+                    got = e
+            answers[q] = got
         if mq and all(isinstance(a, SourceError) for a in answers.values()):
             first = next(iter(answers.values()))
             raise SourceError(f"shard {self.shard}: the job map failed: {first}")

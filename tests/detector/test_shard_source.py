@@ -14,7 +14,7 @@ from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.findings import Finding
 from gpufleet.detector.profiles import Query, queries
-from gpufleet.detector.source import Result
+from gpufleet.detector.source import Result, SourceError
 from gpufleet.detector.source_recording import RecordingSource
 
 TIMES = [T0 + 607.5 + 60.0 * i for i in range(8)]
@@ -207,3 +207,25 @@ def test_report_of_a_shard_plots_from_the_recording(tmp_path: Path, capsys: pyte
     assert out.read_text().count("<svg") == 4  # the finding's evidence, read through the shard's view
     assert cli_main(["report", str(rec), "--config", str(cfg), "--step", "60", "--shard", f"{1 - mine}/2"]) == 0
     assert "findings (0)" in capsys.readouterr().out
+
+
+class NoMetadata(Counting):
+    """A backend that refuses the series API and answers no label values (metadata endpoints blocked)."""
+
+    def series(self, selector: str, start: float, end: float) -> Result:
+        raise SourceError(f"series {selector}: HTTP 403: forbidden")
+
+    def label_values(self, label: str, match: list[str], start: float, end: float) -> None:  # type: ignore[override]
+        return None
+
+    def metric_names(self, start: float, end: float) -> None:  # type: ignore[override]
+        return None
+
+
+def test_shards_without_the_metadata_endpoints_query_instead(source: RecordingSource) -> None:
+    one = run(fast_cfg(), source)
+    parts = []
+    for i in range(2):
+        cfg = fast_cfg(detector__shard=f"{i}/2")
+        parts.append(run(cfg, shard_source.ShardSource(NoMetadata(source), shard.Shard(i, 2), cfg, local=False)))
+    assert sum(len(p) for p in parts) == len(one) and parts[0] | parts[1] == one
