@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from test_detector_core import Fault, Synth, synth
 
-from gpufleet.detector import robust
+from gpufleet.detector import recording_fast, recording_strict, robust
 from gpufleet.detector import source_recording as sr
 from gpufleet.detector.config import DetectorConfig, parse
 from gpufleet.detector.findings import Finding
@@ -141,7 +141,7 @@ def test_blocks_much_shorter_or_longer_than_the_last_are_found(tmp_path: Path) -
     lengths = [5, 1, 300, 2, 40, 40, 39, 41, 1000, 3]
     text = "# TYPE m gauge\n" + "".join(f'm{{s="{i}"}} {i + j / 7} {10 + 15 * j}\n' for i, k in enumerate(lengths)
                                         for j in range(k)) + "# EOF\n"
-    fast = sr._load_fast(text, None)
+    fast = recording_fast.load_fast(text, None)
     assert fast is not None
     got = {dict(key)["s"]: len(ts[0]) for key, (ts, _) in fast["m"].items()}
     assert got == {str(i): k for i, k in enumerate(lengths)}
@@ -149,7 +149,7 @@ def test_blocks_much_shorter_or_longer_than_the_last_are_found(tmp_path: Path) -
     path.write_text(text)
     raw: sr.RawSeries = {}
     with open(path, encoding="utf-8") as fd:
-        sr._load_file(fd, None, raw, str(path))
+        recording_strict.load_file(fd, None, raw, str(path))
     for key, (ts, vs) in fast["m"].items():
         np.testing.assert_array_equal(ts[0], np.concatenate(raw["m"][key][0]))
         np.testing.assert_array_equal(vs[0], np.concatenate(raw["m"][key][1]))

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_detector_core import Fault, Synth, synth
 
+from gpufleet.detector import recording_fast, recording_strict
 from gpufleet.detector import source_recording as sr
 from gpufleet.detector.profiles import sample_names
 
@@ -18,7 +19,7 @@ from gpufleet.detector.profiles import sample_names
 def strict(path: Path, wanted: set[str] | None) -> sr.RawSeries:
     raw: sr.RawSeries = {}
     with open(path, encoding="utf-8") as fd:
-        sr._load_file(fd, wanted, raw, str(path))
+        recording_strict.load_file(fd, wanted, raw, str(path))
     return raw
 
 
@@ -34,7 +35,7 @@ def same(a: sr.RawSeries, b: sr.RawSeries) -> None:
 def test_fast_reader_matches_the_strict_reader(tmp_path: Path) -> None:
     rec = synth(tmp_path / "r.om", Synth(nodes=2, seconds=600.0, faults=[Fault("pcie", 1, 2, 300.0)]))
     for wanted in (sample_names("gpufleet"), None):
-        fast = sr._load_fast(rec.read_text(), wanted)
+        fast = recording_fast.load_fast(rec.read_text(), wanted)
         assert fast is not None
         same(fast, strict(rec, wanted))
 
@@ -44,7 +45,7 @@ def test_fast_reader_handles_spaces_in_label_values_and_special_values(tmp_path:
             'm{a="z"} -2 10\nm{a="q\\"uote\\\\ \\n"} 1 10\n# TYPE c counter\nc_total 3 10\nc_total 4 25\n# EOF\n')
     path = tmp_path / "s.om"
     path.write_text(text)
-    fast = sr._load_fast(text, None)
+    fast = recording_fast.load_fast(text, None)
     assert fast is not None
     same(fast, strict(path, None))
     src = sr.RecordingSource.load([path])
@@ -69,7 +70,7 @@ def test_fast_reader_handles_spaces_in_label_values_and_special_values(tmp_path:
 def test_unusual_files_get_the_strict_readers_message(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "s.om"
     path.write_text(text)
-    assert sr._load_fast(text, None) is None
+    assert recording_fast.load_fast(text, None) is None
     with pytest.raises(sr.RecordingError, match=message):
         sr.RecordingSource.load([path])
 
@@ -78,7 +79,7 @@ def test_a_file_the_fast_reader_declines_still_loads(tmp_path: Path) -> None:
     text = "# TYPE m gauge\nm 1 10\nother 2 10\nother 3 25\n# EOF\n"  # `other`: a family without metadata
     path = tmp_path / "s.om"
     path.write_text(text)
-    assert sr._load_fast(text, None) is None
+    assert recording_fast.load_fast(text, None) is None
     src = sr.RecordingSource.load([path])
     np.testing.assert_array_equal(src.series["other"][0].values, [2.0, 3.0])
 
@@ -105,7 +106,7 @@ def test_whatever_the_fast_reader_accepts_the_strict_reader_reads_alike(
         elif len(doc) > 1:
             del doc[i]
     text = "".join(doc)
-    fast = sr._load_fast(text, set(wanted) if wanted is not None else None)
+    fast = recording_fast.load_fast(text, set(wanted) if wanted is not None else None)
     if fast is None:
         return
     with tempfile.TemporaryDirectory() as d:
