@@ -66,6 +66,12 @@ def _xid_last(c: Context, n_ticks: int) -> np.ndarray:
         for g, x in lastx.items():
             xid_last[k0:k1, g] = x
         prev = d
+    for node in range(len(c.nodes)):  # dcgm-exporter restarted: the gauge is 0 until the next XID
+        for k in c.restart_ticks(node):
+            for g in c.f.node_gpus(node):
+                after = xid_last[k:, g]
+                changed = np.flatnonzero(after != (xid_last[k - 1, g] if k > 0 else 0))
+                after[:changed[0] if changed.size else len(after)] = 0
     return xid_last
 
 
@@ -89,7 +95,9 @@ def _dcgm_exporter(w: OmWriter, c: Context) -> None:
         labels.update(_target(DCGM, c.nodes[node], c.site_of_node[node]))
         base.append(labels)
     us = 1e6
-    secs = fr.clock_event_seconds
+
+    def secs(reason: str) -> np.ndarray:  # dcgm-exporter's violation counters restart with it
+        return c.since_restart(fr.clock_event_seconds(reason), c.gpu_node)
     nvl_err = fr["nvl_err"]
     ecc = fr["ecc"]
     values: dict[str, tuple[np.ndarray, int]] = {
