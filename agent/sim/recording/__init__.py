@@ -109,6 +109,7 @@ def write_profile(path: Path, profile: str, sim: Simulator, fr: Frames, series: 
     ctx.pod_of = pod_of
     if scrape is not None:
         ctx.restart_ticks = lambda node: scrape.restart_ticks(profile, node)
+        ctx.as_scraped = lambda values, nodes: scrape.gauge(profile, "gpu", values, nodes)
     with path.open("wb", buffering=1 << 20) as out:
         w = OmWriter(out, fr.times, None if scrape is None else scrape.timing(profile))
         _WRITERS[profile](w, ctx)

@@ -183,6 +183,9 @@ class Context:
         #: The first tick after each restart of a node's GPU exporter (dcgm-exporter or the agent), whose own
         #: counters begin again there (set by the scrape model, :mod:`.scrape`; none with aligned scrapes).
         self.restart_ticks: Callable[[int], list[int]] = lambda node: []
+        #: Per-tick GPU values built from events (XIDs; ticks x columns on the nodes given) as the node's GPU
+        #: exporter reads them (set by the scrape model; with aligned scrapes, as they are).
+        self.as_scraped: Callable[[np.ndarray, np.ndarray], np.ndarray] = lambda values, node_of_col: values
         f = sim.fleet
         self.f = f
         self.nodes = sim.nodes

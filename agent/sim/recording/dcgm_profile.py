@@ -66,6 +66,7 @@ def _xid_last(c: Context, n_ticks: int) -> np.ndarray:
         for g, x in lastx.items():
             xid_last[k0:k1, g] = x
         prev = d
+    xid_last = c.as_scraped(xid_last, c.gpu_node)
     for node in range(len(c.nodes)):  # dcgm-exporter restarted: the gauge is 0 until the next XID
         for k in c.restart_ticks(node):
             for g in c.f.node_gpus(node):

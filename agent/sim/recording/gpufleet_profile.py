@@ -257,7 +257,8 @@ def _xid_families(w: OmWriter, c: Context, target: Callable[[int], dict[str, str
         prev_counts = d
     gpus = np.array([g for g, _ in keys], np.int64)
     if keys:  # an agent restart forgets what it counted: the series come back with the next XID, from 1
-        counts = c.since_restart(counts, c.gpu_node[gpus])
+        counts = c.since_restart(c.as_scraped(counts, c.gpu_node[gpus]), c.gpu_node[gpus])
+        last = c.as_scraped(last, c.gpu_node[gpus])
         last = np.where(counts > 0, last, np.nan)
         counts = np.where(counts > 0, counts, np.nan)
     present = np.isfinite(counts) & c.node_present_gpu[:, gpus] if keys else None

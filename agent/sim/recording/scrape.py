@@ -85,14 +85,16 @@ class ScrapeModel:
         phase = rng.random(self.n)
         skew = rng.normal(0.0, self.spec.rank_skew_ms / 1000.0, (self.n, len(self.nodes)))
         inside = np.clip(phase[:, None] * self.dt + skew, 1e-3, self.dt - 1e-3)
-        # change[k, node]: when tick k's state begins on the node (row n: the end of the last tick)
+        # change[k, node]: when tick k's state begins on the node, inside [t_k, t_k+1) so that nothing is seen
+        # before its time (a fault's labelled onset); row n: one interval after the last
         self.change = np.empty((self.n + 1, len(self.nodes)))
-        self.change[:-1] = (fr.times - self.dt)[:, None] + inside
+        self.change[:-1] = fr.times[:, None] + inside
         self.change[-1] = self.change[-2] + self.dt
         self.site_change = np.empty(self.n + 1)
-        self.site_change[:-1] = fr.times - self.dt + phase * self.dt
+        self.site_change[:-1] = fr.times + phase * self.dt
         self.site_change[-1] = self.site_change[-2] + self.dt
         self._targets: dict[str, Target] = {}
+        self._readers: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
         node_index = {name: i for i, name in enumerate(self.nodes)}
         #: (node, component) -> [(start, end)] of the scenario's exporter restarts, unix s
         self.restarts: dict[tuple[int, str], list[tuple[float, float]]] = {}
@@ -139,38 +141,44 @@ class ScrapeModel:
 
     def _index(self, x: np.ndarray, change: np.ndarray) -> np.ndarray:
         """The tick whose state holds at times ``x`` (ticks x columns) given each column's change times."""
-        k = np.clip(np.ceil((x - self.t0) / self.dt - 1e-9).astype(np.int64), 0, self.n - 1)
+        k = np.clip(np.floor((x - self.t0) / self.dt).astype(np.int64), 0, self.n - 1)
         m = k - (x < np.take_along_axis(change, k, axis=0))
         return np.clip(m, 0, self.n - 1)
 
     # ---------------------------------------------------------------- frames
+    def _reader(self, profile: str, kind: str) -> tuple[np.ndarray, np.ndarray]:
+        """(tick index, fraction of the way to the next tick's state) that each of ``profile``'s targets serving
+        arrays of ``kind`` read at each scrape, ticks x nodes (x sites for ``site``)."""
+        key = (profile, kind)
+        if key not in self._readers:
+            if kind == "site":
+                sites = [s.name for s in self.sim.fleet.sites]
+                x = np.stack([self.target(f"bms-{s}").times for s in sites], axis=1)
+                change = np.repeat(self.site_change[:, None], len(sites), axis=1)
+            else:
+                x = self.read_times(profile, SERVES[profile][kind])
+                change = self.change
+            m = self._index(x, change)
+            lo = np.take_along_axis(change, m, axis=0)
+            hi = np.take_along_axis(change, m + 1, axis=0)
+            self._readers[key] = (m, np.clip((x - lo) / (hi - lo), 0.0, 1.0))
+        return self._readers[key]
+
+    def gauge(self, profile: str, kind: str, values: np.ndarray, node_of_col: np.ndarray) -> np.ndarray:
+        """``values`` (ticks x columns on nodes ``node_of_col``) as the targets serving ``kind`` read them."""
+        m = self._reader(profile, kind)[0][:, node_of_col]
+        return values[m, np.arange(values.shape[1])[None, :]]
+
     def frames(self, profile: str) -> Frames:
         """The capture as ``profile``'s targets read it (arrays resampled on first use)."""
-        cache: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
-
-        def reader(kind: str) -> tuple[np.ndarray, np.ndarray]:
-            """(tick index, fraction towards the next tick) per column of arrays of ``kind``."""
-            key = (profile, kind)
-            if key not in cache:
-                if kind == "site":
-                    sites = [s.name for s in self.sim.fleet.sites]
-                    x = np.stack([self.target(f"bms-{s}").times for s in sites], axis=1)
-                    change = np.repeat(self.site_change[:, None], len(sites), axis=1)
-                    cols = np.arange(len(sites))
-                else:
-                    x = self.read_times(profile, SERVES[profile][kind])
-                    change = self.change
-                    f = self.sim.fleet
-                    cols = {"gpu": f.gpu_node, "nic": f.nic_node, "node": np.arange(len(self.nodes))}[kind]
-                m = self._index(x, change)
-                lo = np.take_along_axis(change, m, axis=0)
-                hi = np.take_along_axis(change, m + 1, axis=0)
-                frac = np.clip((x - lo) / (hi - lo), 0.0, 1.0)
-                cache[key] = (m[:, cols], frac[:, cols])
-            return cache[key]
+        f = self.sim.fleet
+        owner = {"gpu": f.gpu_node, "nic": f.nic_node, "node": np.arange(len(self.nodes)),
+                 "site": np.arange(len(f.sites))}
 
         def resample(key: str, a: np.ndarray) -> np.ndarray:
-            m, frac = reader(entity_of(key))
+            kind = entity_of(key)
+            m_all, frac_all = self._reader(profile, kind)
+            m, frac = m_all[:, owner[kind]], frac_all[:, owner[kind]]
             col = np.arange(a.shape[1])[None, :]
             now = a[m, col]
             if key not in CUMULATIVE_ARRAYS:
