@@ -9,8 +9,8 @@ The physics advances in ticks of the scrape interval ``dt``; a recording under t
   seed, the scenario's), plus a few milliseconds of jitter on every scrape. Timestamps are the scrape's start,
   in milliseconds.
 * **When things change.** The ticks' changes (a job entering a checkpoint, a crash, a fault) happen at one
-  instant inside each interval (random per tick), reached by each node a few hundred ms apart (the ranks'
-  skew, ``rank_skew_ms``). A target scraped before that instant still reads the previous state, one scraped
+  instant inside the following interval (drifting through it and back over :data:`PHASE_TURN` ticks), reached by each
+  node a few hundred ms apart (the ranks' skew, ``rank_skew_ms``), never before their labelled time. A target scraped before that instant still reads the previous state, one scraped
   after it the new one, so a job-wide edge reaches the nodes' samples up to one interval apart. Gauges read
   the state holding at their read time; counters grow linearly between two changes, so rates stay smooth.
 * **Exporter lag.** dcgm-exporter serves what it collected on its own interval (``exporter_collect_interval``,
@@ -45,6 +45,8 @@ EXPORTERS: dict[str, dict[str, Exporter]] = {"gpufleet": {"gpu": AGENT},
                                              "dcgm": {"gpu": DCGM, "node": NODE_EXPORTER, "ipmi": IPMI_EXPORTER}}
 SERVES: dict[str, dict[str, str]] = {"gpufleet": {"gpu": "gpu", "nic": "gpu", "node": "gpu"},
                                      "dcgm": {"gpu": "gpu", "nic": "node", "node": "ipmi"}}
+#: Ticks for the instant of a tick's changes to drift through the interval and back.
+PHASE_TURN = 123.6
 #: Exporters whose values lag the scrape by their own collect interval.
 LAGGING = frozenset({DCGM.job})
 
@@ -82,7 +84,11 @@ class ScrapeModel:
         self.miss_rate = sc.miss_rate
         self.nodes = sim.nodes
         rng = np.random.default_rng([self.seed, 0x5C4A])
-        phase = rng.random(self.n)
+        # where inside its interval a tick's changes land: drifting to and fro through the interval (there and
+        # back every PHASE_TURN ticks), so edges minutes apart split the targets differently while every state
+        # holds about one interval (a random phase per tick would have a target read some ticks twice and skip
+        # others; a sawtooth would squeeze a tick's counters into an instant once a turn)
+        phase = 1.0 - np.abs(2.0 * ((rng.random() + np.arange(self.n) / PHASE_TURN) % 1.0) - 1.0)
         skew = rng.normal(0.0, self.spec.rank_skew_ms / 1000.0, (self.n, len(self.nodes)))
         inside = np.clip(phase[:, None] * self.dt + skew, 1e-3, self.dt - 1e-3)
         # change[k, node]: when tick k's state begins on the node, inside [t_k, t_k+1) so that nothing is seen
