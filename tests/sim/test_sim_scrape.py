@@ -196,3 +196,19 @@ def test_bad_scrape_tables_are_one_line_errors(scrape: dict[str, Any], message: 
 def test_bad_restart_component_is_an_error() -> None:
     with pytest.raises(ScenarioError, match="component"):
         parse_scenario(dict(DOC, exporter_restarts=[{"node": "node-000", "component": "kubelet"}]), "scrape")
+
+
+def test_cli_generate_scrape_option(tmp_path: Path) -> None:
+    from gpufleet.agent.sim import cli
+
+    toml = tmp_path / "s.toml"
+    toml.write_text('name = "s"\nduration = "5m"\nstep = 15\n[[sites]]\nname = "site-a"\nnodes = 2\ngpus_per_node = 1\n'
+                    '[jobs]\n[[jobs.fixed]]\nid = "job-a"\nnodes = "all"\n', encoding="utf-8")
+    stamps = {}
+    for model in ("aligned", "prometheus"):
+        assert cli.main(["generate", "--scenario", str(toml), "--out", str(tmp_path / model), "--series", "core",
+                         "--scrape", model, "--quiet"]) == 0
+        s = parse(tmp_path / model / "metrics.gpufleet.om", {"gpufleet_gpu_power_watts"})
+        stamps[model] = {t for (_, _), v in s.items() for t, _ in v}
+    assert all(t == int(t) and t % 15 == 0 for t in stamps["aligned"])
+    assert sum(t % 15 == 0 for t in stamps["prometheus"]) < len(stamps["prometheus"]) / 10
