@@ -173,7 +173,8 @@ class ScrapeModel:
     def gauge(self, profile: str, kind: str, values: np.ndarray, node_of_col: np.ndarray) -> np.ndarray:
         """``values`` (ticks x columns on nodes ``node_of_col``) as the targets serving ``kind`` read them."""
         m = self._reader(profile, kind)[0][:, node_of_col]
-        return values[m, np.arange(values.shape[1])[None, :]]
+        out: np.ndarray = values[m, np.arange(values.shape[1])[None, :]]
+        return out
 
     def frames(self, profile: str) -> Frames:
         """The capture as ``profile``'s targets read it (arrays resampled on first use)."""
@@ -186,12 +187,12 @@ class ScrapeModel:
             m_all, frac_all = self._reader(profile, kind)
             m, frac = m_all[:, owner[kind]], frac_all[:, owner[kind]]
             col = np.arange(a.shape[1])[None, :]
-            now = a[m, col]
+            now: np.ndarray = a[m, col]
             if key not in CUMULATIVE_ARRAYS:
                 return now
-            before = a[np.maximum(m - 1, 0), col]
+            before: np.ndarray = a[np.maximum(m - 1, 0), col]
             w = frac.reshape(frac.shape + (1,) * (a.ndim - 2))
-            out = before + w * (now - before)
+            out: np.ndarray = before + w * (now - before)
             return np.floor(out) if np.issubdtype(a.dtype, np.integer) else out
 
         return Frames(times=self.fr.times, arrays=_Resampled(self.fr.arrays, resample), xid=self.fr.xid,
