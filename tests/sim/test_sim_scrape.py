@@ -212,3 +212,14 @@ def test_cli_generate_scrape_option(tmp_path: Path) -> None:
         stamps[model] = {t for (_, _), v in s.items() for t, _ in v}
     assert all(t == int(t) and t % 15 == 0 for t in stamps["aligned"])
     assert sum(t % 15 == 0 for t in stamps["prometheus"]) < len(stamps["prometheus"]) / 10
+
+
+def test_every_builtin_scenario_and_the_harnesses_scrape_as_prometheus_by_default() -> None:
+    from gpufleet.agent.sim import kubernetes, quality
+    from gpufleet.agent.sim.scenario import builtin_names, load_scenario
+
+    for name in builtin_names():
+        sc = load_scenario(name)
+        assert sc.scrape.model == "prometheus" and sc.miss_rate > 0, name
+    assert kubernetes.build("cluster").scenario.scrape.model == "prometheus"
+    assert {r.scrape for r in quality.plan(True, 1)} == {"prometheus"}
