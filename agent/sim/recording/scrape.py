@@ -181,18 +181,29 @@ class ScrapeModel:
         f = self.sim.fleet
         owner = {"gpu": f.gpu_node, "nic": f.nic_node, "node": np.arange(len(self.nodes)),
                  "site": np.arange(len(f.sites))}
+        flat: dict[tuple[str, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+        def indices(kind: str, inner: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            """Flat indices (into a ticks x (columns * inner) array) of what each scrape reads, of the tick
+            before it, and the fraction of the way between them."""
+            if (kind, inner) not in flat:
+                m_all, frac_all = self._reader(profile, kind)
+                m = np.repeat(m_all[:, owner[kind]], inner, axis=1)
+                width = m.shape[1]
+                col = np.arange(width, dtype=np.int64)[None, :]
+                flat[(kind, inner)] = (m * width + col, np.maximum(m - 1, 0) * width + col,
+                                       np.repeat(frac_all[:, owner[kind]], inner, axis=1))
+            return flat[(kind, inner)]
 
         def resample(key: str, a: np.ndarray) -> np.ndarray:
-            kind = entity_of(key)
-            m_all, frac_all = self._reader(profile, kind)
-            m, frac = m_all[:, owner[kind]], frac_all[:, owner[kind]]
-            col = np.arange(a.shape[1])[None, :]
-            now: np.ndarray = a[m, col]
+            inner = int(np.prod(a.shape[2:], dtype=np.int64))
+            now_i, before_i, frac = indices(entity_of(key), inner)
+            source = a.reshape(-1)
+            now: np.ndarray = source.take(now_i).reshape(a.shape)
             if key not in CUMULATIVE_ARRAYS:
                 return now
-            before: np.ndarray = a[np.maximum(m - 1, 0), col]
-            w = frac.reshape(frac.shape + (1,) * (a.ndim - 2))
-            out: np.ndarray = before + w * (now - before)
+            before: np.ndarray = source.take(before_i).reshape(a.shape)
+            out: np.ndarray = before + frac.reshape(a.shape) * (now - before)
             return np.floor(out) if np.issubdtype(a.dtype, np.integer) else out
 
         return Frames(times=self.fr.times, arrays=_Resampled(self.fr.arrays, resample), xid=self.fr.xid,
