@@ -19,6 +19,7 @@ from gpufleet.agent.sim.mig import SliceSeries, slice_series
 from gpufleet.agent.sim.physics import ECC_KEYS, NIC_ERRORS, REMAP_CAUSES
 from gpufleet.agent.sim.recording.capture import Context
 from gpufleet.agent.sim.recording.gpufleet_profile import site_families
+from gpufleet.agent.sim.recording.mig_profile import scraped_slices
 from gpufleet.agent.sim.recording.openmetrics import OmWriter, prefix
 from gpufleet.agent.vocab.exporters import (
     DCGM,
@@ -158,7 +159,8 @@ class _MigInstances:
         self.in_mig_mode = np.zeros(c.f.n_gpus, dtype=bool)
         for node in sim.mig_nodes:
             self.in_mig_mode[sim.fleet.node_gpus(node)] = True
-        self.slices = slice_series(sim, fr.times, {f: fr[f] for f in ("sm_active", "tensor", "dram", "mem_used")}) \
+        self.slices = scraped_slices(c, slice_series(sim, fr.times, {f: fr[f] for f in ("sm_active", "tensor", "dram",
+                                                                                        "mem_used")})) \
             if sim.mig_nodes else []
         self.parents = np.array([int(sim.fleet.node_gpus(s.node)[s.gpu]) for s in self.slices], dtype=np.int64)
         self.mask = c.gpu_present[:, self.parents]
