@@ -223,3 +223,40 @@ def test_every_builtin_scenario_and_the_harnesses_scrape_as_prometheus_by_defaul
         assert sc.scrape.model == "prometheus" and sc.miss_rate > 0, name
     assert kubernetes.build("cluster").scenario.scrape.model == "prometheus"
     assert {r.scrape for r in quality.plan(True, 1)} == {"prometheus"}
+
+
+class _TwoTargets:
+    """A timing of two targets ("a:1" at +1.5 s with its second scrape failed, "b:2" at +7.25 s)."""
+
+    def __init__(self, times: np.ndarray) -> None:
+        from gpufleet.agent.sim.recording.scrape import _ms_text
+
+        stamps = [np.round((times + off) * 1000).astype(np.int64) for off in (1.5, 7.25)]
+        self.ts = np.stack([_ms_text(s) for s in stamps])
+        self.ok = np.ones((2, len(times)), bool)
+        self.ok[0, 1] = False
+
+    def rows_of(self, prefixes: list[bytes]) -> np.ndarray:
+        return np.array([0 if b'instance="a:1"' in p else 1 for p in prefixes])
+
+    def tables(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.ts, self.ok
+
+
+@pytest.mark.parametrize("values", [[[1.5, 2.0], [3.25, 4.0], [5.0, 6.0]], [[-1.5, 2.0], [3.25, -4.0], [5.0, 6.0]]])
+def test_the_writer_stamps_each_series_with_its_targets_scrapes(values: list[list[float]]) -> None:
+    """Both of the writer's paths (the fast one; negative values take the general one)."""
+    import io
+
+    from gpufleet.agent.sim.recording.openmetrics import OmWriter, prefix
+
+    times = START + STEP * np.arange(1, 4)
+    out = io.BytesIO()
+    w = OmWriter(out, times, _TwoTargets(times))
+    w.block([prefix("m", {"instance": "a:1"}), prefix("m", {"instance": "b:2"})], np.array(values), 2)
+    lines = sorted(out.getvalue().decode().splitlines())
+    want = sorted([f'm{{instance="a:1"}} {float(values[k][0]):.2f} {times[k] + 1.5:.3f}' for k in (0, 2)]
+                  + [f'm{{instance="b:2"}} {float(values[k][1]):.2f} {times[k] + 7.25:.3f}' for k in range(3)])
+    assert [ln.split()[0] for ln in lines] == [ln.split()[0] for ln in want]
+    assert [(float(a.split()[1]), a.split()[2]) for a in lines] == [(float(b.split()[1]), b.split()[2]) for b in want]
+    assert w.samples == 5
