@@ -183,11 +183,14 @@ class Simulator:
             p.nic_err[node * self.fleet.nics_per_node + b["nic"], 0] += b["count"]
 
     def scrape_gaps(self, n_ticks: int) -> np.ndarray:
-        """Ticks x nodes: True where an exporter restart leaves the node's scrape missing."""
+        """Ticks x nodes: True where a restart of the node's GPU exporter leaves its scrape missing (the aligned
+        scrape model's node-wide gaps; the prometheus model keeps each exporter's restarts to its own target)."""
         sc = self.scenario
         out = np.zeros((n_ticks, len(self.fleet.nodes)), dtype=bool)
         times = (np.arange(n_ticks) + 1) * sc.step
         for r in sc.exporter_restarts:
+            if r.get("component", "gpu") != "gpu":
+                continue
             out[:, sc.node_names.index(r["node"])] |= (times >= r["at"]) & (times < r["at"] + r["seconds"])
         return out
 
