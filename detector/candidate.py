@@ -12,7 +12,8 @@ says *why*, in named parts rather than string-keyed entries:
 - ``values``: the readings that back it (``pcie_gen``, ``pfc_paused_fraction``, ``nvlink_errors``...);
 - ``flags``: what a network port was flagged for (``link_downed``, ``reduced_rate``, ``xmit_wait``...);
 - ``fractions``: throttling: the fraction of the window each clock-event reason was active;
-- ``members``: a node-level candidate: how many GPUs (or ports) it covers; ``onset``: an estimated start.
+- ``members``: a node-level candidate: how many GPUs (or ports) it covers; ``onset``: an estimated start;
+- ``rules``: the cause rules that applied, by name.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class Evidence:
     fractions: dict[str, float] = field(default_factory=dict)
     members: int = 0
     onset: float | None = None
+    #: the cause rules that applied (detector.cause_rules), by name
+    rules: tuple[str, ...] = ()
 
     def direct(self) -> dict[str, float]:
         """The causes backed by direct evidence (worth more than :data:`DIRECT`), with their strength."""

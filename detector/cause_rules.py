@@ -77,6 +77,9 @@ class Rule:
     strength: Callable[[GpuView], float]
     #: readings reported with the evidence when it applies
     values: Callable[[GpuView], dict[str, float]] = lambda v: {}
+    #: "gpu": evidence about the GPU itself (its reasons, limit, memory, links); "node": about its node (host
+    #: pressure, fabric pause, AER rate), which explains a deviation but does not vouch for one
+    scope: Literal["gpu", "node"] = "gpu"
 
 
 def _reason(feat: str, need_low_clock: bool = False) -> Callable[[GpuView], float]:
@@ -159,12 +162,12 @@ RULES: tuple[Rule, ...] = (
     Rule("memory", "direct", "memory_errors",
          lambda v: DIRECT + 2.0 if v.val("remap_pending") > 0 or v.val("ecc") > 0 else 0.0,
          lambda v: {"ecc": v.val("ecc"), "remap_pending": v.val("remap_pending")}),
-    Rule("host", "direct", "host_pressure", _node("host"), _node_values),
-    Rule("pcie", "direct", "aer_rate", _node("pcie"), _node_values),
+    Rule("host", "direct", "host_pressure", _node("host"), _node_values, "node"),
+    Rule("pcie", "direct", "aer_rate", _node("pcie"), _node_values, "node"),
     # --- link: direct evidence that makes a straggler of a rank that does not deviate itself
     Rule("network", "link", "nic_flagged",
          lambda v: DIRECT + 5.0 if (v.frame.nodes[v.i], v.frame.gpus[v.i]) in v.nic_flags else 0.0),
-    Rule("network", "link", "fabric_pressure", _node("network"), _node_values),
+    Rule("network", "link", "fabric_pressure", _node("network"), _node_values, "node"),
     Rule("network", "link", "nvlink_down", _nvlink_down, lambda v: {"nvlink_up_min": v.val("nvlink_down")}),
     Rule("network", "link", "nvlink_errors", _nvlink_errors,
          lambda v: {"nvlink_errors": float(v.nvlink_excess[v.i]) if v.nvlink_excess is not None else 0.0}),
@@ -189,16 +192,23 @@ RULES: tuple[Rule, ...] = (
 LINK_RULES = tuple(r for r in RULES if r.kind == "link")
 
 
-def evaluate(v: GpuView) -> tuple[dict[str, float], dict[str, float]]:
-    """(cause -> strength, readings) of every rule that applies to the GPU, the strongest per cause."""
+def evaluate(v: GpuView) -> tuple[dict[str, float], dict[str, float], tuple[str, ...]]:
+    """(cause -> strength, readings, the rules that applied) for the GPU, the strongest per cause."""
     causes: dict[str, float] = {}
     values: dict[str, float] = {}
+    applied: list[str] = []
     for r in RULES:
         s = r.strength(v)
         if s > 0:
             causes[r.cause] = max(causes.get(r.cause, 0.0), s)
             values.update(r.values(v))
-    return causes, values
+            applied.append(r.what)
+    return causes, values, tuple(applied)
+
+
+#: The rules whose evidence is about the GPU itself and direct: what vouches for a deviation read while its job
+#: is at a phase edge (detector/phases.py).
+OWN_DIRECT = frozenset(r.what for r in RULES if r.kind != "inferred" and r.scope == "gpu")
 
 
 def link(v: GpuView) -> tuple[Rule, float] | None:
