@@ -80,6 +80,9 @@ class Rule:
     #: "gpu": evidence about the GPU itself (its reasons, limit, memory, links); "node": about its node (host
     #: pressure, fabric pause, AER rate), which explains a deviation but does not vouch for one
     scope: Literal["gpu", "node"] = "gpu"
+    #: node evidence that explains a deviation: the features it makes fall below the peers' (host pressure
+    #: starves the GPU: its utilization and tensor activity); then it vouches for that deviation too
+    explains: tuple[str, ...] = ()
 
 
 def _reason(feat: str, need_low_clock: bool = False) -> Callable[[GpuView], float]:
@@ -162,7 +165,7 @@ RULES: tuple[Rule, ...] = (
     Rule("memory", "direct", "memory_errors",
          lambda v: DIRECT + 2.0 if v.val("remap_pending") > 0 or v.val("ecc") > 0 else 0.0,
          lambda v: {"ecc": v.val("ecc"), "remap_pending": v.val("remap_pending")}),
-    Rule("host", "direct", "host_pressure", _node("host"), _node_values, "node"),
+    Rule("host", "direct", "host_pressure", _node("host"), _node_values, "node", ("util", "tensor")),
     Rule("pcie", "direct", "aer_rate", _node("pcie"), _node_values, "node"),
     # --- link: direct evidence that makes a straggler of a rank that does not deviate itself
     Rule("network", "link", "nic_flagged",
@@ -209,6 +212,16 @@ def evaluate(v: GpuView) -> tuple[dict[str, float], dict[str, float], tuple[str,
 #: The rules whose evidence is about the GPU itself and direct: what vouches for a deviation read while its job
 #: is at a phase edge (detector/phases.py).
 OWN_DIRECT = frozenset(r.what for r in RULES if r.kind != "inferred" and r.scope == "gpu")
+_EXPLAINS = {r.what: r.explains for r in RULES if r.explains}
+
+
+def vouched(rules: tuple[str, ...], deviations: dict[str, float], t: Thresholds) -> bool:
+    """Does direct evidence vouch for a deviation read while the GPU's job is at a phase edge? Evidence about
+    the GPU itself does; node evidence does where it explains the deviation (host pressure and a GPU whose
+    utilization or tensor activity is below its peers'); nothing else does."""
+    if OWN_DIRECT.intersection(rules):
+        return True
+    return any(deviations.get(f, 0.0) <= -t.cause_z for r in rules for f in _EXPLAINS.get(r, ()))
 
 
 def link(v: GpuView) -> tuple[Rule, float] | None:

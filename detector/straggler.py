@@ -201,8 +201,9 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
     cands = [_candidate(frame, int(i), combined[i], z, p, flags, node_causes or {}) for i in np.flatnonzero(hit)]
     if edge is not None and edge.any():  # at a job-wide edge: the GPU's own direct evidence only
         at_edge = {(frame.nodes[i], frame.gpus[i]) for i in np.flatnonzero(edge)}
-        cands = [c for c in cands
-                 if (c.node, c.gpu) not in at_edge or cause_rules.OWN_DIRECT.intersection(c.evidence.rules)]
+        t = _thresholds(p)
+        cands = [c for c in cands if (c.node, c.gpu) not in at_edge
+                 or cause_rules.vouched(c.evidence.rules, c.evidence.deviations, t)]
     cands += _link_stragglers(frame, scored & ~hit, p, flags, z, node_causes or {})
     return StragglerResult(scored, combined, z, _collapse_nodes(frame, groups, cands, p))
 
