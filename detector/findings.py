@@ -32,12 +32,12 @@ Closed findings are kept in a bounded recent history (``history``).
 
 from __future__ import annotations
 
-import hashlib
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpufleet.detector.identity import incident_id  # issue 24: ids from the problem (kind, entity, start)
 from gpufleet.detector.straggler import Candidate
 
 Key = tuple[str, str, str, str, str, str]  # kind, node, gpu, nic, site, "" (the job is no part of the identity)
@@ -108,11 +108,6 @@ class _Pending:
 
 def _top(causes: dict[str, float]) -> str:
     return max(causes, key=lambda c: causes[c]) if causes else ""
-
-
-def _incident_id(kind: str, c: Candidate, t: float) -> str:
-    what = f"{kind}|{c.node}|{c.gpu or ''}|{c.nic}|{c.site}|{t:.0f}"
-    return hashlib.sha1(what.encode(), usedforsecurity=False).hexdigest()[:12]
 
 
 class Tracker:
@@ -217,7 +212,7 @@ class Tracker:
         f = Finding(kind, cause or None, c.node or None, c.gpu, c.job, c.site or None, start, None, best.score,
                     self.summarize(kind, best), c.nic, best.evidence, p.causes, t, t, namespace=best.namespace,
                     pod=best.pod, gpu_instance=best.gpu_instance, mig_profile=best.mig_profile)
-        f.incident = self._related_incident(f) or _incident_id(kind, c, t)
+        f.incident = self._related_incident(f) or incident_id(k, start)  # issue 24: not the opening time
         if c.gpu is None and kind != "pue_drift":
             for ok, of in list(self.active.items()):
                 if of.kind == kind and of.node == f.node and of.gpu is not None and not of.nic:
