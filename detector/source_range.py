@@ -10,7 +10,7 @@ the live evaluations that follow. It counts what it asked for (:attr:`requests`,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,8 +31,10 @@ def _ms(t: float) -> int:
 class RangeSource:
     """Grid answers from ``query_range`` over a :class:`PrometheusSource` (its session, table and errors)."""
 
-    def __init__(self, prom: PrometheusSource) -> None:
+    def __init__(self, prom: PrometheusSource, progress: Callable[[], None] | None = None) -> None:
+        """``progress``: called after each request, answered or failed (the service's liveness)."""
         self.prom = prom
+        self.progress = progress
         self.table = prom.table
         self.url = prom.url.removesuffix("/api/v1/query") + "/api/v1/query_range"
         self._cache: dict[tuple[Query, float], tuple[dict[int, int], np.ndarray, np.ndarray]] = {}
@@ -110,6 +112,13 @@ class RangeSource:
         return i
 
     def _fetch(self, expr: str, start: float, end: float, step: float) -> list[tuple[Any, list[Any]]]:
+        try:
+            return self._fetch_once(expr, start, end, step)
+        finally:
+            if self.progress is not None:
+                self.progress()
+
+    def _fetch_once(self, expr: str, start: float, end: float, step: float) -> list[tuple[Any, list[Any]]]:
         self.requests += 1
         data = {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:g}"}
         try:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -45,6 +45,9 @@ from gpufleet.detector.source import Result
 BASELINE_STEP = 3600.0
 #: Longest stretch of whole evaluations replayed by default (the doubling stops here).
 MAX_SECONDS = 6 * 3600.0
+#: Most grid instants a PUE model is rebuilt over (7.5 days at the default 15 s interval is 43,200; a much
+#: shorter interval rebuilds it over fewer days).
+PUE_MAX_POINTS = 60_000
 
 
 class GridSource(Protocol):
@@ -100,13 +103,14 @@ def on_grid(t: float, step: float, anchor: float = 0.0) -> float:
 
 
 def rebuild(cfg: DetectorConfig, source: GridSource, at: float, *, earliest: float = -math.inf,
-            step: float | None = None, max_seconds: float = MAX_SECONDS) -> tuple[Detector, WarmStart]:
+            step: float | None = None, max_seconds: float = MAX_SECONDS,
+            progress: Callable[[], None] | None = None) -> tuple[Detector, WarmStart]:
     """A detector whose state is that of one that evaluated every grid instant before ``at``.
 
     The grid: multiples of ``step`` (default ``interval_seconds``), as the live loop evaluates; with a finite
     ``earliest`` (a recording's first full window, where ``replay`` begins) it is ``earliest + k * step``
     instead, and the replay never reaches back before ``earliest`` (a replay that starts there is complete
-    by construction).
+    by construction). ``progress`` is called after each replayed evaluation.
     """
     began = time.perf_counter()
     iv = step or cfg.interval_seconds
@@ -115,18 +119,23 @@ def rebuild(cfg: DetectorConfig, source: GridSource, at: float, *, earliest: flo
     first = anchor if math.isfinite(earliest) else -math.inf
     horizon = first_horizon(cfg, iv)
     evaluations = attempts = 0
+    since = max(at - pue_horizon(cfg), at - PUE_MAX_POINTS * iv, earliest)
+    with gc_paused():
+        sites = _site_values(Detector(cfg, source), source, since, at, iv, anchor)
     while True:
         attempts += 1
         start = max(at - horizon, first)
         det = Detector(cfg, source)
         with gc_paused():
             _seed_baselines(det, source, start, earliest, iv, anchor)
-            _seed_pue(det, source, start, max(at - pue_horizon(cfg), earliest), iv, anchor)
+            _seed_pue(det, sites, start)
             times = grid(start, at, iv, anchor)
             for q in det.queries:
                 source.precompute(q, times, cfg.window_seconds)
         for t in times:
             det.evaluate(t)
+            if progress is not None:
+                progress()
         evaluations += len(times)
         late = truncated(det, start, margin(cfg, iv)) if start > first else []
         if not late or horizon >= max_seconds:
@@ -148,6 +157,21 @@ def truncated(det: Detector, start: float, within: float) -> list[Finding]:
         if key[0] != "pue_drift" and p.first < start + within:
             late.append(Finding(key[0], None, key[1] or None, key[2] or None, None, key[4] or None, p.first))
     return late
+
+
+def catch_up(det: Detector, source: GridSource, times: Sequence[float]) -> None:
+    """Evaluate the grid ``times`` the live loop missed (a slow evaluation, a short Prometheus outage) from
+    ``source``, so the state stays that of a detector that missed none (an HA partner's)."""
+    live = det.source
+    det.source = source
+    try:
+        with gc_paused():
+            for q in det.queries:
+                source.precompute(q, times, det.cfg.window_seconds)
+        for t in times:
+            det.evaluate(t)
+    finally:
+        det.source = live
 
 
 def adopt(live: Detector, rebuilt: Detector) -> None:
@@ -190,36 +214,49 @@ def _seed_baselines(det: Detector, source: GridSource, start: float, earliest: f
         det.baseline.nic_flaps(nic.nodes, nic.devices, nic.ports, nic.get("nic_link_downed"), t, horizon)
 
 
-def _seed_pue(det: Detector, source: GridSource, start: float, since: float, iv: float, anchor: float) -> None:
-    """Each site's PUE monitor run on the grid over ``[since, start)`` from the site series alone, as the
-    evaluations there would have run it (site values summed as :func:`~gpufleet.detector.features.collect`
-    sums them)."""
-    cfg = det.cfg
-    win = cfg.window_seconds
-    times = grid(since, start, iv, anchor)
+SiteValues = tuple[list[float], dict[str, dict[str, np.ndarray]]]
+
+
+def _site_values(det: Detector, source: GridSource, since: float, until: float, iv: float,
+                 anchor: float) -> SiteValues:
+    """The grid instants of ``[since, until)`` and each site's summed feature values at them (NaN: none),
+    from the site series alone, summed as :func:`~gpufleet.detector.features.collect` sums them."""
+    win = det.cfg.window_seconds
+    times = grid(since, until, iv, anchor)
     qs = [q for q in det.queries if q.entity == "site"]
+    sites: dict[str, dict[str, np.ndarray]] = {}
     if not times or not qs:
-        return
+        return times, sites
     for q in qs:
         source.precompute(q, times, win)
-    sites: dict[str, dict[str, np.ndarray]] = {}
     for q in qs:
         for r, t in enumerate(times):
             res = source.query(q, t, win)
+            if not len(res):
+                continue
             for s, v in zip(res.column("site"), res.values.tolist(), strict=True):
                 site = q.site or s or ""
                 if not site:
                     continue
                 col = sites.setdefault(site, {}).setdefault(q.feature, np.full(len(times), np.nan))
                 col[r] = v if np.isnan(col[r]) else col[r] + v
+    return times, sites
+
+
+def _seed_pue(det: Detector, values: SiteValues, start: float) -> None:
+    """Each site's PUE monitor run over the instants of ``values`` before ``start``, as the evaluations there
+    would have run it."""
+    times, sites = values
+    n = sum(1 for t in times if t < start)
     for site in sorted(sites):
         feats = sites[site]
         nan = np.full(len(times), np.nan)
         fac, it = feats.get("facility_power", nan), feats.get("it_power", nan)
         temp = feats.get("outdoor_temperature")
-        mon = det.pue.setdefault(site, PueMonitor(cfg.pue))
-        for r, t in enumerate(times):
-            has = [f for f in feats if not np.isnan(feats[f][r])]
-            if not has:
-                continue  # the site had no series at all then: the evaluation would not have seen it
-            mon.update(t, float(fac[r]), float(it[r]), None if temp is None or np.isnan(temp[r]) else float(temp[r]))
+        seen = np.zeros(len(times), dtype=bool)
+        for col in feats.values():
+            seen |= ~np.isnan(col)
+        mon = det.pue.setdefault(site, PueMonitor(det.cfg.pue))
+        for r in np.flatnonzero(seen[:n]).tolist():  # no series at all then: the evaluation would not see it
+            mon.update(times[r], float(fac[r]), float(it[r]),
+                       None if temp is None or np.isnan(temp[r]) else float(temp[r]))
