@@ -128,7 +128,7 @@ def rebuild(cfg: DetectorConfig, source: GridSource, at: float, *, earliest: flo
         det = Detector(cfg, source)
         with gc_paused():
             _seed_baselines(det, source, start, earliest, iv, anchor)
-            _seed_pue(det, sites, start)
+            drifting = _seed_pue(det, sites, start)
             times = grid(start, at, iv, anchor)
             for q in det.queries:
                 source.precompute(q, times, cfg.window_seconds)
@@ -137,6 +137,7 @@ def rebuild(cfg: DetectorConfig, source: GridSource, at: float, *, earliest: flo
             if progress is not None:
                 progress()
         evaluations += len(times)
+        _pue_detected(det, drifting, start, iv)
         late = truncated(det, start, margin(cfg, iv)) if start > first else []
         if not late or horizon >= max_seconds:
             break
@@ -243,10 +244,11 @@ def _site_values(det: Detector, source: GridSource, since: float, until: float, 
     return times, sites
 
 
-def _seed_pue(det: Detector, values: SiteValues, start: float) -> None:
+def _seed_pue(det: Detector, values: SiteValues, start: float) -> dict[str, float]:
     """Each site's PUE monitor run over the instants of ``values`` before ``start``, as the evaluations there
-    would have run it."""
+    would have run it; per site drifting at ``start``, the first instant of its drift (the CUSUM over ``h``)."""
     times, sites = values
+    drifting: dict[str, float] = {}
     n = sum(1 for t in times if t < start)
     for site in sorted(sites):
         feats = sites[site]
@@ -258,5 +260,21 @@ def _seed_pue(det: Detector, values: SiteValues, start: float) -> None:
             seen |= ~np.isnan(col)
         mon = det.pue.setdefault(site, PueMonitor(det.cfg.pue))
         for r in np.flatnonzero(seen[:n]).tolist():  # no series at all then: the evaluation would not see it
-            mon.update(times[r], float(fac[r]), float(it[r]),
-                       None if temp is None or np.isnan(temp[r]) else float(temp[r]))
+            st = mon.update(times[r], float(fac[r]), float(it[r]),
+                            None if temp is None or np.isnan(temp[r]) else float(temp[r]))
+            if st is not None and st.drifting and st.expected is not None:
+                drifting.setdefault(site, times[r])
+            elif st is not None:
+                drifting.pop(site, None)
+    return drifting
+
+
+def _pue_detected(det: Detector, drifting: dict[str, float], start: float, iv: float) -> None:
+    """A PUE drift found open at the replay's start opened, for an uninterrupted detector, ``open_after``
+    evaluations into its drift (the candidate is there at every evaluation while the site drifts): its
+    detection time, not the replay's."""
+    k = det.cfg.findings.open_after
+    for f in det.tracker.active.values():
+        since = drifting.get(f.site or "")
+        if f.kind == "pue_drift" and since is not None and f.opened <= start + (k - 1) * iv + 1e-6:
+            f.opened = since + (k - 1) * iv
