@@ -51,6 +51,9 @@ def replay(files: Sequence[str], cfg: DetectorConfig, step: float | None = None,
     times = [first + i * step for i in range(int((hi - first) // step) + 1)] if hi >= first else []
     # issue 24: a time range; evaluating from t_from starts from the state rebuilt out of the history before it
     times = [t for t in times if (t_from is None or t >= t_from) and (t_until is None or t <= t_until)]
+    if not times and (t_from is not None or t_until is not None) and hi >= first:
+        raise ValueError(f"--from/--until: no evaluation instant in the range (every {step:g} s from {first:.0f} "
+                         f"to {hi:.0f})")
     if t_from is not None and times and times[0] > first:
         det, _ = warmstart.rebuild(cfg, src, times[0], earliest=first, step=step)
     for q in det.queries:
