@@ -59,25 +59,26 @@ class RangeSource:
         step = ts[1] - ts[0] if len(ts) > 1 else 1.0
         expr = query.promql(window)
         cols: dict[int, int] = {}
-        rows: list[tuple[int, list[float], list[float]]] = []  # (series column, times, values)
+        rows: list[tuple[int, np.ndarray, np.ndarray]] = []  # (series column, grid rows, values)
+        t0 = ts[0]
         for lo in range(0, len(ts), MAX_POINTS):
             part = ts[lo:lo + MAX_POINTS]
             for metric, values in self._fetch(expr, part[0], part[-1], step):
                 i = self._intern(expr, metric)
-                try:
-                    when, vals = [float(v[0]) for v in values], [float(v[1]) for v in values]
-                except (IndexError, KeyError, TypeError, ValueError) as e:
+                try:  # [[unix seconds, "value"], ...]: one array, both columns converted at once
+                    pairs = np.array(values, dtype=object).reshape(len(values), 2)
+                    when = pairs[:, 0].astype(np.float64)
+                    vals = pairs[:, 1].astype(np.float64)
+                except (TypeError, ValueError) as e:
                     self.prom.query_errors += 1
                     raise SourceError(f"{expr} (range): malformed values {values!r:.200}") from e
-                rows.append((cols.setdefault(i, len(cols)), when, vals))
+                pos = np.rint((when - t0) / step).astype(np.int64)
+                ok = (pos >= 0) & (pos < len(ts)) & (np.abs(t0 + pos * step - when) < 1e-3)
+                rows.append((cols.setdefault(i, len(cols)), pos[ok], vals[ok]))
         index = {_ms(t): r for r, t in enumerate(ts)}
         mat = np.full((len(ts), len(cols)), np.nan)
-        for col, when, vals in rows:
-            at = [index.get(_ms(w), -1) for w in when]
-            v = np.array(vals, dtype=np.float64)
-            pos = np.array(at, dtype=np.int64)
-            ok = pos >= 0
-            mat[pos[ok], col] = v[ok]
+        for col, pos, vals in rows:
+            mat[pos, col] = vals
         if query.scale != 1.0:
             mat *= query.scale
         ids = np.zeros(len(cols), dtype=np.int64)
@@ -95,6 +96,12 @@ class RangeSource:
         vals = cached[2][row]
         keep = ~np.isnan(vals)
         return Result(self.table, cached[1][keep], vals[keep])
+
+    def matrix(self, query: Query, window: float) -> tuple[np.ndarray, np.ndarray] | None:
+        """The precomputed answers of ``query``: series ids and a (grid instants x series) matrix, NaN where a
+        series has no value; None when not precomputed."""
+        cached = self._cache.get((query, window))
+        return None if cached is None else (cached[1], cached[2])
 
     def drop(self) -> None:
         """Forget the precomputed answers (a warm start's matrices are not needed once it is done)."""

@@ -231,6 +231,18 @@ def _site_values(det: Detector, source: GridSource, since: float, until: float, 
     for q in qs:
         source.precompute(q, times, win)
     for q in qs:
+        whole = getattr(source, "matrix", None)  # RangeSource: the whole grid at once
+        got = whole(q, win) if callable(whole) else None
+        if got is not None:
+            ids, mat = got
+            names = source_site_column(source, ids)
+            for j, s in enumerate(names):
+                site = q.site or s or ""
+                if site:
+                    col = sites.setdefault(site, {}).setdefault(q.feature, np.full(len(times), np.nan))
+                    v = mat[:, j]
+                    col[:] = np.where(np.isnan(col), v, np.where(np.isnan(v), col, col + v))
+            continue
         for r, t in enumerate(times):
             res = source.query(q, t, win)
             if not len(res):
@@ -242,6 +254,15 @@ def _site_values(det: Detector, source: GridSource, since: float, until: float, 
                 col = sites.setdefault(site, {}).setdefault(q.feature, np.full(len(times), np.nan))
                 col[r] = v if np.isnan(col[r]) else col[r] + v
     return times, sites
+
+
+def source_site_column(source: GridSource, ids: np.ndarray) -> list[str | None]:
+    """The ``site`` label of each series id of ``source``'s table."""
+    table = getattr(source, "table", None)
+    if table is None:
+        return [None] * len(ids)
+    col: list[str | None] = table.column("site")
+    return [col[i] for i in ids.tolist()]
 
 
 def _seed_pue(det: Detector, values: SiteValues, start: float) -> dict[str, float]:
