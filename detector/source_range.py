@@ -59,26 +59,33 @@ class RangeSource:
         step = ts[1] - ts[0] if len(ts) > 1 else 1.0
         expr = query.promql(window)
         cols: dict[int, int] = {}
-        rows: list[tuple[int, np.ndarray, np.ndarray]] = []  # (series column, grid rows, values)
+        mat_rows: list[np.ndarray] = []
+        mat_cols: list[np.ndarray] = []
+        mat_vals: list[np.ndarray] = []
         t0 = ts[0]
         for lo in range(0, len(ts), MAX_POINTS):
             part = ts[lo:lo + MAX_POINTS]
-            for metric, values in self._fetch(expr, part[0], part[-1], step):
-                i = self._intern(expr, metric)
-                try:  # [[unix seconds, "value"], ...]: one array, both columns converted at once
-                    pairs = np.array(values, dtype=object).reshape(len(values), 2)
-                    when = pairs[:, 0].astype(np.float64)
-                    vals = pairs[:, 1].astype(np.float64)
-                except (TypeError, ValueError) as e:
-                    self.prom.query_errors += 1
-                    raise SourceError(f"{expr} (range): malformed values {values!r:.200}") from e
-                pos = np.rint((when - t0) / step).astype(np.int64)
-                ok = (pos >= 0) & (pos < len(ts)) & (np.abs(t0 + pos * step - when) < 1e-3)
-                rows.append((cols.setdefault(i, len(cols)), pos[ok], vals[ok]))
+            items = self._fetch(expr, part[0], part[-1], step)
+            if not items:
+                continue
+            which = [cols.setdefault(self._intern(expr, metric), len(cols)) for metric, _ in items]
+            lens = [len(values) for _, values in items]
+            try:  # every [unix seconds, "value"] pair of the answer in one array: both columns converted at once
+                pairs = np.array([p for _, values in items for p in values], dtype=object).reshape(sum(lens), 2)
+                when = pairs[:, 0].astype(np.float64)
+                vals = pairs[:, 1].astype(np.float64)
+            except (TypeError, ValueError) as e:
+                self.prom.query_errors += 1
+                raise SourceError(f"{expr} (range): malformed values in {len(items)} series") from e
+            pos = np.rint((when - t0) / step).astype(np.int64)
+            ok = (pos >= 0) & (pos < len(ts)) & (np.abs(t0 + pos * step - when) < 1e-3)
+            mat_rows.append(pos[ok])
+            mat_cols.append(np.repeat(np.array(which, dtype=np.int64), lens)[ok])
+            mat_vals.append(vals[ok])
         index = {_ms(t): r for r, t in enumerate(ts)}
         mat = np.full((len(ts), len(cols)), np.nan)
-        for col, pos, vals in rows:
-            mat[pos, col] = vals
+        for r, c, v in zip(mat_rows, mat_cols, mat_vals, strict=True):
+            mat[r, c] = v
         if query.scale != 1.0:
             mat *= query.scale
         ids = np.zeros(len(cols), dtype=np.int64)

@@ -41,8 +41,9 @@ from gpufleet.detector.profiles import Query
 from gpufleet.detector.pue import PueMonitor
 from gpufleet.detector.source import Result
 
-#: Seconds between the instants at which the power-limit and NIC-rate baselines are fed over their memory.
-BASELINE_STEP = 3600.0
+#: Seconds between the instants at which the power-limit and NIC-rate baselines are fed over their memory
+#: (a limit or a link rate that held for less than this before the replay may be missed).
+BASELINE_STEP = 6 * 3600.0
 #: Longest stretch of whole evaluations replayed by default (the doubling stops here).
 MAX_SECONDS = 6 * 3600.0
 #: Most grid instants a PUE model is rebuilt over (7.5 days at the default 15 s interval is 43,200; a much
@@ -210,7 +211,10 @@ def _seed_baselines(det: Detector, source: GridSource, start: float, earliest: f
     qs = _by_feature(det, "nic_link_downed")
     for q in qs:
         source.precompute(q, fine, win)
+    downs = det.baseline.link_downs
     for t in fine:
+        if not downs.on and not downs.starts and not any((source.query(q, t, win).values > 0).any() for q in qs):
+            continue  # no link down now or within the horizon: the evaluation would change nothing
         nic = collect(source, qs, t, win, profile=cfg.profile, naming=det.naming, coverage=cfg.coverage).nic
         det.baseline.nic_flaps(nic.nodes, nic.devices, nic.ports, nic.get("nic_link_downed"), t, horizon)
 
