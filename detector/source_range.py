@@ -70,15 +70,26 @@ class RangeSource:
                 continue
             which = [cols.setdefault(self._intern(expr, metric), len(cols)) for metric, _ in items]
             lens = [len(values) for _, values in items]
-            try:  # every [unix seconds, "value"] pair of the answer in one array: both columns converted at once
-                pairs = np.array([p for _, values in items for p in values], dtype=object).reshape(sum(lens), 2)
-                when = pairs[:, 0].astype(np.float64)
-                vals = pairs[:, 1].astype(np.float64)
-            except (TypeError, ValueError) as e:
+            try:
+                # values: every "value" of the answer at once; times: a series with a value at every instant
+                # (the usual case) is on the grid as asked, others are placed by their own timestamps
+                vals = np.fromiter((float(p[1]) for _, values in items for p in values), dtype=np.float64,
+                                   count=sum(lens))
+                pos_parts = []
+                for (_, values), n in zip(items, lens, strict=True):
+                    if n == len(part) and _ms(float(values[0][0])) == _ms(part[0]) \
+                            and _ms(float(values[-1][0])) == _ms(part[-1]):
+                        pos_parts.append(np.arange(lo, lo + n, dtype=np.int64))
+                    else:
+                        when = np.array([float(p[0]) for p in values], dtype=np.float64)
+                        pos = np.rint((when - t0) / step).astype(np.int64)
+                        pos[np.abs(t0 + pos * step - when) >= 1e-3] = -1
+                        pos_parts.append(pos)
+            except (IndexError, KeyError, TypeError, ValueError) as e:
                 self.prom.query_errors += 1
                 raise SourceError(f"{expr} (range): malformed values in {len(items)} series") from e
-            pos = np.rint((when - t0) / step).astype(np.int64)
-            ok = (pos >= 0) & (pos < len(ts)) & (np.abs(t0 + pos * step - when) < 1e-3)
+            pos = np.concatenate(pos_parts) if pos_parts else np.zeros(0, dtype=np.int64)
+            ok = (pos >= 0) & (pos < len(ts))
             mat_rows.append(pos[ok])
             mat_cols.append(np.repeat(np.array(which, dtype=np.int64), lens)[ok])
             mat_vals.append(vals[ok])
