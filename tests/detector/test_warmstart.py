@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import tomllib
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from support import backfilled_prometheus
 
 from gpufleet.agent.sim.quality import _config
 from gpufleet.agent.sim.recording import record
@@ -24,6 +26,8 @@ from gpufleet.detector.findings import Finding
 from gpufleet.detector.identity import incident_id
 from gpufleet.detector.profiles import sample_names
 from gpufleet.detector.replay import replay
+from gpufleet.detector.source_prometheus import PrometheusSource
+from gpufleet.detector.source_range import RangeSource
 from gpufleet.detector.source_recording import RecordingSource
 
 START = 1_750_000_000.0
@@ -191,3 +195,23 @@ def test_a_pue_drift_is_flagged_as_if_the_detector_never_restarted(site_days: st
         assert len(got) == 1, (hours, got)
         assert (got[0].site, got[0].incident, got[0].start) == (want[0].site, want[0].incident, want[0].start)
         assert abs(got[0].detected - want[0].detected) <= step, hours
+
+
+@pytest.mark.slow
+def test_a_restart_against_a_real_prometheus_rebuilds_what_the_recording_does(fleet: tuple[str, float],
+                                                                          tmp_path: Path) -> None:
+    """The same history served by a real Prometheus (backfilled with promtool) and read with query_range on the
+    grid gives the warm start the same state: the same findings open, with the same incident ids and starts."""
+    path, step = fleet
+    cfg = _config("gpufleet")
+    src = RecordingSource.load([path], sample_names("gpufleet"))
+    first = src.time_range()[0] + cfg.window_seconds
+    at = START + 44 * MIN
+    offline, _ = warmstart.rebuild(cfg, src, at, earliest=first, step=step)
+    with backfilled_prometheus(Path(path), tmp_path) as url:
+        ranged = RangeSource(PrometheusSource(url, timeout=30))
+        live, info = warmstart.rebuild(cfg, ranged, at, earliest=first, step=step)
+        assert ranged.requests > 0 and ranged.points > 0 and ranged.query_errors == 0
+    want = {(f.kind, f.node, f.gpu, f.incident, f.start) for f in offline.tracker.active.values()}
+    assert want and {(f.kind, f.node, f.gpu, f.incident, f.start) for f in live.tracker.active.values()} == want
+    assert info.truncated == 0
