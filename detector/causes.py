@@ -148,12 +148,12 @@ def node_causes(node: Mapping[str, Mapping[str, float]], frame: GpuFrame, p: Cau
         return hot
 
     rules: list[tuple[np.ndarray, str, str, str]] = [
-        (stands_out("node_pause", p.pause_min), "network", "value:pfc_paused_fraction", "node_pause"),
-        (none_at_peers("node_discards"), "network", "value:nic_discards", "node_discards"),
-        (none_at_peers("node_pause_storm"), "network", "value:pause_storm_events", "node_pause_storm"),
-        (stands_out("node_aer_cor", p.aer_rate), "pcie", "value:aer_correctable_per_s", "node_aer_cor"),
-        (stands_out("host_cpu_pressure", p.pressure_min), "host", "value:cpu_pressure", "host_cpu_pressure"),
-        (stands_out("steal", p.steal_min), "host", "value:cpu_steal", "steal"),
+        (stands_out("node_pause", p.pause_min), "network", "pfc_paused_fraction", "node_pause"),
+        (none_at_peers("node_discards"), "network", "nic_discards", "node_discards"),
+        (none_at_peers("node_pause_storm"), "network", "pause_storm_events", "node_pause_storm"),
+        (stands_out("node_aer_cor", p.aer_rate), "pcie", "aer_correctable_per_s", "node_aer_cor"),
+        (stands_out("host_cpu_pressure", p.pressure_min), "host", "cpu_pressure", "host_cpu_pressure"),
+        (stands_out("steal", p.steal_min), "host", "cpu_steal", "steal"),
     ]
     out: dict[str, tuple[str, dict[str, float]]] = {}
     for mask, cause, key, f in rules:

@@ -18,7 +18,8 @@
     by start, after the replay ends. This output is a stable interface::
 
         {"kind": "straggler" | "throttling" | "network" | "pue_drift",
-         "cause": "thermal" | "power" | "clock" | "network" | "pcie" | "memory" | "host" | "unknown" | null,
+         "cause": "thermal" | "power" | "clock" | "network" | "pcie" | "memory" | "host" | "unknown" | "workload"
+                  | null,
          "node": str | null,      # instance without :port (null for site findings)
          "gpu": str | null,       # the GPU index as in the gpu label; null for node-wide and site findings
          "job": str | null,       # training job of the GPU (job_id / hpc_job / Kubernetes job), if any
@@ -36,6 +37,9 @@
          "other_causes": [str],   # causes with weaker evidence than "cause", strongest first
          "namespace": str | null, # Kubernetes: the pod's namespace and the pod (a node finding: the node's
          "pod": str | null,       # only pod of the job), null elsewhere
+         "route": "hardware" | "workload",  # who is told: the hardware on-call, or the job's owner (issue 19)
+         "pattern": "stage_imbalance" | "data_skew" | "hot_experts" | null,  # a workload finding's pattern
+         "owner": str | null,     # who gets a workload ticket: namespace, team or Slurm account, if known
          "gpu_instance": str,     # MIG slice findings only (keys absent otherwise): the GPU instance of "gpu"
          "mig_profile": str}      # and its profile, e.g. "1g.10gb" (detector.mig)
 

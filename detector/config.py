@@ -28,6 +28,7 @@ except its 4-hour PUE baseline)::
     close_after = 4               # consecutive clear evaluations to close it
     stale_after = 20              # evaluations without data before an open finding closes
     merge_seconds = 300           # an open finding stays open through gaps shorter than this (one incident)
+    reopen_seconds = 1800         # a fault back on its entity within this of its end reopens its finding
 
     [straggler]
     threshold = 4.0
@@ -99,9 +100,11 @@ class FindingParams:
     close_after: int = 4
     stale_after: int = 20
     merge_seconds: float = 300.0
+    reopen_seconds: float = 1800.0
 
     def tracker(self) -> Tracker:
-        return Tracker(self.open_after, self.close_after, self.stale_after, merge_seconds=self.merge_seconds)
+        return Tracker(self.open_after, self.close_after, self.stale_after, merge_seconds=self.merge_seconds,
+                       reopen_seconds=self.reopen_seconds)
 
 
 @dataclass

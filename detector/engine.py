@@ -1,8 +1,28 @@
-"""One evaluation of the fleet: features -> straggler, throttling, network, PUE -> findings.
+"""One evaluation of the fleet, as named stages: frame -> jobs -> peers -> candidates -> causes -> incidents.
 
-:class:`Detector` is shared by the service (live Prometheus source), replay
-(recording source) and the quality harness; it keeps the findings' hysteresis
-and each site's PUE model between evaluations.
+:class:`Detector` is shared by the service (live Prometheus source), replay (recording source) and the quality
+harness. Each evaluation reads the fleet once and moves its data one way:
+
+1. **frame** (:func:`~gpufleet.detector.features.collect`): every query of the profile at ``t`` over the window,
+   as per-GPU, per-NIC, per-node and per-site features;
+2. **jobs** (:func:`~gpufleet.detector.jobs.resolve`): each GPU's training job (Slurm job ids, Kubernetes pods
+   grouped by their owners), then this replica's share (``--shard``);
+3. **peers**: who a GPU is compared with (its job, model and configured power limit, from the
+   :class:`~gpufleet.detector.baseline.Baseline`), and which jobs are at a job-wide phase edge
+   (:class:`~gpufleet.detector.phases.JobEdges`) or in a lighter phase;
+4. **candidates**: network (each NIC against its own capability and alike ports fleet-wide), stragglers (whole
+   GPUs and MIG slices against their peers), throttling, PUE drift;
+5. **causes**: every straggler candidate's cause from the one table of cause rules
+   (:mod:`~gpufleet.detector.cause_rules`), fed by the NIC flags and the node evidence
+   (:func:`~gpufleet.detector.causes.node_causes`); pods named on every candidate
+   (:func:`~gpufleet.detector.jobs.attribute`); stragglers with no hardware evidence that simply do more work
+   routed to their job's owner, one ticket per job and pattern (:mod:`~gpufleet.detector.workload`);
+6. **incidents** (:class:`~gpufleet.detector.findings.Tracker`): candidates that persist become findings with
+   hysteresis, grouped into incidents, given what this evaluation could judge (a
+   :class:`~gpufleet.detector.judgement.Judgement`).
+
+The detector keeps between evaluations: the tracker's findings, the baselines, the job-edge state and each
+site's PUE model.
 """
 
 from __future__ import annotations
@@ -15,15 +35,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpufleet.detector import causes, jobs, mig, network, shard, straggler, throttling
+from gpufleet.detector import causes, jobs, mig, network, phases, shard, straggler, throttling
 from gpufleet.detector.baseline import Baseline
+from gpufleet.detector.candidate import Candidate, Evidence
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.features import FeatureFrame, GpuFrame, NodeNaming, collect
-from gpufleet.detector.findings import Key, Tracker
+from gpufleet.detector.findings import Tracker
+from gpufleet.detector.judgement import Judgement
 from gpufleet.detector.profiles import Query, queries, site_queries
 from gpufleet.detector.pue import PueMonitor, PueState
 from gpufleet.detector.source import Source
-from gpufleet.detector.straggler import Candidate, StragglerResult
+from gpufleet.detector.straggler import StragglerResult
+from gpufleet.detector.summary import summarize
+from gpufleet.detector.workload import WorkloadRouter
 
 #: A GPU busy for less of the window than this cannot be judged clear of a straggler or throttling finding
 #: (it idled: a checkpoint, its job down or restarting); the finding neither closes nor goes on meanwhile.
@@ -36,6 +60,8 @@ JOB_ACTIVITY_DROP = 0.2
 #: The activity features of :data:`JOB_ACTIVITY_DROP` (each where the profile has it).
 ACTIVITY = ("power", "tensor")
 
+Candidates = list[tuple[str, Candidate]]
+
 
 @dataclass
 class Evaluation:
@@ -43,37 +69,26 @@ class Evaluation:
     features: FeatureFrame
     straggler: StragglerResult
     pue: dict[str, PueState] = field(default_factory=dict)
-    candidates: list[tuple[str, Candidate]] = field(default_factory=list)
+    candidates: Candidates = field(default_factory=list)
     duration: float = 0.0
 
 
-def summarize(kind: str, c: Candidate) -> str:
-    ev = c.evidence
-    if kind == "straggler":
-        devs = sorted(((k, v) for k, v in ev.items() if ":" not in k and k != "gpus"), key=lambda kv: -abs(kv[1]))[:3]
-        dev = ", ".join(f"{k} {v:+.1f} sigma" for k, v in devs)
-        who = f"GPU {c.gpu} on {c.node}" if c.gpu is not None else f"{int(ev.get('gpus', 0))} GPUs of {c.node}"
-        if c.mig_profile:  # a MIG slice (detector.mig)
-            who = (f"MIG slice {c.gpu_instance} ({c.mig_profile}) of GPU {c.gpu} on {c.node}" if c.gpu_instance
-                   else f"{int(ev.get('gpus', 0))} {c.mig_profile} MIG slices of {c.node}")
-        job = f" in job {c.job}" if c.job else ""
-        job += f" (pod {c.namespace}/{c.pod})" if c.pod else (f" (namespace {c.namespace})" if c.namespace else "")
-        verb = "lags its" if c.gpu is not None else "lag their"
-        why = f"({dev})" if dev else "(its links: " + ", ".join(k.removeprefix("value:") for k in ev if k.startswith("value:")) + ")"
-        return f"{who}{job} {verb} peers {why}; likely cause: {c.cause}"
-    if kind == "throttling":
-        fr = max((v for k, v in ev.items() if k.startswith("thr_")), default=0.0)
-        who = f"GPU {c.gpu} on {c.node}" if c.gpu is not None else f"{int(ev.get('gpus', 0))} GPUs of {c.node}"
-        who += f" (pod {c.namespace}/{c.pod})" if c.pod else ""
-        return f"{who} throttled ({c.cause}) {fr:.0%} of the window"
-    if kind == "network":
-        what = ", ".join(k for k in ev if ":" not in k)
-        if not c.nic:
-            return f"{int(ev.get('value:nics', 0))} GPU-fabric ports of {c.node}: {what}"
-        to = f" (serves GPU {c.gpu})" if c.gpu is not None else ""
-        return f"NIC {c.nic} on {c.node}{to}: {what}"
-    return (f"site {c.site}: PUE {ev.get('pue', float('nan')):.3f} vs expected {ev.get('expected', float('nan')):.3f}"
-            f" (+{ev.get('magnitude', 0.0):.3f} since {time.strftime('%Y-%m-%d %H:%M', time.gmtime(ev.get('onset', 0)))} UTC)")
+@dataclass
+class _Network:
+    """Stage 4's network candidates, and what they tell the straggler scoring and the judgement."""
+
+    candidates: list[Candidate]
+    nic_flags: dict[tuple[str, str], float]  # (node, GPU) -> score of the flagged NIC serving it
+    nics_flapped: set[tuple[str, str]]
+    gpus_flapped: set[tuple[str, str]]
+
+
+@dataclass
+class _Peers:
+    limit_ref: np.ndarray  # each GPU's configured power limit
+    edge: np.ndarray  # its job is at a job-wide phase edge
+    low: np.ndarray  # its job is in a lighter phase, or at an edge
+    busy: np.ndarray
 
 
 class Detector:
@@ -84,9 +99,12 @@ class Detector:
         self.queries: tuple[Query, ...] = queries(cfg.profile) + site_qs
         self.naming = NodeNaming(cfg.node_label, cfg.strip_port)
         self.tracker = tracker or Tracker(cfg.findings.open_after, cfg.findings.close_after,
-                                          cfg.findings.stale_after, summarize, cfg.findings.merge_seconds)
+                                          cfg.findings.stale_after, summarize, cfg.findings.merge_seconds,
+                                          reopen_seconds=cfg.findings.reopen_seconds)
         self.pue: dict[str, PueMonitor] = {}
         self.baseline = Baseline()
+        self.edges = phases.JobEdges(cfg.straggler.min_peers)
+        self.workload = WorkloadRouter(cfg.window_seconds)
         self._gpu_index = _EntityIndex()
         self._nic_index = _EntityIndex()
         self.last: Evaluation | None = None
@@ -98,14 +116,44 @@ class Detector:
     def _evaluate(self, t: float) -> Evaluation:
         started = time.perf_counter()
         cfg = self.cfg
-        snap = collect(self.source, self.queries, t, cfg.window_seconds, profile=cfg.profile, naming=self.naming,
+        snap = self._frame(t)                                       # 1. frame
+        jobs.resolve(snap.gpu, snap.meta, cfg.kubernetes)           # 2. jobs (the whole fleet: NIC peers span it)
+        snap.gpu.edge = self.edges.update(snap.gpu)                 # ... and which are at a job-wide phase edge
+        net = self._network(snap, t)                                # 4. network candidates (fleet-wide peers)
+        snap = shard.select(snap, cfg.shard)                        # 2. ... this replica's jobs
+        peers = self._peers(snap.gpu, t)                            # 3. peers and phases
+        st = straggler.score(snap.gpu, cfg.straggler, net.nic_flags, peers.limit_ref,  # 4. + 5. causes
+                             causes.node_causes(snap.node, snap.gpu, cfg.causes), peers.edge)
+        slices = mig.score(snap, cfg, self.naming)
+        cands: Candidates = [("straggler", c) for c in st.candidates]
+        cands += [("throttling", c) for c in throttling.find(snap.gpu, cfg.throttling)]
+        cands += [("network", c) for c in net.candidates]
+        pue_states = self._pue(snap, t, cands)
+        cands = [(k, c) for k, c in cands if shard.owns_finding(cfg.shard, k, c.node, c.site)]
+        jobs.attribute(cands, snap.gpu)                             # 5. ... pods named
+        self.workload.observe(snap.gpu, t)                          # 5. ... the job's own doing: its owner's
+        cands = self.workload.route(cands, t)
+        cands += [("straggler", c) for c in slices.candidates]  # named by their own pods, not their GPU's
+        judged = self._judgement(snap, st, peers, net, slices.observed, set(pue_states))
+        self.tracker.update(t, cands, judged.observed, judged.held)  # 6. incidents
+        result = Evaluation(t, snap, st, pue_states, cands, time.perf_counter() - started)
+        self.last = result
+        return result
+
+    # ---------------------------------------------------------------- the stages
+
+    def _frame(self, t: float) -> FeatureFrame:
+        cfg = self.cfg
+        return collect(self.source, self.queries, t, cfg.window_seconds, profile=cfg.profile, naming=self.naming,
                        coverage=cfg.coverage)
-        jobs.resolve(snap.gpu, snap.meta, cfg.kubernetes)
-        g, nic = snap.gpu, snap.nic
+
+    def _network(self, snap: FeatureFrame, t: float) -> _Network:
+        """NIC candidates against each NIC's own capability and alike ports fleet-wide, and the GPUs they serve."""
+        cfg, g, nic = self.cfg, snap.gpu, snap.nic
         capability = self.baseline.nic_capability(nic.nodes, nic.devices, nic.ports, nic.get("nic_rate"), t)
         flaps = self.baseline.nic_flaps(nic.nodes, nic.devices, nic.ports, nic.get("nic_link_downed"), t,
                                         cfg.network.flap_hours * 3600.0)
-        nets = network.find(nic, g, cfg.network, capability, flaps)
+        nets = network.find(nic, g, cfg.network, capability, flaps, _quiet_nodes(g, cfg.straggler.busy_util))
         # A link that went down within the flap horizon may go down again at any time: between its downs it
         # cannot be judged healthy, so its open findings (and the network straggler of a GPU it serves) are held.
         went_down = np.flatnonzero(flaps >= 1)
@@ -116,89 +164,51 @@ class Detector:
         for node, gpu in zip(g.nodes, g.gpus, strict=True):
             if node in whole:
                 nic_flags.setdefault((node, gpu), whole[node])
-        snap = shard.select(snap, cfg.shard)  # --shard i/N: this replica's jobs only (NIC peers span the fleet)
-        g = snap.gpu
+        return _Network(nets, nic_flags, nics_flapped, gpus_flapped)
+
+    def _peers(self, g: GpuFrame, t: float) -> _Peers:
         limit_ref = self.baseline.gpu_power_limit(g.nodes, g.gpus, g.get("power_limit"), t)
-        st = straggler.score(g, cfg.straggler, nic_flags, limit_ref, causes.node_causes(snap.node, g, cfg.causes))
-        cands: list[tuple[str, Candidate]] = [("straggler", c) for c in st.candidates]
-        slices = mig.score(snap, cfg, self.naming)  # MIG slices: peers by job and profile (added after attribute)
-        cands += [("throttling", c) for c in throttling.find(snap.gpu, cfg.throttling)]
-        cands += [("network", c) for c in nets]
-        pue_states: dict[str, PueState] = {}
+        edge = g.edge if g.edge is not None else np.zeros(len(g), dtype=bool)
+        valid = np.asarray(g.valid, dtype=bool)
+        busy = valid & (np.nan_to_num(g.get("util"), nan=0.0) >= JUDGE_UTIL)
+        low = self._job_phase_low(g, busy, t) | (edge & valid)  # a lighter phase, or a job-wide edge
+        return _Peers(limit_ref, edge, low, busy)
+
+    def _pue(self, snap: FeatureFrame, t: float, cands: Candidates) -> dict[str, PueState]:
+        """Each site's PUE against its model; a drifting site is a candidate (appended to ``cands``)."""
+        cfg = self.cfg
+        states: dict[str, PueState] = {}
         for site, vals in sorted(snap.site.items()):
             mon = self.pue.setdefault(site, PueMonitor(cfg.pue))
             state = mon.update(t, vals.get("facility_power", np.nan), vals.get("it_power", np.nan),
                                vals.get("outdoor_temperature"))
             if state is None:
                 continue
-            pue_states[site] = state
+            states[site] = state
             if state.drifting and state.expected is not None:
-                ev = {"pue": state.pue, "expected": state.expected, "magnitude": state.magnitude or 0.0,
-                      "onset": state.onset or t, "cusum": state.cusum}
+                ev = Evidence(values={"pue": state.pue, "expected": state.expected,
+                                      "magnitude": state.magnitude or 0.0, "cusum": state.cusum},
+                              onset=state.onset or t)
                 cands.append(("pue_drift", Candidate("", None, None, site, "", 10.0 * (state.magnitude or 0.0)
                                                      / max(cfg.pue.min_drift, 1e-9), ev)))
-        cands = [(k, c) for k, c in cands if shard.owns_finding(cfg.shard, k, c.node, c.site)]
-        # Which entities were judged in this evaluation (the tracker asks only for its pending and open findings'
-        # keys, so look them up in arrays through a (node, gpu) index kept while the fleet's GPUs stay the same).
-        # A straggler can only be judged while the GPU is scored (busy among busy peers): while its job pauses
-        # together (checkpoint, evaluation restart) or is down, the finding neither clears nor goes on.
-        # Throttling can only show on a busy GPU: one that idled for part of the window (checkpoint, job down)
-        # is not judged either.
+        return states
+
+    def _judgement(self, snap: FeatureFrame, st: StragglerResult, peers: _Peers, net: _Network,
+                   slices: set[tuple[str, str]], sites: set[str]) -> Judgement:
+        """What this evaluation could judge and what it must hold (looked up through a (node, gpu) index kept
+        while the fleet's GPUs stay the same)."""
+        g = snap.gpu
         valid = np.asarray(g.valid, dtype=bool)
-        busy = valid & (np.nan_to_num(g.get("util"), nan=0.0) >= JUDGE_UTIL)
-        judged = busy & np.asarray(st.scored, dtype=bool)
+        judged = peers.busy & np.asarray(st.scored, dtype=bool)
         gpu_pos, gpu_nodes = self._gpu_index.get(g.nodes, g.gpus)
         nic_pos, _ = self._nic_index.get(snap.nic.nodes, [f"{d}/{p}" for d, p in
-                                                                   zip(snap.nic.devices, snap.nic.ports, strict=True)])
-        slice_nodes = {n for n, _ in slices.observed}
-        sites_ok = set(pue_states)
-
-        def on(mask: np.ndarray, node: str, gpu: str) -> bool:
-            if gpu:
-                if (node, gpu) in slices.observed:
-                    return True
-                i = gpu_pos.get((node, gpu))
-                return i is not None and bool(mask[i])
-            idx = gpu_nodes.get(node)
-            return node in slice_nodes or (idx is not None and bool(mask[idx].any()))
-
-        def observed(k: Key) -> bool:
-            kind, node, gpu, nic, site, _ = k
-            if kind == "pue_drift":
-                return site in sites_ok
-            if kind == "network":
-                return (node, nic) in nic_pos if nic else on(valid, node, "")
-            if kind == "straggler":
-                return on(judged, node, gpu)
-            if kind == "throttling":
-                return on(busy, node, gpu)
-            return on(valid, node, gpu)
-
-        # The whole job works less together (an evaluation pass): a load-dependent fault cannot show, so its
-        # GPUs' open straggler and throttling findings are held (neither clear nor stale) meanwhile.
-        low = self._job_phase_low(g, busy, t)
-        gpus_low = {(n, gg) for n, gg, lo in zip(g.nodes, g.gpus, low, strict=True) if lo}
-        busy_not_low = busy & ~low  # a node is low only when none of its busy GPUs works normally
+                                                          zip(snap.nic.devices, snap.nic.ports, strict=True)])
+        gpus_low = {(n, gg) for n, gg, lo in zip(g.nodes, g.gpus, peers.low, strict=True) if lo}
+        busy_not_low = peers.busy & ~peers.low  # a node is low only when none of its busy GPUs works normally
         nodes_low = {n for n, _ in gpus_low if not bool(busy_not_low[gpu_nodes[n]].any())}
-
-        def held(k: Key) -> bool:
-            kind, node, gpu, nic_, _, _ = k
-            if kind == "network":
-                return (node, nic_) in nics_flapped if nic_ else any(n == node for n, _ in nics_flapped)
-            if kind == "straggler" and gpu and (node, gpu) in gpus_flapped:
-                f = self.tracker.active.get(k)
-                if f is not None and f.cause == "network":
-                    return True
-            if kind not in ("straggler", "throttling") or not gpus_low:
-                return False
-            return (node, gpu) in gpus_low if gpu else node in nodes_low
-
-        jobs.attribute(cands, snap.gpu)
-        cands += [("straggler", c) for c in slices.candidates]  # named by their own pods, not their GPU's
-        self.tracker.update(t, cands, observed, held)
-        result = Evaluation(t, snap, st, pue_states, cands, time.perf_counter() - started)
-        self.last = result
-        return result
+        open_causes = {k: f.cause for k, f in self.tracker.active.items()} if net.gpus_flapped else {}
+        return Judgement({"scored": judged, "busy": peers.busy, "valid": valid}, gpu_pos, gpu_nodes, set(nic_pos),
+                         sites, slices, gpus_low, nodes_low, net.nics_flapped, net.gpus_flapped, open_causes)
 
     def _job_phase_low(self, g: GpuFrame, busy: np.ndarray, t: float) -> np.ndarray:
         """Per GPU: its job (two or more busy GPUs) is in a low-activity phase (see :data:`JOB_ACTIVITY_DROP`)."""
@@ -226,6 +236,17 @@ class Detector:
         for job in lowjobs:
             low[members[job]] = True
         return low
+
+
+def _quiet_nodes(g: GpuFrame, busy_util: float) -> set[str]:
+    """Nodes whose GPUs did not compute steadily through the window: a job-wide phase edge on any of them (a
+    checkpoint, an evaluation pass, a restart), or none busy. Their ports' traffic then is no collective
+    traffic (a checkpoint's burst to storage is no congestion), so they are not judged for congestion."""
+    edge = g.edge if g.edge is not None else np.zeros(len(g), dtype=bool)
+    busy = np.nan_to_num(g.get("util"), nan=0.0) >= busy_util
+    at_edge = {n for n, e in zip(g.nodes, edge.tolist(), strict=True) if e}
+    computing = {n for n, b in zip(g.nodes, busy.tolist(), strict=True) if b}
+    return at_edge | (set(g.nodes) - computing)
 
 
 class _EntityIndex:

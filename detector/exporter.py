@@ -3,11 +3,11 @@
 Series (names, labels and help from :mod:`gpufleet.agent.vocab.catalog`, group
 ``detector``): per-GPU straggler score and per-feature robust z-score, one
 ``gpufleet_detector_finding`` per active finding (value = score; labels kind,
-cause, node, gpu, job_id, site, namespace, pod, gpu_instance; "" when not applicable) with its start and
+cause, node, gpu, job_id, site, namespace, pod, gpu_instance, route; "" when not applicable) with its start and
 detection times, one ``gpufleet_detector_incident`` per open incident (value =
 its highest score; labels incident, node, gpu, site, job_id, fixed while it is open,
-so an alert on it fires once per incident) with its findings in
-``gpufleet_detector_incident_finding`` (incident, kind, cause, gpu, nic),
+so an alert on it fires once per incident; route and owner, see :class:`IncidentRoutes`) with its findings in
+``gpufleet_detector_incident_finding`` (incident, kind, cause, gpu, nic, pattern),
 each site's PUE and expected PUE, and the detector's health (last successful
 evaluation, evaluation duration, evaluations by result, query errors, missing
 inputs). The HTTP(S) server is the agent's (TLS and basic auth from an
@@ -39,10 +39,39 @@ class Health:
         self.not_ready = ""
 
 
+class IncidentRoutes:
+    """Route and owner of each open incident, as its alert labels (issue 19).
+
+    An incident's route is "workload" while every finding it had is a workload one (its ticket goes to the job's
+    owner) and "hardware" from its first hardware finding on: it does not go back, so a workload incident that
+    turns out to hide a fault pages once and a hardware incident never turns into a ticket. Its owner is the
+    first one its findings name, kept while it is open. Closed incidents are forgotten.
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[str, str]] = {}
+        self._lock = threading.Lock()  # scrapes may collect concurrently
+
+    def update(self, by: dict[str, list[Finding]]) -> dict[str, tuple[str, str]]:
+        """incident -> (route, owner) for the open incidents ``by`` (incident -> its open findings)."""
+        out: dict[str, tuple[str, str]] = {}
+        with self._lock:
+            for inc, fds in by.items():
+                route, owner = self._seen.get(inc, ("workload", ""))
+                ordered = sorted(fds, key=lambda f: f.opened)
+                if any(f.route != "workload" for f in ordered):
+                    route = "hardware"
+                owner = owner or next((f.owner for f in ordered if f.owner), "")
+                out[inc] = (route, owner)
+            self._seen = out
+        return dict(out)
+
+
 class DetectorCollector:
     def __init__(self, detector: Detector, health: Health) -> None:
         self.detector = detector
         self.health = health
+        self.routes = IncidentRoutes()
 
     def collect(self) -> Iterator[Metric]:
         det, h = self.detector, self.health
@@ -65,7 +94,7 @@ class DetectorCollector:
         active = list(det.tracker.active.values())
         for fd in active:
             labels = [fd.kind, fd.cause or "", fd.node or "", fd.gpu or "", fd.job or "", fd.site or "", fd.namespace,
-                      fd.pod, fd.gpu_instance]
+                      fd.pod, fd.gpu_instance, fd.route]
             finding.add_metric(labels, fd.score)
             start.add_metric(labels, fd.start)
             detected.add_metric(labels, fd.detected)
@@ -78,13 +107,15 @@ class DetectorCollector:
         for fd in active:
             by.setdefault(fd.incident, []).append(fd)
         meta = dict(det.tracker.incident_meta)
+        routes = self.routes.update(by)
         for inc, fds in sorted(by.items()):
             first = min(fds, key=lambda f: f.opened)
             node, gpu, site, job, ns, pod = meta.get(inc, (first.node or "", first.gpu or "", first.site or "",
                                                            first.job or "", first.namespace, first.pod))
-            incident.add_metric([inc, node, gpu, site, job, ns, pod], max(f.score for f in fds))
+            route, owner = routes[inc]
+            incident.add_metric([inc, node, gpu, site, job, ns, pod, route, owner], max(f.score for f in fds))
             for fd in fds:
-                member.add_metric([inc, fd.kind, fd.cause or "", fd.gpu or "", fd.nic], 1.0)
+                member.add_metric([inc, fd.kind, fd.cause or "", fd.gpu or "", fd.nic, fd.pattern], 1.0)
         yield incident
         yield member
         pue = spec("gpufleet_detector_site_pue").family()

@@ -37,8 +37,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpufleet.detector import kinds
+from gpufleet.detector.candidate import Candidate, Evidence
 from gpufleet.detector.identity import incident_id  # issue 24: ids from the problem (kind, entity, start)
-from gpufleet.detector.straggler import Candidate
 
 Key = tuple[str, str, str, str, str, str]  # kind, node, gpu, nic, site, "" (the job is no part of the identity)
 
@@ -59,7 +60,7 @@ class Finding:
     score: float = 0.0
     summary: str = ""
     nic: str = ""
-    evidence: dict[str, float] = field(default_factory=dict)
+    evidence: Evidence = field(default_factory=Evidence)
     causes: dict[str, float] = field(default_factory=dict)  # cause -> evidence (scores summed)
     last_seen: float = 0.0
     opened: float = 0.0  # evaluation time at which it opened (start + the hysteresis): the detection time
@@ -69,6 +70,17 @@ class Finding:
     pod: str = ""
     gpu_instance: str = ""  # MIG: the slice (GPU instance of ``gpu``) and its profile ("" when not a slice)
     mig_profile: str = ""
+    #: Who is told (issue 19): "hardware" (the hardware on-call: throttling, errors, a slow part) or "workload"
+    #: (the job's owner: the job itself puts more work on some ranks); the workload pattern ("stage_imbalance",
+    #: "data_skew", "hot_experts"; "" when none or not told) and the owner who gets the ticket (the pod's
+    #: namespace, a team label or the Slurm account: whatever the frame knows; "" when nothing).
+    route: str = "hardware"
+    pattern: str = ""
+    owner: str = ""
+    group: str = ""  # a job-level finding's identity beyond its kind (Candidate.group)
+    #: How often it came back after it had closed (within the tracker's ``reopen_seconds``): each return keeps
+    #: it open through a longer clear gap (``merge_seconds`` times one more than this).
+    recurrences: int = 0
 
     @property
     def detected(self) -> float:
@@ -78,10 +90,8 @@ class Finding:
         """The causes with weaker evidence than :attr:`cause` (over its life and in its last evidence), strongest
         first."""
         strength = dict(self.causes)
-        for k, v in self.evidence.items():
-            if k.startswith("cause:"):
-                c = k.removeprefix("cause:")
-                strength[c] = max(strength.get(c, 0.0), v)
+        for c, v in self.evidence.causes.items():
+            strength[c] = max(strength.get(c, 0.0), v)
         return [c for c in sorted(strength, key=lambda c: -strength[c]) if c and c != self.cause]
 
     def to_json(self) -> dict[str, Any]:
@@ -90,12 +100,21 @@ class Finding:
                 "site": self.site, "start": self.start, "detected": self.opened, "end": self.end,
                 "score": round(self.score, 3), "summary": self.summary, "incident": self.incident,
                 "other_causes": self.other_causes(), "namespace": self.namespace or None, "pod": self.pod or None,
+                "route": self.route, "pattern": self.pattern or None, "owner": self.owner or None,
                 **({"gpu_instance": self.gpu_instance, "mig_profile": self.mig_profile} if self.gpu_instance else {})}
 
 
 def key_of(kind: str, c: Candidate) -> Key:
+    if c.group:  # a job-level candidate (a workload pattern): its group, whichever node and GPUs show it
+        return (kind, "", "", "", "", c.group)
     gpu = (c.gpu or "") + (f"/{c.gpu_instance}" if c.gpu_instance else "")  # a MIG slice is its own entity
-    return (kind, c.node, gpu, c.nic, c.site if kind == "pue_drift" else "", "")
+    return (kind, c.node, gpu, c.nic, c.site if kinds.spec(kind).by_site else "", "")
+
+
+def _as_candidate(f: Finding) -> Candidate:
+    """The identity fields of a finding as a candidate's (for :func:`key_of`)."""
+    return Candidate(f.node or "", f.gpu, f.job, f.site or "", f.cause or "", f.score, nic=f.nic,
+                     gpu_instance=f.gpu_instance, group=f.group)
 
 
 @dataclass
@@ -113,11 +132,12 @@ def _top(causes: dict[str, float]) -> str:
 class Tracker:
     def __init__(self, open_after: int = 3, close_after: int = 3, stale_after: int = 10,
                  summarize: Callable[[str, Candidate], str] | None = None, merge_seconds: float = 300.0,
-                 history: int = HISTORY) -> None:
+                 history: int = HISTORY, reopen_seconds: float = 1800.0) -> None:
         self.open_after = max(1, open_after)
         self.close_after = max(1, close_after)
         self.stale_after = max(1, stale_after)
         self.merge_seconds = max(0.0, merge_seconds)
+        self.reopen_seconds = max(0.0, reopen_seconds)
         self.summarize = summarize or (lambda kind, c: f"{kind} ({c.cause}) score {c.score:.1f}")
         self.pending: dict[Key, _Pending] = {}
         self.active: dict[Key, Finding] = {}
@@ -181,7 +201,8 @@ class Tracker:
             p.cand = c if c.score >= p.cand.score else p.cand
             if p.count >= self.open_after:
                 del self.pending[k]
-                self._open(k, kind, c, p, t)
+                if not self._reopen(k, c, p, t):
+                    self._open(k, kind, c, p, t)
         for k in [k for k in self.pending if k not in seen]:
             if observed(k):
                 del self.pending[k]  # a clear, observed evaluation resets the run
@@ -194,12 +215,38 @@ class Tracker:
                 n = self.clear[k] = self.clear.get(k, 0) + 1
                 self.clear_since.setdefault(k, t)
                 secs = self.clear_seconds[k] = self.clear_seconds.get(k, 0.0) + dt
-                if n >= self.close_after and secs >= self.merge_seconds:
+                if n >= self.close_after and secs >= self.merge_seconds * (1 + f.recurrences):
                     self._close(k, self.clear_since[k])
             else:
                 n = self.unseen[k] = self.unseen.get(k, 0) + 1
                 if n >= self.stale_after:
                     self._close(k, self.clear_since.get(k, f.last_seen))
+
+    def _reopen(self, k: Key, c: Candidate, p: _Pending, t: float) -> bool:
+        """A fault that comes back on the same entity within ``reopen_seconds`` of its finding's end (an
+        intermittent thermal fault, a flapping link) is the same problem: its finding opens again with its
+        incident, start and detection time, and stays open through longer gaps from then on."""
+        for j in range(len(self.closed) - 1, -1, -1):
+            f = self.closed[j]
+            if f.end is not None and t - f.end > self.reopen_seconds:
+                continue
+            if f.absorbed_by or key_of(f.kind, _as_candidate(f)) != k:
+                continue
+            del self.closed[j]
+            f.end = None
+            f.recurrences += 1
+            f.last_seen = t
+            f.score = max(f.score, p.cand.score)
+            for cause, v in p.causes.items():
+                f.causes[cause] = f.causes.get(cause, 0.0) + v
+            f.cause = _top(f.causes) or f.cause
+            f.evidence = c.evidence
+            f.job = c.job or f.job
+            self.active[k] = f
+            self.incident_meta.setdefault(f.incident, (f.node or "", f.gpu or "", f.site or "", f.job or "",
+                                                       f.namespace, f.pod))
+            return True
+        return False
 
     def _node_level(self, kind: str, node: str) -> bool:
         k: Key = (kind, node, "", "", "", "")
@@ -208,12 +255,13 @@ class Tracker:
     def _open(self, k: Key, kind: str, c: Candidate, p: _Pending, t: float) -> None:
         cause = _top(p.causes)
         best = p.cand
-        start = min(p.first, best.evidence.get("onset", p.first))
+        start = min(p.first, best.evidence.onset if best.evidence.onset is not None else p.first)
         f = Finding(kind, cause or None, c.node or None, c.gpu, c.job, c.site or None, start, None, best.score,
                     self.summarize(kind, best), c.nic, best.evidence, p.causes, t, t, namespace=best.namespace,
-                    pod=best.pod, gpu_instance=best.gpu_instance, mig_profile=best.mig_profile)
+                    pod=best.pod, gpu_instance=best.gpu_instance, mig_profile=best.mig_profile, route=best.route,
+                    pattern=best.pattern, owner=best.owner, group=best.group)
         f.incident = self._related_incident(f) or incident_id(k, start)  # issue 24: not the opening time
-        if c.gpu is None and kind != "pue_drift":
+        if c.gpu is None and kinds.spec(kind).on_nodes and not c.group:
             for ok, of in list(self.active.items()):
                 if of.kind == kind and of.node == f.node and of.gpu is not None and not of.nic:
                     f.start = min(f.start, of.start)
@@ -228,10 +276,13 @@ class Tracker:
 
     def _related_incident(self, f: Finding) -> str:
         """The incident of an open finding on the same node and GPU (or on the whole node), if any."""
-        if f.kind == "pue_drift" or not f.node:
+        if not kinds.spec(f.kind).on_nodes or not f.node or f.group:
             return ""
         for of in self.active.values():
-            if of.node == f.node and of.kind != "pue_drift" and (of.gpu == f.gpu or of.gpu is None or f.gpu is None):
+            if of.group:  # a job-level ticket (a workload pattern) is an incident of its own
+                continue
+            if of.node == f.node and kinds.spec(of.kind).on_nodes and (of.gpu == f.gpu or of.gpu is None
+                                                                       or f.gpu is None):
                 return of.incident
         return ""
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import hashlib
 
-#: kind, node, gpu (with ``/instance`` for a MIG slice), nic, site, "": :data:`gpufleet.detector.findings.Key`.
+#: kind, node, gpu (with ``/instance`` for a MIG slice), nic, site, group (a job-level candidate's identity, else
+#: ""): :data:`gpufleet.detector.findings.Key`.
 Identity = tuple[str, str, str, str, str, str]
 
 
 def incident_id(key: Identity, start: float) -> str:
     """12 hex digits naming the incident whose first finding is ``key``, started at ``start`` (unix seconds)."""
-    kind, node, gpu, nic, site, _ = key
-    what = f"{kind}|{node}|{gpu}|{nic}|{site}|{start:.0f}"
+    kind, node, gpu, nic, site, group = key
+    what = f"{kind}|{node}|{gpu}|{nic}|{site}|{start:.0f}" + (f"|{group}" if group else "")
     return hashlib.sha1(what.encode(), usedforsecurity=False).hexdigest()[:12]

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpufleet.agent.vocab import exporters
+from gpufleet.detector.candidate import Candidate
 from gpufleet.detector.features import GpuFrame
 from gpufleet.detector.source import Result
-from gpufleet.detector.straggler import Candidate
 
 #: Names of the pass-through (meta) results :func:`resolve` reads (the features of profiles.KUBE_QUERIES).
 POD_OWNER = "@kube_pod_owner"

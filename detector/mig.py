@@ -31,11 +31,11 @@ import numpy as np
 from gpufleet.agent.vocab import exporters
 from gpufleet.detector import jobs, straggler
 from gpufleet.detector import shard as sharding
+from gpufleet.detector.candidate import Candidate
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.features import FeatureFrame, GpuFrame, NodeNaming, first_label
 from gpufleet.detector.profiles import MIG_INSTANCE_LABELS, MIG_PROFILE_LABELS
 from gpufleet.detector.source import Result, SeriesTable
-from gpufleet.detector.straggler import Candidate
 
 #: Slice features read from their own series (detector.profiles MIG queries) -> frame feature.
 OWN = {"mig_sm_active": "util", "mig_tensor": "tensor", "mig_dram": "dram"}
@@ -247,7 +247,8 @@ def score(snap: FeatureFrame, cfg: DetectorConfig, naming: NodeNaming) -> SliceR
     for c in st.candidates:
         job = owner.get(c.job or "", c.job)
         # a slice's "util" is its SM activity (GPM): name it so in the evidence and the summary
-        c = replace(c, evidence={("sm_active" if k == "util" else k): v for k, v in c.evidence.items()})
+        c = replace(c, evidence=replace(c.evidence, deviations={("sm_active" if k == "util" else k): v
+                                                                for k, v in c.evidence.deviations.items()}))
         if c.gpu is None:  # most of a node's slices of one job lag for one cause: one node-level finding
             prof = (c.job or "").rpartition("@")[2]
             out.candidates.append(replace(c, job=job, mig_profile=prof))

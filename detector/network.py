@@ -8,6 +8,11 @@ by :mod:`gpufleet.detector.baseline`: a 200G adapter is judged against 200G,
 never against its 400G neighbours), and robust z-scores of transmit-wait and
 ECN/CNP rates per byte sent.
 
+Timing: a port is judged for congestion (and PFC pause) only while its node's GPUs computed steadily
+through the window: during a job-wide phase edge (a checkpoint, an evaluation pass, a restart) or while
+its GPUs idle, what it carries is no collective traffic, and a checkpoint's burst is never congestion,
+whatever the port is called and whether or not topology says it serves a GPU.
+
 Roles (:func:`nic_role`): a port that serves no GPU by PCI topology while
 other ports of its node do, an Ethernet port that serves no GPU, or a device
 named in ``storage_devices`` is a storage/front-end port: heavy bursts
@@ -32,10 +37,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gpufleet.detector.candidate import DIRECT, Candidate, Evidence
 from gpufleet.detector.causes import nic_fabric
 from gpufleet.detector.features import GpuFrame, NicFrame
 from gpufleet.detector.robust import nanmedian, robust_z
-from gpufleet.detector.straggler import Candidate
 
 FloatArray = np.ndarray
 
@@ -82,7 +87,10 @@ def nic_peer_key(nic: NicFrame, i: int, role: str, capability: FloatArray) -> st
 
 
 def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray | None = None,
-         flaps: FloatArray | None = None) -> list[Candidate]:
+         flaps: FloatArray | None = None, quiet: set[str] | None = None) -> list[Candidate]:
+    """Network candidates. ``quiet``: nodes whose GPUs did not compute steadily through the window (a job-wide
+    phase edge, or idle): their ports are judged on errors and their own rate only, never on congestion or PFC
+    pause, since what they carry then is no collective traffic (a checkpoint's burst to storage)."""
     n = len(nic.devices)
     if n == 0:
         return []
@@ -111,7 +119,8 @@ def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray 
     roles = [nic_role(nic, i, p, mapped) for i in range(n)]
     fabric = np.array([r == "fabric" for r in roles])
     tx = np.nan_to_num(nic.get("nic_tx"), nan=0.0)
-    busy = fabric & (tx >= p.busy_bytes_per_second)
+    steady = np.array([nd not in quiet for nd in nic.nodes], dtype=bool) if quiet else np.ones(n, dtype=bool)
+    busy = fabric & steady & (tx >= p.busy_bytes_per_second)
     # Peer groups of nic_peer_key (role, link layer, capability to 2 digits), each capability formatted once.
     groups: dict[tuple[str, str, str], list[int]] = defaultdict(list)
     busy_idx = np.flatnonzero(busy)
@@ -141,7 +150,7 @@ def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray 
     # RoCE: PFC pause, discards and pause storms of the NIC's netdev against its rail (detector/causes.py);
     # storage/front-end ports burst and pause by design (checkpoints): only the GPU fabric is judged
     for mask, value, what in nic_fabric(nic, p.min_peers, p.pause_min):
-        flag(mask & fabric, value, what)
+        flag(mask & fabric & steady, value, what)
     job_of = {(nd, g): j for nd, g, j in zip(gpu.nodes, gpu.gpus, gpu.jobs, strict=True)}
     flagged = np.flatnonzero(score >= p.threshold)
     per_node: dict[str, list[int]] = defaultdict(list)
@@ -157,8 +166,7 @@ def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray 
         ks = per_node[nd]
         best = max(ks, key=lambda k: score[k])
         jobs = {job_of.get((nd, g)) for k in ks for g in nic.gpus[k]} - {None}
-        ev = _evidence(nic, best, cause_detail[best])
-        ev["value:nics"] = float(len(ks))
+        ev = _evidence(nic, best, cause_detail[best], float(score[best])).with_members(len(ks))
         out.append(Candidate(nd, None, jobs.pop() if len(jobs) == 1 else None, nic.sites[best], "network",
                              float(score[best]), ev, nic=""))
     for i in flagged:
@@ -168,14 +176,15 @@ def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray 
         g = gpus[0] if len(gpus) == 1 else None
         job = job_of.get((nic.nodes[i], g)) if g is not None else None
         out.append(Candidate(nic.nodes[i], g, job, nic.sites[i], "network", float(score[i]),
-                             _evidence(nic, int(i), cause_detail[i]), nic=f"{nic.devices[i]}/{nic.ports[i]}"))
+                             _evidence(nic, int(i), cause_detail[i], float(score[i])),
+                             nic=f"{nic.devices[i]}/{nic.ports[i]}"))
     return out
 
 
-def _evidence(nic: NicFrame, i: int, detail: list[str]) -> dict[str, float]:
-    ev = {k: 1.0 for k in detail}
+def _evidence(nic: NicFrame, i: int, detail: list[str], score: float) -> Evidence:
+    values = {}
     for f in ("nic_xmit_wait", "nic_symbol_errors", "nic_link_downed", "nic_rate"):
         v = nic.get(f)[i]
         if np.isfinite(v):
-            ev[f"value:{f}"] = float(v)
-    return ev
+            values[f] = float(v)
+    return Evidence(causes={"network": DIRECT + score}, values=values, flags=tuple(detail))

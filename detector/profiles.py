@@ -93,6 +93,12 @@ def _re(label: str, value: str) -> tuple[tuple[str, str, str], ...]:
 GPUFLEET: tuple[Query, ...] = (
     _q("util", "gpufleet_gpu_utilization_ratio", "avg"),
     _q("samples", "gpufleet_gpu_utilization_ratio", "count"),
+    # The window's shape (detector/phases.py): the latest reading, and the range of utilization and power.
+    _q("util_last", "gpufleet_gpu_utilization_ratio", "last"),
+    _q("util_min", "gpufleet_gpu_utilization_ratio", "min", agg="min"),
+    _q("util_max", "gpufleet_gpu_utilization_ratio", "max"),
+    _q("power_min", "gpufleet_gpu_power_watts", "min", agg="min"),
+    _q("power_max", "gpufleet_gpu_power_watts", "max"),
     # NVML reports no utilization for a GPU in MIG mode: its MIG mode series makes it a GPU entity all the same
     # (device-level readings, throttling findings; its slices are scored in detector.mig)
     _q("samples", "gpufleet_gpu_mig_mode_enabled", "count", matchers=_eq("state", "current")),
@@ -115,6 +121,13 @@ GPUFLEET: tuple[Query, ...] = (
     _q("thr_power", "gpufleet_gpu_clock_event_active", "avg", matchers=_eq("reason", "sw_power_cap")),
     _q("thr_brake", "gpufleet_gpu_clock_event_active", "avg", matchers=_eq("reason", "hw_power_brake_slowdown")),
     _q("thr_hw", "gpufleet_gpu_clock_event_active", "avg", matchers=_eq("reason", "hw_slowdown")),
+    # The reasons active at the latest reading (as the dcgm profile reads its reason mask): throttling is seen
+    # from the first sample it shows in, not once it has filled a fraction of the window.
+    _q("thr_thermal", "gpufleet_gpu_clock_event_active", "last",
+       matchers=_re("reason", "sw_thermal_slowdown|hw_thermal_slowdown")),
+    _q("thr_power", "gpufleet_gpu_clock_event_active", "last", matchers=_eq("reason", "sw_power_cap")),
+    _q("thr_brake", "gpufleet_gpu_clock_event_active", "last", matchers=_eq("reason", "hw_power_brake_slowdown")),
+    _q("thr_hw", "gpufleet_gpu_clock_event_active", "last", matchers=_eq("reason", "hw_slowdown")),
     # NVML's cumulative throttle time of the counted reasons: rate() is the throttled fraction of the window.
     _q("thr_thermal", "gpufleet_gpu_clock_event_seconds_total", "rate",
        matchers=_re("reason", "sw_thermal_slowdown|hw_thermal_slowdown")),
@@ -170,6 +183,11 @@ _DCGM_WHOLE = _eq(_GI, "")
 DCGM: tuple[Query, ...] = (
     _x("util", "DCGM_FI_DEV_GPU_UTIL", "avg", scale=0.01),
     _x("samples", "DCGM_FI_DEV_GPU_UTIL", "count"),
+    _x("util_last", "DCGM_FI_DEV_GPU_UTIL", "last", scale=0.01),
+    _x("util_min", "DCGM_FI_DEV_GPU_UTIL", "min", scale=0.01, agg="min"),
+    _x("util_max", "DCGM_FI_DEV_GPU_UTIL", "max", scale=0.01),
+    _x("power_min", "DCGM_FI_DEV_POWER_USAGE", "min", agg="min"),
+    _x("power_max", "DCGM_FI_DEV_POWER_USAGE", "max"),
     _x("@job", "DCGM_FI_DEV_GPU_UTIL", "count"),
     _x("@model", "DCGM_FI_DEV_GPU_UTIL", "last"),
     # A GPU in MIG mode has no GPU_UTIL and no series without GPU_I_ID (dcgm-exporter's default --devices f): the
@@ -205,6 +223,8 @@ DCGM: tuple[Query, ...] = (
     _x("nic_link_recovery", "node_infiniband_link_error_recovery_total", "increase", "nic"),
     _x("nic_rate", "node_infiniband_rate_bytes_per_second", "min", "nic", agg="min"),
     _x("node_power", "ipmi_dcmi_power_consumption_watts", "avg", "node"),
+    # node_exporter's pressure collector (PSI cpu "some"): a straggler's host evidence (detector/causes.py).
+    _x("host_cpu_pressure", "node_pressure_cpu_waiting_seconds_total", "rate", "node", optional=True),
 )
 
 #: Kubernetes (both profiles): kube-state-metrics' pod owners and labels and the batch Jobs' owners, passed

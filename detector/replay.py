@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from gpufleet.detector import warmstart
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.engine import Detector, gc_paused
+from gpufleet.detector.features import OPTIONAL_METRICS
 from gpufleet.detector.findings import Finding
 from gpufleet.detector.profiles import sample_names
 from gpufleet.detector.source_recording import RecordingSource
@@ -62,7 +63,8 @@ def replay(files: Sequence[str], cfg: DetectorConfig, step: float | None = None,
     present = src.metric_names()
     by_feature: dict[str, set[str]] = {}
     for q in det.queries:
-        if q.entity != "meta":  # optional context (kube-state-metrics), not an input
+        # optional context (kube-state-metrics, MIG devices on a fleet without MIG) is not an input
+        if q.entity != "meta" and not q.optional and q.metric not in OPTIONAL_METRICS:
             by_feature.setdefault(q.feature, set()).add(q.metric)
     # an alternative name (e.g. DCGM_FI_DEV_CLOCKS_EVENT_REASONS for ..._CLOCK_THROTTLE_REASONS) is not missing
     missing = {m for names in by_feature.values() if not names & present for m in names}

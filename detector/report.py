@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gpufleet.detector import kinds
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.findings import Finding
 from gpufleet.detector.profiles import JOB_LABELS, Query
@@ -130,7 +131,7 @@ def pue_plot(det: Detector, f: Finding) -> list[str]:
 
 def finding_plots(det: Detector, f: Finding) -> list[str]:
     src = det.source
-    if f.kind == "pue_drift":
+    if kinds.spec(f.kind).by_site:
         return pue_plot(det, f)
     if not isinstance(src, RecordingSource) or f.node is None:
         return []

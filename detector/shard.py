@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
+from gpufleet.detector import kinds
 from gpufleet.detector.features import FeatureFrame, GpuFrame
 
 _SPEC = re.compile(r"(\d+)/(\d+)")
@@ -100,10 +101,11 @@ def owns_finding(shard: Shard | None, kind: str, node: str | None, site: str | N
     decides NIC findings (by node) and site findings (by site)."""
     if shard is None or shard.count == 1:
         return True
-    if kind == "network":
-        return shard.owns(f"node:{node or ''}")
-    if kind == "pue_drift":
+    spec = kinds.spec(kind)
+    if spec.by_site:
         return shard.owns(f"site:{site or ''}")
+    if spec.judged == "nic":
+        return shard.owns(f"node:{node or ''}")
     return True
 
 

@@ -16,13 +16,13 @@ A GPU starved by its host shows the opposite (lower utilization and activity
 than its peers). The robust score is therefore directional:
 ``max(-z(sm_clock), -z(mem_clock), z(tensor), z(sm_active), -z(util))``.
 
-The cause is chosen from a list of (cause, strength) evidence
-(:func:`cause_evidence`): direct evidence (a clock-event reason held for part
-of the window, a flagged NIC, a PCIe link below its maximum, memory errors,
-and whatever :data:`CAUSE_HOOKS` add) is worth 10 plus its size and always
-beats causes inferred from deviations alone (robust z, at most 10). A node
-whose GPUs of one job mostly straggle becomes one node-level candidate whose
-cause has the most evidence summed over them; the weaker causes are listed.
+The cause comes from the cause rules (:mod:`gpufleet.detector.cause_rules`):
+direct evidence (a clock-event reason held for part of the window, a lowered
+power limit, a flagged NIC, a PCIe link below its maximum, memory errors, host
+or fabric pressure on the node) always beats causes inferred from deviations
+alone. A node whose GPUs of one job mostly straggle becomes one node-level
+candidate whose cause is its GPUs' strongest direct evidence, else the inferred
+cause with the most evidence summed over them; the weaker causes are listed.
 
 An IsolationForest, fitted per evaluation over the peer-normalized feature
 vectors of all scored GPUs, says how isolated each GPU is (``iso`` in 0..1);
@@ -36,12 +36,12 @@ a decision, i.e. some GPU's robust score is within 25 % of the threshold
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from gpufleet.detector import causes
+from gpufleet.detector import cause_rules, causes
+from gpufleet.detector.candidate import DIRECT, Candidate, Evidence
 from gpufleet.detector.features import NVLINK_ERROR_FEATURES, GpuFrame
 from gpufleet.detector.robust import grouped_robust_z
 
@@ -75,29 +75,6 @@ class StragglerParams:
     node_fraction: float = 0.75
     isolation_forest: bool = True
     seed: int = 0
-
-
-@dataclass
-class Candidate:
-    node: str
-    gpu: str | None
-    job: str | None
-    site: str
-    cause: str
-    score: float
-    evidence: dict[str, float] = field(default_factory=dict)
-    nic: str = ""  # "device/port" for network findings
-    namespace: str = ""  # Kubernetes: the GPU's (or node's single) pod and its namespace (detector.jobs)
-    pod: str = ""
-    gpu_instance: str = ""  # MIG: the slice (GPU instance of ``gpu``) and its profile (detector.mig)
-    mig_profile: str = ""
-
-
-#: Extra cause evidence: ``hook(frame, i) -> [(cause, strength), ...]`` for GPU ``i`` (strength >= 10 for
-#: direct evidence such as fabric counters or host pressure, < 10 for inferred).
-CauseHook = Callable[["GpuFrame", int], list[tuple[str, float]]]
-CAUSE_HOOKS: list[CauseHook] = []
-DIRECT = 10.0  # the strength every piece of direct evidence starts at
 
 
 @dataclass
@@ -167,10 +144,18 @@ def _groups(frame: GpuFrame, eligible: FloatArray, p: StragglerParams,
 
 def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], float] | None = None,
           limit_ref: FloatArray | None = None,
-          node_causes: dict[str, tuple[str, dict[str, float]]] | None = None) -> StragglerResult:
+          node_causes: dict[str, tuple[str, dict[str, float]]] | None = None,
+          edge: FloatArray | None = None) -> StragglerResult:
+    """Score the frame's GPUs against their peers. ``edge`` (bool per GPU, :func:`gpufleet.detector.phases.job_edges`):
+    the GPU's job is at a job-wide phase edge in this window, so only direct hardware evidence makes it a
+    candidate (deviations alone cannot tell a fault from the edge)."""
     n = len(frame)
     util = frame.get("util")
     active = np.nan_to_num(util, nan=0.0) >= p.busy_util
+    # A GPU whose latest reading is idle stopped working (its rank crashed, its job ended): no straggler.
+    last = frame.get("util_last")
+    with np.errstate(invalid="ignore"):
+        active &= ~(np.isfinite(last) & (last < p.busy_util))
     eligible = frame.valid.astype(bool) & ~frame.churn.astype(bool) & active
     groups = _groups(frame, eligible, p, limit_ref)
     scored = groups >= 0
@@ -214,6 +199,9 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
     flags = nic_flags or {}
     hit = np.nan_to_num(combined, nan=0.0) >= p.threshold
     cands = [_candidate(frame, int(i), combined[i], z, p, flags, node_causes or {}) for i in np.flatnonzero(hit)]
+    if edge is not None and edge.any():  # at a job-wide edge: direct evidence only
+        at_edge = {(frame.nodes[i], frame.gpus[i]) for i in np.flatnonzero(edge)}
+        cands = [c for c in cands if (c.node, c.gpu) not in at_edge or c.direct]
     cands += _link_stragglers(frame, scored & ~hit, p, flags, z, node_causes or {})
     return StragglerResult(scored, combined, z, _collapse_nodes(frame, groups, cands, p))
 
@@ -253,29 +241,20 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
     fabric_nodes = {node for node, (cause, _) in (node_causes or {}).items() if cause == "network"}
     if fabric_nodes:  # a node whose ports are paused by PFC or drop (detector/causes.py): its ranks wait on links
         maybe |= np.array([node in fabric_nodes for node in frame.nodes], dtype=bool)
+    refs = {"nvlink_excess": nvl_err, "pcie_gen_ref": gen_max, "pcie_width_ref": width_max}
     for i in np.flatnonzero(np.asarray(idx, dtype=bool) & maybe):
         if not frame.jobs[i]:
             continue
-        key = (frame.nodes[i], frame.gpus[i])
-        ev: dict[str, float] = {}
-        fabric = (node_causes or {}).get(frame.nodes[i])
-        if key in nic_flags:
-            cause, sc = "network", nic_flags[key]
-        elif fabric is not None and fabric[0] == "network":  # PFC pause storm or drops on its node's ports
-            cause, sc, ev = "network", p.threshold + 1.0, dict(fabric[1])
-        elif np.isfinite(nvl[i]) and nvl[i] < 1:
-            cause, sc, ev = "network", p.threshold + 2.0, {"value:nvlink_up_min": float(nvl[i])}
-        elif not np.isfinite(nvl[i]) and nvl_err[i] >= 1:
-            cause, sc, ev = "network", p.threshold + 2.0, {"value:nvlink_errors": float(nvl_err[i])}
-        elif (np.isfinite(gen[i]) and np.isfinite(gen_max[i]) and gen[i] < gen_max[i]) or (
-                np.isfinite(width[i]) and np.isfinite(width_max[i]) and width[i] < width_max[i]):
-            cause, sc = "pcie", p.threshold + 2.0
-            ev = {"value:pcie_gen": float(gen[i]), "value:pcie_width": float(width[i])}
-        elif np.isfinite(replays[i]) and replays[i] >= p.pcie_replays and not np.isfinite(gen[i]):
-            cause, sc, ev = "pcie", p.threshold + 1.0, {"value:pcie_replay": float(replays[i])}
-        else:
+        view = cause_rules.GpuView(frame, int(i), {}, _thresholds(p), nic_flags, node_causes or {}, **refs)
+        hit = cause_rules.link(view)
+        if hit is None:
             continue
-        out.append(Candidate(frame.nodes[i], frame.gpus[i], frame.jobs[i], frame.sites[i], cause, float(sc), ev))
+        rule, strength = hit
+        key = (frame.nodes[i], frame.gpus[i])
+        sc = nic_flags[key] if rule.what == "nic_flagged" else p.threshold + min(strength - DIRECT, 2.0)
+        ev = Evidence(causes={rule.cause: strength}, values=rule.values(view))
+        out.append(Candidate(frame.nodes[i], frame.gpus[i], frame.jobs[i], frame.sites[i], rule.cause, float(sc),
+                             ev))
     return out
 
 
@@ -295,80 +274,27 @@ def _nvlink_errors(frame: GpuFrame, idx: np.ndarray) -> FloatArray:
     return out
 
 
+def _thresholds(p: StragglerParams) -> cause_rules.Thresholds:
+    return cause_rules.Thresholds(p.throttle_fraction, p.cause_z, p.pcie_replays, p.threshold)
+
+
 def _candidate(frame: GpuFrame, i: int, s: float, z: dict[str, FloatArray], p: StragglerParams,
                nic_flags: dict[tuple[str, str], float],
-               node_causes: dict[str, tuple[str, dict[str, float]]] | None = None) -> Candidate:
-    ev = {f: float(z[f][i]) for f in z if np.isfinite(z[f][i])}
-
-    def val(f: str) -> float:
-        v = frame.get(f)[i]
-        return float(v) if np.isfinite(v) else 0.0
-
-    evidence = cause_evidence(frame, i, ev, p, nic_flags, node_causes)
-    cause = _strongest(evidence)
-    for c, strength in evidence:
-        ev[f"cause:{c}"] = max(ev.get(f"cause:{c}", 0.0), strength)
-    fabric = (node_causes or {}).get(frame.nodes[i])
-    if fabric is not None:
-        ev.update(fabric[1])
-    for f in ("thr_thermal", "thr_power", "thr_brake", "thr_hw", "pcie_gen", "pcie_width"):
-        if val(f):
-            ev[f"value:{f}"] = val(f)
-    return Candidate(frame.nodes[i], frame.gpus[i], frame.jobs[i], frame.sites[i], cause, float(s), ev)
+               node_causes: cause_rules.NodeCauses | None = None) -> Candidate:
+    dev = {f: float(z[f][i]) for f in z if np.isfinite(z[f][i])}
+    strengths, values = cause_rules.evaluate(cause_rules.GpuView(frame, i, dev, _thresholds(p), nic_flags,
+                                                                 node_causes or {}))
+    ev = Evidence(deviations=dev, causes=strengths, values=values)
+    return Candidate(frame.nodes[i], frame.gpus[i], frame.jobs[i], frame.sites[i], ev.strongest(), float(s), ev)
 
 
 def cause_evidence(frame: GpuFrame, i: int, z: dict[str, float], p: StragglerParams,
                    nic_flags: dict[tuple[str, str], float],
-                   node_causes: dict[str, tuple[str, dict[str, float]]] | None = None) -> list[tuple[str, float]]:
-    """(cause, strength) evidence for GPU ``i`` (``z``: its robust z-scores), strongest first.
-
-    Direct evidence is worth :data:`DIRECT` plus its size; causes inferred from deviations alone are worth
-    their robust z, at most :data:`DIRECT`, so direct evidence always wins.
-    """
-    def val(f: str) -> float:
-        v = frame.get(f)[i]
-        return float(v) if np.isfinite(v) else 0.0
-
-    def zf(f: str) -> float:
-        return z.get(f, 0.0)
-
-    t = p.throttle_fraction
-    out: list[tuple[str, float]] = []
-    for feat, cause in (("thr_thermal", "thermal"), ("thr_brake", "power"), ("thr_power", "power"),
-                        ("thr_hw", "clock")):
-        if val(feat) >= t:
-            out.append((cause, DIRECT + 10.0 * val(feat)))
-    if zf("power_limit") <= -p.cause_z:
-        out.append(("power", DIRECT + min(-zf("power_limit"), 10.0) / 2))
-    key = (frame.nodes[i], frame.gpus[i])
-    if key in nic_flags:
-        out.append(("network", DIRECT + 5.0))
-    if (val("pcie_gen") and val("pcie_gen_max") and val("pcie_gen") < val("pcie_gen_max")) or (
-            val("pcie_width") and val("pcie_width_max") and val("pcie_width") < val("pcie_width_max")):
-        out.append(("pcie", DIRECT + 5.0))
-    if val("remap_pending") > 0 or val("ecc") > 0:
-        out.append(("memory", DIRECT + 2.0))
-    if zf("mem_clock") <= -p.cause_z:
-        out.append(("memory", min(-zf("mem_clock"), DIRECT)))
-    if zf("temp") >= p.cause_z and zf("sm_clock") <= -p.cause_z:
-        out.append(("thermal", min(min(zf("temp"), -zf("sm_clock")) + 0.5, DIRECT)))
-    if zf("sm_clock") <= -p.cause_z:
-        out.append(("clock", min(-zf("sm_clock"), DIRECT)))
-    if zf("util") <= -p.cause_z or zf("tensor") <= -p.cause_z:
-        out.append(("host", min(max(-zf("util"), -zf("tensor")), DIRECT)))
-    fabric = (node_causes or {}).get(frame.nodes[i])
-    if fabric is not None:  # host pressure, PFC pause/discards or a sustained AER rate on its node, not its peers'
-        out.append((fabric[0], DIRECT + 3.0))  # (detector/causes.py)
-    for hook in CAUSE_HOOKS:
-        out.extend(hook(frame, i))
-    return sorted(out, key=lambda cs: -cs[1])
-
-
-def _strongest(evidence: list[tuple[str, float]]) -> str:
-    total: dict[str, float] = defaultdict(float)
-    for c, strength in evidence:
-        total[c] = max(total[c], strength)
-    return max(total, key=lambda c: total[c]) if total else "unknown"
+                   node_causes: cause_rules.NodeCauses | None = None) -> list[tuple[str, float]]:
+    """(cause, strength) evidence for GPU ``i`` (``z``: its robust z-scores) by the cause rules, strongest first."""
+    strengths, _ = cause_rules.evaluate(cause_rules.GpuView(frame, i, z, _thresholds(p), nic_flags,
+                                                            node_causes or {}))
+    return sorted(strengths.items(), key=lambda cs: -cs[1])
 
 
 def _collapse_nodes(frame: GpuFrame, groups: FloatArray, cands: list[Candidate],
@@ -389,16 +315,20 @@ def _collapse_nodes(frame: GpuFrame, groups: FloatArray, cands: list[Candidate],
         # Most of the node's GPUs, whatever their causes, or several for one cause (a node problem that hits
         # some of its GPUs: cooling, power delivery) are one node-level candidate.
         if len(cs) >= 2 and total and (len(cs) >= p.node_fraction * total or len(causes) == 1):
+            # The cause: the strongest direct evidence of any of its GPUs (a throttle reason, a lowered power
+            # limit, a flagged NIC...), else the inferred cause with the most evidence summed over them; the
+            # others stay in the evidence (the finding's other causes).
             strength: dict[str, float] = defaultdict(float)
+            strongest_direct: dict[str, float] = {}
             for c in cs:
-                own = {k.removeprefix("cause:"): v for k, v in c.evidence.items() if k.startswith("cause:")}
-                for cause, v in (own or {c.cause: c.score}).items():
+                for cause, v in (c.evidence.causes or {c.cause: c.score}).items():
                     strength[cause] += v
-            cause = max(strength, key=lambda k: strength[k])
+                    if v >= DIRECT:
+                        strongest_direct[cause] = max(strongest_direct.get(cause, 0.0), v)
+            pick = strongest_direct or strength
+            cause = max(pick, key=lambda k: pick[k])
             best = max(cs, key=lambda c: c.score)
-            ev = dict(best.evidence)
-            ev.update({f"cause:{k}": v for k, v in strength.items()})
-            ev["gpus"] = float(len(cs))
+            ev = replace(best.evidence, causes={**strength, **strongest_direct}, members=len(cs))
             out.append(Candidate(node, None, job, best.site, cause, best.score, ev))
         else:
             out.extend(cs)

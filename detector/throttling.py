@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gpufleet.detector.candidate import DIRECT, Candidate, Evidence
 from gpufleet.detector.features import GpuFrame
-from gpufleet.detector.straggler import Candidate
 
 REASONS = (("thr_thermal", "thermal"), ("thr_brake", "power"), ("thr_power", "power"), ("thr_hw", "clock"))
 
@@ -53,7 +53,8 @@ def find(frame: GpuFrame, p: ThrottleParams) -> list[Candidate]:
         if best is not None:
             frac, cause, feat = best
             cands.append(Candidate(frame.nodes[i], frame.gpus[i], frame.jobs[i], frame.sites[i], cause,
-                                   10.0 * frac, {feat: frac}))
+                                   10.0 * frac, Evidence(causes={cause: DIRECT + 10.0 * frac},
+                                                         fractions={feat: frac})))
     by: dict[tuple[str, str], list[Candidate]] = defaultdict(list)
     for c in cands:
         by[(c.node, c.cause)].append(c)
@@ -64,7 +65,7 @@ def find(frame: GpuFrame, p: ThrottleParams) -> list[Candidate]:
             jobs = {c.job for c in cs}
             best_c = max(cs, key=lambda c: c.score)
             out.append(Candidate(node, None, jobs.pop() if len(jobs) == 1 else None, best_c.site, cause,
-                                 best_c.score, {**best_c.evidence, "gpus": float(len(cs))}))
+                                 best_c.score, best_c.evidence.with_members(len(cs))))
         else:
             out.extend(cs)
     return out

@@ -177,11 +177,13 @@ def catch_up(det: Detector, source: GridSource, times: Sequence[float]) -> None:
 
 
 def adopt(live: Detector, rebuilt: Detector) -> None:
-    """Give ``live`` (the detector the service exports) the state ``rebuilt`` reached; its source stays."""
-    live.tracker = rebuilt.tracker
-    live.pue = rebuilt.pue
-    live.baseline = rebuilt.baseline
-    live.last = rebuilt.last
+    """Give ``live`` (the detector the service exports) every piece of state ``rebuilt`` reached (tracker,
+    baselines, PUE models, job phases, ...: whatever the detector keeps between evaluations); its source,
+    configuration and queries stay."""
+    keep = {"cfg", "source", "queries", "naming"}
+    for name, value in vars(rebuilt).items():
+        if name not in keep:
+            setattr(live, name, value)
 
 
 def _by_feature(det: Detector, *features: str) -> list[Query]:

@@ -188,7 +188,8 @@ class _Workloads(FaultSchedule):
         self.rng = np.random.default_rng(ks.seed + 7)
         f = sim.fleet
         idx = {j.id: j for j in f.jobs}
-        self.bursty = np.concatenate([f.node_gpus(n) for j in ks.inference_jobs for n in idx[j].nodes])
+        self.bursty = np.concatenate([np.zeros(0, int)]  # a cluster may run no inference at all
+                                     + [f.node_gpus(n) for j in ks.inference_jobs for n in idx[j].nodes])
         self.ckpt = [np.concatenate([f.node_gpus(n) for n in idx[j].nodes]) for j in sorted(ks.checkpoint_jobs)]
 
     def __call__(self, p: Physics, t: float, dt: float) -> None:

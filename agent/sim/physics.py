@@ -94,6 +94,9 @@ class Mods:
         self.pfc_pause = np.zeros(n)
         self.discards_per_s = np.zeros(n)
         self.aer_cor_per_s = np.zeros(g)
+        # The workload's own unevenness (issue 19, gpufleet.agent.sim.workload): each rank's compute per step
+        # relative to its job's (a busier pipeline stage, longer sequences, hot experts).
+        self.work = np.ones(g)
 
 
 @dataclass
@@ -329,7 +332,7 @@ class Physics:
 
         # ---------------- per-rank work
         noise = np.exp(rng.normal(0.0, 1.0, f.n_gpus) * (jt.noise[j] if has else 0.0))
-        work = (jt.compute_s[j] if has else np.ones(f.n_gpus)) / self.speed * noise
+        work = (jt.compute_s[j] if has else np.ones(f.n_gpus)) / self.speed * noise * m.work
         loader = m.loader * (jt.compute_s[j] if has else 0.0)
         intensity = jt.intensity[j] if has else np.zeros(f.n_gpus)
         dram_i = jt.dram[j] if has else np.zeros(f.n_gpus)

@@ -24,7 +24,10 @@ evaluation phase, the second job crashing and resubmitted (the whole job down
 while others run), an inference service, idle nodes, exporter restarts, missed
 scrapes and isolated PCIe-replay and symbol-error blips; a 2-hour (6-hour full)
 ``messy`` control gives false findings per 1,000 GPU-hours with all of them on.
-Every recording starts at :data:`START`, so the figures are reproducible.
+Every recording starts at :data:`START`, so the figures are reproducible. Recordings are scraped as Prometheus
+scrapes (:mod:`gpufleet.agent.sim.scraping`: each target at its own offset inside the interval, jitter, failed
+scrapes, dcgm-exporter's collect lag, job-wide changes reaching the nodes up to an interval apart); ``--scrape
+aligned`` records every series at the tick instead, as the harness did before.
 
 Reported, per profile, fleet and severity class: precision counting every
 finding (see :func:`score_run`), recall, cause accuracy per attributed finding,
@@ -51,6 +54,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gpufleet.agent.sim.faults import SEVERITY_WORDS
+from gpufleet.agent.sim.scraping import MODELS
 from gpufleet.detector.config import DetectorConfig, parse
 from gpufleet.detector.findings import Finding
 from gpufleet.detector.profiles import PROFILES
@@ -91,6 +95,9 @@ class Run:
     kind: str  # "fault" or "control"
     series: str = "core"  # the simulator's series set: "core" (detector inputs, fast) or "full"
     fleet: str = "plain"  # faults: "plain" (the fault's own scenario) or "messy" (see FLEETS)
+    #: How the recordings are scraped (gpufleet.agent.sim.scraping): "prometheus" (per-target offsets, jitter,
+    #: failed scrapes, exporter lag; the default) or "aligned" (every series at the tick, as before issue 25)
+    scrape: str = "prometheus"
 
 
 @dataclass
@@ -181,6 +188,7 @@ def execute(run: Run, workdir: str) -> list[Outcome]:
             faults = sc.faults
             sc = load_scenario("messy", hours=run.hours, seed=run.seed)
             sc.faults = faults
+    sc.scrape.model = run.scrape
     d = Path(workdir) / f"{run.fleet}-{run.scenario}-{run.severity}-{run.seed}"
     res = record(Simulator(sc, seed=run.seed, start=parse_time(START)), d, PROFILES, series=run.series)
     labels = json.loads(res.labels.read_text())
@@ -321,6 +329,14 @@ def run_all(execute: Callable[[Run, str], T], runs: Sequence[Run], jobs: int, pr
                 done(i, execute(run, work))
 
 
+def add_scrape_option(ap: argparse.ArgumentParser) -> None:
+    """The harnesses' ``--scrape`` option (:attr:`Run.scrape`)."""
+    ap.add_argument("--scrape", choices=MODELS, default="prometheus",
+                    help="how the recordings are scraped: prometheus (targets at their own offsets in the interval, "
+                         "jitter, failed scrapes, dcgm-exporter's lag, job-wide changes reaching nodes up to an "
+                         "interval apart; default) or aligned (every series at the tick, as before)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gpufleet.agent.sim.quality", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 seed, moderate and obvious only, shorter controls")
@@ -334,13 +350,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--series", choices=("auto", "core", "full"), default="auto",
                     help="simulator series set: core (detector inputs; fast), full (every modelled series) or "
                          "auto (core, but full for nvlink_down: per-link NVLink state is only in full)")
+    ap.add_argument("--workload", action="store_true",
+                    help="run the workload section instead (uneven jobs: false pages, routes; "
+                         "gpufleet.agent.sim.quality_workload)")
+    add_scrape_option(ap)
     args = ap.parse_args(argv)
+    if args.workload:
+        from gpufleet.agent.sim import quality_workload
+
+        return quality_workload.main([*(["--quick"] if args.quick else []), "--jobs", str(args.jobs),
+                                      "--out", args.out, *(["--seeds", str(args.seeds)] if args.seeds else []),
+                                      *(["--only", *args.only] if args.only else [])])
     seeds = args.seeds or (1 if args.quick else 3)
     runs = plan(args.quick, seeds, FLEETS if args.fleet == "both" else (args.fleet,))
     if args.only:
         runs = [r for r in runs if r.scenario in args.only]
     for r in runs:
         r.series = args.series if args.series != "auto" else ("full" if r.scenario == "nvlink_down" else "core")
+        r.scrape = args.scrape
     outs: list[Outcome] = []
     started = time.perf_counter()
     out = Path(args.out)

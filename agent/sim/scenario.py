@@ -8,7 +8,10 @@ Example::
     hours = 2            # or duration = "90m" (s, m, h, d suffixes; plain numbers are seconds)
     step = 15            # seconds between samples
     start = "2026-07-01T00:00:00Z"   # optional; recordings default to this, live runs to now
-    scrape_miss_rate = 0.0005        # probability a node's scrape is missing from the recording
+    scrape_miss_rate = 0.0005        # probability a target's scrape fails (default 0.001; 0 with model "aligned")
+
+    [scrape]                         # how Prometheus scrapes the fleet (gpufleet.agent.sim.scraping)
+    model = "prometheus"             # per-target offsets, jitter, exporter lag, rank skew; "aligned": none
 
     [[sites]]
     name = "site-a"
@@ -51,6 +54,11 @@ Example::
     job = "5001"                     # optional: the Slurm job of every slice ("": none, each its own workload)
     activity = 0.75                  # optional: SM activity of the job's slices
 
+    [[workloads]]                    # uneven work inside a training job: see gpufleet.agent.sim.workload
+    job = "job-0001"
+    pattern = "stage_imbalance"      # stage_imbalance | data_skew | hot_experts | seqlen_noise
+    owner = "team-llm"
+
     [[mig_faults]]                   # a fault of one MIG slice (gpufleet.agent.sim.mig.MIG_FAULTS)
     kind = "mig_slice_slow"
     node = "node-003"
@@ -74,6 +82,14 @@ from typing import Any
 from gpufleet.agent.sim.faults import FAULTS, SEVERITY_WORDS
 from gpufleet.agent.sim.fleet import GPU_MODELS
 from gpufleet.agent.sim.mig import MIG_FAULTS, MigFaultSpec, MigSpec, instance_ids, layout_of
+from gpufleet.agent.sim.scraping import (
+    COMPONENTS,
+    DEFAULT_MISS_RATE,
+    ScrapeSpec,
+    ScrapeSpecError,
+    parse_scrape,
+)
+from gpufleet.agent.sim.workload import WorkloadSpec, parse_workloads
 
 DEFAULT_START = "2026-07-01T00:00:00Z"
 
@@ -133,7 +149,9 @@ class Scenario:
     duration: float = 3600.0
     step: float = 15.0
     start: str | None = None
-    scrape_miss_rate: float = 0.0
+    #: Failed scrapes per target and scrape; None: the scrape model's default (miss_rate).
+    scrape_miss_rate: float | None = None
+    scrape: ScrapeSpec = field(default_factory=ScrapeSpec)
     sites: list[SiteSpec] = field(default_factory=list)
     auto_jobs: bool = False
     fill: float = 0.85
@@ -147,17 +165,27 @@ class Scenario:
     #: Isolated counter blips (not faults): {"counter": "pcie_replay" | "symbol_error", "node", "gpu" | "nic",
     #: "at", "count"}.
     blips: list[dict[str, Any]] = field(default_factory=list)
-    #: Exporter restarts: the node's scrapes are missing for "seconds" from "at"; counters go on.
+    #: Exporter restarts: {"node", "at", "seconds", "component"}: that exporter's scrapes of the node are missing
+    #: for "seconds" from "at" and the counters it keeps itself start again from 0 (hardware counters go on).
     exporter_restarts: list[dict[str, Any]] = field(default_factory=list)
     #: Nodes in MIG mode and faults of single MIG slices (gpufleet.agent.sim.mig).
     mig: list[MigSpec] = field(default_factory=list)
     mig_faults: list[MigFaultSpec] = field(default_factory=list)
+    #: Uneven work inside training jobs (gpufleet.agent.sim.workload): busier stages, ranks, hot experts, noise.
+    workloads: list[WorkloadSpec] = field(default_factory=list)
 
     @property
     def node_names(self) -> list[str]:
         total = sum(s.nodes for s in self.sites)
         width = max(3, len(str(total - 1)))
         return [f"node-{i:0{width}d}" for i in range(total)]
+
+    @property
+    def miss_rate(self) -> float:
+        """Failed scrapes per target and scrape: the scenario's rate, else the scrape model's default."""
+        if self.scrape_miss_rate is not None:
+            return self.scrape_miss_rate
+        return DEFAULT_MISS_RATE if self.scrape.realistic else 0.0
 
     def start_unix(self) -> float:
         return parse_time(self.start or DEFAULT_START)
@@ -233,7 +261,7 @@ def parse_scenario(data: dict[str, Any], source: str = "<scenario>") -> Scenario
     w = source
     _check_keys(data, {"name", "description", "seed", "hours", "duration", "step", "start", "scrape_miss_rate",
                        "sites", "jobs", "faults", "heatwaves", "reboots", "blips", "exporter_restarts", "mig",
-                       "mig_faults"}, w)
+                       "mig_faults", "workloads", "scrape"}, w)
     sc = Scenario(name=_get(data, "name", str, w, Path(source).stem))
     sc.description = _get(data, "description", str, w, "")
     sc.seed = _get(data, "seed", int, w, 0)
@@ -249,9 +277,13 @@ def parse_scenario(data: dict[str, Any], source: str = "<scenario>") -> Scenario
     sc.start = _get(data, "start", str, w)
     if sc.start is not None:
         parse_time(sc.start)
-    sc.scrape_miss_rate = _get(data, "scrape_miss_rate", float, w, 0.0)
-    if not 0.0 <= sc.scrape_miss_rate < 1.0:
+    sc.scrape_miss_rate = _get(data, "scrape_miss_rate", float, w, None)
+    if sc.scrape_miss_rate is not None and not 0.0 <= sc.scrape_miss_rate < 1.0:
         raise ScenarioError(f"{w}.scrape_miss_rate: must be in [0, 1)")
+    try:
+        sc.scrape = parse_scrape(_get(data, "scrape", dict, w, {}), f"{w}.scrape")
+    except ScrapeSpecError as e:
+        raise ScenarioError(str(e)) from e
     sites = _get(data, "sites", list, w)
     if not sites:
         raise ScenarioError(f"{w}: at least one [[sites]] table is required")
@@ -328,13 +360,18 @@ def parse_scenario(data: dict[str, Any], source: str = "<scenario>") -> Scenario
         rw = f"{w}: exporter_restarts[{i}]"
         if not isinstance(r, dict):
             raise ScenarioError(f"{rw}: expected a table")
-        _check_keys(r, {"node", "at", "seconds"}, rw)
+        _check_keys(r, {"node", "at", "seconds", "component"}, rw)
         node = _get(r, "node", str, rw)
         if node not in node_names:
             raise ScenarioError(f"{rw}.node: unknown node {node!r}")
+        component = _get(r, "component", str, rw, "gpu")
+        if component not in COMPONENTS:
+            raise ScenarioError(f"{rw}.component: must be one of {', '.join(COMPONENTS)}, got {component!r}")
         sc.exporter_restarts.append({"node": node, "at": parse_duration(r.get("at", 0), f"{rw}.at"),
-                                     "seconds": parse_duration(r.get("seconds", 60), f"{rw}.seconds")})
+                                     "seconds": parse_duration(r.get("seconds", 60), f"{rw}.seconds"),
+                                     "component": component})
     _parse_mig(sc, data, w)
+    sc.workloads = parse_workloads(data.get("workloads"), sc, w)
     return sc
 
 

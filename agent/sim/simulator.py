@@ -47,6 +47,8 @@ from gpufleet.agent.sim.physics import (
     Physics,
 )
 from gpufleet.agent.sim.scenario import JobSpec, Scenario, load_scenario
+from gpufleet.agent.sim.workload import Workloads
+from gpufleet.agent.sim.workload import labels as workload_labels
 from gpufleet.agent.vocab.nvml import CLOCK_EVENT_COUNTED
 
 IB_HW_COUNTER_FILES = (
@@ -131,6 +133,8 @@ class Simulator:
                 node=node_index[fs.node] if fs.node is not None else None, gpu=fs.gpu, nic=fs.nic,
             ))
         self.fault_schedule = FaultSchedule(self.faults)
+        #: The scenario's uneven work ([[workloads]]), applied each tick after the faults (None: none).
+        self.workloads = Workloads(self) if sc.workloads else None
         self._reboots = sorted((r["at"], node_index[r["node"]]) for r in sc.reboots)
         self._blips = sorted((b["at"], k) for k, b in enumerate(sc.blips))
         self._uuids = [self._uuid(g) for g in range(self.fleet.n_gpus)]
@@ -162,7 +166,13 @@ class Simulator:
             _, k = self._blips.pop(0)
             blip = self.scenario.blips[k]
             self._blip(blip, self.scenario.node_names.index(blip["node"]))
-        self.physics.step(d, self.fault_schedule)
+        self.physics.step(d, self._effects)
+
+    def _effects(self, p: Physics, t: float, dt: float) -> None:
+        """A tick's effects: the fault schedule (whatever a mode put there), then the workloads' uneven work."""
+        self.fault_schedule(p, t, dt)
+        if self.workloads is not None:
+            self.workloads(p, t, dt)
 
     def _blip(self, b: dict[str, Any], node: int) -> None:
         """An isolated counter blip (a confounder): a few PCIe replays or symbol errors, once."""
@@ -173,11 +183,14 @@ class Simulator:
             p.nic_err[node * self.fleet.nics_per_node + b["nic"], 0] += b["count"]
 
     def scrape_gaps(self, n_ticks: int) -> np.ndarray:
-        """Ticks x nodes: True where an exporter restart leaves the node's scrape missing."""
+        """Ticks x nodes: True where a restart of the node's GPU exporter leaves its scrape missing (the aligned
+        scrape model's node-wide gaps; the prometheus model keeps each exporter's restarts to its own target)."""
         sc = self.scenario
         out = np.zeros((n_ticks, len(self.fleet.nodes)), dtype=bool)
         times = (np.arange(n_ticks) + 1) * sc.step
         for r in sc.exporter_restarts:
+            if r.get("component", "gpu") != "gpu":
+                continue
             out[:, sc.node_names.index(r["node"])] |= (times >= r["at"]) & (times < r["at"] + r["seconds"])
         return out
 
@@ -452,4 +465,5 @@ class Simulator:
             "nodes": [{"node": n.name, "site": self.fleet.sites[n.site].name, "gpus": n.gpus,
                        "gpu_model": n.model.key} for n in self.fleet.nodes],
             "faults": faults, "confounders": confounders, "jobs": jobs,
+            **({"workloads": workload_labels(self)} if sc.workloads else {}),
         }

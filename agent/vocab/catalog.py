@@ -124,7 +124,12 @@ IB_PORT_ERRORS = (
     "VL15_dropped",
 )
 FINDING_KINDS = ("straggler", "throttling", "network", "pue_drift")
-FINDING_CAUSES = ("thermal", "power", "clock", "network", "pcie", "memory", "host", "unknown")
+FINDING_CAUSES = ("thermal", "power", "clock", "network", "pcie", "memory", "host", "unknown", "workload")
+#: Who a finding goes to (issue 19): the hardware on-call, or the job's owner (the workload made it uneven).
+FINDING_ROUTES = ("hardware", "workload")
+#: How a workload made its job uneven ("" when not told): a pipeline stage uniformly busier since the job started,
+#: a rank or node busier for a while, busy spots (hot experts) that move between nodes.
+WORKLOAD_PATTERNS = ("stage_imbalance", "data_skew", "hot_experts")
 
 _G: MetricType = "gauge"
 _C: MetricType = "counter"
@@ -488,24 +493,31 @@ SPECS: tuple[MetricSpec, ...] = (
                ("node", "gpu", "job_id", "feature"), "detector"),
     MetricSpec("gpufleet_detector_finding", _G, "",
                "An active finding; value is its score. Series vanish when the finding closes. gpu_instance: the "
-               "MIG slice of the GPU a finding is about (empty when not a slice).",
-               ("kind", "cause", "node", "gpu", "job_id", "site", "namespace", "pod", "gpu_instance"), "detector",
-               label_values={"kind": FINDING_KINDS, "cause": FINDING_CAUSES}),
+               "MIG slice of the GPU a finding is about (empty when not a slice). route: who it goes to (hardware: "
+               "the hardware on-call; workload: the job's owner, the job made some ranks busier).",
+               ("kind", "cause", "node", "gpu", "job_id", "site", "namespace", "pod", "gpu_instance", "route"),
+               "detector", label_values={"kind": FINDING_KINDS, "cause": FINDING_CAUSES, "route": FINDING_ROUTES}),
     MetricSpec("gpufleet_detector_finding_start_timestamp_seconds", _G, "timestamp",
                "Unix time an active finding started.",
-               ("kind", "cause", "node", "gpu", "job_id", "site", "namespace", "pod", "gpu_instance"), "detector"),
+               ("kind", "cause", "node", "gpu", "job_id", "site", "namespace", "pod", "gpu_instance", "route"),
+               "detector"),
     # ---------------------------------------------------------------- detector: incidents (issue 10)
     MetricSpec("gpufleet_detector_finding_detected_timestamp_seconds", _G, "timestamp",
                "Unix time an active finding was detected (the evaluation at which it opened).",
-               ("kind", "cause", "node", "gpu", "job_id", "site", "namespace", "pod", "gpu_instance"), "detector"),
+               ("kind", "cause", "node", "gpu", "job_id", "site", "namespace", "pod", "gpu_instance", "route"),
+               "detector"),
     MetricSpec("gpufleet_detector_incident", _G, "",
                "An open incident (one physical problem: its findings of every kind); value is the highest score of "
                "its findings. Labels are those of its first finding (Kubernetes: its namespace and pod) and stay "
-               "while it is open, through gaps.",
-               ("incident", "node", "gpu", "site", "job_id", "namespace", "pod"), "detector"),
+               "while it is open, through gaps. route: workload while every finding of it is a workload one, "
+               "hardware from its first hardware finding on (it does not go back); owner: who gets a workload "
+               "incident's ticket (namespace, team or Slurm account; empty when not known).",
+               ("incident", "node", "gpu", "site", "job_id", "namespace", "pod", "route", "owner"), "detector",
+               label_values={"route": FINDING_ROUTES}),
     MetricSpec("gpufleet_detector_incident_finding", _G, "",
-               "A finding of an open incident; value is 1.", ("incident", "kind", "cause", "gpu", "nic"), "detector",
-               label_values={"kind": FINDING_KINDS, "cause": FINDING_CAUSES}),
+               "A finding of an open incident; value is 1. pattern: a workload finding's pattern (empty when none).",
+               ("incident", "kind", "cause", "gpu", "nic", "pattern"), "detector",
+               label_values={"kind": FINDING_KINDS, "cause": FINDING_CAUSES, "pattern": ("", *WORKLOAD_PATTERNS)}),
     MetricSpec("gpufleet_detector_site_pue", _G, "", "Observed PUE of a site (facility / IT power).", ("site",),
                "detector"),
     MetricSpec("gpufleet_detector_site_pue_expected", _G, "",

@@ -168,6 +168,11 @@ NODE_INFINIBAND_METRICS: tuple[ExternalMetric, ...] = (
         "6: link error recover, 7: phytest)"),
 )
 
+#: node_exporter's ``pressure`` collector: PSI cpu ``some`` (the time runnable tasks waited for a CPU).
+NODE_PRESSURE_CPU_WAITING = ExternalMetric("node_pressure_cpu_waiting_seconds", "counter",
+                                           "Total time in seconds that processes have waited for CPU time",
+                                           NODE_EXPORTER, "s")
+
 IPMI_DCMI_POWER = ExternalMetric("ipmi_dcmi_power_consumption_watts", "gauge", "Current power consumption in Watts.",
                                  IPMI_EXPORTER, "watt")
 
@@ -211,7 +216,7 @@ EXPORTED_NAMESPACE_LABEL = "exported_namespace"
 #: Every external family by name (sample names included), for look-ups and checks.
 BY_NAME: dict[str, ExternalMetric] = {
     n: m
-    for m in (*DCGM_METRICS, DCGM_CLOCKS_EVENT_REASONS, *NODE_INFINIBAND_METRICS, IPMI_DCMI_POWER, KUBE_POD_OWNER,
+    for m in (*DCGM_METRICS, DCGM_CLOCKS_EVENT_REASONS, *NODE_INFINIBAND_METRICS, NODE_PRESSURE_CPU_WAITING, IPMI_DCMI_POWER, KUBE_POD_OWNER,
               KUBE_POD_LABELS, KUBE_POD_INFO, KUBE_JOB_OWNER, *DCGM_MIG_METRICS)
     for n in {m.name, m.sample}
 }

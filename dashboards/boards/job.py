@@ -1,5 +1,5 @@
 """Job and straggler view: each job's GPUs side by side (per-GPU heatmaps and peer bands),
-the detector's straggler scores, feature deviations and findings."""
+the detector's straggler scores, feature deviations and findings, each node's and GPU's share of its job's work."""
 
 from __future__ import annotations
 
@@ -56,6 +56,37 @@ def _shared() -> list[tuple[g.Panel, int, int]]:
     ]
 
 
+#: Each GPU's SM activity in the selected jobs (every node of the job: a share needs the whole job).
+JOB_WORK = f"{JOB_INFO} * on (instance, gpu) group_left () gpufleet_gpu_sm_active_ratio{{{SITE}}}"
+NODE_WORK = f"sum by (job_id, instance) ({JOB_WORK})"
+NODE_SHARE = f"{NODE_WORK} / on (job_id) group_left () sum by (job_id) ({NODE_WORK})"
+
+
+def _work_share() -> list[tuple[g.Panel, int, int]]:
+    """Each node's (and GPU's) share of its job's work over time (issue 19): in a synchronous job every rank's step
+    takes as long, so its SM activity is its share of the work. A pipeline stage given more work stands above an
+    even share since the job started (its nodes together), data skew for a while, hot experts move."""
+    name = "gpufleet_gpu_sm_active_ratio"
+    return [
+        (p.timeseries(name, "Share of the job's work per node",
+                      Q(NODE_SHARE, "{{job_id}} {{instance}}"), stack=True, fill=60,
+                      note="Each node's SM activity summed over its GPUs, over the job's; the stack is the whole job "
+                           "(100 %). Bands that stay wider than the others since the job started are a busier "
+                           "stage; a band that widens for a while is data skew; a wide band that moves from node "
+                           "to node is hot experts."), 12, 10),
+        (p.timeseries(name, "Node's work against an even share (100 % = even)",
+                      Q(f"({NODE_SHARE}) * on (job_id) group_left () count by (job_id) ({NODE_WORK})",
+                        "{{job_id}} {{instance}}"),
+                      note="A node at 120 % does a fifth more than an even share of the job's work. With its clocks at "
+                           "their maximum and no throttling that is the workload (a GpufleetWorkloadImbalance "
+                           "ticket), not the hardware."), 12, 10),
+        (p.gpu_heatmap(name, "GPU's work against the job's mean (100 % = even)",
+                       Q(f"({JOB_WORK}) / on (job_id) group_left () avg by (job_id) ({JOB_WORK})", PER_GPU),
+                       note="One rank above its peers: a skewed rank or a hot expert; a whole node or stage: "
+                            "see the node panels."), 24, 10),
+    ]
+
+
 def _views(name: str, title: str, extra: str = "") -> list[tuple[g.Panel, int, int]]:
     return [
         (p.gpu_heatmap(name, f"{title} per GPU", Q(_of_job(name, extra), PER_GPU)), 12, 10),
@@ -81,6 +112,7 @@ dashboard = p.build(
             (p.table("gpufleet_gpu_pod_info", "Kubernetes pods holding GPUs",
                      f"gpufleet_gpu_pod_info{{{SITE},{NODE},{NAMESPACE}}}", links=[p.node_link()]), 24, 7),
         ]),
+        ("Share of the job's work", _work_share()),
         ("SM clock", _views("gpufleet_gpu_clock_hertz", "SM clock", 'clock="sm"')),
         ("SM activity", _views("gpufleet_gpu_sm_active_ratio", "SM activity")),
         ("Tensor activity", _views("gpufleet_gpu_tensor_active_ratio", "Tensor activity")),

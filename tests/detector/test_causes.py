@@ -38,7 +38,7 @@ def nodes(**per_feature: list[float]) -> dict[str, dict[str, float]]:
 
 def test_cpu_pressure_on_the_node_and_not_its_peers_is_host() -> None:
     got = node_causes(nodes(host_cpu_pressure=[0.01, 0.02, 0.45, 0.015]), frame(), CauseParams())
-    assert got == {"n2": ("host", {"value:cpu_pressure": 0.45})}
+    assert got == {"n2": ("host", {"cpu_pressure": 0.45})}
     # the whole fleet under pressure singles out nobody; a little pressure is no cause
     assert node_causes(nodes(host_cpu_pressure=[0.4, 0.5, 0.45, 0.42]), frame(), CauseParams()) == {}
     assert node_causes(nodes(host_cpu_pressure=[0.001, 0.002, 0.06, 0.001]), frame(), CauseParams()) == {}
@@ -47,7 +47,7 @@ def test_cpu_pressure_on_the_node_and_not_its_peers_is_host() -> None:
 def test_steal_is_per_cpu() -> None:
     got = node_causes(nodes(host_steal=[0.2, 0.3, 19.2, 0.1], host_cpus=[192.0] * 4), frame(), CauseParams())
     assert list(got) == ["n2"] and got["n2"][0] == "host"
-    assert got["n2"][1]["value:cpu_steal"] == pytest.approx(0.1)
+    assert got["n2"][1]["cpu_steal"] == pytest.approx(0.1)
     # without the CPU count steal cannot be judged
     assert node_causes(nodes(host_steal=[0.2, 0.3, 19.2, 0.1]), frame(), CauseParams()) == {}
 
@@ -55,9 +55,9 @@ def test_steal_is_per_cpu() -> None:
 def test_pfc_pause_and_drops_are_network() -> None:
     got = node_causes(nodes(node_pause=[0.0002, 0.0003, 0.3, 0.0001], host_cpu_pressure=[0.01, 0.01, 0.5, 0.01]),
                       frame(), CauseParams())
-    assert got == {"n2": ("network", {"value:pfc_paused_fraction": 0.3})}  # the fabric explains the starved CPU
+    assert got == {"n2": ("network", {"pfc_paused_fraction": 0.3})}  # the fabric explains the starved CPU
     got = node_causes(nodes(node_discards=[0.0, 0.0, 12.0, 0.0]), frame(), CauseParams())
-    assert got == {"n2": ("network", {"value:nic_discards": 12.0})}
+    assert got == {"n2": ("network", {"nic_discards": 12.0})}
     assert node_causes(nodes(node_discards=[3.0, 2.0, 12.0, 4.0]), frame(), CauseParams()) == {}  # drops everywhere
 
 
@@ -66,7 +66,7 @@ def test_aer_needs_a_sustained_rate() -> None:
     blip = 2 / 120
     assert node_causes(nodes(node_aer_cor=[0.0, 0.0, blip, 0.0]), frame(), CauseParams()) == {}
     got = node_causes(nodes(node_aer_cor=[0.0, 0.0, 1.0, 0.0]), frame(), CauseParams())
-    assert got == {"n2": ("pcie", {"value:aer_correctable_per_s": 1.0})}
+    assert got == {"n2": ("pcie", {"aer_correctable_per_s": 1.0})}
 
 
 def test_peers_are_the_nodes_of_the_same_job() -> None:
@@ -90,7 +90,7 @@ def test_straggler_cause_uses_the_node_evidence() -> None:
     with_ev = straggler.score(f, StragglerParams(), None, node_causes=evidence)
     [c] = with_ev.candidates
     assert (c.node, c.gpu, c.cause) == ("n2", None, "network")  # the node's ports were paused: the fabric
-    assert c.evidence["value:pfc_paused_fraction"] == 0.3
+    assert c.evidence.values["pfc_paused_fraction"] == 0.3
 
 
 def test_pause_storm_makes_link_stragglers_without_a_gpu_deviation() -> None:

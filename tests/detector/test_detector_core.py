@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from gpufleet.detector import robust, straggler
+from gpufleet.detector.candidate import Candidate
 from gpufleet.detector.cli import main as cli_main
 from gpufleet.detector.config import DetectorConfig, parse
 from gpufleet.detector.features import GpuFrame
@@ -24,7 +25,7 @@ from gpufleet.detector.profiles import Query
 from gpufleet.detector.replay import replay
 from gpufleet.detector.source import SourceError
 from gpufleet.detector.source_prometheus import PrometheusSource
-from gpufleet.detector.straggler import Candidate, StragglerParams
+from gpufleet.detector.straggler import StragglerParams
 
 STEP = 15.0
 T0 = 1_700_000_000.0
@@ -259,7 +260,7 @@ def test_incidents_link_kinds_and_the_node_absorbs_its_gpus() -> None:
 
 
 def test_a_resubmitted_job_keeps_the_finding_and_history_is_bounded() -> None:
-    tr = Tracker(open_after=1, close_after=1, merge_seconds=0, history=3)
+    tr = Tracker(open_after=1, close_after=1, merge_seconds=0, history=3, reopen_seconds=0)
     seen = lambda k: True  # noqa: E731
     tr.update(0, [("straggler", _c())], seen)
     tr.update(60, [("straggler", Candidate("node-001", "3", "job-a-r1", "dc1", "thermal", 9.0))], seen)
@@ -269,6 +270,36 @@ def test_a_resubmitted_job_keeps_the_finding_and_history_is_bounded() -> None:
         tr.update(120 + 120 * k, [("straggler", _c())], seen)
         tr.update(180 + 120 * k, [], seen)
     assert len(tr.closed) == 3
+
+
+def test_a_fault_that_comes_back_soon_is_the_same_finding() -> None:
+    """An intermittent fault (a thermal fault in bursts) is one finding, one incident, one start: it opens again
+    when it comes back within reopen_seconds, and from then on stays open through a longer clear gap."""
+    tr = Tracker(open_after=2, close_after=2, merge_seconds=120, reopen_seconds=1800)
+    seen = lambda k: True  # noqa: E731
+
+    def burst(t0: float, n: int) -> None:
+        for i in range(n):
+            tr.update(t0 + 15 * i, [("throttling", _c())], seen)
+
+    def clear(t0: float, n: int) -> None:
+        for i in range(n):
+            tr.update(t0 + 15 * i, [], seen)
+
+    burst(0, 6)
+    (f,) = tr.active.values()
+    incident = f.incident
+    clear(90, 12)  # 180 s clear: closes (merge 120 s)
+    assert not tr.active and tr.closed[-1].end == 90
+    burst(300, 6)  # back 210 s later: the same finding again, open
+    (g,) = tr.active.values()
+    assert g is f and g.incident == incident and g.start == 0 and g.end is None and g.recurrences == 1
+    clear(390, 12)  # 180 s clear: not enough any more (merge 120 s x 2)
+    assert tr.active
+    clear(570, 6)  # 270 s clear in all: closes
+    assert not tr.active and len(tr.all_findings()) == 1
+    burst(3000, 6)  # much later (> reopen_seconds): a new finding
+    assert len(tr.all_findings()) == 2 and next(iter(tr.active.values())).incident != incident
 
 
 def test_missing_data_neither_opens_nor_closes() -> None:
@@ -335,7 +366,8 @@ REPLAY_KEYS: dict[str, type | tuple[type, ...]] = {
     "kind": str, "cause": (str, type(None)), "node": (str, type(None)), "gpu": (str, type(None)),
     "job": (str, type(None)), "site": (str, type(None)), "start": (int, float),
     "end": (int, float, type(None)), "score": (int, float), "summary": str, "detected": (int, float),
-    "incident": str, "other_causes": list, "namespace": (str, type(None)), "pod": (str, type(None))}
+    "incident": str, "other_causes": list, "namespace": (str, type(None)), "pod": (str, type(None)),
+    "route": str, "pattern": (str, type(None)), "owner": (str, type(None))}
 
 
 def test_replay_json_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -490,7 +522,7 @@ def _nvlink_frame(replays: dict[int, float] | None) -> GpuFrame:
 def test_dcgm_nvlink_errors_on_one_rank_make_it_a_network_straggler() -> None:
     res = straggler.score(_nvlink_frame({10: 40.0}), StragglerParams())
     assert [(c.node, c.gpu, c.cause) for c in res.candidates] == [("n1", "2", "network")]
-    assert res.candidates[0].evidence == {"value:nvlink_errors": 41.0}
+    assert res.candidates[0].evidence.values == {"nvlink_errors": 41.0}
     # without the counters, or with flat ones, or with errors on every rank alike: nothing
     for frame in (_nvlink_frame(None), _nvlink_frame({}), _nvlink_frame(dict.fromkeys(range(16), 40.0))):
         assert straggler.score(frame, StragglerParams()).candidates == []

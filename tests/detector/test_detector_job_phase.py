@@ -66,11 +66,11 @@ def test_held_evaluations_neither_close_nor_stale_a_finding_and_the_job_referenc
     import numpy as np
 
     from gpufleet.detector.baseline import DecayingMax
+    from gpufleet.detector.candidate import Candidate, Evidence
     from gpufleet.detector.findings import Tracker
-    from gpufleet.detector.straggler import Candidate
 
     tr = Tracker(open_after=1, close_after=2, stale_after=3, merge_seconds=60)
-    c = Candidate("n0", "0", "job", "s", "thermal", 5.0, {"thr_thermal": 0.6})
+    c = Candidate("n0", "0", "job", "s", "thermal", 5.0, Evidence(fractions={"thr_thermal": 0.6}))
     tr.update(0.0, [("throttling", c)], lambda k: True)
     for i in range(1, 20):  # a long hold: neither clear nor stale
         tr.update(15.0 * i, [], lambda k: True, held=lambda k: True)

@@ -108,7 +108,7 @@ def test_the_lagging_slice_is_the_only_straggler_and_throttling_stays_on_the_par
     health = Health()
     text = generate_latest(registry_for(det, health)).decode()
     assert ('gpufleet_detector_finding{cause="host",gpu="1",gpu_instance="9",job_id="77",kind="straggler",'
-            'namespace="",node="a",pod="",site="dc1"}') in text
+            'namespace="",node="a",pod="",route="hardware",site="dc1"}') in text
     assert 'gpu_instance="",job_id="77",kind="throttling"' in text
 
 

@@ -72,7 +72,7 @@ def test_metrics_carry_scores_findings_and_health(tmp_path: Path) -> None:
     health.last_success, health.duration, health.results["success"] = 1.7e9, 0.01, 3
     text = generate_latest(registry_for(det, health)).decode()
     assert 'gpufleet_detector_finding{cause="thermal",gpu="5",gpu_instance="",job_id="job-a",kind="straggler",' \
-           'namespace="",node="node-002",pod="",site="dc1"}' in text
+           'namespace="",node="node-002",pod="",route="hardware",site="dc1"}' in text
     assert 'gpufleet_detector_straggler_score{gpu="5",job_id="job-a",node="node-002"}' in text
     assert 'gpufleet_detector_feature_deviation{feature="sm_clock",gpu="5",job_id="job-a",node="node-002"}' in text
     assert 'gpufleet_detector_evaluations_total{result="success"} 3.0' in text

@@ -39,7 +39,7 @@ def _gpus(nodes: int = 8, rails: int = 4) -> GpuFrame:
 def _run(nic: NicFrame, p: NetworkParams | None = None, base: Baseline | None = None) -> list[str]:
     base = base or Baseline()
     cap = base.nic_capability(nic.nodes, nic.devices, nic.ports, nic.get("nic_rate"), 0.0)
-    return sorted(f"{c.node}/{c.nic}:{','.join(k for k in c.evidence if ':' not in k)}"
+    return sorted(f"{c.node}/{c.nic}:{','.join(c.evidence.flags)}"
                   for c in find(nic, _gpus(), p or NetworkParams(), cap))
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from gpufleet.agent.vocab import exporters
+from gpufleet.detector.candidate import Candidate
 from gpufleet.detector.config import ConfigError, parse
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.features import GpuFrame, collect
@@ -15,7 +16,6 @@ from gpufleet.detector.jobs import JOB_OWNER, POD_LABELS, POD_OWNER, JobRules, R
 from gpufleet.detector.profiles import queries
 from gpufleet.detector.source import Result
 from gpufleet.detector.source_memory import MemorySource
-from gpufleet.detector.straggler import Candidate
 
 NS = "ml"
 
@@ -238,15 +238,23 @@ def test_a_job_restart_on_other_nodes_gives_no_findings() -> None:
 
 def test_without_kube_state_metrics_inference_pods_would_be_compared() -> None:
     """The control for the test above: the same fleet read without kube-state-metrics compares each inference
-    pod's GPUs with each other (the pod is the job), and their bursty load looks like stragglers."""
+    pod's GPUs with each other (the pod is the job). Their bursty load (every GPU of the pod swinging in every
+    window) then reads as a job forever at a phase edge (detector/phases.py), so deviations alone raise no
+    finding there either; but they are scored as peers, which only kube-state-metrics' owners prevent."""
     cfg = parse({"detector": {"profile": "dcgm", "window_seconds": 120.0},
                  "findings": {"open_after": 2, "close_after": 4}})
     src = MemorySource()
     det = Detector(cfg, src)
+    scored: set[str] = set()
+    at_edge: set[str] = set()
     for k, (t, samples) in enumerate(_fleet(40, slow_node=None, inference=True, restart_at=None,
                                             rng=np.random.default_rng(1))):
         src.add(t, [s for s in samples if not s[0].startswith("kube_")])
         if k >= 8:
-            det.evaluate(t)
-    nodes = {f.node for f in det.tracker.all_findings() if f.kind == "straggler"}
-    assert nodes and nodes <= {"node-4", "node-5"}
+            ev = det.evaluate(t)
+            g = ev.features.gpu
+            scored |= {g.nodes[i] for i in np.flatnonzero(ev.straggler.scored)}
+            at_edge |= {g.nodes[i] for i in np.flatnonzero(det.edges.update(g))}
+    assert {"node-4", "node-5"} <= scored  # the inference pods are compared as peers
+    assert at_edge == {"node-4", "node-5"}  # but their swings never let a deviation alone raise a finding
+    assert not [f for f in det.tracker.all_findings() if f.kind == "straggler"]

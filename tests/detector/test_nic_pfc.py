@@ -83,9 +83,9 @@ def test_pause_storm_flags_the_paused_nics_only(storm_recording: tuple[Path, dic
     _, findings = replay([str(path)], _config("gpufleet"), 15.0)
     nets = [f for f in findings if f.kind == "network"]
     # all 8 fabric ports of node-002 paused: one node-level finding (issue 10: a node absorbs its ports)
-    assert [(f.node, f.nic, f.evidence.get("value:nics")) for f in nets] == [("node-002", "", 8.0)]
+    assert [(f.node, f.nic, f.evidence.members) for f in nets] == [("node-002", "", 8)]
     assert all(START + ONSET <= f.opened <= START + ONSET + 120 for f in nets)
-    assert all("pfc_pause" in f.evidence for f in nets)
+    assert all("pfc_pause" in f.evidence.flags for f in nets)
     # the flagged NICs make their GPUs' rank the straggler, with the network cause, even at marginal severity
     assert [(f.node, f.cause) for f in findings if f.kind == "straggler"] == [("node-002", "network")]
 

@@ -71,7 +71,8 @@ def test_the_required_alerts_exist() -> None:
         "GpufleetEccUncorrectable", "GpufleetRowRemapPending", "GpufleetRowRemapFailed",
         "GpufleetThermalThrottling", "GpufleetPowerThrottling", "GpufleetPcieLinkDowngraded",
         "GpufleetNvlinkDown", "GpufleetNvlinkErrors", "GpufleetIbLinkDown", "GpufleetIbLinkFlapping",
-        "GpufleetIbLinkErrors", "GpufleetIbCongested", "GpufleetStragglerFound", "GpufleetPueDrift",
+        "GpufleetIbLinkErrors", "GpufleetIbCongested", "GpufleetStragglerFound", "GpufleetWorkloadImbalance",
+        "GpufleetPueDrift",
         "GpufleetDetectorStale", "GpufleetDetectorFailing",
     }
     assert required <= names
@@ -190,11 +191,32 @@ def test_amtool_check_config_is_clean() -> None:
     (["severity=warning", "alertname=GpufleetStragglerFound", "namespace=research-eval"], "team-research"),
     (["severity=info", "alertname=GpufleetStragglerFound", "namespace=research"], "null"),
     (["severity=critical", "alertname=GpufleetStragglerFound", "namespace=serving"], "pager"),
+    (["severity=critical", "alertname=GpufleetStragglerFound", "route=hardware", "owner=team-llm"], "pager"),
+    # issue 19: slowness the workload causes is the owner's ticket, whatever its severity, never the pager
+    (["severity=warning", "alertname=GpufleetWorkloadImbalance", "route=workload", "owner=team-llm",
+      "job_id=job-pp"], "workload-tickets"),
+    (["severity=critical", "alertname=GpufleetWorkloadImbalance", "owner=team-llm"], "workload-tickets"),
+    (["severity=warning", "alertname=GpufleetWorkloadImbalance", "owner=research"], "team-research-tickets"),
+    (["severity=warning", "alertname=GpufleetWorkloadImbalance", "namespace=research-eval", "owner=research-eval"],
+     "team-research-tickets"),
 ])
 def test_routing(labels: list[str], receiver: str) -> None:
     proc = amtool("config", "routes", "test", f"--config.file={AM_CONFIG}", f"--verify.receivers={receiver}", *labels)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip() == receiver
+
+
+def test_the_straggler_page_needs_hardware_evidence_and_workload_tickets_group_by_owner() -> None:
+    rules = {r["alert"]: r for r in alert_rules()}
+    assert 'route!="workload"' in rules["GpufleetStragglerFound"]["expr"]
+    assert 'route="workload"' in rules["GpufleetWorkloadImbalance"]["expr"]
+    assert rules["GpufleetWorkloadImbalance"]["labels"]["severity"] == "warning"
+    route = yaml.safe_load(AM_CONFIG.read_text())["route"]
+    first = route["routes"][0]
+    assert first["matchers"] == ['alertname="GpufleetWorkloadImbalance"'] and "continue" not in first
+    assert set(first["group_by"]) == {"owner", "namespace", "job_id"}
+    assert {first["receiver"], *(r["receiver"] for r in first["routes"])} <= {"workload-tickets",
+                                                                              "team-research-tickets"}
 
 
 def test_routes_group_by_job_and_node() -> None:

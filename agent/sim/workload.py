@@ -1,0 +1,257 @@
+"""Uneven workloads (issue 19): slowness the job itself causes, not its hardware.
+
+A scenario's ``[[workloads]]`` tables make some ranks of a synchronous job do more work per step than their
+peers. The physics is the simulator's own (:mod:`gpufleet.agent.sim.physics`): a rank's compute per step is
+scaled by :attr:`~gpufleet.agent.sim.physics.Mods.work`, the step ends when the slowest rank is done, so the busier
+ranks compute for more of the step (higher SM and tensor activity and power, clocks at their maximum, no throttle
+reason, no error) while their peers wait in the collective (lower activity and power, utilization as high).
+Patterns::
+
+    [[workloads]]
+    job = "job-pp"                 # a [[jobs.fixed]] id
+    pattern = "stage_imbalance"    # stage_imbalance | data_skew | hot_experts | seqlen_noise
+    owner = "team-llm"             # who the job's tickets go to (ground truth: the team, namespace or account)
+    extra = 0.25                   # the busier ranks' extra compute per step (0.25: 25 % more)
+    stages = 4                     # stage_imbalance: pipeline stages, equal groups of the job's ranks in order
+    stage = -1                     #   the busier stage (-1: the last, with the LM head and the loss)
+    node = "node-009"              # data_skew: the busier node (every GPU) or, with gpu, one rank
+    gpu = 3
+    start = "40m"                  # data_skew: the episode (from the scenario start); others: the job's life
+    end = "65m"
+    hot = 2                        # hot_experts: GPUs hot at a time, on one node ...
+    move_every = "5m"              #   ... that changes every move_every (never the same node twice in a row)
+    sigma = 0.05                   # seqlen_noise: per-step, per-rank relative spread of the compute
+
+* ``stage_imbalance``: one pipeline stage does ``extra`` more work from the job's start to its end (the last
+  stage by default: the LM head and the loss);
+* ``data_skew``: a node (or one rank) is fed ``extra`` more (longer sequences) in an episode mid-run;
+* ``hot_experts``: ``hot`` GPUs of one node host the hot experts (``extra`` more work); the hot spot moves to
+  another node of the job every ``move_every``;
+* ``seqlen_noise``: every rank's compute varies step to step (log-normal, ``sigma``): noise, no pattern.
+
+Their random draws come from a stream of their own (seeded by the scenario seed), so a scenario's other draws
+are those it had without them. Ground truth (:func:`labels`, the ``workloads`` section of ``labels.json``): per
+table, its job, pattern, owner, the nodes and GPUs it made busier, its window and the findings a detector should
+report: one ``straggler``/``workload`` finding routed to the owner with the pattern, for the job; none for
+``seqlen_noise``. A hardware-routed finding on these ranks is a false page.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gpufleet.agent.sim.physics import Physics
+
+if TYPE_CHECKING:
+    from gpufleet.agent.sim.scenario import Scenario
+    from gpufleet.agent.sim.simulator import Simulator
+
+#: Patterns a ``[[workloads]]`` table may give; all but ``seqlen_noise`` are
+#: :data:`gpufleet.agent.vocab.catalog.WORKLOAD_PATTERNS`.
+PATTERNS = ("stage_imbalance", "data_skew", "hot_experts", "seqlen_noise")
+_KEYS = {"job", "pattern", "owner", "extra", "stages", "stage", "node", "gpu", "start", "end", "hot", "move_every",
+         "sigma"}
+
+
+@dataclass
+class WorkloadSpec:
+    job: str
+    pattern: str
+    owner: str = ""
+    extra: float = 0.25
+    stages: int = 4
+    stage: int = -1
+    node: str | None = None
+    gpu: int | None = None
+    start: float | None = None  # seconds from the scenario start; None: the job's start
+    end: float | None = None  # None: the job's end
+    hot: int = 2
+    move_every: float = 300.0
+    sigma: float = 0.05
+
+
+def parse_workloads(items: object, sc: Scenario, where: str) -> list[WorkloadSpec]:
+    """The validated ``[[workloads]]`` tables of a scenario whose jobs are parsed (errors name ``where``)."""
+    from gpufleet.agent.sim.scenario import ScenarioError, _get, parse_duration
+
+    if items is None:
+        return []
+    if not isinstance(items, list):
+        raise ScenarioError(f"{where}: workloads must be an array of tables ([[workloads]])")
+    jobs = {j.id: j for j in sc.jobs}
+    names = sc.node_names
+    gpn = sc.sites[0].gpus_per_node
+    out = []
+    for i, w in enumerate(items):
+        ww = f"{where}: workloads[{i}]"
+        if not isinstance(w, dict):
+            raise ScenarioError(f"{ww}: expected a table")
+        unknown = sorted(set(w) - _KEYS)
+        if unknown:
+            raise ScenarioError(f"{ww}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(_KEYS))}")
+        spec = WorkloadSpec(job=_get(w, "job", str, ww, ""), pattern=_get(w, "pattern", str, ww, ""))
+        if spec.job not in jobs or jobs[spec.job].kind != "training":
+            raise ScenarioError(f"{ww}.job: {spec.job!r} is not a training job of [[jobs.fixed]]")
+        if spec.pattern not in PATTERNS:
+            raise ScenarioError(f"{ww}.pattern: must be one of {', '.join(PATTERNS)}")
+        spec.owner = _get(w, "owner", str, ww, "")
+        spec.extra = _get(w, "extra", float, ww, spec.extra)
+        if not 0.0 < spec.extra <= 3.0:
+            raise ScenarioError(f"{ww}.extra: must be in (0, 3]")
+        spec.sigma = _get(w, "sigma", float, ww, spec.sigma)
+        if not 0.0 < spec.sigma <= 0.5:
+            raise ScenarioError(f"{ww}.sigma: must be in (0, 0.5]")
+        members = job_nodes(sc, spec.job)
+        spec.stages = _get(w, "stages", int, ww, spec.stages)
+        if not 2 <= spec.stages <= len(members) * gpn:
+            raise ScenarioError(f"{ww}.stages: must be between 2 and the job's GPUs ({len(members) * gpn})")
+        spec.stage = _get(w, "stage", int, ww, spec.stage)
+        if not -spec.stages <= spec.stage < spec.stages:
+            raise ScenarioError(f"{ww}.stage: must be a stage of the {spec.stages}")
+        spec.node = _get(w, "node", str, ww)
+        if spec.node is not None and spec.node not in [names[n] for n in members]:
+            raise ScenarioError(f"{ww}.node: {spec.node!r} is not a node of job {spec.job!r}")
+        spec.gpu = _get(w, "gpu", int, ww)
+        if spec.gpu is not None and (spec.node is None or not 0 <= spec.gpu < gpn):
+            raise ScenarioError(f"{ww}.gpu: needs a node and must be between 0 and {gpn - 1}")
+        if spec.pattern == "data_skew" and spec.node is None:
+            raise ScenarioError(f"{ww}.node: a data_skew workload names the busier node (and gpu for one rank)")
+        if "start" in w:
+            spec.start = parse_duration(w["start"], f"{ww}.start")
+        if "end" in w:
+            spec.end = parse_duration(w["end"], f"{ww}.end")
+            if spec.end <= (spec.start or 0.0):
+                raise ScenarioError(f"{ww}.end: must be after the start")
+        spec.hot = _get(w, "hot", int, ww, spec.hot)
+        if not 1 <= spec.hot <= gpn:
+            raise ScenarioError(f"{ww}.hot: must be between 1 and {gpn}")
+        spec.move_every = parse_duration(w.get("move_every", spec.move_every), f"{ww}.move_every")
+        if spec.move_every <= 0:
+            raise ScenarioError(f"{ww}.move_every: must be greater than 0")
+        if spec.pattern == "hot_experts" and len(members) < 2:
+            raise ScenarioError(f"{ww}: hot experts move between nodes: the job needs at least 2 nodes")
+        out.append(spec)
+    return out
+
+
+def job_nodes(sc: Scenario, job: str) -> list[int]:
+    """Node indices of a scenario's fixed job, in order."""
+    js = next(j for j in sc.jobs if j.id == job)
+    names = sc.node_names
+    if js.nodes == "all":
+        return list(range(len(names)))
+    if isinstance(js.nodes, int):
+        return list(range(js.nodes))
+    return sorted(names.index(n) for n in js.nodes)
+
+
+class _Active:
+    """One workload table bound to its job's GPUs (flat indices, rank order) and window."""
+
+    def __init__(self, spec: WorkloadSpec, sim: Simulator) -> None:
+        f = sim.fleet
+        job = next(j for j in f.jobs if j.id == spec.job)
+        self.spec = spec
+        self.nodes = list(job.nodes)
+        self.ranks = np.concatenate([f.node_gpus(n) for n in self.nodes])
+        self.start = job.start if spec.start is None else spec.start
+        self.end = job.end if spec.end is None else spec.end
+        self.gpn = f.gpus_per_node
+        self.node_names = list(sim.nodes)
+        self._hot_node = -1
+        self._hot_until = -math.inf
+        self._hot: np.ndarray = np.zeros(0, int)
+        #: (start, end, node index, local GPUs) of every hot-expert placement so far (ground truth)
+        self.placements: list[tuple[float, float, int, list[int]]] = []
+
+    def busier(self) -> np.ndarray:
+        """The flat GPU indices a stage_imbalance or data_skew table makes busier."""
+        s = self.spec
+        if s.pattern == "stage_imbalance":
+            stage = s.stage % s.stages
+            n = len(self.ranks)
+            busy: np.ndarray = self.ranks[(np.arange(n) * s.stages) // n == stage]
+            return busy
+        if s.pattern == "data_skew":
+            node = self._node_index(s.node)
+            base = node * self.gpn
+            return np.array([base + s.gpu]) if s.gpu is not None else np.arange(base, base + self.gpn)
+        return np.zeros(0, int)
+
+    def _node_index(self, name: str | None) -> int:
+        return self.node_names.index(name) if name is not None else -1
+
+    def apply(self, m_work: np.ndarray, t: float, rng: np.random.Generator) -> None:
+        s = self.spec
+        if not self.start <= t < self.end:
+            return
+        if s.pattern == "seqlen_noise":
+            m_work[self.ranks] *= np.exp(rng.normal(0.0, s.sigma, len(self.ranks)))
+        elif s.pattern == "hot_experts":
+            if t >= self._hot_until:
+                self._move(t, rng)
+            m_work[self._hot] *= 1.0 + s.extra
+        else:
+            m_work[self.busier()] *= 1.0 + s.extra
+
+    def _move(self, t: float, rng: np.random.Generator) -> None:
+        s = self.spec
+        choices = [n for n in self.nodes if n != self._hot_node]
+        self._hot_node = int(rng.choice(choices))
+        local = sorted(int(x) for x in rng.choice(self.gpn, size=s.hot, replace=False))
+        self._hot = np.array([self._hot_node * self.gpn + k for k in local])
+        if self.placements:
+            a, _, node, gpus = self.placements[-1]
+            self.placements[-1] = (a, t, node, gpus)
+        self._hot_until = t + s.move_every
+        self.placements.append((t, min(self.end, self._hot_until), self._hot_node, local))
+
+
+class Workloads:
+    """A tick's uneven work (:attr:`Mods.work`): called after the fault schedule (:meth:`Simulator.step`)."""
+
+    def __init__(self, sim: Simulator) -> None:
+        self.rng = np.random.default_rng([sim.seed, 19])
+        self.active = [_Active(w, sim) for w in sim.scenario.workloads]
+
+    def __call__(self, p: Physics, t: float, dt: float) -> None:
+        for a in self.active:
+            a.apply(p.mods.work, t, self.rng)
+
+
+def labels(sim: Simulator) -> list[dict[str, Any]]:
+    """The ``workloads`` section of the ground truth (see the module docstring)."""
+    sched = sim.workloads
+    if sched is None:
+        return []
+    names = sim.nodes
+    end_of_run = sim.scenario.duration
+    out = []
+    for a in sched.active:
+        s = a.spec
+        start, end = max(a.start, 0.0), min(a.end, end_of_run)
+        if s.pattern == "hot_experts":
+            spots = [(names[n], [str(k) for k in gpus], sim.start + x, sim.start + min(y, end_of_run))
+                     for x, y, n, gpus in a.placements]
+            gpus = sorted({(node, g) for node, gl, _, _ in spots for g in gl})
+        elif s.pattern == "seqlen_noise":
+            spots, gpus = [], []
+        else:
+            busy = a.busier()
+            gpus = sorted({(names[int(sim.fleet.gpu_node[g])], str(int(sim.fleet.gpu_local[g]))) for g in busy})
+            spots = []
+        expected = [] if s.pattern == "seqlen_noise" else [
+            {"kind": "straggler", "cause": "workload", "route": "workload", "pattern": s.pattern}]
+        out.append({
+            "job_id": s.job, "pattern": s.pattern, "owner": s.owner, "extra": s.extra,
+            "nodes": [names[n] for n in a.nodes], "busier": [{"node": n, "gpu": g} for n, g in gpus],
+            "busier_nodes": sorted({n for n, _ in gpus}),
+            "start": sim.start + start, "end": sim.start + end,
+            "hot_spots": [{"node": n, "gpus": gl, "start": x, "end": y} for n, gl, x, y in spots],
+            "expected_findings": expected,
+        })
+    return out

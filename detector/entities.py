@@ -1,0 +1,207 @@
+"""Series ids -> entities: per-table caches that resolve each interned label set once.
+
+A :class:`~gpufleet.detector.source.SeriesTable` never renumbers its ids, so what a label set resolves to (its
+node, its GPU or NIC key, its job, its model) is computed once per id and extended as the table grows; an
+evaluation then maps ids to frame positions with array indexing (:class:`EntityFrame`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import numpy as np
+
+from gpufleet.detector.frames import NodeNaming
+from gpufleet.detector.source import Result, SeriesTable
+
+FloatArray = np.ndarray
+IntArray = np.ndarray
+
+class Growing:
+    """A per-series-id array of a table, computed once per id and extended as the table grows."""
+
+    def __init__(self, fn: Callable[[dict[str, str]], object], dtype: type | str) -> None:
+        self.fn = fn
+        self.dtype = dtype
+        self.items: list[object] = []
+        self.array: np.ndarray = np.zeros(0, dtype=dtype)
+
+    def get(self, table: SeriesTable) -> np.ndarray:
+        if len(self.items) < len(table):
+            self.items.extend(self.fn(lb) for lb in table.labels[len(self.items):])
+            arr = np.empty(len(self.items), dtype=self.dtype)
+            arr[:] = self.items
+            self.array = arr
+        return self.array
+
+
+def cached(table: SeriesTable, key: Hashable, make: Callable[[], Growing]) -> np.ndarray:
+    g = table.derived.get(key)
+    if not isinstance(g, Growing):
+        g = table.derived[key] = make()
+    return g.get(table)
+
+
+def node_column(table: SeriesTable, naming: NodeNaming) -> list[str | None]:
+    """The node of every series id of ``table`` (None: the series names no node)."""
+    g = table.derived.get(("node", naming))
+    if not isinstance(g, Growing):
+        g = table.derived[("node", naming)] = Growing(naming.node, object)
+    g.get(table)
+    return g.items  # type: ignore[return-value]  # naming.node returns str | None
+
+
+def first_label(labels: dict[str, str], names: tuple[str, ...]) -> str:
+    """The value of the first of ``names`` that ``labels`` has non-empty, else ""."""
+    return next((labels[m] for m in names if labels.get(m)), "")
+
+
+def first_label_column(table: SeriesTable, names: tuple[str, ...]) -> np.ndarray:
+    """Per series id: the value of the first of ``names`` the series has non-empty, else ""."""
+    return cached(table, ("first", names),
+                   lambda: Growing(lambda lb: next((lb[m] for m in names if lb.get(m)), ""), object))
+
+
+class Entities:
+    """Per table: each series id's entity code (-1: not an entity), the entity keys, and the last frame order."""
+
+    def __init__(self, naming: NodeNaming, ident: tuple[str, ...], defaults: tuple[str, ...] | None) -> None:
+        self.naming = naming
+        self.ident = ident
+        self.defaults = defaults
+        self.index: dict[tuple[str, ...], int] = {}
+        self.keys: list[tuple[str, ...]] = []
+        self.codes: list[int] = []
+        self.array = np.zeros(0, dtype=np.int64)
+        # The last frame built from this table alone: its entity codes and each code's position.
+        self.present: IntArray | None = None
+        self.frame_keys: list[tuple[str, ...]] = []
+        self.code_pos = np.zeros(0, dtype=np.int64)
+        self.memo: dict[str, Any] = {}
+
+    def get(self, table: SeriesTable) -> IntArray:
+        if len(self.codes) < len(table):
+            nodes = node_column(table, self.naming)
+            cols = [table.column(x) for x in self.ident]
+            for i in range(len(self.codes), len(table)):
+                node = nodes[i]
+                code = -1
+                if node is not None:
+                    rest = [c[i] for c in cols]
+                    if self.defaults is not None:
+                        rest = [r if r is not None else d for r, d in zip(rest, self.defaults, strict=True)]
+                    if self.defaults is not None or all(rest):  # a GPU needs its gpu label; a NIC may lack any
+                        key = (node, *(r or "" for r in rest))
+                        code = self.index.get(key, -1)
+                        if code < 0:
+                            code = self.index[key] = len(self.keys)
+                            self.keys.append(key)
+                self.codes.append(code)
+            self.array = np.array(self.codes, dtype=np.int64)
+        return self.array
+
+
+class EntityFrame:
+    """The entities of one frame (the sorted entities of the ``defining`` results) and each series' position."""
+
+    def __init__(self, naming: NodeNaming, ident: tuple[str, ...], defaults: tuple[str, ...] | None,
+                 defining: Sequence[Result]) -> None:
+        self.naming = naming
+        self.ident = ident
+        self.defaults = defaults
+        self._pos_by_table: dict[int, IntArray] = {}
+        tables = {id(r.table): r.table for r in defining}
+        if len(tables) == 1:  # the usual case: one table, and the frame often the same as last time
+            (table,) = tables.values()
+            ents = self._entities(table)
+            codes = np.concatenate([ents.get(table)[r.ids] for r in defining])
+            present = np.unique(codes[codes >= 0])
+            if ents.present is None or not np.array_equal(present, ents.present):
+                ents.frame_keys = sorted(ents.keys[c] for c in present.tolist())
+                where = {k: i for i, k in enumerate(ents.frame_keys)}
+                ents.code_pos = np.full(len(ents.keys), -1, dtype=np.int64)
+                ents.code_pos[present] = [where[ents.keys[c]] for c in present.tolist()]
+                ents.present = present
+            self.keys = ents.frame_keys
+            self._index: dict[tuple[str, ...], int] | None = None
+            self._pos_by_table[id(table)] = ents.code_pos
+            #: Per-table memo of things derived from this frame's entities (valid while ``keys`` is the same list).
+            self.cache: dict[str, Any] | None = ents.memo
+        else:
+            found: set[tuple[str, ...]] = set()
+            for r in defining:
+                ents = self._entities(r.table)
+                codes = ents.get(r.table)[r.ids]
+                found.update(ents.keys[c] for c in np.unique(codes[codes >= 0]).tolist())
+            self.keys = sorted(found)
+            self._index = {k: i for i, k in enumerate(self.keys)}
+            self.cache = None
+        self.sites = np.full(len(self.keys), None, dtype=object)
+        self.unsited = len(self.keys)
+
+    def _entities(self, table: SeriesTable) -> Entities:
+        key = ("entities", self.naming, self.ident, self.defaults)
+        ents = table.derived.get(key)
+        if not isinstance(ents, Entities):
+            ents = table.derived[key] = Entities(self.naming, self.ident, self.defaults)
+        return ents
+
+    def positions(self, res: Result) -> IntArray:
+        """Position of each series of ``res`` among the entities (-1: none); records sites on the way."""
+        ents = self._entities(res.table)
+        codes = ents.get(res.table)[res.ids]
+        code_pos = self._pos_by_table.get(id(res.table))
+        if code_pos is None:
+            index = self._index if self._index is not None else {k: i for i, k in enumerate(self.keys)}
+            self._index = index
+            code_pos = np.array([index.get(k, -1) for k in ents.keys], dtype=np.int64)
+            self._pos_by_table[id(res.table)] = code_pos
+        pos = np.full(len(codes), -1, dtype=np.int64)
+        ok = (codes >= 0) & (codes < len(code_pos))
+        pos[ok] = code_pos[codes[ok]]
+        if self.unsited:
+            sel = pos >= 0
+            p, ids = pos[sel], res.ids[sel]
+            need = self.sites[p] == None  # noqa: E711 - elementwise comparison of an object array
+            if need.any():
+                u, first = np.unique(p[need], return_index=True)
+                col = res.table.column("site")
+                self.sites[u] = [col[i] or "" for i in ids[need][first].tolist()]
+                self.unsited -= len(u)
+        return pos
+
+    def site_list(self) -> list[str]:
+        return [s or "" for s in self.sites.tolist()]
+
+    def columns(self, width: int) -> list[list[str]]:
+        """The entity keys as ``width`` lists (node, then the identifying labels); fresh lists each call."""
+        cols = self.cache.get("columns") if self.cache is not None else None
+        if cols is None or cols[0] is not self.keys:
+            cols = (self.keys, [[k[j] for k in self.keys] for j in range(width)])
+            if self.cache is not None:
+                self.cache["columns"] = cols
+        return [list(c) for c in cols[1]]
+
+
+def concat(a: Result, b: Result) -> Result:
+    """Both results as one (the series of ``b`` interned into ``a``'s table when the tables differ)."""
+    ids = b.ids if b.table is a.table else np.array([a.table.intern(b.table.labels[i]) for i in b.ids.tolist()],
+                                                    dtype=np.int64)
+    return Result(a.table, np.concatenate((a.ids, ids)), np.concatenate((a.values, b.values)))
+
+
+def accumulate(arr: FloatArray, pos: np.ndarray, vals: FloatArray, agg: str) -> None:
+    """Fold ``vals`` into ``arr[pos]`` (NaN = no value yet) with ``agg``; positions < 0 are skipped."""
+    sel = pos >= 0
+    pos, vals = pos[sel], vals[sel]
+    if agg == "max":
+        np.fmax.at(arr, pos, vals)
+    elif agg == "min":
+        np.fmin.at(arr, pos, vals)
+    else:  # sum; "mean" is rare and treated as sum of one
+        seen = np.zeros(len(arr), dtype=bool)
+        seen[pos] = True
+        acc = np.where(np.isnan(arr), 0.0, arr)
+        np.add.at(acc, pos, vals)
+        arr[seen] = acc[seen]

@@ -1,0 +1,103 @@
+"""Each GPU's job over the window, from the job-info series' sample counts (and job churn)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpufleet.agent.vocab import exporters
+from gpufleet.detector.source import SeriesTable
+
+IntArray = np.ndarray
+FloatArray = np.ndarray
+BoolArray = np.ndarray
+
+def pod_key(lb: dict[str, str]) -> tuple[str, str] | None:
+    """(namespace, pod) of a job/pod-info series. ``exported_pod`` (a ServiceMonitor with honor_labels false)
+    is the workload's pod; ``pod`` is then the exporter's own."""
+    pod = lb.get(exporters.EXPORTED_POD_LABEL)
+    if pod:
+        return lb.get(exporters.EXPORTED_NAMESPACE_LABEL, ""), pod
+    pod = lb.get(exporters.DCGM_POD_LABEL)
+    return (lb.get("namespace", ""), pod) if pod else None
+
+
+class Jobs:
+    """Each GPU's training job over the window from the job-info sample counts (and job churn)."""
+
+    def __init__(self, labels: tuple[str, ...]) -> None:
+        self.labels = labels
+        self.names: list[str] = [""]
+        self._code = {"": 0}
+
+    def codes(self, table: SeriesTable) -> IntArray:
+        """Job code of every series id of ``table`` (0: no job label)."""
+        key = ("jobs", self.labels)
+        local = table.derived.get(key)
+        if not isinstance(local, JobCodes):
+            local = table.derived[key] = JobCodes(self.labels)
+        codes = local.get(table)
+        trans = np.array([self._code.setdefault(j, len(self._code)) for j in local.names], dtype=np.int64)
+        out: IntArray = trans[codes]
+        return out
+
+
+    def resolve(self, n: int, pos: list[IntArray], code: list[IntArray], count: list[FloatArray],
+                samples: FloatArray, coverage: float, idle_is_churn: bool) -> tuple[list[str | None], BoolArray]:
+        churn = np.zeros(n, dtype=bool)
+        if not pos or n == 0:
+            return [None] * n, churn
+        self.names = [""] * len(self._code)
+        for name, k in self._code.items():
+            self.names[k] = name
+        p, c, v = np.concatenate(pos), np.concatenate(code), np.concatenate(count)
+        width = len(self.names)
+        pair, inv = np.unique(p * width + c, return_inverse=True)
+        total = np.bincount(inv, weights=v)
+        gpu, job = pair // width, pair % width
+        named = job != 0
+        n_named = np.bincount(gpu[named], minlength=n)
+        # The job with the most samples per GPU: sort by GPU, then count descending (stable: the first job wins ties).
+        order = np.lexsort((-total[named], gpu[named]))
+        g_sorted, j_sorted, t_sorted = gpu[named][order], job[named][order], total[named][order]
+        head = np.ones(len(g_sorted), dtype=bool)
+        head[1:] = g_sorted[1:] != g_sorted[:-1]
+        best = np.zeros(n, dtype=np.int64)
+        best_count = np.zeros(n)
+        best[g_sorted[head]] = j_sorted[head]
+        best_count[g_sorted[head]] = t_sorted[head]
+        has = n_named > 0
+        with np.errstate(invalid="ignore"):
+            churn |= (n_named > 1) | (has & (best_count < coverage * samples))
+        if idle_is_churn:  # dcgm: the GPU was idle (no job label) for part of the window
+            idle = np.zeros(n, dtype=bool)
+            idle[gpu[~named]] = True
+            churn |= (n_named == 1) & idle
+        names = np.array([None, *self.names[1:]], dtype=object)
+        out: list[str | None] = names[np.where(has, best, 0)].tolist()
+        return out, churn
+
+
+class JobCodes:
+    """Per table: each series id's job, as a code into ``names`` (code 0: no job label), extended as it grows."""
+
+    def __init__(self, labels: tuple[str, ...]) -> None:
+        self.labels = labels
+        self.names: list[str] = [""]
+        self._index = {"": 0}
+        self._codes: list[int] = []
+        self.array = np.zeros(0, dtype=np.int64)
+
+    def get(self, table: SeriesTable) -> IntArray:
+        if len(self._codes) < len(table):
+            for lb in table.labels[len(self._codes):]:
+                job = next((lb[j] for j in self.labels if lb.get(j)), "")
+                exported = lb.get(exporters.EXPORTED_POD_LABEL)
+                if exported and job == lb.get(exporters.DCGM_POD_LABEL):
+                    job = exported  # honor_labels false: "pod" is the exporter's, exported_pod the workload's
+                code = self._index.get(job)
+                if code is None:
+                    code = self._index[job] = len(self.names)
+                    self.names.append(job)
+                self._codes.append(code)
+            self.array = np.array(self._codes, dtype=np.int64)
+        return self.array

@@ -1,0 +1,51 @@
+"""The finding kinds, as one table: what each kind is about and how the tracker judges it.
+
+The names come from :data:`gpufleet.agent.vocab.catalog.FINDING_KINDS` (the exported ``kind`` label); every
+behaviour that differs by kind is a field here, so no module tests kind strings of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from gpufleet.agent.vocab.catalog import FINDING_KINDS
+
+#: When an entity counts as observed in an evaluation (so a clear evaluation counts towards closing):
+#: ``scored``: a busy GPU scored among busy peers; ``busy``: a busy GPU; ``nic``: the NIC is in the frame;
+#: ``site``: the site's PUE was evaluated.
+Judged = Literal["scored", "busy", "nic", "site"]
+#: Who acts on a finding of the kind by default: the hardware on-call or the site's facilities team.
+Route = Literal["hardware", "facilities"]
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    name: str
+    judged: Judged
+    #: Held (neither cleared nor continued) while its job is in a lighter phase or at a job-wide edge.
+    held_in_job_phase: bool
+    #: Identified by its site (not by node, GPU and NIC).
+    by_site: bool
+    #: A node-level finding of the kind absorbs the node's per-GPU findings of the kind, and joins incidents.
+    on_nodes: bool
+    #: A finding of the kind on a link that went down recently is held between the link's downs.
+    held_on_flaps: bool
+    route: Route = "hardware"
+
+
+STRAGGLER = KindSpec("straggler", "scored", held_in_job_phase=True, by_site=False, on_nodes=True, held_on_flaps=False)
+THROTTLING = KindSpec("throttling", "busy", held_in_job_phase=True, by_site=False, on_nodes=True,
+                      held_on_flaps=False)
+NETWORK = KindSpec("network", "nic", held_in_job_phase=False, by_site=False, on_nodes=True, held_on_flaps=True)
+PUE_DRIFT = KindSpec("pue_drift", "site", held_in_job_phase=False, by_site=True, on_nodes=False, held_on_flaps=False,
+                     route="facilities")
+
+KINDS: dict[str, KindSpec] = {k.name: k for k in (STRAGGLER, THROTTLING, NETWORK, PUE_DRIFT)}
+if tuple(KINDS) != FINDING_KINDS:  # the vocabulary and this table name the same kinds, in the same order
+    raise RuntimeError(f"detector kinds {tuple(KINDS)} differ from the catalog's {FINDING_KINDS}")
+
+
+def spec(kind: str) -> KindSpec:
+    """The spec of ``kind``; KeyError for a kind the vocabulary does not list."""
+    return KINDS[kind]
