@@ -88,8 +88,8 @@ def test_a_detector_started_at_any_time_has_the_findings_an_uninterrupted_one_ha
     path, step = fleet
     cfg = _config("gpufleet")
     t = START + minute * MIN
-    _, straight = replay([path], cfg, step, t_until=t)
-    _, restarted = replay([path], cfg, step, t_from=t, t_until=t)
+    _, straight = replay([path], cfg, step, t_until=t + step)  # up to the first grid instant at or after t
+    _, restarted = replay([path], cfg, step, t_from=t, t_until=t + step)
     assert open_at(restarted) == open_at(straight)
     if minute >= 26:  # the straggler from 10 min is open, with its start and id: the restart changed nothing
         assert any(f.node == "node-001" and f.gpu == "2" and f.start < START + 15 * MIN for f in restarted
@@ -183,7 +183,7 @@ def test_a_pue_drift_is_flagged_as_if_the_detector_never_restarted(site_days: st
     """The issue's case: 14 days, +0.03 PUE; a detector started 10 h after the onset used to learn the degraded
     PUE as normal and never flag it. Restarted at 10 h (before the drift is flagged) or at 30 h (after), it
     flags it with the same incident id and start, detected when it was (within one evaluation)."""
-    cfg, step = parse({}), 300.0
+    cfg, step = parse({"detector": {"window_seconds": 600}}), 300.0  # the site is scraped every 300 s
     onset = START + 9 * 86400.0
     until = onset + 30 * 3600.0 + step
     _, straight = replay([site_days], cfg, step, t_until=until)
