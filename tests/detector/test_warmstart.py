@@ -215,3 +215,25 @@ def test_a_restart_against_a_real_prometheus_rebuilds_what_the_recording_does(fl
     want = {(f.kind, f.node, f.gpu, f.incident, f.start) for f in offline.tracker.active.values()}
     assert want and {(f.kind, f.node, f.gpu, f.incident, f.start) for f in live.tracker.active.values()} == want
     assert info.truncated == 0
+
+
+def test_ready_answers_503_until_the_state_is_rebuilt_and_health_stays_ok() -> None:
+    from gpufleet.agent.serving.http import Request
+    from gpufleet.agent.serving.responder import Responder
+    from gpufleet.agent.serving.webconfig import WebConfig
+    from gpufleet.detector.engine import Detector
+    from gpufleet.detector.exporter import Exposer, Health, registry_for
+    from gpufleet.detector.source_memory import MemorySource
+
+    health = Health()
+    health.not_ready = "rebuilding its state from Prometheus"
+    det = Detector(parse({}), MemorySource())
+    responder = Responder(Exposer(registry_for(det, health), health), WebConfig(), "/metrics", "gpufleet detector")
+
+    def get(path: str) -> bytes:
+        return responder.route(Request("GET", path, path, "HTTP/1.1", {}, True))[0]
+
+    assert get("/ready").startswith(b"HTTP/1.1 503") and b"not ready: rebuilding" in get("/ready")
+    assert get("/health").startswith(b"HTTP/1.1 200")  # liveness is never blocked by the rebuild
+    health.not_ready = ""
+    assert get("/ready").startswith(b"HTTP/1.1 200")
