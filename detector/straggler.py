@@ -323,7 +323,7 @@ def _collapse_nodes(frame: GpuFrame, groups: FloatArray, cands: list[Candidate],
             for c in cs:
                 for cause, v in (c.evidence.causes or {c.cause: c.score}).items():
                     strength[cause] += v
-                    if v >= DIRECT:
+                    if v > DIRECT:
                         strongest_direct[cause] = max(strongest_direct.get(cause, 0.0), v)
             pick = strongest_direct or strength
             cause = max(pick, key=lambda k: pick[k])
