@@ -1,7 +1,6 @@
 """The quality harness's workload section (issue 19): slowness the job causes must not page the hardware on-call.
 
-Run ``.venv/bin/python -m gpufleet.agent.sim.quality_workload [--quick] [--seeds N] [--jobs N] [--out DIR]``
-(or ``python -m gpufleet.agent.sim.quality --workload ...``).
+Run ``.venv/bin/python -m gpufleet.agent.sim.quality_workload [--quick] [--seeds N] [--jobs N] [--out DIR]``.
 
 Fleets: the built-in ``workload`` scenario (:mod:`gpufleet.agent.sim.workload`; 16 nodes x 8 H100, 90 minutes):
 a pipeline-parallel job whose last stage does more work from its start (``stage_imbalance``), a data-parallel
