@@ -115,6 +115,13 @@ def _synth_inventory(base: list[GpuInventory], n: int, seed: int) -> list[GpuInv
     return out
 
 
+def _margin(base: GpuSample, temp: float) -> int | None:
+    """The thermal margin at ``temp``: the captured margin moved by the captured-to-simulated temperature change."""
+    if base.margin_temperature_c is None or base.temperature_gpu_c is None:
+        return None
+    return round(base.temperature_gpu_c + base.margin_temperature_c - temp)
+
+
 def _limit_w(base: GpuSample, inv: GpuInventory) -> float:
     """The enforced power limit in W: the captured one, else the board's default, else the H100's."""
     return (base.power_limit_mw or inv.power_limit_default_mw or H100_LIMIT_W * 1000) / 1000.0
@@ -365,6 +372,13 @@ class SimSource:
                 pcie_tx_bytes=int(acc.pcie_tx_bytes),
                 pcie_rx_bytes=int(acc.pcie_rx_bytes),
             ),
+            # Blackwell rack signals as captured (issue 21); the thermal margin follows the simulated temperature.
+            fabric=p.base.fabric,
+            margin_temperature_c=_margin(p.base, temp),
+            repair_channel_pending=p.base.repair_channel_pending,
+            repair_tpc_pending=p.base.repair_tpc_pending,
+            c2c_enabled=p.base.c2c_enabled,
+            nvlink_bw_mode=p.base.nvlink_bw_mode,
         )
 
     def poll_xid(self) -> list[XidEvent]:

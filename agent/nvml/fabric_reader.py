@@ -1,0 +1,136 @@
+"""Read a GPU's NVLink-domain and rack signals (Blackwell, GB200/GB300 NVL72) through pynvml.
+
+One :class:`FabricReader` per backend; :meth:`FabricReader.read` answers a :class:`FabricReading` per
+device: the fabric registration and health (``nvmlDeviceGetGpuFabricInfoV``, v3 struct), the thermal margin
+(``nvmlDeviceGetMarginTemperature``), repair status, C2C mode and NVLink bandwidth mode every call, the rack
+placement (``nvmlDeviceGetPlatformInfo``, v2 struct) once per device.
+
+A call the driver answers NOT_SUPPORTED, or that the library lacks (FUNCTION_NOT_FOUND, an older driver), gives
+no value, and is not made again for that device (a driver does not grow an entry point while loaded): no
+series, never a 0. Other errors are counted by the backend (``gpufleet_nvml_errors_total``) and retried on the
+next read; a lost GPU (GPU_IS_LOST) is skipped for this read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pynvml
+
+from gpufleet.agent.nvml.backend import Device, GpuLost, NvmlBackend
+from gpufleet.agent.nvml.fabric_model import FabricSample, PlatformInfo
+
+#: Codes that mean "this driver has no such reading for this GPU": no series, and no further calls.
+_ABSENT = frozenset({pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND})
+
+
+@dataclass
+class FabricReading:
+    """One device's readings (None: not supported, or failed this time)."""
+
+    platform: PlatformInfo | None = None
+    fabric: FabricSample | None = None
+    margin_c: int | None = None
+    repair: tuple[bool, bool] | None = None  # (channel, tpc) repair pending
+    c2c_enabled: bool | None = None
+    bw_mode: int | None = None
+
+
+@dataclass
+class _DeviceState:
+    """Per device: the calls found absent, the rack placement once read, the structs reused every read."""
+
+    absent: set[str] = field(default_factory=set)
+    platform: PlatformInfo | None = None
+    fabric: Any = field(default_factory=pynvml.c_nvmlGpuFabricInfo_v3_t)
+    bw: Any = field(default_factory=pynvml.c_nvmlNvlinkGetBwMode_v1_t)
+
+
+def _byte(v: bytes | str) -> int:
+    """A ``c_char`` field as a number (pynvml's structures may hand it out as bytes or as str)."""
+    if isinstance(v, str):
+        return ord(v[0]) if v else 0
+    return v[0] if v else 0
+
+
+def _string(v: bytes | str) -> str:
+    text = v if isinstance(v, str) else v.decode(errors="replace")
+    return text.split("\0", 1)[0]
+
+
+def _platform(h: Any) -> PlatformInfo:
+    info = pynvml.c_nvmlPlatformInfo_v2_t()
+    pynvml.nvmlDeviceGetPlatformInfo(h, ctypes.byref(info))
+    return PlatformInfo(
+        chassis_serial=_string(info.chassisSerialNumber),
+        slot_number=_byte(info.slotNumber), tray_index=_byte(info.trayIndex), host_id=_byte(info.hostId),
+        module_id=_byte(info.moduleId), peer_type=_byte(info.peerType))
+
+
+class FabricReader:
+    """Reads :class:`FabricReading` for every device of ``backend`` (see the module docstring)."""
+
+    def __init__(self, backend: NvmlBackend) -> None:
+        self.backend = backend
+        self._state: dict[int, _DeviceState] = {}
+
+    def _call(self, st: _DeviceState, name: str, fn: Callable[[], Any]) -> Any:
+        if name in st.absent:
+            return None
+        try:
+            return fn()
+        except pynvml.NVMLError as e:
+            if e.value in _ABSENT:
+                st.absent.add(name)
+                return None
+            self.backend.failed(name, e.value)  # counts; raises GpuLost for a lost GPU
+            return None
+
+    def read(self, dev: Device) -> FabricReading | None:
+        """The device's readings; None when it is lost (or has no handle)."""
+        h = dev.handle
+        if h is None or dev.lost:
+            return None
+        st = self._state.get(dev.index)
+        if st is None:
+            st = self._state[dev.index] = _DeviceState()
+        r = FabricReading()
+        call = self._call
+        try:
+            if st.platform is None:
+                st.platform = call(st, "nvmlDeviceGetPlatformInfo", lambda: _platform(h))
+            r.platform = st.platform
+            r.fabric = call(st, "nvmlDeviceGetGpuFabricInfoV", lambda: self._fabric(h, st.fabric))
+            r.margin_c = call(st, "nvmlDeviceGetMarginTemperature",
+                              lambda: int(pynvml.nvmlDeviceGetMarginTemperature(h)))
+            rep = call(st, "nvmlDeviceGetRepairStatus", lambda: pynvml.nvmlDeviceGetRepairStatus(h))
+            r.repair = None if rep is None else (bool(rep[0]), bool(rep[1]))
+            c2c = call(st, "nvmlDeviceGetC2cModeInfoV", lambda: pynvml.nvmlDeviceGetC2cModeInfoV(h))
+            r.c2c_enabled = None if c2c is None else bool(c2c.isC2cEnabled)
+            r.bw_mode = call(st, "nvmlDeviceGetNvlinkBwMode", lambda: self._bw_mode(h, st.bw))
+        except GpuLost:
+            return None
+        return r
+
+    def forget(self, keep: set[int]) -> None:
+        """Drop the state of devices no longer enumerated."""
+        for i in [i for i in self._state if i not in keep]:
+            del self._state[i]
+
+    @staticmethod
+    def _fabric(h: Any, info: Any) -> FabricSample:
+        info.version = pynvml.nvmlGpuFabricInfo_v3
+        pynvml.nvmlDeviceGetGpuFabricInfoV(h, ctypes.byref(info))
+        return FabricSample(cluster_uuid=str(uuid.UUID(bytes=bytes(info.clusterUuid))), clique_id=int(info.cliqueId),
+                            state=int(info.state), status=int(info.status), health_mask=int(info.healthMask),
+                            health_summary=int(info.healthSummary))
+
+    @staticmethod
+    def _bw_mode(h: Any, info: Any) -> int:
+        info.version = pynvml.nvmlNvlinkGetBwMode_v1
+        pynvml.nvmlDeviceGetNvlinkBwMode(h, ctypes.byref(info))
+        return int(info.bwMode)
