@@ -94,6 +94,10 @@ class Mods:
         self.pfc_pause = np.zeros(n)
         self.discards_per_s = np.zeros(n)
         self.aer_cor_per_s = np.zeros(g)
+        # NVLink domain and rack (issue 21, agent.sim.nvl72): the fabric health conditions that hold per GPU
+        # (columns: vocab.fabric.HEALTH_CONDITIONS) and GPUs whose C2C link to their Grace CPU is down.
+        self.fabric = np.zeros((g, 5), bool)
+        self.c2c_off = np.zeros(g, bool)
 
 
 @dataclass
