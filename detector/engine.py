@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpufleet.detector import causes, jobs, mig, network, shard, straggler, throttling
+from gpufleet.detector import causes, fabric, jobs, mig, network, shard, straggler, throttling
 from gpufleet.detector.baseline import Baseline
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.features import FeatureFrame, GpuFrame, NodeNaming, collect
@@ -49,6 +49,8 @@ class Evaluation:
 
 def summarize(kind: str, c: Candidate) -> str:
     ev = c.evidence
+    if kind in fabric.KINDS:  # NVLink domain (issue 21)
+        return fabric.summarize(kind, c)
     if kind == "straggler":
         devs = sorted(((k, v) for k, v in ev.items() if ":" not in k and k != "gpus"), key=lambda kv: -abs(kv[1]))[:3]
         dev = ", ".join(f"{k} {v:+.1f} sigma" for k, v in devs)
@@ -124,6 +126,9 @@ class Detector:
         slices = mig.score(snap, cfg, self.naming)  # MIG slices: peers by job and profile (added after attribute)
         cands += [("throttling", c) for c in throttling.find(snap.gpu, cfg.throttling)]
         cands += [("network", c) for c in nets]
+        # NVLink domain (issue 21): GPUs of one domain as peers; a domain-wide problem is one finding naming the rack
+        fab = fabric.find(snap.meta, self.naming)
+        cands += fab.candidates
         pue_states: dict[str, PueState] = {}
         for site, vals in sorted(snap.site.items()):
             mon = self.pue.setdefault(site, PueMonitor(cfg.pue))
@@ -166,6 +171,8 @@ class Detector:
             kind, node, gpu, nic, site, _ = k
             if kind == "pue_drift":
                 return site in sites_ok
+            if kind in fabric.KINDS:  # NVLink domain (issue 21)
+                return fab.observed(node, gpu)
             if kind == "network":
                 return (node, nic) in nic_pos if nic else on(valid, node, "")
             if kind == "straggler":

@@ -62,8 +62,8 @@ Catalogue (``kind``: signature -> expected findings):
 * ``c2c_lost`` (node: a compute tray): the chip-to-chip links between the tray's Grace CPUs and its GPUs go down
   (``gpufleet_gpu_c2c_enabled`` 0). -> tray_health/c2c.
 * ``tray_thermal_margin`` (node: a compute tray): the tray's liquid cooling loses flow: thermal resistance rises
-  1.3x..2.0x, its GPUs run out of thermal margin (``gpufleet_gpu_thermal_margin_celsius`` near 0) and throttle.
-  -> tray_health/thermal, throttling/thermal.
+  1.3x..2.0x, its GPUs run out of thermal margin (``gpufleet_gpu_thermal_margin_celsius`` a few C, its rack
+  peers' 25 C) and at obvious severity throttle. -> tray_health/thermal.
 * ``pue_drift`` (site): facility power / IT power rises by +0.03..+0.20 over 2 hours (cooling plant
   degrading), independent of weather. -> pue_drift (cause null).
 
@@ -434,7 +434,7 @@ class C2cLost(Fault):
 class TrayThermalMargin(Fault):
     kind = "tray_thermal_margin"
     target = "node"
-    findings = (("tray_health", "thermal"), ("throttling", "thermal"))
+    findings = (("tray_health", "thermal"),)
     signals = ("gpufleet_gpu_thermal_margin_celsius",)
 
     def apply(self, p: Physics, t: float, dt: float) -> None:

@@ -1,0 +1,66 @@
+"""GB200 NVL72 racks end to end (issue 21): the simulator records a rack, the detector replays it.
+
+Targets: a domain-wide fault (an NVLink switch tray) is ONE finding naming the rack within 2 scrapes of its
+onset, in both profiles; a single GPU's fabric degradation is a finding on that GPU; a tray that loses C2C or
+thermal margin is a finding on the tray; the healthy rack has no finding at all.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from gpufleet.agent.sim.recording import record
+from gpufleet.agent.sim.scenario import builtin_text, parse_scenario
+from gpufleet.agent.sim.simulator import Simulator
+from gpufleet.detector.config import parse
+from gpufleet.detector.findings import Finding
+from gpufleet.detector.replay import replay
+
+START = 1_750_000_000.0
+STEP = 15.0
+ONSET = 900.0
+RACK = "1820000000001"
+
+
+def run(name: str, tmp: Path, profile: str = "gpufleet", hours: float = 0.5) -> list[Finding]:
+    data = tomllib.loads(builtin_text(name))
+    data["hours"] = hours
+    for f in data.get("faults", []):
+        f["onset"] = ONSET
+    sim = Simulator(parse_scenario(data, name), start=START)
+    rec = record(sim, tmp, (profile,))
+    cfg = parse({"detector": {"profile": profile}})
+    _, found = replay([str(rec.files[profile])], cfg)
+    return found
+
+
+@pytest.mark.parametrize("profile", ["gpufleet", "dcgm"])
+def test_a_switch_tray_failure_is_one_finding_naming_the_rack(tmp_path: Path, profile: str) -> None:
+    found = run("nvswitch_tray_failure", tmp_path, profile)
+    assert [(f.kind, f.cause) for f in found] == [("nvlink_domain", "nvlink")], [f.summary for f in found]
+    f = found[0]
+    rack = RACK if profile == "gpufleet" else "clique 1"
+    assert f.node == f"rack {rack}" and f.gpu is None and f"rack {rack}" in f.summary
+    assert START + ONSET <= f.detected <= START + ONSET + 2 * STEP  # within 2 scrapes
+
+
+def test_one_gpus_fabric_degradation_is_a_finding_on_that_gpu(tmp_path: Path) -> None:
+    found = run("nvlink_fabric_degraded", tmp_path)
+    assert [(f.kind, f.cause, f.node, f.gpu) for f in found] == [("tray_health", "nvlink", "node-002", "1")]
+    assert f"tray 2 of rack {RACK}" in found[0].summary and "bandwidth_degraded" in found[0].summary
+    assert found[0].detected <= START + ONSET + 2 * STEP
+
+
+@pytest.mark.parametrize(("name", "cause"), [("c2c_lost", "c2c"), ("tray_thermal_margin", "thermal")])
+def test_a_tray_problem_is_a_finding_on_the_tray(tmp_path: Path, name: str, cause: str) -> None:
+    found = run(name, tmp_path, hours=0.75)
+    assert {(f.kind, f.cause, f.node, f.gpu) for f in found} == {("tray_health", cause, "node-002", None)}
+    assert f"tray 2 of rack {RACK}" in found[0].summary
+
+
+def test_the_healthy_rack_has_no_finding(tmp_path: Path) -> None:
+    found = run("nvl72", tmp_path, hours=1.0)
+    assert found == [], [f.summary for f in found]
