@@ -11,7 +11,7 @@ H100 host without an NVLink fabric exports none of the fabric health series, nev
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from prometheus_client.core import Metric
 
@@ -49,7 +49,7 @@ class FabricCollector:
         return [fam for fam in f.values() if fam.samples]
 
 
-def _series(f: dict[str, Metric], g: str, r: FabricReading) -> None:
+def _series(f: Mapping[str, Metric], g: str, r: FabricReading) -> None:
     gl = [g]
     pl = r.platform
     if pl is not None:

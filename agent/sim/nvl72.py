@@ -71,4 +71,4 @@ def summaries(fabric: np.ndarray) -> np.ndarray:
 
 def margins(fleet: Fleet, temp: np.ndarray) -> np.ndarray:
     """Thermal margin (C) per GPU: the software slowdown threshold minus the die temperature."""
-    return fleet.gpu_param("temp_gpu_max_c") - temp
+    return np.asarray(fleet.gpu_param("temp_gpu_max_c") - temp, dtype=float)

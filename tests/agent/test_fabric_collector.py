@@ -165,6 +165,7 @@ def test_the_fake_checks_struct_versions(host: tuple[FakeHost, FakeNvml, NvmlBac
     (no health summary) is answered."""
     _, _, backend = host
     h = backend.devices[0].handle
+    assert h is not None
     with pytest.raises(pynvml.NVMLError) as e:
         pynvml.nvmlDeviceGetPlatformInfo(h, ctypes.byref(pynvml.c_nvmlPlatformInfo_v1_t()))
     assert e.value.value == pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH
