@@ -49,8 +49,6 @@ class Evaluation:
 
 def summarize(kind: str, c: Candidate) -> str:
     ev = c.evidence
-    if kind in fabric.KINDS:  # NVLink domain (issue 21)
-        return fabric.summarize(kind, c)
     if kind == "straggler":
         devs = sorted(((k, v) for k, v in ev.items() if ":" not in k and k != "gpus"), key=lambda kv: -abs(kv[1]))[:3]
         dev = ", ".join(f"{k} {v:+.1f} sigma" for k, v in devs)
@@ -85,8 +83,10 @@ class Detector:
         site_qs: tuple[Query, ...] = tuple(q for s in cfg.sites for q in s.queries) if cfg.sites else site_queries()
         self.queries: tuple[Query, ...] = queries(cfg.profile) + site_qs
         self.naming = NodeNaming(cfg.node_label, cfg.strip_port)
-        self.tracker = tracker or Tracker(cfg.findings.open_after, cfg.findings.close_after,
-                                          cfg.findings.stale_after, summarize, cfg.findings.merge_seconds)
+        # NVLink domain (issue 21): NVLink domain findings' summaries, and findings on an NVL72 tray name its place
+        self.places: fabric.Places = {}
+        self.tracker = tracker or Tracker(cfg.findings.open_after, cfg.findings.close_after, cfg.findings.stale_after,
+                                          fabric.placed(summarize, self.places), cfg.findings.merge_seconds)
         self.pue: dict[str, PueMonitor] = {}
         self.baseline = Baseline()
         self._gpu_index = _EntityIndex()
@@ -127,7 +127,7 @@ class Detector:
         cands += [("throttling", c) for c in throttling.find(snap.gpu, cfg.throttling)]
         cands += [("network", c) for c in nets]
         # NVLink domain (issue 21): GPUs of one domain as peers; a domain-wide problem is one finding naming the rack
-        fab = fabric.find(snap.meta, self.naming)
+        fab = fabric.find(snap.meta, self.naming, self.places)
         cands += fab.candidates
         pue_states: dict[str, PueState] = {}
         for site, vals in sorted(snap.site.items()):

@@ -12,8 +12,8 @@ evaluation:
 
 A fabric problem shared by many GPUs of one domain (at least :data:`DOMAIN_MIN_GPUS` and
 :data:`DOMAIN_FRACTION` of the domain's GPUs seen) is a switch-tray or fabric-manager problem: ONE
-``nvlink_domain`` candidate naming the rack (its node is ``rack <serial>``), and no GPU candidate of that
-domain. Otherwise each GPU with a fabric problem is a ``tray_health`` candidate (cause ``nvlink``) on its
+``nvlink_domain`` candidate naming the rack (its node is ``rack <serial>``; on a host outside a multi-node
+domain, cluster UUID 0, the host itself), and no GPU candidate of that domain. Otherwise each GPU with a fabric problem is a ``tray_health`` candidate (cause ``nvlink``) on its
 node and GPU; a tray with a GPU whose C2C link is down is one ``tray_health``/``c2c`` candidate on the node;
 a tray whose GPUs' median margin is at most :data:`MARGIN_LOW` C while its domain's median is
 :data:`MARGIN_GAP` C higher is ``tray_health``/``thermal`` (it ran out of margin, its rack peers did not).
@@ -23,7 +23,7 @@ Summaries name the rack and tray (:func:`summarize`).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,8 +40,9 @@ DOMAIN_FRACTION = 0.25
 MARGIN_LOW = 8.0
 MARGIN_GAP = 10.0
 _ZERO_UUID = "00000000-0000-0000-0000-000000000000"
-#: node -> (rack, tray) of the last evaluation, for summaries (the tracker summarizes a Candidate only).
-PLACES: dict[str, tuple[str, int | None]] = {}
+#: node -> (rack, tray) as last seen (the tracker summarizes a Candidate only, which has no field for them): one
+#: per Detector, filled by :func:`find`, read by the summaries of :func:`placed`.
+Places = dict[str, tuple[str, int | None]]
 
 
 @dataclass
@@ -128,8 +129,8 @@ def _gpus(meta: dict[str, Result], naming: NodeNaming) -> dict[tuple[str, str], 
     return out
 
 
-def find(meta: dict[str, Result], naming: NodeNaming) -> FabricResult:
-    """The candidates of one evaluation (see the module docstring)."""
+def find(meta: dict[str, Result], naming: NodeNaming, places: Places) -> FabricResult:
+    """The candidates of one evaluation (see the module docstring); ``places`` learns each node's rack and tray."""
     gpus = _gpus(meta, naming)
     res = FabricResult(gpus=set(gpus))
     if not gpus:
@@ -137,7 +138,7 @@ def find(meta: dict[str, Result], naming: NodeNaming) -> FabricResult:
     domains: dict[str, list[_Gpu]] = defaultdict(list)
     for g in gpus.values():
         domains[g.domain].append(g)
-        PLACES[g.node] = (g.rack, g.tray)
+        places[g.node] = (g.rack, g.tray)
     for members in domains.values():
         rack = next((g.rack for g in members if g.rack), "")
         if rack:
@@ -148,9 +149,12 @@ def find(meta: dict[str, Result], naming: NodeNaming) -> FabricResult:
             for g in sick:
                 for cond in g.conditions:
                     counts[f"value:{cond}"] += 1
-            node = f"rack {rack or members[0].domain}"
-            res.racks.add(node)
-            PLACES[node] = (rack or members[0].domain, None)
+            if members[0].domain == members[0].node:  # no multi-node domain (an HGX host): the node's NVSwitches
+                node = members[0].node
+            else:
+                node = f"rack {rack or members[0].domain}"
+                res.racks.add(node)
+                places[node] = (rack or members[0].domain, None)
             ev = {"gpus": float(len(sick)), "value:domain_gpus": float(len(members)),
                   "value:trays": float(len({g.node for g in sick})), **counts}
             res.candidates.append(("nvlink_domain", Candidate(node, None, None, members[0].site, "nvlink",
@@ -185,15 +189,16 @@ def _trays(members: list[_Gpu]) -> list[tuple[str, Candidate]]:
     return out
 
 
-def summarize(kind: str, c: Candidate) -> str:
+def summarize(kind: str, c: Candidate, places: Places) -> str:
     ev = c.evidence
-    rack, tray = PLACES.get(c.node, ("", None))
+    rack, tray = places.get(c.node, ("", None))
     if kind == "nvlink_domain":
+        domain = f"rack {rack}" if c.node.startswith("rack ") else f"node {c.node}"
         what = ", ".join(f"{int(v)} {k.removeprefix('value:')}" for k, v in ev.items()
                          if k.startswith("value:") and k not in ("value:domain_gpus", "value:trays"))
-        return (f"NVLink domain of rack {rack}: {int(ev.get('gpus', 0))} of {int(ev.get('value:domain_gpus', 0))} "
-                f"GPUs on {int(ev.get('value:trays', 0))} trays degraded ({what}); likely an NVLink switch tray "
-                f"or the fabric manager")
+        return (f"NVLink domain of {domain}: {int(ev.get('gpus', 0))} of {int(ev.get('value:domain_gpus', 0))} GPUs "
+                f"on {int(ev.get('value:trays', 0))} trays degraded ({what}); likely an NVLink switch tray or the "
+                f"fabric manager")
     where = f"tray {tray} of rack {rack}" if rack and tray is not None else (f"rack {rack}" if rack else "")
     who = f"GPU {c.gpu} on {c.node}" if c.gpu is not None else c.node
     who += f" ({where})" if where else ""
@@ -204,3 +209,19 @@ def summarize(kind: str, c: Candidate) -> str:
                 f"{ev.get('value:domain_margin', 0.0):.0f} C)")
     conds = ", ".join(k.removeprefix("value:") for k in ev if k.startswith("value:"))
     return f"{who}: NVLink fabric health degraded ({conds})"
+
+
+def placed(summarize_: Callable[[str, Candidate], str], places: Places) -> Callable[[str, Candidate], str]:
+    """The tracker's summaries: this module's kinds by :func:`summarize`, the others by ``summarize_`` ending with
+    the rack and tray of the finding's node where known."""
+
+    def summary(kind: str, c: Candidate) -> str:
+        if kind in KINDS:
+            return summarize(kind, c, places)
+        text = summarize_(kind, c)
+        rack, tray = places.get(c.node, ("", None))
+        if not rack:
+            return text
+        return f"{text} [tray {tray} of rack {rack}]" if tray is not None else f"{text} [rack {rack}]"
+
+    return summary

@@ -63,7 +63,7 @@ Catalogue (``kind``: signature -> expected findings):
   (``gpufleet_gpu_c2c_enabled`` 0). -> tray_health/c2c.
 * ``tray_thermal_margin`` (node: a compute tray): the tray's liquid cooling loses flow: thermal resistance rises
   1.3x..2.0x, its GPUs run out of thermal margin (``gpufleet_gpu_thermal_margin_celsius`` a few C, its rack
-  peers' 25 C) and at obvious severity throttle. -> tray_health/thermal.
+  peers' 25 C) and throttle, their job waits on them. -> tray_health/thermal, throttling/thermal, straggler/thermal.
 * ``pue_drift`` (site): facility power / IT power rises by +0.03..+0.20 over 2 hours (cooling plant
   degrading), independent of weather. -> pue_drift (cause null).
 
@@ -106,6 +106,8 @@ class Fault:
     target: ClassVar[str] = "gpu"  # "site", "node", "gpu" or "nic"
     findings: ClassVar[tuple[tuple[str, str | None], ...]] = ()
     signals: ClassVar[tuple[str, ...]] = ()
+    #: The ground truth's entity when it is not the target's (an NVL72 switch tray's fault: "rack").
+    entity: ClassVar[str | None] = None
 
     onset: float
     end: float | None = None
@@ -407,6 +409,7 @@ class NvlinkFabricDegraded(Fault):
 class NvswitchTrayFailure(Fault):
     kind = "nvswitch_tray_failure"
     target = "node"
+    entity = "rack"
     findings = (("nvlink_domain", "nvlink"),)
     signals = ("gpufleet_gpu_fabric_health{condition=bandwidth_degraded}",)
 
@@ -434,7 +437,7 @@ class C2cLost(Fault):
 class TrayThermalMargin(Fault):
     kind = "tray_thermal_margin"
     target = "node"
-    findings = (("tray_health", "thermal"),)
+    findings = (("tray_health", "thermal"), ("throttling", "thermal"), ("straggler", "thermal"))
     signals = ("gpufleet_gpu_thermal_margin_celsius",)
 
     def apply(self, p: Physics, t: float, dt: float) -> None:

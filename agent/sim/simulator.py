@@ -38,6 +38,7 @@ from gpufleet.agent.serving.files import write_atomic
 from gpufleet.agent.sim.faults import FAULTS, Fault, FaultSchedule, fault_doc, severity_class
 from gpufleet.agent.sim.fleet import GPU_MODELS, Fleet, Job, Node, Site, schedule_jobs
 from gpufleet.agent.sim.mig import fault_labels, layout_of, mig_snapshot
+from gpufleet.agent.sim.nvl72 import Racks
 from gpufleet.agent.sim.physics import (
     ECC_KEYS,
     NIC_ERRORS,
@@ -408,12 +409,14 @@ class Simulator:
             node = fs.node
             gpu = None if fs.gpu is None else str(fs.gpu)
             entity = fault.target if fault.target != "node" or fs.gpu is None else "gpu"
+            entity = fault.entity or entity  # a domain-wide NVL72 fault is about its rack (issue 21)
             nic = f"mlx5_{fs.nic}" if fs.nic is not None else None
             node_i = sc.node_names.index(node) if node else None
             job_at_onset = next((j.id for j in self.fleet.jobs
                                  if node_i is not None and node_i in j.nodes and j.start <= fs.onset < j.end), None)
             findings = [{"kind": k, "cause": c} for k, c in fault.findings
-                        if k in ("pue_drift", "network") or job_at_onset is not None]
+                        if k in ("pue_drift", "network", "nvlink_domain", "tray_health") or job_at_onset is not None]
+            rack = self.fleet.node_rack[node_i] if node_i is not None else -1
             faults.append({
                 "type": fs.kind, "entity": entity, "site": fs.site or (self.node_site(sc.node_names.index(node))
                                                                         if node else None),
@@ -423,6 +426,10 @@ class Simulator:
                 "severity": fs.severity, "severity_class": severity_class(fs.severity),
                 "job_id": job_at_onset, "expected_findings": findings,
                 "signals": list(fault.signals), "signature": fault_doc(fs.kind),
+                # NVL72 (issue 21): the rack of the faulty tray, as the detector names it
+                # (its chassis serial; the dcgm profile, without string fields, knows it by its clique)
+                **({"rack": f"rack {Racks.of(self.fleet, self.seed).chassis[rack]}",
+                    "rack_clique": f"rack clique {Racks.of(self.fleet, self.seed).clique[rack]}"} if rack >= 0 else {}),
             })
         faults += fault_labels(self)  # [[mig_faults]]: one MIG slice each
         jobs = [{"job_id": j.id, "nodes": [self.fleet.nodes[n].name for n in j.nodes],
