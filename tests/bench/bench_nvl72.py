@@ -1,0 +1,114 @@
+"""NVL72 tray benchmark (not a test): agent CPU per scrape on a GB200 compute tray host (4 GPUs) beside the
+8x H100 host, with the same per-GPU target (bench_shared.py's 5 ms per 8-GPU scrape: 0.625 ms per GPU).
+
+Run from the repository root::
+
+    git archive 436d775 | tar -x -C /tmp/before    # the tree before issue 21 (no fabric collector)
+    .venv/bin/python tests/bench/bench_nvl72.py --before /tmp/before [--scrapes 100] [--rounds 3]
+
+Each host is measured by bench_shared.py's child (the real agent, every collector on, default configuration,
+scraped as the HTTP server does on the simulated clock, agent CPU = process CPU minus the CPU inside the fake
+NVML): ``sim:8`` (the packaged 8x H100 capture) and ``sim:tests/fixtures/nvidia-smi/gb200-4gpu.xml`` (a GB200 tray:
+its fabric, platform, C2C, repair and margin readings answered by the fake NVML). With ``--before`` both hosts
+also run on the earlier tree, before and after alternating ``--rounds`` times (medians of the rounds' means),
+so the table shows what the fabric collector costs on each. A second table times the fabric collector alone
+(its ``collect()`` on each host, in this process, CPU inside the fake NVML excluded, ``--scrapes`` x 5 calls):
+the share of the agent's scrape it adds, free of the whole-agent runs' noise on a loaded machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+CPU_TARGET_MS_PER_GPU = 5.0 / 8
+SHARED = str(Path(__file__).resolve().with_name("bench_shared.py"))
+GB200 = str(Path(__file__).resolve().parents[1] / "fixtures" / "nvidia-smi" / "gb200-4gpu.xml")
+
+
+def measure(spec: str, scrapes: int, interval: float, env: dict[str, str]) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, SHARED, "--child", spec, "--scrapes", str(scrapes), "--interval",
+                          str(interval)], capture_output=True, text=True, check=True, env=env)
+    r: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    if r["failed"]:
+        print(f"collectors failed on {spec}: {r['failed']}", file=sys.stderr)
+    return r
+
+
+def collector_alone(spec: str, calls: int) -> tuple[float, float]:
+    """(mean, median) ms of CPU per FabricCollector.collect() on ``spec``, the fake NVML's own CPU excluded."""
+    import time
+
+    from gpufleet.agent.collectors.fabric import FabricCollector
+    from gpufleet.agent.fake.spec import fake_backend
+
+    backend: Any = fake_backend(spec)
+    backend.start()
+    try:
+        c = FabricCollector(backend)
+        fake = backend.fake
+        fake.cpu_accounting = True
+        for _ in range(20):
+            list(c.collect())
+        own: list[float] = []
+        for _ in range(calls):
+            f0, c0 = fake.cpu_seconds, time.process_time()
+            list(c.collect())
+            own.append((time.process_time() - c0) - (fake.cpu_seconds - f0))
+    finally:
+        backend.close()
+    return statistics.fmean(own) * 1e3, statistics.median(own) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--scrapes", type=int, default=100)
+    p.add_argument("--interval", type=float, default=15.0)
+    p.add_argument("--before", metavar="DIR", help="also measure the source tree DIR (an earlier commit)")
+    p.add_argument("--rounds", type=int, default=1)
+    a = p.parse_args()
+    hosts = [("sim:8", "8x H100 (HGX)", 8), (f"sim:{GB200}", "GB200 NVL72 compute tray (4 GPUs)", 4)]
+    with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
+        codes: list[tuple[str, dict[str, str]]] = [("after", dict(os.environ))]
+        if a.before:
+            from bench_agent import _code_path
+
+            path = _code_path(a.before, tmp)
+            codes.insert(0, ("before", {**os.environ, "PYTHONPATH": path + os.pathsep + os.environ.get("PYTHONPATH", "")}))
+        print("| host | series before/after | agent CPU/scrape before (mean) | after (mean; median) | after/before "
+              "| per GPU after | vs per-GPU target (0.625 ms) | RSS after |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for spec, what, gpus in hosts:
+            runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in codes}
+            for _ in range(a.rounds):
+                for label, env in codes:
+                    runs[label].append(measure(spec, a.scrapes, a.interval, env))
+            res = {label: {k: statistics.median(x[k] for x in rs) for k in ("own_mean_ms", "own_median_ms", "rss_mb")}
+                   | {"series": rs[-1]["series"]} for label, rs in runs.items()}
+            r = res["after"]
+            b = res.get("before")
+            per_gpu = r["own_mean_ms"] / gpus
+            before_ms = f"{b['own_mean_ms']:.2f} ms" if b else "-"
+            ratio = f"{r['own_mean_ms'] / b['own_mean_ms']:.2f}x" if b else "-"
+            print(f"| {what} | {b['series'] if b else '-'}/{r['series']} | {before_ms} "
+                  f"| **{r['own_mean_ms']:.2f}**; {r['own_median_ms']:.2f} ms | {ratio} | {per_gpu:.3f} ms "
+                  f"| {per_gpu / CPU_TARGET_MS_PER_GPU:.2f}x | {r['rss_mb']:.1f} MB |")
+    print()
+    print("| host | fabric collector CPU/scrape (mean; median) | per GPU |")
+    print("| --- | ---: | ---: |")
+    for spec, what, gpus in hosts:
+        mean, median = collector_alone(spec, 5 * a.scrapes)
+        print(f"| {what} | {mean:.3f}; {median:.3f} ms | {mean / gpus:.4f} ms |")
+
+
+if __name__ == "__main__":
+    main()
