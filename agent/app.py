@@ -142,7 +142,7 @@ class Agent:
         if name == "fabric":  # NVLink domain and rack signals (issue 21)
             from gpufleet.agent.collectors.fabric import FabricCollector
 
-            return FabricCollector(self.backend)
+            return FabricCollector(self.backend, slow_interval=self.cfg.gpu_slow_interval)
         raise ValueError(f"unknown collector {name!r}")
 
     def gpu_usage(self) -> GpuUsage:

@@ -14,10 +14,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from prometheus_client.core import Metric
+from prometheus_client.samples import Sample
 
 from gpufleet.agent.collectors.series import SeriesCache
 from gpufleet.agent.nvml.backend import NvmlBackend
-from gpufleet.agent.nvml.fabric_reader import FabricReader, FabricReading
+from gpufleet.agent.nvml.fabric_reader import FabricReader, FabricReading, LinkCounters
 from gpufleet.agent.vocab import catalog
 from gpufleet.agent.vocab import fabric as fb
 
@@ -28,9 +29,13 @@ _put = SeriesCache(_SPECS).put
 class FabricCollector:
     name = "fabric"
 
-    def __init__(self, backend: NvmlBackend) -> None:
+    def __init__(self, backend: NvmlBackend, *, slow_interval: float = 30.0) -> None:
+        """``slow_interval``: --collector.gpu.slow-interval, how often the NVLink 5 per-link counters are re-read."""
         self.backend = backend
-        self.reader = FabricReader(backend)
+        self.reader = FabricReader(backend, slow_interval)
+        #: Per GPU label: the link counters last rendered and their samples (reused while the reader serves the
+        #: same read: 9 counters x 18 links per GPU).
+        self._link_samples: dict[str, tuple[LinkCounters, list[Sample]]] = {}
 
     def describe(self) -> Iterable[Metric]:
         return [s.family() for s in _SPECS]
@@ -45,9 +50,24 @@ class FabricCollector:
             r = self.reader.read(dev)
             if r is not None:
                 _series(f, dev.label, r)
+                if r.links is not None:
+                    f["gpufleet_gpu_nvlink_link_events_total"].samples.extend(self._links(dev.label, r.links))
         self.reader.forget({d.index for d in devices})
         return [fam for fam in f.values() if fam.samples]
 
+    def _links(self, g: str, links: LinkCounters) -> list[Sample]:
+        cached = self._link_samples.get(g)
+        if cached is not None and cached[0] is links:
+            return cached[1]
+        fam = _LINKS.family()
+        for link, counters in links.links:
+            for event, n in counters.items():
+                _put(fam, [g, str(link), event], n)
+        self._link_samples[g] = (links, fam.samples)
+        return fam.samples
+
+
+_LINKS = catalog.spec("gpufleet_gpu_nvlink_link_events_total")
 
 def _series(f: Mapping[str, Metric], g: str, r: FabricReading) -> None:
     gl = [g]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from gpufleet.agent.fake.noise import mix, symmetric, uniform
 from gpufleet.agent.fake.sim_host import SimHostSysfs
 from gpufleet.agent.fake.smi_xml import SmiHost, builtin_host, load_smi_xml
+from gpufleet.agent.nvml.hardware import ARCH_BLACKWELL
 from gpufleet.agent.nvml.model import (
     DriverInfo,
     GpmCounters,
@@ -26,6 +27,7 @@ from gpufleet.agent.nvml.model import (
     NvLinkSample,
     XidEvent,
 )
+from gpufleet.agent.vocab.fabric import NVLINK5_EVENTS
 from gpufleet.agent.vocab.nvml import CLOCK_EVENT_BITS
 
 #: length of one model step: every reading is constant within a slot, counters grow linearly
@@ -38,6 +40,7 @@ THERMAL_TAU_S = 40.0
 NVLINK_TRAIN_BYTES_S = 150e9  # per GPU, each direction, during training (all-reduce traffic)
 QUANTUM_S = 0.01  # sample() resolution
 KB = 1024  # NVML reports PCIe throughput in KB/s; the model takes KB = 1024 bytes
+_NVLINK5_ZERO = dict.fromkeys(NVLINK5_EVENTS, 0)
 H100_LIMIT_W = 700.0  # the board the model is tuned on; other boards' power scales by their limit
 H100_MEMORY = 85520809984
 H100_MAX_SM_MHZ = 1980
@@ -323,8 +326,11 @@ class SimSource:
         ns = dict(p.base.clocks_event_ns or {})
         ns["sw_power_cap"] = acc.power_cap_ns
         kib = acc.nvlink_bytes / 1024.0
+        # NVLink 5 (Blackwell) per-link counters: a healthy link's FEC corrects a trickle of symbol errors.
+        nvlink5 = inv.architecture >= ARCH_BLACKWELL
         links = [
-            NvLinkSample(up=True, tx_kib=int(kib * w), rx_kib=int(kib * w), crc_flit=0, crc_data=0, replay=0, recovery=0)
+            NvLinkSample(up=True, tx_kib=int(kib * w), rx_kib=int(kib * w), crc_flit=0, crc_data=0, replay=0, recovery=0,
+                         counters={**_NVLINK5_ZERO, "symbol_errors": int(0.02 * (now - self._start))} if nvlink5 else None)
             for w in p.link_weights
         ]
         temp = acc.temp

@@ -3,7 +3,9 @@
 One :class:`FabricReader` per backend; :meth:`FabricReader.read` answers a :class:`FabricReading` per
 device: the fabric registration and health (``nvmlDeviceGetGpuFabricInfoV``, v3 struct), the thermal margin
 (``nvmlDeviceGetMarginTemperature``), repair status, C2C mode and NVLink bandwidth mode every call, the rack
-placement (``nvmlDeviceGetPlatformInfo``, v2 struct) once per device.
+placement (``nvmlDeviceGetPlatformInfo``, v2 struct) once per device, the NVLink 5 per-link counters
+(``nvmlDeviceGetFieldValues``, :data:`~gpufleet.agent.vocab.fabric.NVLINK5_COUNTERS`, scopeId = link) at most
+every ``slow_interval``.
 
 A call the driver answers NOT_SUPPORTED, or that the library lacks (FUNCTION_NOT_FOUND, an older driver), gives
 no value, and is not made again for that device (a driver does not grow an entry point while loaded): no
@@ -21,11 +23,24 @@ from typing import Any
 
 import pynvml
 
+from gpufleet.agent.nvml import reader as gpu_reader
 from gpufleet.agent.nvml.backend import Device, GpuLost, NvmlBackend
 from gpufleet.agent.nvml.fabric_model import FabricSample, PlatformInfo
+from gpufleet.agent.vocab.fabric import NVLINK5_COUNTERS
 
 #: Codes that mean "this driver has no such reading for this GPU": no series, and no further calls.
 _ABSENT = frozenset({pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND})
+_SUCCESS = pynvml.NVML_SUCCESS
+#: NVLink 5 per-link counters: (event name, field id).
+_LINK_FIELDS = tuple((name, fid) for name, _, fid in NVLINK5_COUNTERS)
+
+
+@dataclass(frozen=True)
+class LinkCounters:
+    """One read of the NVLink 5 per-link counters: (link, {event: count}) for each link that answered any.
+    The same object is served until the next read (``slow_interval``), so users can cache what they build."""
+
+    links: tuple[tuple[int, dict[str, int]], ...]
 
 
 @dataclass
@@ -38,6 +53,7 @@ class FabricReading:
     repair: tuple[bool, bool] | None = None  # (channel, tpc) repair pending
     c2c_enabled: bool | None = None
     bw_mode: int | None = None
+    links: LinkCounters | None = None
 
 
 @dataclass
@@ -48,6 +64,10 @@ class _DeviceState:
     platform: PlatformInfo | None = None
     fabric: Any = field(default_factory=pynvml.c_nvmlGpuFabricInfo_v3_t)
     bw: Any = field(default_factory=pynvml.c_nvmlNvlinkGetBwMode_v1_t)
+    #: the NVLink 5 counters: last read, when (gpu_reader.slow_clock), and whether no link has any
+    links: LinkCounters | None = None
+    links_at: float = 0.0
+    links_absent: bool = False
 
 
 def _byte(v: bytes | str) -> int:
@@ -74,8 +94,11 @@ def _platform(h: Any) -> PlatformInfo:
 class FabricReader:
     """Reads :class:`FabricReading` for every device of ``backend`` (see the module docstring)."""
 
-    def __init__(self, backend: NvmlBackend) -> None:
+    def __init__(self, backend: NvmlBackend, slow_interval: float = 30.0) -> None:
+        """``slow_interval``: the NVLink 5 per-link counters are re-read at most this often (0: every read), on
+        the GPU slow tier's clock (:data:`gpufleet.agent.nvml.reader.slow_clock`)."""
         self.backend = backend
+        self.slow_interval = slow_interval
         self._state: dict[int, _DeviceState] = {}
 
     def _call(self, st: _DeviceState, name: str, fn: Callable[[], Any]) -> Any:
@@ -112,6 +135,7 @@ class FabricReader:
             c2c = call(st, "nvmlDeviceGetC2cModeInfoV", lambda: pynvml.nvmlDeviceGetC2cModeInfoV(h))
             r.c2c_enabled = None if c2c is None else bool(c2c.isC2cEnabled)
             r.bw_mode = call(st, "nvmlDeviceGetNvlinkBwMode", lambda: self._bw_mode(h, st.bw))
+            r.links = self._links(dev, st)
         except GpuLost:
             return None
         return r
@@ -120,6 +144,42 @@ class FabricReader:
         """Drop the state of devices no longer enumerated."""
         for i in [i for i in self._state if i not in keep]:
             del self._state[i]
+
+    def _links(self, dev: Device, st: _DeviceState) -> LinkCounters | None:
+        """The NVLink 5 counters of every link in one nvmlDeviceGetFieldValues call (scopeId = link), cached for
+        ``slow_interval``; None before Blackwell (every field NOT_SUPPORTED: not asked again)."""
+        links = dev.nvlinks
+        if st.links_absent or not links or dev.handle is None:
+            return None
+        now = gpu_reader.slow_clock()
+        if st.links is not None and now - st.links_at < self.slow_interval:
+            return st.links
+        request = [(fid, link) for link in links for _, fid in _LINK_FIELDS]
+        try:
+            values = pynvml.nvmlDeviceGetFieldValues(dev.handle, request)
+        except pynvml.NVMLError as e:
+            if e.value in _ABSENT:
+                st.links_absent = True
+                return None
+            self.backend.failed("nvmlDeviceGetFieldValues", e.value)
+            return None
+        out: dict[int, dict[str, int]] = {}
+        absent = True
+        per_link = len(_LINK_FIELDS)
+        for i, fv in enumerate(values):
+            link, name = links[i // per_link], _LINK_FIELDS[i % per_link][0]
+            code = int(fv.nvmlReturn)
+            if code == _SUCCESS:
+                out.setdefault(link, {})[name] = int(fv.value.ullVal)
+                absent = False
+            elif code not in _ABSENT:
+                absent = False
+                self.backend.count_error("nvmlDeviceGetFieldValues", code)
+        if absent:
+            st.links_absent = True
+            return None
+        st.links, st.links_at = LinkCounters(tuple(sorted(out.items()))), now
+        return st.links
 
     @staticmethod
     def _fabric(h: Any, info: Any) -> FabricSample:

@@ -107,6 +107,8 @@ class NvLinkSample:
     crc_data: int | None = 0
     replay: int | None = 0
     recovery: int | None = 0
+    #: NVLink 5 per-link counters by event name (vocab.fabric.NVLINK5_COUNTERS); None: NOT_SUPPORTED (pre-Blackwell)
+    counters: dict[str, int] | None = None
 
 
 @dataclass

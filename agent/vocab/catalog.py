@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from gpufleet.agent.vocab.fabric import BW_MODE_NAMES, HEALTH_CONDITIONS, REPAIR_KINDS
+from gpufleet.agent.vocab.fabric import BW_MODE_NAMES, HEALTH_CONDITIONS, NVLINK5_EVENTS, REPAIR_KINDS
 from gpufleet.agent.vocab.nvml import CLOCK_EVENT_COUNTED, CLOCK_EVENT_NAMES
 
 if TYPE_CHECKING:  # the families are built only where prometheus-client is installed (agent, detector)
@@ -508,6 +508,11 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("gpufleet_gpu_nvlink_bandwidth_mode", _G, "",
                "The GPU's NVLink bandwidth mode (nvmlDeviceGetNvlinkBwMode); value is 1 for the current mode.",
                ("gpu", "mode"), "fabric", label_values={"mode": tuple(BW_MODE_NAMES.values())}),
+    MetricSpec("gpufleet_gpu_nvlink_link_events_total", _C, "",
+               "NVLink 5 per-link counters (Blackwell, NVML_FI_DEV_NVLINK_COUNT_*): symbol and effective errors, "
+               "link recoveries (successful, failed), receive errors, transmit discards, malformed packets, buffer "
+               "overruns, local link integrity errors. Re-read every --collector.gpu.slow-interval.",
+               ("gpu", "link", "event"), "fabric", label_values={"event": NVLINK5_EVENTS}),
     # ---------------------------------------------------------------- site (facility, from BMS/DCIM)
     MetricSpec("gpufleet_site_facility_power_watts", _G, "watts",
                "Total facility power of a site (utility meter).", ("site",), "site"),

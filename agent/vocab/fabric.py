@@ -103,3 +103,18 @@ BW_MODE_NAMES: dict[int, str] = {v: w for v, _, w in NVLINK_BW_MODES}
 
 #: The ``kind`` label of gpufleet_gpu_repair_pending (nvmlRepairStatus_t bChannelRepairPending, bTpcRepairPending).
 REPAIR_KINDS: tuple[str, ...] = ("channel", "tpc")
+
+#: NVLink 5 per-link counters (Blackwell: nvmlDeviceGetFieldValues with scopeId = link): (our ``event`` label,
+#: pynvml's field name, field id). Cumulative counts; the BER and FEC-history fields are left out.
+NVLINK5_COUNTERS: tuple[tuple[str, str, int], ...] = (
+    ("symbol_errors", "NVML_FI_DEV_NVLINK_COUNT_SYMBOL_ERRORS", 221),
+    ("effective_errors", "NVML_FI_DEV_NVLINK_COUNT_EFFECTIVE_ERRORS", 219),
+    ("recovery_successful", "NVML_FI_DEV_NVLINK_COUNT_LINK_RECOVERY_SUCCESSFUL_EVENTS", 213),
+    ("recovery_failed", "NVML_FI_DEV_NVLINK_COUNT_LINK_RECOVERY_FAILED_EVENTS", 214),
+    ("receive_errors", "NVML_FI_DEV_NVLINK_COUNT_RCV_ERRORS", 208),
+    ("transmit_discards", "NVML_FI_DEV_NVLINK_COUNT_XMIT_DISCARDS", 212),
+    ("malformed_packets", "NVML_FI_DEV_NVLINK_COUNT_MALFORMED_PACKET_ERRORS", 206),
+    ("buffer_overruns", "NVML_FI_DEV_NVLINK_COUNT_BUFFER_OVERRUN_ERRORS", 207),
+    ("local_link_integrity_errors", "NVML_FI_DEV_NVLINK_COUNT_LOCAL_LINK_INTEGRITY_ERRORS", 211),
+)
+NVLINK5_EVENTS: tuple[str, ...] = tuple(n for n, _, _ in NVLINK5_COUNTERS)

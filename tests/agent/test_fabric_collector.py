@@ -15,6 +15,7 @@ from gpufleet.agent.collectors.fabric import FabricCollector
 from gpufleet.agent.fake.library import FakeNvml
 from gpufleet.agent.fake.smi_xml import load_smi_xml
 from gpufleet.agent.fake.spec import fake_backend
+from gpufleet.agent.nvml import reader as gpu_reader
 from gpufleet.agent.nvml.backend import NvmlBackend
 from gpufleet.agent.nvml.fabric_model import FabricSample, PlatformInfo
 from gpufleet.agent.vocab import catalog
@@ -46,6 +47,8 @@ def test_a_gb200_gb300_host_names_its_domain_rack_and_tray(capture: str, clique:
     plat = [dict(lbl) for n, lbl in s if n == "gpufleet_gpu_platform_info"]
     assert len(plat) == 4 and {p["chassis_serial"] for p in plat} == {"1820000000001"}
     assert {p["tray"] for p in plat} == trays and all(p["slot"] and p["module_id"] for p in plat)
+    links = [dict(lbl) for n, lbl in s if n == "gpufleet_gpu_nvlink_link_events_total"]
+    assert len(links) == 4 * 18 * len(fb.NVLINK5_EVENTS)  # Blackwell: NVLink 5 per-link counters, 18 links a GPU
     for g in "0123":
         assert s[key("gpufleet_gpu_fabric_overall_health", gpu=g)] == fb.SUMMARY_HEALTHY
         assert s[key("gpufleet_gpu_fabric_state", gpu=g)] == fb.FABRIC_STATE_COMPLETED
@@ -62,7 +65,7 @@ def test_an_h100_host_has_no_rack_and_no_fabric_health() -> None:
     """The packaged H100 capture: fabric registered (NVSwitch, no multi-node domain), health N/A, no C2C."""
     s = _scrape_spec("sim:2")
     got = names(s)
-    assert "gpufleet_gpu_platform_info" not in got
+    assert "gpufleet_gpu_platform_info" not in got and "gpufleet_gpu_nvlink_link_events_total" not in got
     assert "gpufleet_gpu_fabric_health" not in got and "gpufleet_gpu_fabric_overall_health" not in got
     assert s[key("gpufleet_gpu_c2c_enabled", gpu="0")] == 0  # the capture says Disabled: a reading, not N/A
 
@@ -111,7 +114,7 @@ def test_every_reading_is_exported_in_its_units(host: tuple[FakeHost, FakeNvml, 
     assert s[key("gpufleet_gpu_repair_pending", gpu="0", kind="channel")] == 0
     assert s[key("gpufleet_gpu_nvlink_bandwidth_mode", gpu="0", mode="full")] == 1
     assert s[key("gpufleet_gpu_nvlink_bandwidth_mode", gpu="1", mode="half")] == 1
-    assert names(s) == {spec.name for spec in catalog.by_group("fabric")}
+    assert names(s) == {spec.name for spec in catalog.by_group("fabric")} - {"gpufleet_gpu_nvlink_link_events_total"}
 
 
 def test_none_is_not_supported_and_has_no_series(host: tuple[FakeHost, FakeNvml, NvmlBackend]) -> None:
@@ -122,6 +125,7 @@ def test_none_is_not_supported_and_has_no_series(host: tuple[FakeHost, FakeNvml,
     s = scrape(FabricCollector(backend))
     assert not [k for k in s if ("gpu", "0") in k[1]]
     assert len([k for k in s if ("gpu", "1") in k[1]]) == 15  # 10 families, 5 health conditions, 2 repair kinds
+    assert "gpufleet_gpu_nvlink_link_events_total" not in names(s)  # pre-Blackwell links: NOT_SUPPORTED
     assert backend.errors() == {}
 
 
@@ -177,7 +181,37 @@ def test_the_fake_checks_struct_versions(host: tuple[FakeHost, FakeNvml, NvmlBac
     assert pynvml.nvmlDeviceGetMarginTemperature(h) == 21
 
 
+def test_nvlink5_per_link_counters_are_read_per_link_on_the_slow_interval(
+        host: tuple[FakeHost, FakeNvml, NvmlBackend], monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU 0 (4 NVLinks) has Blackwell's per-link counters, GPU 1 (a PCIe card) none: no series for it."""
+    src, fake, backend = host
+    now = [1000.0]
+    monkeypatch.setattr(gpu_reader, "slow_clock", lambda: now[0])
+    for k, link in enumerate(src.samples[0].nvlink or []):
+        link.counters = {e: 10 * k + i for i, e in enumerate(fb.NVLINK5_EVENTS)}
+    c = FabricCollector(backend, slow_interval=30.0)
+    s = scrape(c)
+    got = {(dict(lbl)["gpu"], dict(lbl)["link"], dict(lbl)["event"]): v for (n, lbl), v in s.items()
+           if n == "gpufleet_gpu_nvlink_link_events_total"}
+    assert len(got) == 4 * len(fb.NVLINK5_EVENTS) and {g for g, _, _ in got} == {"0"}
+    assert got[("0", "3", "recovery_failed")] == 33 and got[("0", "0", "symbol_errors")] == 0
+    links = src.samples[0].nvlink or []
+    links[2].counters = {**(links[2].counters or {}), "effective_errors": 500}
+    now[0] += 10  # within the slow interval: the last read is served
+    assert scrape(c)[key("gpufleet_gpu_nvlink_link_events_total", gpu="0", link="2", event="effective_errors")] == 21
+    now[0] += 30
+    assert scrape(c)[key("gpufleet_gpu_nvlink_link_events_total", gpu="0", link="2", event="effective_errors")] == 500
+    fake.inject_error(pynvml.NVML_ERROR_UNKNOWN, function="nvmlDeviceGetFieldValues", field=221)
+    now[0] += 30
+    s = scrape(c)
+    assert key("gpufleet_gpu_nvlink_link_events_total", gpu="0", link="1", event="symbol_errors") not in s
+    assert key("gpufleet_gpu_nvlink_link_events_total", gpu="0", link="1", event="effective_errors") in s
+    assert backend.errors() == {("nvmlDeviceGetFieldValues", "UNKNOWN"): 4}
+
+
 def test_the_vocabulary_matches_pynvml() -> None:
+    for _, name, fid in fb.NVLINK5_COUNTERS:
+        assert getattr(pynvml, name) == fid, name
     for h in fb.HEALTH_FIELDS:
         assert getattr(pynvml, f"NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_{h.suffix}") == h.shift, h.name
         assert getattr(pynvml, f"NVML_GPU_FABRIC_HEALTH_MASK_WIDTH_{h.suffix}") == h.width, h.name
