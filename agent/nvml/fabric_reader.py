@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,7 @@ import pynvml
 from gpufleet.agent.nvml import reader as gpu_reader
 from gpufleet.agent.nvml.backend import Device, GpuLost, NvmlBackend
 from gpufleet.agent.nvml.fabric_model import FabricSample, PlatformInfo
+from gpufleet.agent.nvml.model import GpuSample
 from gpufleet.agent.vocab.fabric import NVLINK5_COUNTERS
 
 #: Codes that mean "this driver has no such reading for this GPU": no series, and no further calls.
@@ -194,3 +195,17 @@ class FabricReader:
         info.version = pynvml.nvmlNvlinkGetBwMode_v1
         pynvml.nvmlDeviceGetNvlinkBwMode(h, ctypes.byref(info))
         return int(info.bwMode)
+
+
+def apply(r: FabricReading, s: GpuSample, links: Sequence[int]) -> None:
+    """Copy a reading into a trace sample (``gpufleet-agent record``): what the fake NVML answers on replay.
+    ``links``: the NVLink ids of ``s.nvlink``'s entries, in order."""
+    s.fabric = r.fabric
+    s.margin_temperature_c = r.margin_c
+    s.repair_channel_pending, s.repair_tpc_pending = r.repair if r.repair is not None else (None, None)
+    s.c2c_enabled = r.c2c_enabled
+    s.nvlink_bw_mode = r.bw_mode
+    if r.links is not None and s.nvlink:
+        by_link = dict(r.links.links)
+        for link, ls in zip(links, s.nvlink, strict=False):
+            ls.counters = by_link.get(link)

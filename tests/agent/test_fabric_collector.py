@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterator
+from pathlib import Path
 
 import pynvml
 import pytest
@@ -242,3 +243,20 @@ def test_the_smi_reader_maps_degraded_words_and_na() -> None:
     assert fb.condition(fab.health_mask, fb.HEALTH_BY_NAME["incorrect_configuration"]) is None
     assert host.samples[0].c2c_enabled is None and host.samples[1].c2c_enabled is True
     assert load_smi_xml(CAPTURES / "t4-1gpu.xml").gpus[0].platform is None
+
+
+def test_a_recorded_trace_replays_the_rack_readings(tmp_path: Path) -> None:
+    """gpufleet-agent record writes the fabric readings into the trace; trace:PATH serves them again."""
+    from gpufleet.agent.recorder import record_main
+
+    out = tmp_path / "gb200.jsonl"
+    spec = f"sim:{CAPTURES / 'gb200-4gpu.xml'}"
+    assert record_main(["--output", str(out), "--samples", "2", "--interval", "0.05", "--nvml.fake", spec]) == 0
+    live, replayed = _scrape_spec(spec), _scrape_spec(f"trace:{out}@1")
+    for family in ("gpufleet_gpu_fabric_info", "gpufleet_gpu_platform_info", "gpufleet_gpu_fabric_health",
+                   "gpufleet_gpu_fabric_overall_health", "gpufleet_gpu_c2c_enabled", "gpufleet_gpu_repair_pending"):
+        want = {k: v for k, v in live.items() if k[0] == family}
+        assert want and {k: v for k, v in replayed.items() if k[0] == family} == want, family
+    assert len([k for k in replayed if k[0] == "gpufleet_gpu_nvlink_link_events_total"]) == 4 * 18 * 9
+    assert {k for k in replayed if k[0] == "gpufleet_gpu_thermal_margin_celsius"} == {
+        k for k in live if k[0] == "gpufleet_gpu_thermal_margin_celsius"}
