@@ -41,9 +41,9 @@ from types import FrameType
 
 from gpufleet.agent.app import build_backend
 from gpufleet.agent.collectors.xid import XidCollector
+from gpufleet.agent.nvml import fabric_reader
 from gpufleet.agent.nvml.backend import Device, NvmlBackend
 from gpufleet.agent.nvml.model import DriverInfo, GpmCounters, GpuInventory, GpuSample, XidEvent
-from gpufleet.agent.nvml import fabric_reader
 from gpufleet.agent.nvml.reader import read_gpu
 from gpufleet.agent.nvml.reading import GpmRates, Reading, blank_sample
 from gpufleet.agent.nvml.trace import TraceWriter
