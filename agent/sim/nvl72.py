@@ -15,7 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from typing import Any
+
+from gpufleet.agent.nvml.fabric_model import FabricSample, PlatformInfo
 from gpufleet.agent.sim.fleet import Fleet
+from gpufleet.agent.sim.physics import Physics
 from gpufleet.agent.vocab import fabric as fb
 
 #: Slot numbers of the compute trays in an NVL72 rack: trays 0..9 below the NVLink switch trays, 10..17 above
@@ -72,3 +76,35 @@ def summaries(fabric: np.ndarray) -> np.ndarray:
 def margins(fleet: Fleet, temp: np.ndarray) -> np.ndarray:
     """Thermal margin (C) per GPU: the software slowdown threshold minus the die temperature."""
     return np.asarray(fleet.gpu_param("temp_gpu_max_c") - temp, dtype=float)
+
+
+# ---------------------------------------------------------------- the live view (--nvml.fake=live:PATH agents)
+
+
+def platform(racks: Racks, node: int, k: int) -> PlatformInfo | None:
+    """GPU ``k`` of ``node``'s nvmlDeviceGetPlatformInfo (None off a rack: NOT_SUPPORTED)."""
+    r = int(racks.node_rack[node])
+    if r < 0:
+        return None
+    tray = int(racks.node_tray[node])
+    return PlatformInfo(chassis_serial=racks.chassis[r], slot_number=slot_of(tray), tray_index=tray, host_id=1,
+                        module_id=k + 1)
+
+
+def sample_fields(p: Physics, racks: Racks, g: int) -> dict[str, Any]:
+    """The rack readings of GPU ``g`` now, as GpuSample keyword arguments (empty off a rack: NOT_SUPPORTED)."""
+    node = int(p.fleet.gpu_node[g])
+    r = int(racks.node_rack[node])
+    if r < 0:
+        return {}
+    mods = getattr(p, "mods", None)
+    conditions = mods.fabric[g:g + 1] if mods is not None else np.zeros((1, len(fb.HEALTH_FIELDS)), bool)
+    c2c_off = bool(mods.c2c_off[g]) if mods is not None else False
+    return {
+        "fabric": FabricSample(cluster_uuid=racks.cluster[r], clique_id=racks.clique[r], state=fb.FABRIC_STATE_COMPLETED,
+                               status=0, health_mask=int(health_masks(conditions)[0]),
+                               health_summary=int(summaries(conditions)[0])),
+        "margin_temperature_c": round(float(p.fleet.nodes[node].model.temp_gpu_max_c - p.temp[g])),
+        "repair_channel_pending": False, "repair_tpc_pending": False, "c2c_enabled": not c2c_off,
+        "nvlink_bw_mode": 0,
+    }

@@ -38,7 +38,7 @@ from gpufleet.agent.serving.files import write_atomic
 from gpufleet.agent.sim.faults import FAULTS, Fault, FaultSchedule, fault_doc, severity_class
 from gpufleet.agent.sim.fleet import GPU_MODELS, Fleet, Job, Node, Site, schedule_jobs
 from gpufleet.agent.sim.mig import fault_labels, layout_of, mig_snapshot
-from gpufleet.agent.sim.nvl72 import Racks
+from gpufleet.agent.sim import nvl72
 from gpufleet.agent.sim.physics import (
     ECC_KEYS,
     NIC_ERRORS,
@@ -119,6 +119,7 @@ class Simulator:
             start = sc.start_unix() if sc.start else float(int(time.time()))
         self.start = float(start)
         self.fleet = build_fleet(sc, self.rng)
+        self.racks = nvl72.Racks.of(self.fleet, self.seed)  # NVL72 racks' identities (none on other fleets)
         site_index = {s.name: i for i, s in enumerate(sc.sites)}
         heat = [Heatwave(site_index[h["site"]], h["start"], h["end"], h["delta_c"]) for h in sc.heatwaves]
         self.physics = Physics(self.fleet, self.rng, self.start, heat)
@@ -228,6 +229,7 @@ class Simulator:
                 temp_memory_max_c=m.temp_memory_max_c, max_clock_sm_mhz=m.max_sm_mhz,
                 max_clock_memory_mhz=m.memory_mhz, max_clock_graphics_mhz=m.max_sm_mhz, pcie_max_gen=m.pcie_gen,
                 pcie_max_width=m.pcie_width, nvlink_count=m.nvlink_links, gpm_supported=m.gpm,
+                platform=nvl72.platform(self.racks, i, k),
             ))
         return out
 
@@ -264,6 +266,7 @@ class Simulator:
             pcie_gen=int(p.pcie_gen[g]), pcie_width=int(p.pcie_width[g]), pcie_replay_counter=int(p.pcie_replay[g]),
             pcie_tx_kbps=int(p.pcie_rate[g] / 1000), pcie_rx_kbps=int(p.pcie_rate[g] / 1000),
             nvlink=links, gpm=gpm if self.fleet.nodes[int(self.fleet.gpu_node[g])].model.gpm else None,
+            **nvl72.sample_fields(p, self.racks, g),  # NVL72 racks (issue 21)
         )
 
     def node_snapshot(self, i: int) -> model.Snapshot:
@@ -428,8 +431,8 @@ class Simulator:
                 "signals": list(fault.signals), "signature": fault_doc(fs.kind),
                 # NVL72 (issue 21): the rack of the faulty tray, as the detector names it
                 # (its chassis serial; the dcgm profile, without string fields, knows it by its clique)
-                **({"rack": f"rack {Racks.of(self.fleet, self.seed).chassis[rack]}",
-                    "rack_clique": f"rack clique {Racks.of(self.fleet, self.seed).clique[rack]}"} if rack >= 0 else {}),
+                **({"rack": f"rack {self.racks.chassis[rack]}",
+                    "rack_clique": f"rack clique {self.racks.clique[rack]}"} if rack >= 0 else {}),
             })
         faults += fault_labels(self)  # [[mig_faults]]: one MIG slice each
         jobs = [{"job_id": j.id, "nodes": [self.fleet.nodes[n].name for n in j.nodes],

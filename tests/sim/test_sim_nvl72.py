@@ -64,3 +64,32 @@ def test_a_tray_problem_is_a_finding_on_the_tray(tmp_path: Path, name: str, caus
 def test_the_healthy_rack_has_no_finding(tmp_path: Path) -> None:
     found = run("nvl72", tmp_path, hours=1.0)
     assert found == [], [f.summary for f in found]
+
+
+def test_live_agents_of_a_rack_serve_its_fabric(tmp_path: Path) -> None:
+    """The live fleet's snapshots (--nvml.fake=live:PATH agents) carry the rack: placement, domain and health."""
+    from support import key, scrape
+
+    from gpufleet.agent.collectors.fabric import FabricCollector
+    from gpufleet.agent.fake.spec import fake_backend
+    from gpufleet.agent.nvml.model import write_snapshot
+
+    data = tomllib.loads(builtin_text("nvswitch_tray_failure"))
+    data["faults"][0]["onset"] = 30
+    data["faults"][0]["severity"] = "obvious"
+    sim = Simulator(parse_scenario(data, "nvswitch_tray_failure"), start=START)
+    for _ in range(4):
+        sim.step()
+    path = tmp_path / "node-005.json"
+    write_snapshot(path, sim.node_snapshot(5))
+    backend = fake_backend(f"live:{path}")
+    try:
+        assert backend.start(), backend.init_error
+        s = scrape(FabricCollector(backend))
+    finally:
+        backend.close()
+    assert s[key("gpufleet_gpu_platform_info", gpu="3", chassis_serial=RACK, slot="15", tray="5", host_id="1",
+                 module_id="4")] == 1
+    assert s[key("gpufleet_gpu_fabric_info", gpu="0", cluster_uuid=sim.racks.cluster[0], clique_id="1")] == 1
+    assert s[key("gpufleet_gpu_fabric_health", gpu="2", condition="bandwidth_degraded")] == 1
+    assert s[key("gpufleet_gpu_c2c_enabled", gpu="2")] == 1

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from gpufleet.agent.sim.nvl72 import Racks, slot_of
+from gpufleet.agent.sim.nvl72 import slot_of
 from gpufleet.agent.sim.recording.capture import Context
 from gpufleet.agent.sim.recording.openmetrics import OmWriter, prefix
 from gpufleet.agent.vocab import exporters
@@ -28,7 +28,7 @@ def write_gpufleet(w: OmWriter, c: Context, fam: Callable[[str], str],
     if "fab_mask" not in c.fr.arrays:
         return
     fr, f = c.fr, c.f
-    racks = Racks.of(f, c.sim.seed)
+    racks = c.sim.racks
     gs = _rack_gpus(c)
     mask = c.gpu_present[:, gs]
     ones = np.ones((w.n_ticks, len(gs)))
@@ -78,7 +78,7 @@ def write_dcgm(w: OmWriter, c: Context, base: Callable[[int], dict[str, str]]) -
     if "fab_mask" not in c.fr.arrays:
         return
     fr, f = c.fr, c.f
-    racks = Racks.of(f, c.sim.seed)
+    racks = c.sim.racks
     gs = _rack_gpus(c)
     mask = c.gpu_present[:, gs]
     ones = np.ones((w.n_ticks, len(gs)))
