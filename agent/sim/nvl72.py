@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-
-from typing import Any
 
 from gpufleet.agent.nvml.fabric_model import FabricSample, PlatformInfo
 from gpufleet.agent.sim.fleet import Fleet

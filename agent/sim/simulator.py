@@ -35,10 +35,10 @@ from gpufleet.agent.fake.sysfs import (  # every port has IB_COUNTER_FILES; unmo
 )
 from gpufleet.agent.nvml import model
 from gpufleet.agent.serving.files import write_atomic
+from gpufleet.agent.sim import nvl72
 from gpufleet.agent.sim.faults import FAULTS, Fault, FaultSchedule, fault_doc, severity_class
 from gpufleet.agent.sim.fleet import GPU_MODELS, Fleet, Job, Node, Site, schedule_jobs
 from gpufleet.agent.sim.mig import fault_labels, layout_of, mig_snapshot
-from gpufleet.agent.sim import nvl72
 from gpufleet.agent.sim.physics import (
     ECC_KEYS,
     NIC_ERRORS,
