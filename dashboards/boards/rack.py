@@ -39,7 +39,7 @@ dashboard = p.build(
         ]),
         ("Domain", [
             (p.timeseries("gpufleet_gpu_fabric_overall_health", "GPUs not healthy per NVLink domain",
-                          Q(f"count by (cluster_uuid, clique_id) ((gpufleet_gpu_fabric_overall_health{{{N}}} != 1) "
+                          Q(f"sum by (cluster_uuid, clique_id) ((gpufleet_gpu_fabric_overall_health{{{N}}} != bool 1) "
                             "* on (instance, gpu) group_left (cluster_uuid, clique_id) gpufleet_gpu_fabric_info)",
                             "{{cluster_uuid}} clique {{clique_id}}")), 12, 8),
             (p.table("gpufleet_gpu_platform_info", "Placement", f'gpufleet_gpu_platform_info{{{N},chassis_serial=~"$rack"}}'),
