@@ -25,15 +25,18 @@ ONSET = 900.0
 RACK = "1820000000001"
 
 
-def run(name: str, tmp: Path, profile: str = "gpufleet", hours: float = 0.5) -> list[Finding]:
+def recording(name: str, tmp: Path, profile: str = "gpufleet", hours: float = 0.5) -> str:
     data = tomllib.loads(builtin_text(name))
     data["hours"] = hours
     for f in data.get("faults", []):
         f["onset"] = ONSET
     sim = Simulator(parse_scenario(data, name), start=START)
-    rec = record(sim, tmp, (profile,))
-    cfg = parse({"detector": {"profile": profile}})
-    _, found = replay([str(rec.files[profile])], cfg)
+    return str(record(sim, tmp, (profile,)).files[profile])
+
+
+def run(name: str, tmp: Path, profile: str = "gpufleet", hours: float = 0.5, shard: str = "") -> list[Finding]:
+    _, found = replay([recording(name, tmp, profile, hours)],
+                      parse({"detector": {"profile": profile, "shard": shard}}))
     return found
 
 
@@ -45,6 +48,12 @@ def test_a_switch_tray_failure_is_one_finding_naming_the_rack(tmp_path: Path, pr
     rack = RACK if profile == "gpufleet" else "clique 1"
     assert f.node == f"rack {rack}" and f.gpu is None and f"rack {rack}" in f.summary
     assert START + ONSET <= f.detected <= START + ONSET + 2 * STEP  # within 2 scrapes
+
+
+def test_sharded_detectors_report_the_rack_once(tmp_path: Path) -> None:
+    path = recording("nvswitch_tray_failure", tmp_path)
+    found = [replay([path], parse({"detector": {"shard": f"{i}/2"}}))[1] for i in (0, 1)]
+    assert sorted(len(f) for f in found) == [0, 1] and [f.node for fs in found for f in fs] == [f"rack {RACK}"]
 
 
 def test_one_gpus_fabric_degradation_is_a_finding_on_that_gpu(tmp_path: Path) -> None:
