@@ -23,7 +23,8 @@ from gpufleet.agent.vocab import catalog
 from gpufleet.agent.vocab import fabric as fb
 
 _SPECS = catalog.by_group("fabric")
-_put = SeriesCache(_SPECS).put
+_CACHE = SeriesCache(_SPECS)
+_put, _labels_of, _emit = _CACHE.put, _CACHE.labels_of, _CACHE.emit
 
 
 class FabricCollector:
@@ -34,8 +35,10 @@ class FabricCollector:
         self.backend = backend
         self.reader = FabricReader(backend, slow_interval)
         #: Per GPU label: the link counters last rendered and their samples (reused while the reader serves the
-        #: same read: 9 counters x 18 links per GPU).
+        #: same read: 9 counters x 18 links per GPU), and per link its counters and samples of the last read (a
+        #: link whose counters did not change keeps its samples).
         self._link_samples: dict[str, tuple[LinkCounters, list[Sample]]] = {}
+        self._per_link: dict[str, dict[int, tuple[dict[str, int], list[Sample]]]] = {}
 
     def describe(self) -> Iterable[Metric]:
         return [s.family() for s in _SPECS]
@@ -59,15 +62,28 @@ class FabricCollector:
         cached = self._link_samples.get(g)
         if cached is not None and cached[0] is links:
             return cached[1]
-        fam = _LINKS.family()
+        name = _LINKS_FAMILY
+        last = self._per_link.get(g, {})
+        now: dict[int, tuple[dict[str, int], list[Sample]]] = {}
+        out: list[Sample] = []
         for link, counters in links.links:
-            for event, n in counters.items():
-                _put(fam, [g, str(link), event], n)
-        self._link_samples[g] = (links, fam.samples)
-        return fam.samples
+            prev = last.get(link)
+            if prev is not None and prev[0] == counters:
+                samples = prev[1]
+            else:
+                samples = []
+                lk = str(link)
+                for event, n in counters.items():
+                    _emit(samples, _labels_of(name, (g, lk, event)), n)
+            now[link] = (counters, samples)
+            out.extend(samples)
+        self._per_link[g] = now
+        self._link_samples[g] = (links, out)
+        return out
 
 
 _LINKS = catalog.spec("gpufleet_gpu_nvlink_link_events_total")
+_LINKS_FAMILY = _LINKS.family().name  # the counter family's name (without _total), as SeriesCache keys it
 
 def _series(f: Mapping[str, Metric], g: str, r: FabricReading) -> None:
     gl = [g]

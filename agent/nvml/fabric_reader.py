@@ -26,6 +26,7 @@ import pynvml
 from gpufleet.agent.nvml import reader as gpu_reader
 from gpufleet.agent.nvml.backend import Device, GpuLost, NvmlBackend
 from gpufleet.agent.nvml.fabric_model import FabricSample, PlatformInfo
+from gpufleet.agent.nvml.fieldvalues import FieldValue, field_results, field_values, words
 from gpufleet.agent.nvml.model import GpuSample
 from gpufleet.agent.vocab.fabric import NVLINK5_COUNTERS
 
@@ -69,6 +70,10 @@ class _DeviceState:
     links: LinkCounters | None = None
     links_at: float = 0.0
     links_absent: bool = False
+    #: the request (a ctypes FieldValue array with the ids set, and its word view), built once per link set
+    request: Any = None
+    request_words: Any = None
+    request_links: tuple[int, ...] = ()
 
 
 def _byte(v: bytes | str) -> int:
@@ -147,35 +152,38 @@ class FabricReader:
             del self._state[i]
 
     def _links(self, dev: Device, st: _DeviceState) -> LinkCounters | None:
-        """The NVLink 5 counters of every link in one nvmlDeviceGetFieldValues call (scopeId = link), cached for
-        ``slow_interval``; None before Blackwell (every field NOT_SUPPORTED: not asked again)."""
+        """The NVLink 5 counters of every link in one nvmlDeviceGetFieldValues call (scopeId = link, the reader's
+        ctypes fast path: a request built once per link set), cached for ``slow_interval``; None before
+        Blackwell (every field NOT_SUPPORTED: not asked again)."""
         links = dev.nvlinks
         if st.links_absent or not links or dev.handle is None:
             return None
         now = gpu_reader.slow_clock()
         if st.links is not None and now - st.links_at < self.slow_interval:
             return st.links
-        request = [(fid, link) for link in links for _, fid in _LINK_FIELDS]
-        try:
-            values = pynvml.nvmlDeviceGetFieldValues(dev.handle, request)
-        except pynvml.NVMLError as e:
-            if e.value in _ABSENT:
+        if st.request is None or st.request_links != links:
+            arr = (FieldValue * (len(links) * len(_LINK_FIELDS)))()
+            for fv, (link, (_, fid)) in zip(arr, ((lk, f) for lk in links for f in _LINK_FIELDS), strict=True):
+                fv.fieldId, fv.scopeId = fid, link
+            st.request, st.request_words, st.request_links = arr, words(arr), links
+        code = field_values(dev.handle, st.request)
+        if code != _SUCCESS:
+            if code in _ABSENT:
                 st.links_absent = True
-                return None
-            self.backend.failed("nvmlDeviceGetFieldValues", e.value)
+            else:
+                self.backend.failed("nvmlDeviceGetFieldValues", code)
             return None
+        rets, vals = field_results(st.request, st.request_words)
         out: dict[int, dict[str, int]] = {}
         absent = True
         per_link = len(_LINK_FIELDS)
-        for i, fv in enumerate(values):
-            link, name = links[i // per_link], _LINK_FIELDS[i % per_link][0]
-            code = int(fv.nvmlReturn)
-            if code == _SUCCESS:
-                out.setdefault(link, {})[name] = int(fv.value.ullVal)
+        for i, (ret, value) in enumerate(zip(rets, vals, strict=True)):
+            if ret == _SUCCESS:
+                out.setdefault(links[i // per_link], {})[_LINK_FIELDS[i % per_link][0]] = int(value)
                 absent = False
-            elif code not in _ABSENT:
+            elif ret not in _ABSENT:
                 absent = False
-                self.backend.count_error("nvmlDeviceGetFieldValues", code)
+                self.backend.failed("nvmlDeviceGetFieldValues", ret)  # counts; GPU_IS_LOST raises GpuLost
         if absent:
             st.links_absent = True
             return None
