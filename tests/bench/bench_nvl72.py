@@ -12,7 +12,8 @@ NVML): ``sim:8`` (the packaged 8x H100 capture) and ``sim:tests/fixtures/nvidia-
 its fabric, platform, C2C, repair and margin readings answered by the fake NVML). With ``--before`` both hosts
 also run on the earlier tree, before and after alternating ``--rounds`` times (medians of the rounds' means),
 so the table shows what the fabric collector costs on each. A second table times the fabric collector alone
-(its ``collect()`` on each host, in this process, CPU inside the fake NVML excluded, ``--scrapes`` x 5 calls):
+(its ``collect()`` on each host, in this process, CPU inside the fake NVML excluded, ``--scrapes`` x 5 calls on
+the same simulated clock):
 the share of the agent's scrape it adds, free of the whole-agent runs' noise on a loaded machine.
 """
 
@@ -44,13 +45,18 @@ def measure(spec: str, scrapes: int, interval: float, env: dict[str, str]) -> di
     return r
 
 
-def collector_alone(spec: str, calls: int) -> tuple[float, float]:
-    """(mean, median) ms of CPU per FabricCollector.collect() on ``spec``, the fake NVML's own CPU excluded."""
+def collector_alone(spec: str, calls: int, interval: float) -> tuple[float, float]:
+    """(mean, median) ms of CPU per FabricCollector.collect() on ``spec``, the fake NVML's own CPU excluded, the
+    slow tier's clock (the NVLink 5 counters' re-read) moved on by ``interval`` before each call."""
     import time
 
     from gpufleet.agent.collectors.fabric import FabricCollector
     from gpufleet.agent.fake.spec import fake_backend
+    from gpufleet.agent.nvml import reader
 
+    now = [time.time()]
+    saved = reader.slow_clock
+    reader.slow_clock = lambda: now[0]
     backend: Any = fake_backend(spec)
     backend.start()
     try:
@@ -58,14 +64,17 @@ def collector_alone(spec: str, calls: int) -> tuple[float, float]:
         fake = backend.fake
         fake.cpu_accounting = True
         for _ in range(20):
+            now[0] += interval
             list(c.collect())
         own: list[float] = []
         for _ in range(calls):
+            now[0] += interval
             f0, c0 = fake.cpu_seconds, time.process_time()
             list(c.collect())
             own.append((time.process_time() - c0) - (fake.cpu_seconds - f0))
     finally:
         backend.close()
+        reader.slow_clock = saved
     return statistics.fmean(own) * 1e3, statistics.median(own) * 1e3
 
 
@@ -106,7 +115,7 @@ def main() -> None:
     print("| host | fabric collector CPU/scrape (mean; median) | per GPU |")
     print("| --- | ---: | ---: |")
     for spec, what, gpus in hosts:
-        mean, median = collector_alone(spec, 5 * a.scrapes)
+        mean, median = collector_alone(spec, 5 * a.scrapes, a.interval)
         print(f"| {what} | {mean:.3f}; {median:.3f} ms | {mean / gpus:.4f} ms |")
 
 
