@@ -16,11 +16,12 @@ from collections.abc import Iterable, Mapping
 from prometheus_client.core import Metric
 from prometheus_client.samples import Sample
 
-from gpufleet.agent.collectors.series import SeriesCache
+from gpufleet.agent.collectors.series import FrozenLabels, SeriesCache
 from gpufleet.agent.nvml.backend import NvmlBackend
 from gpufleet.agent.nvml.fabric_reader import FabricReader, FabricReading, LinkCounters
 from gpufleet.agent.vocab import catalog
 from gpufleet.agent.vocab import fabric as fb
+from gpufleet.agent.vocab.fabric import NVLINK5_EVENTS
 
 _SPECS = catalog.by_group("fabric")
 _CACHE = SeriesCache(_SPECS)
@@ -39,6 +40,8 @@ class FabricCollector:
         #: link whose counters did not change keeps its samples).
         self._link_samples: dict[str, tuple[LinkCounters, list[Sample]]] = {}
         self._per_link: dict[str, dict[int, tuple[dict[str, int], list[Sample]]]] = {}
+        #: (GPU label, link) -> event -> its label set (built once)
+        self._link_labels: dict[tuple[str, int], dict[str, FrozenLabels]] = {}
 
     def describe(self) -> Iterable[Metric]:
         return [s.family() for s in _SPECS]
@@ -62,19 +65,24 @@ class FabricCollector:
         cached = self._link_samples.get(g)
         if cached is not None and cached[0] is links:
             return cached[1]
-        name = _LINKS_FAMILY
         last = self._per_link.get(g, {})
         now: dict[int, tuple[dict[str, int], list[Sample]]] = {}
         out: list[Sample] = []
+        labels = self._link_labels
         for link, counters in links.links:
             prev = last.get(link)
             if prev is not None and prev[0] == counters:
                 samples = prev[1]
-            else:
+            else:  # emit reuses the sample of every counter that did not move (a link's label sets kept)
+                per_event = labels.get((g, link))
+                if per_event is None:
+                    per_event = labels[(g, link)] = {e: _labels_of(_LINKS_FAMILY, (g, str(link), e))
+                                                     for e in NVLINK5_EVENTS}
                 samples = []
-                lk = str(link)
                 for event, n in counters.items():
-                    _emit(samples, _labels_of(name, (g, lk, event)), n)
+                    lbl = per_event.get(event)
+                    if lbl is not None:
+                        _emit(samples, lbl, n)
             now[link] = (counters, samples)
             out.extend(samples)
         self._per_link[g] = now
