@@ -39,9 +39,9 @@ class FabricCollector:
         #: same read: 9 counters x 18 links per GPU), and per link its counters and samples of the last read (a
         #: link whose counters did not change keeps its samples).
         self._link_samples: dict[str, tuple[LinkCounters, list[Sample]]] = {}
-        self._per_link: dict[str, dict[int, tuple[dict[str, int], list[Sample]]]] = {}
-        #: (GPU label, link) -> event -> its label set (built once)
-        self._link_labels: dict[tuple[str, int], dict[str, FrozenLabels]] = {}
+        self._per_link: dict[str, dict[int, tuple[tuple[int | None, ...], list[Sample | None]]]] = {}
+        #: (GPU label, link) -> its label sets in NVLINK5_EVENTS order (built once)
+        self._link_labels: dict[tuple[str, int], list[FrozenLabels]] = {}
 
     def describe(self) -> Iterable[Metric]:
         return [s.family() for s in _SPECS]
@@ -66,25 +66,28 @@ class FabricCollector:
         if cached is not None and cached[0] is links:
             return cached[1]
         last = self._per_link.get(g, {})
-        now: dict[int, tuple[dict[str, int], list[Sample]]] = {}
+        now: dict[int, tuple[tuple[int | None, ...], list[Sample | None]]] = {}
         out: list[Sample] = []
-        labels = self._link_labels
-        for link, counters in links.links:
+        for link, values in links.links:
             prev = last.get(link)
-            if prev is not None and prev[0] == counters:
-                samples = prev[1]
-            else:  # emit reuses the sample of every counter that did not move (a link's label sets kept)
-                per_event = labels.get((g, link))
-                if per_event is None:
-                    per_event = labels[(g, link)] = {e: _labels_of(_LINKS_FAMILY, (g, str(link), e))
-                                                     for e in NVLINK5_EVENTS}
-                samples = []
-                for event, n in counters.items():
-                    lbl = per_event.get(event)
-                    if lbl is not None:
-                        _emit(samples, lbl, n)
-            now[link] = (counters, samples)
-            out.extend(samples)
+            if prev is not None and prev[0] == values:
+                slots = prev[1]
+            else:  # a new sample only for the counters that moved; the others keep theirs
+                labels = self._link_labels.get((g, link))
+                if labels is None:
+                    labels = self._link_labels[(g, link)] = [_labels_of(_LINKS_FAMILY, (g, str(link), e))
+                                                             for e in NVLINK5_EVENTS]
+                old = prev[0] if prev is not None else (None,) * len(values)
+                slots = list(prev[1]) if prev is not None else [None] * len(values)
+                for k, v in enumerate(values):
+                    if v is None:
+                        slots[k] = None
+                    elif v != old[k] or slots[k] is None:
+                        tmp: list[Sample] = []
+                        _emit(tmp, labels[k], v)
+                        slots[k] = tmp[0]
+            now[link] = (values, slots)
+            out.extend(x for x in slots if x is not None)
         self._per_link[g] = now
         self._link_samples[g] = (links, out)
         return out

@@ -19,7 +19,7 @@ import ctypes
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import pynvml
 
@@ -28,7 +28,7 @@ from gpufleet.agent.nvml.backend import Device, GpuLost, NvmlBackend
 from gpufleet.agent.nvml.fabric_model import FabricSample, PlatformInfo
 from gpufleet.agent.nvml.fieldvalues import FieldValue, field_results, field_values, words
 from gpufleet.agent.nvml.model import GpuSample
-from gpufleet.agent.vocab.fabric import NVLINK5_COUNTERS
+from gpufleet.agent.vocab.fabric import NVLINK5_COUNTERS, NVLINK5_EVENTS
 
 #: Codes that mean "this driver has no such reading for this GPU": no series, and no further calls.
 _ABSENT = frozenset({pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND})
@@ -39,10 +39,11 @@ _LINK_FIELDS = tuple((name, fid) for name, _, fid in NVLINK5_COUNTERS)
 
 @dataclass(frozen=True)
 class LinkCounters:
-    """One read of the NVLink 5 per-link counters: (link, {event: count}) for each link that answered any.
-    The same object is served until the next read (``slow_interval``), so users can cache what they build."""
+    """One read of the NVLink 5 per-link counters: (link, counts in NVLINK5_EVENTS order, None where the field
+    failed) for each link that answered any. The same object is served until the next read (``slow_interval``),
+    so users can cache what they build."""
 
-    links: tuple[tuple[int, dict[str, int]], ...]
+    links: tuple[tuple[int, tuple[int | None, ...]], ...]
 
 
 @dataclass
@@ -174,20 +175,29 @@ class FabricReader:
                 self.backend.failed("nvmlDeviceGetFieldValues", code)
             return None
         rets, vals = field_results(st.request, st.request_words)
-        out: dict[int, dict[str, int]] = {}
-        absent = True
-        per_link = len(_LINK_FIELDS)
-        for i, (ret, value) in enumerate(zip(rets, vals, strict=True)):
-            if ret == _SUCCESS:
-                out.setdefault(links[i // per_link], {})[_LINK_FIELDS[i % per_link][0]] = int(value)
-                absent = False
-            elif ret not in _ABSENT:
-                absent = False
-                self.backend.failed("nvmlDeviceGetFieldValues", ret)  # counts; GPU_IS_LOST raises GpuLost
-        if absent:
-            st.links_absent = True
-            return None
-        st.links, st.links_at = LinkCounters(tuple(sorted(out.items()))), now
+        n = len(_LINK_FIELDS)
+        per: tuple[tuple[int, tuple[int | None, ...]], ...]
+        if not any(rets):  # the usual case: every field answered (unsigned 64-bit counts: ints)
+            counts = cast("list[int | None]", vals)
+            per = tuple((link, tuple(counts[k * n:(k + 1) * n])) for k, link in enumerate(links))
+        else:
+            got: list[int | None] = []
+            absent = True
+            for ret, value in zip(rets, vals, strict=True):
+                if ret == _SUCCESS:
+                    got.append(int(value))
+                    absent = False
+                else:
+                    got.append(None)
+                    if ret not in _ABSENT:
+                        absent = False
+                        self.backend.failed("nvmlDeviceGetFieldValues", ret)  # counts; GPU_IS_LOST raises GpuLost
+            if absent:
+                st.links_absent = True
+                return None
+            per = tuple((link, tuple(got[k * n:(k + 1) * n])) for k, link in enumerate(links)
+                        if any(v is not None for v in got[k * n:(k + 1) * n]))
+        st.links, st.links_at = LinkCounters(per), now
         return st.links
 
     @staticmethod
@@ -216,4 +226,6 @@ def apply(r: FabricReading, s: GpuSample, links: Sequence[int]) -> None:
     if r.links is not None and s.nvlink:
         by_link = dict(r.links.links)
         for link, ls in zip(links, s.nvlink, strict=False):
-            ls.counters = by_link.get(link)
+            values = by_link.get(link)
+            ls.counters = None if values is None else {
+                e: v for e, v in zip(NVLINK5_EVENTS, values, strict=True) if v is not None}
