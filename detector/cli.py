@@ -17,10 +17,10 @@
     With ``--format json`` it prints one JSON object per line per finding, sorted
     by start, after the replay ends. This output is a stable interface::
 
-        {"kind": "straggler" | "throttling" | "network" | "pue_drift",
+        {"kind": "straggler" | "throttling" | "network" | "pue_drift" | "nvlink_domain" | "tray_health",
          "cause": "thermal" | "power" | "clock" | "network" | "pcie" | "memory" | "host" | "unknown" | "workload"
-                  | null,
-         "node": str | null,      # instance without :port (null for site findings)
+                  | "nvlink" | "c2c" | null,
+         "node": str | null,      # instance without :port (null for site findings; "rack <serial>" for nvlink_domain)
          "gpu": str | null,       # the GPU index as in the gpu label; null for node-wide and site findings
          "job": str | null,       # training job of the GPU (job_id / hpc_job / Kubernetes job), if any
          "site": str | null,

@@ -98,13 +98,14 @@ def select(features: FeatureFrame, shard: Shard | None) -> FeatureFrame:
 
 def owns_finding(shard: Shard | None, kind: str, node: str | None, site: str | None) -> bool:
     """Does ``shard`` report a finding of ``kind``? GPU findings come from its own GPUs only, so this
-    decides NIC findings (by node) and site findings (by site)."""
+    decides NIC findings and NVL72 rack findings (by node: the tray, or the rack's ``rack <serial>``) and site
+    findings (by site)."""
     if shard is None or shard.count == 1:
         return True
-    spec = kinds.spec(kind)
-    if spec.by_site:
+    by = kinds.spec(kind).shard_by
+    if by == "site":
         return shard.owns(f"site:{site or ''}")
-    if spec.judged == "nic":
+    if by == "node":
         return shard.owns(f"node:{node or ''}")
     return True
 

@@ -65,6 +65,10 @@ T = TypeVar("T")
 FAULT_SCENARIOS = ("clock_stuck_low", "cooling_failure", "intermittent_thermal", "power_brake", "power_cap",
                    "ib_link_degraded", "ib_link_flapping", "network_congestion", "pcie_downgrade", "nvlink_down",
                    "slow_host", "hbm_ecc", "xid79")
+#: GB200 NVL72 rack faults (issue 21): injected into their own scenario (18 trays x 4 GPUs, one job on the rack),
+#: never the messy fleet (its nodes have 8 GPUs): their fleet is reported as ``nvl72``; the ``nvl72`` scenario
+#: is their healthy control.
+RACK_FAULT_SCENARIOS = ("nvlink_fabric_degraded", "nvswitch_tray_failure", "c2c_lost", "tray_thermal_margin")
 #: The fleet every fault is injected into: ``plain`` (the fault's own scenario: 8 H100 nodes, two steady jobs)
 #: or ``messy`` (the built-in ``messy`` scenario: H100 on 400G and A100 on 200G InfiniBand, checkpoints, an
 #: evaluation phase, a job crash and resubmit, an inference service, idle nodes, exporter restarts, missed
@@ -121,6 +125,8 @@ def _matches_entity(f: Finding | dict[str, Any], fault: dict[str, Any]) -> bool:
     get = f.get if isinstance(f, dict) else lambda k: getattr(f, k)
     if fault["entity"] == "site":
         return bool(get("site") == fault["site"])
+    if fault["entity"] == "rack":  # an NVL72 domain-wide fault: the finding names the rack (issue 21)
+        return get("node") in (fault["rack"], fault.get("rack_clique"))
     if fault.get("node") and get("node") != fault["node"]:
         return False
     return not (fault.get("gpu") is not None and get("gpu") not in (None, fault["gpu"]))
@@ -211,8 +217,11 @@ def plan(quick: bool, seeds: int, fleets: Sequence[str] = ("messy",)) -> list[Ru
     runs += [Run("healthy", "-", seed, 3.0 if quick else 6.0, "control") for seed in range(1, seeds + 1)]
     if "messy" in fleets:
         runs += [Run("messy", "-", seed, 2.0 if quick else 6.0, "control") for seed in range(1, seeds + 1)]
+    runs += [Run("nvl72", "-", seed, 3.0 if quick else 6.0, "control") for seed in range(1, seeds + 1)]
     runs += [Run(s, v, seed, 1.25, "fault", fleet=fl) for fl in fleets for seed in range(1, seeds + 1)
              for s in FAULT_SCENARIOS for v in sev]
+    runs += [Run(s, v, seed, 1.25, "fault", fleet="nvl72") for seed in range(1, seeds + 1)
+             for s in RACK_FAULT_SCENARIOS for v in sev]
     return runs
 
 

@@ -118,6 +118,14 @@ SIGNATURES: dict[str, tuple[set[str], Check]] = {
     "xid79": ({"gpufleet_gpu_up"}, lambda s: _eq(one(s, "gpufleet_gpu_up", gpu="4", **N2), 0)),
     "slow_host": ({"gpufleet_gpu_utilization_ratio"},
                   lambda s: _below(one(s, "gpufleet_gpu_utilization_ratio", gpu="2", **N2), 0.9)),
+    # NVL72 racks (issue 21): GB200 trays of 4 GPUs
+    "nvlink_fabric_degraded": ({"gpufleet_gpu_fabric_health"}, lambda s: _eq(one(
+        s, "gpufleet_gpu_fabric_health", gpu="1", condition="bandwidth_degraded", **N2), 1)),
+    "nvswitch_tray_failure": ({"gpufleet_gpu_fabric_health"}, lambda s: _eq(one(
+        s, "gpufleet_gpu_fabric_health", gpu="0", condition="bandwidth_degraded", instance="node-000:9445"), 1)),
+    "c2c_lost": ({"gpufleet_gpu_c2c_enabled"}, lambda s: _eq(one(s, "gpufleet_gpu_c2c_enabled", gpu="3", **N2), 0)),
+    "tray_thermal_margin": ({"gpufleet_gpu_thermal_margin_celsius"},
+                            lambda s: _below(one(s, "gpufleet_gpu_thermal_margin_celsius", gpu="2", **N2), 12)),
     "roce_pause_storm": ({"gpufleet_nic_pause_duration_seconds"},
                          lambda s: _rises(one(s, "gpufleet_nic_pause_duration_seconds_total", interface="ens1f0np0",
                                               **N2), 5.0)),

@@ -39,7 +39,8 @@ Ground-truth schema (``labels.json``)::
       "sites": [str], "nodes": [{"node", "site", "gpus", "gpu_model"}],
       "faults": [{
         "type": fault kind (gpufleet.agent.sim.faults),
-        "entity": "site" | "node" | "gpu" | "nic" | "gpu_instance" (a MIG slice, [[mig_faults]]),
+        "entity": "site" | "node" | "gpu" | "nic" | "gpu_instance" (a MIG slice, [[mig_faults]])
+                  | "rack" (an NVL72 domain-wide fault: the finding's node is "rack <chassis serial>"),
         "site": str, "node": str | null, "gpu": str | null (NVML index as in the gpu label),
         "gpu_instance": str, "mig_profile": str (MIG slice faults only),
         "nic": str | null (e.g. "mlx5_3"),
@@ -50,7 +51,9 @@ Ground-truth schema (``labels.json``)::
         "job_id": the job running on the target node at onset | null,
         "expected_findings": [{"kind": FINDING_KINDS, "cause": FINDING_CAUSES | null}]
                              (straggler/throttling findings only when a job ran there at onset),
-        "signals": [metric names that move], "signature": one-line description
+        "signals": [metric names that move], "signature": one-line description,
+        "rack", "rack_clique": str (faults on a tray of an NVL72 rack: "rack <chassis serial>" and
+                               "rack clique <id>", the names the gpufleet and dcgm profiles' findings give it)
       }],
       "confounders": [{"type": "heatwave" | "reboot", "site"/"node", "start", "end", "expected_findings": []}],
       "jobs": [{"job_id", "nodes": [str], "start", "end" | null, "parallel", "noisy": bool}],

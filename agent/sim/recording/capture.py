@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gpufleet.agent.sim import nvl72
 from gpufleet.agent.sim.physics import NIC_ERRORS
 from gpufleet.agent.sim.simulator import Simulator
 from gpufleet.agent.vocab.nvml import CLOCK_EVENT_COUNTED
@@ -103,6 +104,12 @@ def run(sim: Simulator, progress: Callable[[int, int], None] | None = None) -> F
     a["outdoor"] = np.zeros((n_ticks, s))
     a["it_power"] = np.zeros((n_ticks, s))
     a["facility"] = np.zeros((n_ticks, s))
+    racks = f.n_racks > 0  # NVL72 racks (agent.sim.nvl72): fabric health, C2C, thermal margin per GPU and tick
+    if racks:
+        a["fab_mask"] = np.zeros((n_ticks, g), np.int32)
+        a["fab_summary"] = np.zeros((n_ticks, g), np.int8)
+        a["c2c"] = np.zeros((n_ticks, g), np.int8)
+        a["margin"] = np.zeros((n_ticks, g), np.float32)
     job_index: dict[str, int] = {}
     last_xid: dict[tuple[int, int], int] = {}
     for k in range(n_ticks):
@@ -153,6 +160,11 @@ def run(sim: Simulator, progress: Callable[[int, int], None] | None = None) -> F
         a["outdoor"][k] = p.outdoor
         a["it_power"][k] = p.it_power
         a["facility"][k] = p.facility_power
+        if racks:
+            a["fab_mask"][k] = nvl72.health_masks(p.mods.fabric)
+            a["fab_summary"][k] = nvl72.summaries(p.mods.fabric)
+            a["c2c"][k] = ~p.mods.c2c_off
+            a["margin"][k] = nvl72.margins(f, a["temp"][k])
         if p.xid_counts != last_xid:
             last_xid = dict(p.xid_counts)
             fr.xid.append((k, last_xid))

@@ -20,6 +20,7 @@ from gpufleet.agent.sim.physics import ECC_KEYS, NIC_ERRORS, REMAP_CAUSES
 from gpufleet.agent.sim.recording.capture import Context
 from gpufleet.agent.sim.recording.gpufleet_profile import site_families
 from gpufleet.agent.sim.recording.mig_profile import scraped_slices
+from gpufleet.agent.sim.recording.nvl72_profile import write_dcgm as write_racks
 from gpufleet.agent.sim.recording.openmetrics import OmWriter, prefix
 from gpufleet.agent.vocab.exporters import (
     DCGM,
@@ -145,6 +146,14 @@ def _dcgm_exporter(w: OmWriter, c: Context) -> None:
         if mig.slices:
             w.family(m.name, m.type, m.help)
             mig.write(w, m, None, 0)
+
+    def device_labels(g: int) -> dict[str, str]:
+        node, k = int(c.gpu_node[g]), int(c.gpu_local[g])
+        identity = (str(k), c.sim.uuid(g), c.sim.pci_bus_id(node, k), f"nvidia{k}", f.nodes[node].model.name,
+                    c.nodes[node])
+        return {**dict(zip(DCGM.labels, identity, strict=True)), **_target(DCGM, c.nodes[node], c.site_of_node[node])}
+
+    write_racks(w, c, device_labels)  # NVL72 racks (issue 21)
 
 
 class _MigInstances:

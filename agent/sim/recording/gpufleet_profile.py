@@ -16,6 +16,7 @@ import numpy as np
 from gpufleet.agent.sim.physics import ECC_KEYS, NIC_ERRORS, NIC_HW
 from gpufleet.agent.sim.recording.capture import THROTTLE_SECONDS_REASONS, Context
 from gpufleet.agent.sim.recording.mig_profile import write as write_mig
+from gpufleet.agent.sim.recording.nvl72_profile import write_gpufleet as write_racks
 from gpufleet.agent.sim.recording.openmetrics import OmWriter, prefix
 from gpufleet.agent.sim.recording.scrape import AGENT, instance
 from gpufleet.agent.vocab.catalog import spec
@@ -59,7 +60,7 @@ def write(w: OmWriter, c: Context) -> None:
         info.append(prefix("gpufleet_gpu_info", {
             "gpu": str(k), "uuid": c.sim.uuid(g), "name": m.name, "serial": f"{1650000000000 + g:013d}",
             "pci_bus_id": c.sim.pci_bus_id(node, k), "vbios_version": "96.00.99.00.01",
-            "architecture": {9: "hopper", 7: "ampere"}.get(m.architecture, "unknown"), **target(node)}))
+            "architecture": {10: "blackwell", 9: "hopper", 7: "ampere"}.get(m.architecture, "unknown"), **target(node)}))
     if info:
         fam("gpufleet_gpu_info")
         w.block(info, np.ones((w.n_ticks, f.n_gpus)), 0, c.gpu_present)
@@ -79,6 +80,7 @@ def write(w: OmWriter, c: Context) -> None:
         mask = (fr["gpu_job"][:, chunk[:, 1]] == chunk[:, 0][None, :]) & c.gpu_present[:, chunk[:, 1]]
         w.block(pre, np.ones((w.n_ticks, 1)), 0, mask, cols=np.zeros(len(chunk), np.int64))
     write_mig(w, c, fam, target)  # the scenario's [[mig]] nodes: MIG devices, their activity and owners
+    write_racks(w, c, fam, target)  # NVL72 racks: NVLink fabric, rack placement, margin, C2C (issue 21)
     # ---- utilization, clocks, power, thermal
     gpu_metric("gpufleet_gpu_utilization_ratio", fr["util"] / 100.0, 2)
     if full:
