@@ -99,12 +99,12 @@ else
     mkdir -p "$cache"
     rm -f "$cache/$suite-build.part.tar" "$cache/$suite.part.tar"
     echo "==> making the Debian $suite base with mmdebstrap into $cache (once)"
-    # essential + python3: no apt, no docs. mmdebstrap merges /usr with usrmerge, which brings perl:
+    # essential + python3 (+ libstdc++6, which grpcio's wheel links): no apt, no docs. mmdebstrap merges /usr with usrmerge, which brings perl:
     # both go once the tree is merged. The build stages' tarball is written before python3-venv (pip's
     # bundled wheels, ensurepip) is purged from the images' one.
     purge_perl='chroot "$1" dpkg-query -W -f "\${Package}\n" | grep -E "^(usrmerge|perl|libperl5[.0-9]*|perl-modules-.*|lib.*-perl)$" | xargs -r chroot "$1" dpkg --purge'
     purge_venv='chroot "$1" dpkg-query -W -f "\${Package}\n" | grep -E "^(python3[.0-9]*-venv|python3-(pip|setuptools)-whl|python3-distutils|python3-lib2to3)$" | xargs -r chroot "$1" dpkg --purge'
-    mmdebstrap --quiet --format=tar --variant=essential --include=usr-is-merged,python3,python3-venv \
+    mmdebstrap --quiet --format=tar --variant=essential --include=usr-is-merged,python3,python3-venv,libstdc++6 \
       --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/doc/*' \
       --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/info/*' \
       --dpkgopt='path-exclude=/usr/share/lintian/*' \
