@@ -10,7 +10,8 @@ registry. Then:
 * the agent on a read-only root filesystem: ``once --nvml.fake=sim`` prints an exposition promtool
   accepts; ``serve`` is scraped by a real Prometheus (host network, 127.0.0.1 only), and SIGTERM stops
   it cleanly (exit 0, well before podman's SIGKILL);
-* the detector image, also read-only, evaluates against that Prometheus and its /metrics is read.
+* the detector image, also read-only, evaluates against that Prometheus and its /metrics is read; SIGTERM
+  stops it cleanly too.
 
 tests/run.sh installs podman, buildah, runc and mmdebstrap from Debian.
 """
@@ -200,11 +201,12 @@ def test_agent_serves_prometheus_and_the_detector_reads_it(
         errors = [f for f in text_string_to_metric_families(text) if f.name == "gpufleet_detector_query_errors"]
         assert sum(s.value for f in errors for s in f.samples if s.name.endswith("_total")) == 0, text
 
-    start = time.monotonic()
-    podman("stop", "-t", "20", agent, timeout=60)
-    stopped_in = time.monotonic() - start
-    code = podman("inspect", "--format", "{{.State.ExitCode}}", agent).stdout.strip()
-    logs = podman("logs", agent, check=False)
-    assert code == "0", f"the agent exited {code} on SIGTERM (137: killed):\n{logs.stderr[-2000:]}"
-    assert stopped_in < 15, f"the agent took {stopped_in:.1f} s to stop"
-    assert "Traceback" not in logs.stderr, logs.stderr[-2000:]
+    for what, name in (("agent", agent), ("detector", detector)):
+        start = time.monotonic()
+        podman("stop", "-t", "20", name, timeout=60)
+        stopped_in = time.monotonic() - start
+        code = podman("inspect", "--format", "{{.State.ExitCode}}", name).stdout.strip()
+        logs = podman("logs", name, check=False)
+        assert code == "0", f"the {what} exited {code} on SIGTERM (137: killed):\n{logs.stderr[-2000:]}"
+        assert stopped_in < 15, f"the {what} took {stopped_in:.1f} s to stop"
+        assert "Traceback" not in logs.stderr, logs.stderr[-2000:]
