@@ -199,7 +199,7 @@ class Tracker:
             p.count += 1
             p.causes[c.cause] = p.causes.get(c.cause, 0.0) + max(c.score, 1e-6)
             p.cand = c if c.score >= p.cand.score else p.cand
-            if p.count >= self.open_after:
+            if p.count >= (kinds.spec(kind).open_after or self.open_after):
                 del self.pending[k]
                 if not self._reopen(k, c, p, t):
                     self._open(k, kind, c, p, t)

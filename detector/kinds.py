@@ -36,6 +36,9 @@ class KindSpec:
     held_on_flaps: bool
     shard_by: ShardBy = "gpu"
     route: Route = "hardware"
+    #: Consecutive evaluations a candidate needs to open (0: the tracker's ``open_after``). One for evidence that
+    #: corroborates itself within an evaluation (many GPUs of one domain reporting the same fabric fault).
+    open_after: int = 0
 
 
 STRAGGLER = KindSpec("straggler", "scored", held_in_job_phase=True, by_site=False, on_nodes=True, held_on_flaps=False)
@@ -47,7 +50,7 @@ PUE_DRIFT = KindSpec("pue_drift", "site", held_in_job_phase=False, by_site=True,
                      shard_by="site", route="facilities")
 #: NVL72 racks (detector.fabric): a degraded NVLink domain, named by its rack; a tray's or GPU's fabric health.
 NVLINK_DOMAIN = KindSpec("nvlink_domain", "fabric", held_in_job_phase=False, by_site=False, on_nodes=False,
-                         held_on_flaps=False, shard_by="node")
+                         held_on_flaps=False, shard_by="node", open_after=1)
 TRAY_HEALTH = KindSpec("tray_health", "fabric", held_in_job_phase=False, by_site=False, on_nodes=True,
                        held_on_flaps=False, shard_by="node")
 
