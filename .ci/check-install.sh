@@ -90,7 +90,7 @@ top=$(basename "$sdist" .tar.gz)
 tar tzf "$sdist" >"$work/sdist.txt"
 for f in pyproject.toml README.md MANIFEST.in agent/fake/data/h100-8gpu-idle.xml agent/sim/scenarios/demo.toml \
   dashboards/json/gpufleet-overview.json alerts/__init__.py alerts/gpufleet.rules.yml alerts/alertmanager.yml \
-  alerts/runbook.md alerts/tests/gpu.test.yml packaging/demo.sh packaging/web-config.yml packaging/agent.toml \
+  alerts/runbook.md alerts/tests/gpu.test.yml docs/README.md docs/metrics.md packaging/demo.sh packaging/container/build.sh packaging/web-config.yml packaging/agent.toml \
   packaging/systemd/gpufleet-agent.service tests/run.sh tests/conftest.py tests/support.py \
   tests/fixtures/traces/h100x8-sim.jsonl.gz .ci/run .ci/check-install.sh; do
   grep -qxF "$top/$f" "$work/sdist.txt" || fail "the sdist lacks $f"

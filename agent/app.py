@@ -139,6 +139,10 @@ class Agent:
             from gpufleet.agent.collectors.host import HostCollector
 
             return HostCollector()
+        if name == "fabric":  # NVLink domain and rack signals (issue 21)
+            from gpufleet.agent.collectors.fabric import FabricCollector
+
+            return FabricCollector(self.backend, slow_interval=self.cfg.gpu_slow_interval)
         raise ValueError(f"unknown collector {name!r}")
 
     def gpu_usage(self) -> GpuUsage:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 #: Every collector the agent knows, in scrape order. All are on by default.
 COLLECTORS = ("gpu", "xid", "nic", "topology", "pcie", "jobs", "pods", "host", "pressure", "mig", "processes",
-              "ethtool", "nccl")
+              "ethtool", "nccl", "fabric")
 
 DEFAULT_PORT = 9445
 DEFAULT_LISTEN = f":{DEFAULT_PORT}"

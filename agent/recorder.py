@@ -41,6 +41,7 @@ from types import FrameType
 
 from gpufleet.agent.app import build_backend
 from gpufleet.agent.collectors.xid import XidCollector
+from gpufleet.agent.nvml import fabric_reader
 from gpufleet.agent.nvml.backend import Device, NvmlBackend
 from gpufleet.agent.nvml.model import DriverInfo, GpmCounters, GpuInventory, GpuSample, XidEvent
 from gpufleet.agent.nvml.reader import read_gpu
@@ -233,6 +234,9 @@ def _record(ns: argparse.Namespace, backend: NvmlBackend, out: Path, stop: threa
         read_t = time.time()
         readings = [read_gpu(backend, d, pcie_always=True) for d in devices]
         gpus = [_inventory(backend, d, r) for d, r in zip(devices, readings, strict=True)]
+        fabric = fabric_reader.FabricReader(backend, slow_interval=0.0)  # NVLink domain and rack (issue 21)
+        for g, d in zip(gpus, devices, strict=True):
+            g.platform = (fabric.read(d) or fabric_reader.FabricReading()).platform
         assert backend.driver is not None
         driver = backend.driver
         info = DriverInfo(driver_version=driver.driver_version, nvml_version=driver.nvml_version,
@@ -253,6 +257,10 @@ def _record(ns: argparse.Namespace, backend: NvmlBackend, out: Path, stop: threa
             while True:
                 t = max(read_t, last_t + 1e-6)
                 samples = [_to_sample(d, r, gpm, t) for d, r in zip(devices, readings, strict=True)]
+                for d, r, sample in zip(devices, readings, samples, strict=True):
+                    fr = fabric.read(d) if r.sample is not None else None
+                    if fr is not None:
+                        fabric_reader.apply(fr, sample, r.nvlink_links)
                 with lock:
                     xids, events[:] = list(events), []
                 if has_ib and refresh_host is not None:

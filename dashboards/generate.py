@@ -19,11 +19,11 @@ from types import ModuleType
 from grafanalib import core as g
 from grafanalib._gen import DashboardEncoder
 
-from gpufleet.dashboards.boards import dcgm, health, job, network, node, overview, power
+from gpufleet.dashboards.boards import dcgm, health, job, network, node, overview, power, rack
 
 HERE = Path(__file__).resolve().parent
 #: Every dashboard module, in the order they are generated.
-BOARDS: tuple[ModuleType, ...] = (dcgm, health, job, network, node, overview, power)
+BOARDS: tuple[ModuleType, ...] = (dcgm, health, job, network, node, overview, power, rack)
 
 
 def render(dash: g.Dashboard) -> str:

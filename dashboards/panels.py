@@ -38,6 +38,7 @@ UIDS: dict[str, str] = {
     "power": "gpufleet-power",
     "health": "gpufleet-health",
     "dcgm": "gpufleet-dcgm-straggler",
+    "rack": "gpufleet-rack",
 }
 
 # Label matchers driven by the template variables.

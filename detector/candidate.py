@@ -6,12 +6,14 @@ says *why*, in named parts rather than string-keyed entries:
 
 - ``deviations``: robust z-scores against the peers, per feature (signed: ``sm_clock -4.5``);
 - ``causes``: cause -> strength. Direct evidence (a throttle reason, a lowered power limit, a flagged NIC, a
-  PCIe link below its maximum, memory errors, host or fabric pressure on the node) is worth :data:`DIRECT`
-  or more; causes inferred from deviations alone are worth less (:mod:`gpufleet.detector.cause_rules`);
+  PCIe link below its maximum, memory errors, host or fabric pressure on the node) is worth more than
+  :data:`DIRECT`; causes inferred from deviations alone are worth at most ``DIRECT``
+  (:mod:`gpufleet.detector.cause_rules`);
 - ``values``: the readings that back it (``pcie_gen``, ``pfc_paused_fraction``, ``nvlink_errors``...);
 - ``flags``: what a network port was flagged for (``link_downed``, ``reduced_rate``, ``xmit_wait``...);
 - ``fractions``: throttling: the fraction of the window each clock-event reason was active;
-- ``members``: a node-level candidate: how many GPUs (or ports) it covers; ``onset``: an estimated start.
+- ``members``: a node-level candidate: how many GPUs (or ports) it covers; ``onset``: an estimated start;
+- ``rules``: the cause rules that applied, by name.
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ class Evidence:
     fractions: dict[str, float] = field(default_factory=dict)
     members: int = 0
     onset: float | None = None
+    #: the cause rules that applied (detector.cause_rules), by name
+    rules: tuple[str, ...] = ()
 
     def direct(self) -> dict[str, float]:
-        """The causes backed by direct evidence, with their strength."""
-        return {c: v for c, v in self.causes.items() if v >= DIRECT}
+        """The causes backed by direct evidence (worth more than :data:`DIRECT`), with their strength."""
+        return {c: v for c, v in self.causes.items() if v > DIRECT}
 
     def strongest(self) -> str:
         """The cause with the most evidence ("unknown" without any)."""

@@ -77,6 +77,12 @@ class Rule:
     strength: Callable[[GpuView], float]
     #: readings reported with the evidence when it applies
     values: Callable[[GpuView], dict[str, float]] = lambda v: {}
+    #: "gpu": evidence about the GPU itself (its reasons, limit, memory, links); "node": about its node (host
+    #: pressure, fabric pause, AER rate), which explains a deviation but does not vouch for one
+    scope: Literal["gpu", "node"] = "gpu"
+    #: node evidence that explains a deviation: the features it makes fall below the peers' (host pressure
+    #: starves the GPU: its utilization and tensor activity); then it vouches for that deviation too
+    explains: tuple[str, ...] = ()
 
 
 def _reason(feat: str, need_low_clock: bool = False) -> Callable[[GpuView], float]:
@@ -159,12 +165,12 @@ RULES: tuple[Rule, ...] = (
     Rule("memory", "direct", "memory_errors",
          lambda v: DIRECT + 2.0 if v.val("remap_pending") > 0 or v.val("ecc") > 0 else 0.0,
          lambda v: {"ecc": v.val("ecc"), "remap_pending": v.val("remap_pending")}),
-    Rule("host", "direct", "host_pressure", _node("host"), _node_values),
-    Rule("pcie", "direct", "aer_rate", _node("pcie"), _node_values),
+    Rule("host", "direct", "host_pressure", _node("host"), _node_values, "node", ("util", "tensor")),
+    Rule("pcie", "direct", "aer_rate", _node("pcie"), _node_values, "node"),
     # --- link: direct evidence that makes a straggler of a rank that does not deviate itself
     Rule("network", "link", "nic_flagged",
          lambda v: DIRECT + 5.0 if (v.frame.nodes[v.i], v.frame.gpus[v.i]) in v.nic_flags else 0.0),
-    Rule("network", "link", "fabric_pressure", _node("network"), _node_values),
+    Rule("network", "link", "fabric_pressure", _node("network"), _node_values, "node"),
     Rule("network", "link", "nvlink_down", _nvlink_down, lambda v: {"nvlink_up_min": v.val("nvlink_down")}),
     Rule("network", "link", "nvlink_errors", _nvlink_errors,
          lambda v: {"nvlink_errors": float(v.nvlink_excess[v.i]) if v.nvlink_excess is not None else 0.0}),
@@ -189,16 +195,33 @@ RULES: tuple[Rule, ...] = (
 LINK_RULES = tuple(r for r in RULES if r.kind == "link")
 
 
-def evaluate(v: GpuView) -> tuple[dict[str, float], dict[str, float]]:
-    """(cause -> strength, readings) of every rule that applies to the GPU, the strongest per cause."""
+def evaluate(v: GpuView) -> tuple[dict[str, float], dict[str, float], tuple[str, ...]]:
+    """(cause -> strength, readings, the rules that applied) for the GPU, the strongest per cause."""
     causes: dict[str, float] = {}
     values: dict[str, float] = {}
+    applied: list[str] = []
     for r in RULES:
         s = r.strength(v)
         if s > 0:
             causes[r.cause] = max(causes.get(r.cause, 0.0), s)
             values.update(r.values(v))
-    return causes, values
+            applied.append(r.what)
+    return causes, values, tuple(applied)
+
+
+#: The rules whose evidence is about the GPU itself and direct: what vouches for a deviation read while its job
+#: is at a phase edge (detector/phases.py).
+OWN_DIRECT = frozenset(r.what for r in RULES if r.kind != "inferred" and r.scope == "gpu")
+_EXPLAINS = {r.what: r.explains for r in RULES if r.explains}
+
+
+def vouched(rules: tuple[str, ...], deviations: dict[str, float], t: Thresholds) -> bool:
+    """Does direct evidence vouch for a deviation read while the GPU's job is at a phase edge? Evidence about
+    the GPU itself does; node evidence does where it explains the deviation (host pressure and a GPU whose
+    utilization or tensor activity is below its peers'); nothing else does."""
+    if OWN_DIRECT.intersection(rules):
+        return True
+    return any(deviations.get(f, 0.0) <= -t.cause_z for r in rules for f in _EXPLAINS.get(r, ()))
 
 
 def link(v: GpuView) -> tuple[Rule, float] | None:

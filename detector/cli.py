@@ -6,17 +6,21 @@
     only the GPUs of the training jobs shard I owns (consistent hash of the job
     id; GPUs without a job by node) are scored; N replicas cover the fleet.
 
-``replay FILE... [--profile gpufleet|dcgm] [--config FILE] [--step SECONDS] [--format json|table]``
+``replay FILE... [--profile gpufleet|dcgm] [--config FILE] [--step SECONDS] [--format json|table] [--from TIME] [--until TIME]``
     Evaluate OpenMetrics recordings as if live, every ``--step`` seconds (default:
     the config's interval) from the first time a full window is available.
+    ``--from``/``--until`` (unix seconds or RFC 3339) bound the evaluated range: from
+    ``--from`` on, with the recording before it as the history a restarted detector
+    finds in Prometheus (its state is rebuilt from it, as ``serve`` does on start);
+    the findings printed are those open at ``--from`` or later.
 
     With ``--format json`` it prints one JSON object per line per finding, sorted
     by start, after the replay ends. This output is a stable interface::
 
-        {"kind": "straggler" | "throttling" | "network" | "pue_drift",
+        {"kind": "straggler" | "throttling" | "network" | "pue_drift" | "nvlink_domain" | "tray_health",
          "cause": "thermal" | "power" | "clock" | "network" | "pcie" | "memory" | "host" | "unknown" | "workload"
-                  | null,
-         "node": str | null,      # instance without :port (null for site findings)
+                  | "nvlink" | "c2c" | null,
+         "node": str | null,      # instance without :port (null for site findings; "rack <serial>" for nvlink_domain)
          "gpu": str | null,       # the GPU index as in the gpu label; null for node-wide and site findings
          "job": str | null,       # training job of the GPU (job_id / hpc_job / Kubernetes job), if any
          "site": str | null,
@@ -55,6 +59,7 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from datetime import datetime
 
 from gpufleet.agent.serving.logs import LOG_FORMAT
 from gpufleet.detector.config import ConfigError, DetectorConfig, load, parse_shard_option
@@ -84,11 +89,31 @@ def _parser() -> argparse.ArgumentParser:
                        help="progress bar on stderr (default: when stderr is a terminal)")
         if name == "replay":
             r.add_argument("--format", choices=("json", "table"), default="json")
+            r.add_argument("--from", dest="t_from", type=timestamp, metavar="TIME",
+                           help="evaluate from TIME (unix seconds or RFC 3339), the recording before it being the "
+                                "history a restarted detector finds (its state is rebuilt from it)")
+            r.add_argument("--until", dest="t_until", type=timestamp, metavar="TIME",
+                           help="last instant to evaluate (unix seconds or RFC 3339)")
         else:
             r.add_argument("--html", help="write an HTML report with evidence plots here")
             r.add_argument("--from", dest="t_from", type=float, help="unix seconds")
             r.add_argument("--to", dest="t_to", type=float, help="unix seconds")
     return p
+
+
+def timestamp(text: str) -> float:
+    """``--from``/``--until``: unix seconds, or an RFC 3339 date-time with its offset (``Z`` or ``+hh:mm``)."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        when = datetime.fromisoformat(text.replace("z", "Z"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not unix seconds or an RFC 3339 time") from None
+    if when.tzinfo is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: an RFC 3339 time needs its offset (Z or +hh:mm)")
+    return when.timestamp()
 
 
 def _load(path: str) -> DetectorConfig:
@@ -120,7 +145,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.shard is not None:
             cfg.shard = parse_shard_option("--shard", args.shard)
         progress = sys.stderr.isatty() if args.progress is None else args.progress
-        det, findings = replay(args.files, cfg, args.step, progress)
+        t_from, t_until = (args.t_from, args.t_until) if args.command == "replay" else (None, None)
+        if t_from is not None and t_until is not None and t_until < t_from:
+            raise ValueError("--until is before --from")
+        det, findings = replay(args.files, cfg, args.step, progress, t_from=t_from, t_until=t_until)
         if argv is None:  # run as the program: the process ends after the output
             gc.freeze()  # the interpreter's last collection then skips the heap (~0.3 s at exit otherwise)
         if args.command == "replay":

@@ -11,7 +11,8 @@ harness. Each evaluation reads the fleet once and moves its data one way:
    :class:`~gpufleet.detector.baseline.Baseline`), and which jobs are at a job-wide phase edge
    (:class:`~gpufleet.detector.phases.JobEdges`) or in a lighter phase;
 4. **candidates**: network (each NIC against its own capability and alike ports fleet-wide), stragglers (whole
-   GPUs and MIG slices against their peers), throttling, PUE drift;
+   GPUs and MIG slices against their peers), throttling, NVL72 racks (an NVLink domain's GPUs as peers:
+   :mod:`~gpufleet.detector.fabric`), PUE drift;
 5. **causes**: every straggler candidate's cause from the one table of cause rules
    (:mod:`~gpufleet.detector.cause_rules`), fed by the NIC flags and the node evidence
    (:func:`~gpufleet.detector.causes.node_causes`); pods named on every candidate
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpufleet.detector import causes, jobs, mig, network, phases, shard, straggler, throttling
+from gpufleet.detector import causes, fabric, jobs, mig, network, phases, shard, straggler, throttling
 from gpufleet.detector.baseline import Baseline
 from gpufleet.detector.candidate import Candidate, Evidence
 from gpufleet.detector.config import DetectorConfig
@@ -98,9 +99,11 @@ class Detector:
         site_qs: tuple[Query, ...] = tuple(q for s in cfg.sites for q in s.queries) if cfg.sites else site_queries()
         self.queries: tuple[Query, ...] = queries(cfg.profile) + site_qs
         self.naming = NodeNaming(cfg.node_label, cfg.strip_port)
+        # NVL72 racks: each node's rack and tray as last seen, for the summaries (detector.fabric)
+        self.places: fabric.Places = {}
         self.tracker = tracker or Tracker(cfg.findings.open_after, cfg.findings.close_after,
-                                          cfg.findings.stale_after, summarize, cfg.findings.merge_seconds,
-                                          reopen_seconds=cfg.findings.reopen_seconds)
+                                          cfg.findings.stale_after, fabric.placed(summarize, self.places),
+                                          cfg.findings.merge_seconds, reopen_seconds=cfg.findings.reopen_seconds)
         self.pue: dict[str, PueMonitor] = {}
         self.baseline = Baseline()
         self.edges = phases.JobEdges(cfg.straggler.min_peers)
@@ -129,13 +132,15 @@ class Detector:
         cands: Candidates = [("straggler", c) for c in st.candidates]
         cands += [("throttling", c) for c in throttling.find(snap.gpu, cfg.throttling)]
         cands += [("network", c) for c in net.candidates]
+        fab = fabric.find(snap.meta, self.naming, self.places)  # NVL72: one NVLink domain's GPUs as peers
+        cands += fab.candidates
         pue_states = self._pue(snap, t, cands)
         cands = [(k, c) for k, c in cands if shard.owns_finding(cfg.shard, k, c.node, c.site, nic_owner)]
         jobs.attribute(cands, snap.gpu)                             # 5. ... pods named
         self.workload.observe(snap.gpu, t)                          # 5. ... the job's own doing: its owner's
         cands = self.workload.route(cands, t)
         cands += [("straggler", c) for c in slices.candidates]  # named by their own pods, not their GPU's
-        judged = self._judgement(snap, st, peers, net, slices.observed, set(pue_states))
+        judged = self._judgement(snap, st, peers, net, slices.observed, set(pue_states), fab)
         self.tracker.update(t, cands, judged.observed, judged.held)  # 6. incidents
         result = Evaluation(t, snap, st, pue_states, cands, time.perf_counter() - started)
         self.last = result
@@ -195,7 +200,7 @@ class Detector:
         return states
 
     def _judgement(self, snap: FeatureFrame, st: StragglerResult, peers: _Peers, net: _Network,
-                   slices: set[tuple[str, str]], sites: set[str]) -> Judgement:
+                   slices: set[tuple[str, str]], sites: set[str], fab: fabric.FabricResult) -> Judgement:
         """What this evaluation could judge and what it must hold (looked up through a (node, gpu) index kept
         while the fleet's GPUs stay the same)."""
         g = snap.gpu
@@ -209,7 +214,8 @@ class Detector:
         nodes_low = {n for n, _ in gpus_low if not bool(busy_not_low[gpu_nodes[n]].any())}
         open_causes = {k: f.cause for k, f in self.tracker.active.items()} if net.gpus_flapped else {}
         return Judgement({"scored": judged, "busy": peers.busy, "valid": valid}, gpu_pos, gpu_nodes, set(nic_pos),
-                         sites, slices, gpus_low, nodes_low, net.nics_flapped, net.gpus_flapped, open_causes)
+                         sites, slices, gpus_low, nodes_low, net.nics_flapped, net.gpus_flapped, open_causes,
+                         fab.observed)
 
     def _job_phase_low(self, g: GpuFrame, busy: np.ndarray, t: float) -> np.ndarray:
         """Per GPU: its job (two or more busy GPUs) is in a low-activity phase (see :data:`JOB_ACTIVITY_DROP`)."""

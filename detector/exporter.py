@@ -35,6 +35,8 @@ class Health:
         self.duration: float | None = None
         self.results = {"success": 0, "failure": 0}
         self.last_error = ""
+        #: Why the service is not ready ("" once it is): its state is being rebuilt from Prometheus (issue 24).
+        self.not_ready = ""
 
 
 class IncidentRoutes:
@@ -164,6 +166,11 @@ class Exposer:
             if self.h.last_success is None and self.h.results["failure"]:
                 return f"evaluations failing: {self.h.last_error}"
             return "OK"
+
+    def ready(self) -> str:
+        """"" once the state is rebuilt; else why not (``/ready`` answers 503 with it)."""
+        with self.h.lock:
+            return self.h.not_ready
 
 
 def registry_for(detector: Detector, health: Health) -> CollectorRegistry:

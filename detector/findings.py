@@ -32,7 +32,6 @@ Closed findings are kept in a bounded recent history (``history``).
 
 from __future__ import annotations
 
-import hashlib
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from typing import Any
 
 from gpufleet.detector import kinds
 from gpufleet.detector.candidate import Candidate, Evidence
+from gpufleet.detector.identity import incident_id  # issue 24: ids from the problem (kind, entity, start)
 
 Key = tuple[str, str, str, str, str, str]  # kind, node, gpu, nic, site, "" (the job is no part of the identity)
 
@@ -129,11 +129,6 @@ def _top(causes: dict[str, float]) -> str:
     return max(causes, key=lambda c: causes[c]) if causes else ""
 
 
-def _incident_id(kind: str, c: Candidate, t: float) -> str:
-    what = f"{kind}|{c.node}|{c.gpu or ''}|{c.nic}|{c.site}|{t:.0f}" + (f"|{c.group}" if c.group else "")
-    return hashlib.sha1(what.encode(), usedforsecurity=False).hexdigest()[:12]
-
-
 class Tracker:
     def __init__(self, open_after: int = 3, close_after: int = 3, stale_after: int = 10,
                  summarize: Callable[[str, Candidate], str] | None = None, merge_seconds: float = 300.0,
@@ -204,7 +199,7 @@ class Tracker:
             p.count += 1
             p.causes[c.cause] = p.causes.get(c.cause, 0.0) + max(c.score, 1e-6)
             p.cand = c if c.score >= p.cand.score else p.cand
-            if p.count >= self.open_after:
+            if p.count >= (kinds.spec(kind).open_after or self.open_after):
                 del self.pending[k]
                 if not self._reopen(k, c, p, t):
                     self._open(k, kind, c, p, t)
@@ -265,7 +260,7 @@ class Tracker:
                     self.summarize(kind, best), c.nic, best.evidence, p.causes, t, t, namespace=best.namespace,
                     pod=best.pod, gpu_instance=best.gpu_instance, mig_profile=best.mig_profile, route=best.route,
                     pattern=best.pattern, owner=best.owner, group=best.group)
-        f.incident = self._related_incident(f) or _incident_id(kind, c, t)
+        f.incident = self._related_incident(f) or incident_id(k, start)  # issue 24: not the opening time
         if c.gpu is None and kinds.spec(kind).on_nodes and not c.group:
             for ok, of in list(self.active.items()):
                 if of.kind == kind and of.node == f.node and of.gpu is not None and not of.nic:

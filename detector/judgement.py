@@ -15,6 +15,7 @@ Built by the engine from the evaluation's frames (data only, no call back into t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,6 +44,8 @@ class Judgement:
     gpus_flapped: set[tuple[str, str]] = field(default_factory=set)
     #: the cause of each open finding when the judgement was made (a network-caused straggler is held on flaps)
     open_causes: dict[Key, str | None] = field(default_factory=dict)
+    #: NVL72 racks (detector.fabric): was the GPU's (or the rack's) fabric state read
+    fabric: Callable[[str, str], bool] = lambda node, gpu: False
 
     def _on(self, mask: BoolArray, node: str, gpu: str) -> bool:
         if gpu:
@@ -58,6 +61,8 @@ class Judgement:
         judged = kinds.spec(kind).judged
         if judged == "site":
             return site in self.sites
+        if judged == "fabric":
+            return self.fabric(node, gpu)
         if judged == "nic":
             return (node, nic) in self.nics if nic else self._on(self.gpu_masks["valid"], node, "")
         return self._on(self.gpu_masks[judged], node, gpu)

@@ -267,6 +267,29 @@ DCGM_MIG: tuple[Query, ...] = (
 MIG_INSTANCE_LABELS = ("gpu_instance", exporters.DCGM_MIG_INSTANCE_LABEL)
 MIG_PROFILE_LABELS = ("profile", exporters.DCGM_MIG_PROFILE_LABEL)
 
+#: NVLink domains and racks (issue 21, detector.fabric), passed through as ``meta`` (no series is normal: a fleet
+#: without NVL72 racks). gpufleet: the fabric collector's series; dcgm: dcgm-exporter's fabric and platform fields
+#: (exporters.DCGM_RACK_METRICS; no string fields, so the clique names the rack).
+_FABRIC_INPUTS: tuple[tuple[str, str, Op], ...] = (
+    ("@fab_info", "gpufleet_gpu_fabric_info", "last"),
+    ("@platform", "gpufleet_gpu_platform_info", "last"),
+    ("fab_health", "gpufleet_gpu_fabric_health", "last"),
+    ("fab_overall", "gpufleet_gpu_fabric_overall_health", "last"),
+    ("c2c", "gpufleet_gpu_c2c_enabled", "last"),
+    ("margin", "gpufleet_gpu_thermal_margin_celsius", "avg"),
+)
+FABRIC: tuple[Query, ...] = tuple(Query(f, catalog.spec(m).name, op, "meta", optional=True)
+                                  for f, m, op in _FABRIC_INPUTS)
+_DCGM_FABRIC_INPUTS: tuple[tuple[str, str, Op], ...] = (
+    ("@fab_info", "DCGM_FI_DEV_FABRIC_CLIQUE_ID", "last"),
+    ("@platform", "DCGM_FI_DEV_PLATFORM_TRAY_INDEX", "last"),
+    ("fab_mask", "DCGM_FI_DEV_FABRIC_HEALTH_MASK", "last"),
+    ("fab_overall", "DCGM_FI_DEV_FABRIC_HEALTH_SUMMARY", "last"),
+    ("c2c", "DCGM_FI_DEV_C2C_LINK_STATUS", "last"),
+    ("margin", "DCGM_FI_DEV_GPU_TEMP_MARGIN_CELSIUS", "avg"),
+)
+DCGM_FABRIC: tuple[Query, ...] = tuple(_x(f, m, op, "meta", optional=True) for f, m, op in _DCGM_FABRIC_INPUTS)
+
 #: Site metrics used when no [[sites]] are configured (the simulator and DCIM bridges export these).
 SITE_DEFAULTS = {
     "facility_power": "gpufleet_site_facility_power_watts",
@@ -285,9 +308,9 @@ MASK_BITS = {"thr_power": reason_bits("sw_power_cap"), "thr_hw": reason_bits("hw
 
 def queries(profile: str) -> tuple[Query, ...]:
     if profile == "gpufleet":
-        return GPUFLEET + GPUFLEET_PODS + KUBE + MIG
+        return GPUFLEET + GPUFLEET_PODS + KUBE + MIG + FABRIC
     if profile == "dcgm":
-        return DCGM + KUBE + DCGM_MIG
+        return DCGM + KUBE + DCGM_MIG + DCGM_FABRIC
     raise ValueError(f"unknown profile {profile!r}; profiles: {', '.join(PROFILES)}")
 
 

@@ -22,6 +22,8 @@ a drift.
 
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -66,6 +68,8 @@ class PueMonitor:
     last_t: float | None = None
     zero_t: float | None = None
     since: list[float] = field(default_factory=list)
+    #: ``hist`` as an array, converted as it grows (a refit converts only what was added since the last one)
+    _data: FloatArray = field(default_factory=lambda: np.zeros((0, 3)), repr=False, compare=False)
 
     def _x(self, it: FloatArray, temp: FloatArray) -> FloatArray:
         load = np.maximum(it / self.load_ref, 1e-3)
@@ -74,10 +78,12 @@ class PueMonitor:
         return np.column_stack(cols)
 
     def _fit(self, t_now: float) -> None:
-        keep = np.asarray(self.hist_t) >= t_now - self.params.history_days * 86400
-        data = np.asarray(self.hist)[keep]
-        self.hist_t = [x for x, k in zip(self.hist_t, keep, strict=True) if k]
-        self.hist = [x for x, k in zip(self.hist, keep, strict=True) if k]
+        first = bisect.bisect_left(self.hist_t, t_now - self.params.history_days * 86400)  # in time order
+        del self.hist_t[:first], self.hist[:first]
+        done = self._data[first:]
+        if len(done) < len(self.hist):
+            done = np.concatenate((done, np.array(self.hist[len(done):], dtype=np.float64).reshape(-1, 3)))
+        self._data = data = done
         self.has_temp = bool(np.isfinite(data[:, 2]).all())
         self.load_ref = float(np.median(data[:, 1])) or 1.0
         x = self._x(data[:, 1], np.nan_to_num(data[:, 2]))
@@ -89,10 +95,7 @@ class PueMonitor:
         w = np.ones(len(y))
         coef = np.zeros(x.shape[1])
         for _ in range(2):
-            a = np.vstack([xs * w[:, None], pen])
-            b = np.concatenate([y * w, np.zeros(pen.shape[0])])
-            sol, *_ = np.linalg.lstsq(a, b, rcond=None)
-            coef = sol / scale
+            coef = _ridge(xs, y, w, pen) / scale
             r = y - x @ coef
             mad = float(np.median(np.abs(r - np.median(r)))) * 1.4826 or 1e-6
             w = np.where(np.abs(r) > 4 * mad + 1e-4, 0.1, 1.0)
@@ -102,8 +105,12 @@ class PueMonitor:
     def expected(self, it: float, temp: float | None) -> float | None:
         if self.coef is None:
             return None
-        tp = float(temp) if temp is not None and np.isfinite(temp) else 0.0
-        return float((self._x(np.array([it]), np.array([tp])) @ self.coef)[0])
+        # the row of :meth:`_x` for one point, in plain floats (it runs at every evaluation, and a warm start
+        # runs it for each of days of grid instants)
+        tp = float(temp) if temp is not None and math.isfinite(temp) and self.has_temp else 0.0
+        row = [1.0, tp, *(max(tp - k, 0.0) for k in self.params.knots_celsius),
+               1.0 / max(it / self.load_ref, 1e-3)]
+        return math.fsum(a * b for a, b in zip(row, self.coef.tolist(), strict=True))
 
     def update(self, t: float, facility: float, it: float, temp: float | None) -> PueState | None:
         if not (np.isfinite(facility) and np.isfinite(it)) or it <= 0 or facility <= 0:
@@ -136,3 +143,17 @@ class PueMonitor:
             self.since.append(r)
         mag = float(np.mean(self.since)) if self.since else None
         return PueState(pue, exp, r, self.s, self.s >= p.h, self.zero_t, mag)
+
+
+def _ridge(xs: FloatArray, y: FloatArray, w: FloatArray, pen: FloatArray) -> FloatArray:
+    """Least squares of ``w * (xs @ c - y)`` with the penalty rows ``pen @ c = 0``, by its normal equations (a
+    matrix as wide as the model: a refit costs microseconds per row, which a warm start rebuilding days of
+    hourly refits needs); by SVD when those are singular."""
+    a = xs * w[:, None]
+    lhs = a.T @ a + pen.T @ pen
+    rhs = a.T @ (y * w)
+    try:
+        sol: FloatArray = np.linalg.solve(lhs, rhs)
+    except np.linalg.LinAlgError:
+        sol = np.linalg.lstsq(np.vstack([a, pen]), np.concatenate([y * w, np.zeros(pen.shape[0])]), rcond=None)[0]
+    return sol

@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from gpufleet.detector import shard_source
+from gpufleet.detector import shard_source, warmstart
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.engine import Detector, gc_paused
 from gpufleet.detector.features import OPTIONAL_METRICS
@@ -21,8 +21,15 @@ from gpufleet.detector.source_recording import RecordingSource
 
 
 def replay(files: Sequence[str], cfg: DetectorConfig, step: float | None = None,
-           progress: bool = False, overlap: bool | None = None) -> tuple[Detector, list[Finding]]:
+           progress: bool = False, overlap: bool | None = None, t_from: float | None = None,
+           t_until: float | None = None) -> tuple[Detector, list[Finding]]:
     """Evaluate recordings as if live; returns the detector and every finding (open ones with end None).
+
+    ``t_from``: evaluate from there on, with the recording before it as the history a restarted detector finds
+    in Prometheus (its state rebuilt by :func:`gpufleet.detector.warmstart.rebuild`); the findings are those
+    open at ``t_from`` or later. ``t_until``: the last instant evaluated. Both on the grid the whole replay
+    uses (``step`` apart from the first full window), so the findings open at ``t_from`` are those of a replay
+    from the start (same start and incident id).
 
     ``overlap``: read the files in a worker process while this one imports scikit-learn (for the straggler's
     IsolationForest, about a second of start-up); None = when it can pay off: the forest is enabled,
@@ -43,6 +50,13 @@ def replay(files: Sequence[str], cfg: DetectorConfig, step: float | None = None,
         raise ValueError("--step must be > 0")
     first = lo + cfg.window_seconds
     times = [first + i * step for i in range(int((hi - first) // step) + 1)] if hi >= first else []
+    # issue 24: a time range; evaluating from t_from starts from the state rebuilt out of the history before it
+    times = [t for t in times if (t_from is None or t >= t_from) and (t_until is None or t <= t_until)]
+    if not times and (t_from is not None or t_until is not None) and hi >= first:
+        raise ValueError(f"--from/--until: no evaluation instant in the range (every {step:g} s from {first:.0f} "
+                         f"to {hi:.0f})")
+    if t_from is not None and times and times[0] > first:
+        det, _ = warmstart.rebuild(cfg, src, times[0], earliest=first, step=step)
     for q in det.queries:
         src.precompute(q, times, cfg.window_seconds)
     # Inputs the recording never holds (a metric missing only for a while is not a missing input).
@@ -67,7 +81,10 @@ def replay(files: Sequence[str], cfg: DetectorConfig, step: float | None = None,
             det.evaluate(t)
     if missing:
         sys.stderr.write(f"gpufleet-detector: inputs not found in the recording: {', '.join(sorted(missing))}\n")
-    return det, det.tracker.all_findings()
+    found = det.tracker.all_findings()
+    if t_from is not None:  # what closed in the history before t_from is not this range's
+        found = [f for f in found if f.end is None or f.end >= t_from]
+    return det, found
 
 
 def _import_forest() -> None:

@@ -1,8 +1,12 @@
 """``gpufleet-detector serve``: evaluate the fleet against Prometheus every interval and serve ``/metrics``.
 
-The loop counts evaluations by result, reports to systemd (readiness, status, watchdog pings
-while queries make progress) and stops on SIGTERM/SIGINT. ``--once`` runs one evaluation and
-prints its findings as JSON lines.
+The loop counts evaluations by result, reports to systemd (status, watchdog pings while queries
+make progress) and stops on SIGTERM/SIGINT. It first rebuilds its state from Prometheus
+(:mod:`~gpufleet.detector.warmstart`), and only then is ready (``READY=1``, ``/ready`` 200): a
+restarted detector has the findings, incidents and PUE models an uninterrupted one has. Grid
+instants it missed (a slow evaluation, a short outage) are evaluated from the range API before
+the next one; after a long outage the state is rebuilt. ``--once`` rebuilds the state, runs one
+evaluation and prints the findings open then as JSON lines.
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ from pathlib import Path
 from gpufleet.agent.serving import sdnotify
 from gpufleet.agent.serving.server import MetricsServer
 from gpufleet.agent.serving.webconfig import load_web_config
-from gpufleet.detector import shard_source
+from gpufleet.detector import shard_source, warmstart
 from gpufleet.detector.config import ConfigError, DetectorConfig
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.exporter import Exposer, Health, registry_for
 from gpufleet.detector.liveness import Liveness
 from gpufleet.detector.source import SourceError
 from gpufleet.detector.source_prometheus import PrometheusSource
+from gpufleet.detector.source_range import RangeSource
 
 log = logging.getLogger("gpufleet.detector")
 
@@ -45,20 +50,26 @@ def _source(cfg: DetectorConfig) -> PrometheusSource:
 
 def serve(cfg: DetectorConfig, once: bool) -> int:
     live = Liveness()  # the evaluation loop's progress, for systemd's watchdog
-    det = Detector(cfg, live.track(shard_source.view(_source(cfg), cfg)))  # --shard: its nodes' series only
+    prom = _source(cfg)
+    det = Detector(cfg, live.track(shard_source.view(prom, cfg)))  # --shard: its nodes' series only
     health = Health()
+    state = _State(cfg, det, prom, live, health)
     if once:
-        det.evaluate(time.time())
+        at = warmstart.on_grid(time.time(), cfg.interval_seconds)
+        state.restore(at)  # raises SourceError (exit 2) when Prometheus cannot answer
+        det.evaluate(at)
         for f in det.tracker.all_findings():
-            print(json.dumps(f.to_json()))
+            if f.end is None or f.end >= at:
+                print(json.dumps(f.to_json()))
         return 0
+    health.not_ready = "rebuilding its state from Prometheus"
     server = MetricsServer(cfg.listen, Exposer(registry_for(det, health), health),
                            load_web_config(cfg.web_config_file or None), title="gpufleet detector")
     thread = server.serve_in_thread()
     log.info("serving /metrics on %s://%s, evaluating every %ss against %s%s", server.scheme, cfg.listen,
              cfg.interval_seconds, cfg.prometheus_url, f" (shard {cfg.shard})" if cfg.shard else "")
-    sdnotify.ready(f"serving on {server.scheme}://{cfg.listen}; evaluating against {cfg.prometheus_url}")
-    watchdog = live.watchdog(thread)
+    sdnotify.status(f"rebuilding state from {cfg.prometheus_url}; serving on {server.scheme}://{cfg.listen}")
+    watchdog = live.watchdog(thread)  # liveness does not wait for readiness: the rebuild's queries are progress
     if watchdog.timeout is not None and cfg.timeout_seconds >= watchdog.timeout:
         log.warning("[prometheus] timeout_seconds (%g) is not below the systemd watchdog (%g s): one slow "
                     "query restarts the detector; raise WatchdogSec", cfg.timeout_seconds, watchdog.timeout)
@@ -74,7 +85,7 @@ def serve(cfg: DetectorConfig, once: bool) -> int:
     while not stop.is_set():
         # Evaluate at instants on the interval's grid: the two replicas of a shard (an HA pair) then evaluate the
         # same instants and open identical findings with identical incident ids, which Alertmanager deduplicates.
-        at = math.floor(time.time() / cfg.interval_seconds) * cfg.interval_seconds
+        at = warmstart.on_grid(time.time(), cfg.interval_seconds)
         if at <= last_at:
             stop.wait(max(0.0, last_at + cfg.interval_seconds - time.time()))
             continue
@@ -82,7 +93,9 @@ def serve(cfg: DetectorConfig, once: bool) -> int:
         failures = health.results["failure"]
         live.begin()
         try:
+            state.before(at)  # not ready yet: rebuild the state; missed instants: evaluate them first
             ev = det.evaluate(at)
+            state.done = at
             with health.lock:
                 health.last_success = time.time()
                 health.duration = ev.duration
@@ -100,8 +113,54 @@ def serve(cfg: DetectorConfig, once: bool) -> int:
         live.end()
         watchdog.tick()
         last = f"failed: {health.last_error}" if health.results["failure"] > failures else "ok"
-        sdnotify.status(f"last evaluation {last}; {len(det.tracker.active)} findings open")
+        sdnotify.status(f"{'' if state.ready else 'not ready (state not rebuilt); '}last evaluation {last}; "
+                        f"{len(det.tracker.active)} findings open")
+        if not state.ready:  # systemd: still starting, and making progress (or waiting for Prometheus)
+            sdnotify.notify(f"EXTEND_TIMEOUT_USEC={int((2 * cfg.interval_seconds + 60) * 1e6)}")
         stop.wait(max(0.0, at + cfg.interval_seconds - time.time()))
     watchdog.stop()
     server.shutdown()
     return 0
+
+
+class _State:
+    """Readiness and continuity of the live detector's state (issue 24): rebuilt from Prometheus on start and
+    after a long outage, caught up over instants the loop missed."""
+
+    def __init__(self, cfg: DetectorConfig, det: Detector, prom: PrometheusSource, live: Liveness,
+                 health: Health) -> None:
+        self.cfg, self.det, self.prom, self.live, self.health = cfg, det, prom, live, health
+        self.ready = False
+        #: The last grid instant the state includes (None: nothing yet).
+        self.done: float | None = None
+
+    def before(self, at: float) -> None:
+        iv = self.cfg.interval_seconds
+        if not self.ready or self.done is None or at - self.done > warmstart.first_horizon(self.cfg):
+            self.restore(at)
+        elif at - self.done > iv * 1.5:
+            missed = warmstart.grid(self.done + iv, at, iv)
+            log.info("catching up %d evaluation(s) missed since %s", len(missed), _utc(self.done))
+            warmstart.catch_up(self.det, RangeSource(self.prom, self.live.progress), missed)
+            self.done = missed[-1] if missed else self.done
+
+    def restore(self, at: float) -> None:
+        """Rebuild the state as of just before ``at`` from Prometheus; ready once done."""
+        source = RangeSource(self.prom, self.live.progress)
+        rebuilt, info = warmstart.rebuild(self.cfg, source, at, progress=self.live.progress)
+        warmstart.adopt(self.det, rebuilt)
+        self.done = at - self.cfg.interval_seconds
+        log.info("state rebuilt from %s: %d evaluations replayed over %.0f s (%d attempt(s)), %d range queries, "
+                 "%d points, %.1f s; %d findings open%s", self.cfg.prometheus_url, info.evaluations, info.horizon,
+                 info.attempts, source.requests, source.points, info.seconds, len(rebuilt.tracker.active),
+                 f"; {info.truncated} may have begun before the replay" if info.truncated else "")
+        if not self.ready:
+            self.ready = True
+            with self.health.lock:
+                self.health.not_ready = ""
+            sdnotify.ready(f"state rebuilt ({len(rebuilt.tracker.active)} findings open); evaluating against "
+                           f"{self.cfg.prometheus_url}")
+
+
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))

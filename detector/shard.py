@@ -126,16 +126,20 @@ def nic_owners(gpu: GpuFrame, shard: Shard | None) -> dict[str, int]:
 def owns_finding(shard: Shard | None, kind: str, node: str | None, site: str | None,
                  nics: dict[str, int] | None = None) -> bool:
     """Does ``shard`` report a finding of ``kind``? GPU findings come from its own GPUs only, so this
-    decides NIC findings (by :func:`nic_owners`; shard 0 for a node without GPUs) and site findings (shard 0)."""
+    decides NIC findings (by :func:`nic_owners`; shard 0 for a node without GPUs), NVL72 rack findings (by
+    node: the tray, or the rack's ``rack <serial>``; every shard reads the fabric series) and site findings
+    (shard 0)."""
     if shard is None or shard.count == 1:
         return True
     spec = kinds.spec(kind)
-    if spec.by_site:
+    if spec.shard_by == "site":
         return shard.index == 0
     if spec.judged == "nic":
         if nics is None:  # no owner map: by the node's hash (every shard reading the whole NIC frame)
             return shard.owns(f"node:{node or ''}")
         return nics.get(node or "", 0) == shard.index
+    if spec.shard_by == "node":
+        return shard.owns(f"node:{node or ''}")
     return True
 
 

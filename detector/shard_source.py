@@ -32,11 +32,12 @@ import numpy as np
 from gpufleet.detector import jobs, shard
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.features import NodeNaming, collect
-from gpufleet.detector.profiles import Query
+from gpufleet.detector.profiles import DCGM_FABRIC, FABRIC, Query
 from gpufleet.detector.source import Result, Source, SourceError
 
 #: Characters RE2 (Prometheus, Thanos, Mimir) and VictoriaMetrics treat as special in a regular expression.
 _SPECIAL = re.compile(r"([\\.+*?()|\[\]{}^$])")
+_FABRIC = frozenset(FABRIC + DCGM_FABRIC)
 #: The longest node regular expression sent in one query (bytes); a shard's nodes are split into batches. Below
 #: VictoriaMetrics' default -search.maxQueryLen (16 KB) with the rest of the query; Prometheus, Thanos and Mimir
 #: take the query as a POST form without such a limit.
@@ -52,6 +53,8 @@ def scope(q: Query) -> str:
         return "site"
     if q.entity == "meta" and q.metric.startswith("kube_"):
         return "fleet"  # pods and their owners: no node label, one series per pod
+    if q in _FABRIC:
+        return "fleet"  # NVL72: a rack's NVLink domain spans trays of any job, its GPUs are each other's peers
     return "nodes"
 
 

@@ -199,9 +199,11 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
     flags = nic_flags or {}
     hit = np.nan_to_num(combined, nan=0.0) >= p.threshold
     cands = [_candidate(frame, int(i), combined[i], z, p, flags, node_causes or {}) for i in np.flatnonzero(hit)]
-    if edge is not None and edge.any():  # at a job-wide edge: direct evidence only
+    if edge is not None and edge.any():  # at a job-wide edge: the GPU's own direct evidence only
         at_edge = {(frame.nodes[i], frame.gpus[i]) for i in np.flatnonzero(edge)}
-        cands = [c for c in cands if (c.node, c.gpu) not in at_edge or c.direct]
+        t = _thresholds(p)
+        cands = [c for c in cands if (c.node, c.gpu) not in at_edge
+                 or cause_rules.vouched(c.evidence.rules, c.evidence.deviations, t)]
     cands += _link_stragglers(frame, scored & ~hit, p, flags, z, node_causes or {})
     return StragglerResult(scored, combined, z, _collapse_nodes(frame, groups, cands, p))
 
@@ -252,7 +254,7 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
         rule, strength = hit
         key = (frame.nodes[i], frame.gpus[i])
         sc = nic_flags[key] if rule.what == "nic_flagged" else p.threshold + min(strength - DIRECT, 2.0)
-        ev = Evidence(causes={rule.cause: strength}, values=rule.values(view))
+        ev = Evidence(causes={rule.cause: strength}, values=rule.values(view), rules=(rule.what,))
         out.append(Candidate(frame.nodes[i], frame.gpus[i], frame.jobs[i], frame.sites[i], rule.cause, float(sc),
                              ev))
     return out
@@ -282,9 +284,9 @@ def _candidate(frame: GpuFrame, i: int, s: float, z: dict[str, FloatArray], p: S
                nic_flags: dict[tuple[str, str], float],
                node_causes: cause_rules.NodeCauses | None = None) -> Candidate:
     dev = {f: float(z[f][i]) for f in z if np.isfinite(z[f][i])}
-    strengths, values = cause_rules.evaluate(cause_rules.GpuView(frame, i, dev, _thresholds(p), nic_flags,
-                                                                 node_causes or {}))
-    ev = Evidence(deviations=dev, causes=strengths, values=values)
+    view = cause_rules.GpuView(frame, i, dev, _thresholds(p), nic_flags, node_causes or {})
+    strengths, values, applied = cause_rules.evaluate(view)
+    ev = Evidence(deviations=dev, causes=strengths, values=values, rules=applied)
     return Candidate(frame.nodes[i], frame.gpus[i], frame.jobs[i], frame.sites[i], ev.strongest(), float(s), ev)
 
 
@@ -292,8 +294,8 @@ def cause_evidence(frame: GpuFrame, i: int, z: dict[str, float], p: StragglerPar
                    nic_flags: dict[tuple[str, str], float],
                    node_causes: cause_rules.NodeCauses | None = None) -> list[tuple[str, float]]:
     """(cause, strength) evidence for GPU ``i`` (``z``: its robust z-scores) by the cause rules, strongest first."""
-    strengths, _ = cause_rules.evaluate(cause_rules.GpuView(frame, i, z, _thresholds(p), nic_flags,
-                                                            node_causes or {}))
+    strengths, _, _ = cause_rules.evaluate(cause_rules.GpuView(frame, i, z, _thresholds(p), nic_flags,
+                                                               node_causes or {}))
     return sorted(strengths.items(), key=lambda cs: -cs[1])
 
 
@@ -323,7 +325,7 @@ def _collapse_nodes(frame: GpuFrame, groups: FloatArray, cands: list[Candidate],
             for c in cs:
                 for cause, v in (c.evidence.causes or {c.cause: c.score}).items():
                     strength[cause] += v
-                    if v >= DIRECT:
+                    if v > DIRECT:
                         strongest_direct[cause] = max(strongest_direct.get(cause, 0.0), v)
             pick = strongest_direct or strength
             cause = max(pick, key=lambda k: pick[k])

@@ -11,20 +11,22 @@ inside an uneven job still goes to the hardware on-call with its cause.
 and turns them into one job-level candidate per job and pattern (``route`` "workload", ``owner`` the job's
 namespace where the frame knows it), with the pattern told by how the busier spots behave over time:
 
-- ``stage_imbalance``: busier since the job started (within :data:`SETTLE_WINDOWS` windows of its first
-  evaluation): a group that got more work by design;
-- ``hot_experts``: busy spots that move: a node busier earlier is not any more while another one is;
-- ``data_skew``: a rank or node that became busier mid-run and stays put.
+- ``hot_experts``: busy spots that move wholesale: every spot now on nodes never busier before, while a node
+  busier moments ago is quiet;
+- ``stage_imbalance``: otherwise, busier since the job started (within :data:`SETTLE_WINDOWS` windows of its
+  first evaluation): a group that got more work by design (its nodes may flicker, some stay busier);
+- ``data_skew``: otherwise, a rank or node that became busier mid-run (and stays put, or comes back).
 
-A mid-run spot is told only after :data:`DWELL_SECONDS` (it may still move: hot experts look like a data skew
-until they do), which costs a ticket a few minutes and spares the owner a wrong one. Per-step noise never
-reaches here: it does not stand out of the peers for two evaluations running.
+A job's spots are told only once they were seen for :data:`DWELL_SECONDS` (hot experts look like a stage or a
+skew until they move), which costs a ticket a few minutes and spares the owner a wrong one. Per-step noise
+never reaches here: it does not stand out of the peers for two evaluations running.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from gpufleet.agent.vocab.catalog import WORKLOAD_PATTERNS
 from gpufleet.detector.candidate import Candidate
 from gpufleet.detector.frames import GpuFrame
 
@@ -35,7 +37,7 @@ DWELL_SECONDS = 600.0
 #: Spots not seen for this long (seconds) are forgotten (a job's hot spots are compared within this).
 MEMORY_SECONDS = 3600.0
 CAUSE = "workload"
-PATTERNS = ("stage_imbalance", "data_skew", "hot_experts")
+PATTERNS = WORKLOAD_PATTERNS
 
 
 @dataclass
@@ -43,7 +45,10 @@ class _Job:
     first: float  # the job's first evaluation
     #: node -> (first, last) time it held a busier spot
     nodes: dict[str, tuple[float, float]] = field(default_factory=dict)
-    moved: bool = False
+    #: the first time the job had a busier spot, and how often its spots moved wholesale to new nodes
+    since: float | None = None
+    handovers: int = 0
+    counted: set[str] = field(default_factory=set)  # nodes whose arrival was counted as a handover
 
 
 class WorkloadRouter:
@@ -79,23 +84,29 @@ class WorkloadRouter:
         for node in now:
             first, _ = j.nodes.get(node, (t, t))
             j.nodes[node] = (first, t)
-        # moved: a node that held a spot is quiet now (for more than a window) while another holds one
-        quiet = {n for n, (_, last) in j.nodes.items() if t - last > self.window}
-        if quiet and now - quiet:
-            j.moved = True
-        onset = min(j.nodes[n][0] for n in now)
-        if j.moved:
+        # A handover: every spot is on nodes first busier within the last two windows (the old spot may linger
+        # in the window a little), while an older spot, busier moments ago, is quiet now: hot experts moving. A
+        # stage's nodes flicker, but they are old, and some of them stay busier.
+        young = {n for n in now if j.nodes[n][0] >= t - 2 * self.window}
+        old_quiet = {n for n, (first, last) in j.nodes.items()
+                     if first < t - 2 * self.window and last >= t - 4 * self.window and n not in now}
+        if now and young == now and old_quiet and not young <= j.counted:
+            j.handovers += 1
+            j.counted |= young
+        j.since = t if j.since is None else j.since
+        if t - j.since < DWELL_SECONDS:
+            return None  # told once it has been seen long enough to tell how it behaves
+        if j.handovers:
             pattern = "hot_experts"
-        elif onset <= j.first + SETTLE_WINDOWS * self.window:
+        elif j.since <= j.first + SETTLE_WINDOWS * self.window:
             pattern = "stage_imbalance"
-        elif t - onset >= DWELL_SECONDS:
-            pattern = "data_skew"
         else:
-            return None  # mid-run and young: it may still move
+            pattern = "data_skew"
+        onset = j.first if pattern == "stage_imbalance" else min(j.nodes[n][0] for n in now)
         best = max(cs, key=lambda c: c.score)
         gpus = sum(max(c.evidence.members, 1) for c in cs)
         owner = next((c.namespace for c in cs if c.namespace), "")
-        ev = replace(best.evidence, members=gpus, onset=j.first if pattern == "stage_imbalance" else onset,
+        ev = replace(best.evidence, members=gpus, onset=onset,
                      values={**best.evidence.values, "nodes": float(len(now))})
         return Candidate(best.node, None, job, best.site, CAUSE, best.score, ev, namespace=owner, route="workload",
                          pattern=pattern, owner=owner, group=f"{job}|{pattern}")

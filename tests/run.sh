@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything the test suite needs on a fresh Debian machine, then runs it:
-# Debian's prometheus (promtool), prometheus-alertmanager (amtool) and victoria-metrics, a virtualenv
+# Debian's prometheus (promtool), prometheus-alertmanager (amtool) and victoria-metrics, podman,
+# buildah, runc and mmdebstrap (the container images), a virtualenv
 # with gpufleet[dev], the linters, and pytest. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +14,12 @@ command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
 command -v curl >/dev/null 2>&1 || need+=(curl)
 command -v openssl >/dev/null 2>&1 || need+=(openssl)
 command -v ethtool >/dev/null 2>&1 || need+=(ethtool)
+# tests/system/test_images.py: packaging/container/build.sh --base debian builds the images with podman
+# (runc: crun fails on cgroup v1/hybrid hosts) on a base mmdebstrap makes from Debian packages.
+command -v podman >/dev/null 2>&1 || need+=(podman)
+command -v buildah >/dev/null 2>&1 || need+=(buildah)
+command -v runc >/dev/null 2>&1 || need+=(runc)
+command -v mmdebstrap >/dev/null 2>&1 || need+=(mmdebstrap)
 if ((${#need[@]})); then
   sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"

@@ -337,3 +337,52 @@ def nvmlDeviceGetProcessesUtilizationInfo(
     handle: c_nvmlDevice_t, timeStamp: int
 ) -> list[c_nvmlProcessUtilizationInfo_v1_t]: ...
 def nvmlGpmMetricsGet(metricsGet: c_nvmlGpmMetricsGet_t) -> c_nvmlGpmMetricsGet_t: ...
+
+# ---------------------------------------------------------------- NVLink fabric and rack (Blackwell, issue 21)
+
+nvmlGpuFabricInfo_v2: int
+nvmlGpuFabricInfo_v3: int
+nvmlPlatformInfo_v1: int
+nvmlPlatformInfo_v2: int
+nvmlMarginTemperature_v1: int
+nvmlNvlinkGetBwMode_v1: int
+NVML_GPU_FABRIC_HEALTH_MASK_INCORRECT_CONFIGURATION_NONE: int
+
+class c_nvmlGpuFabricInfo_v2_t(ctypes.Structure):
+    version: int
+    clusterUuid: ctypes.Array[ctypes.c_uint8]
+    status: int
+    cliqueId: int
+    state: int
+    healthMask: int
+
+class c_nvmlGpuFabricInfo_v3_t(c_nvmlGpuFabricInfo_v2_t):
+    healthSummary: int
+
+class c_nvmlPlatformInfo_v1_t(ctypes.Structure):
+    version: int
+
+class c_nvmlPlatformInfo_v2_t(ctypes.Structure):
+    version: int
+    ibGuid: bytes | str
+    chassisSerialNumber: bytes | str
+    slotNumber: bytes | str
+    trayIndex: bytes | str
+    hostId: bytes | str
+    peerType: bytes | str
+    moduleId: bytes | str
+
+class c_nvmlNvlinkGetBwMode_v1_t(ctypes.Structure):
+    version: int
+    bIsBest: int
+    bwMode: int
+
+class c_nvmlC2cModeInfo_v1_t(ctypes.Structure):
+    isC2cEnabled: int
+
+def nvmlDeviceGetGpuFabricInfoV(device: c_nvmlDevice_t, gpuFabricInfo: object) -> int: ...
+def nvmlDeviceGetPlatformInfo(device: c_nvmlDevice_t, platformInfo: object) -> int: ...
+def nvmlDeviceGetMarginTemperature(handle: c_nvmlDevice_t) -> int: ...
+def nvmlDeviceGetRepairStatus(device: c_nvmlDevice_t) -> list[int]: ...
+def nvmlDeviceGetC2cModeInfoV(handle: c_nvmlDevice_t) -> c_nvmlC2cModeInfo_v1_t: ...
+def nvmlDeviceGetNvlinkBwMode(device: c_nvmlDevice_t, getBwMode: object) -> int: ...

@@ -3,7 +3,7 @@
 Reads the files NCCL's example profiler plugin writes into ``--collector.nccl.directory``
 (format: :mod:`gpufleet.agent.collectors.nccl_trace`), named
 ``[<job id>.]gpu<index>-<hostname>-<tid>.txt``: the launcher sets
-``NCCL_PROFILE_DUMP_FILE=<dir>/<job id>.gpu<local GPU index>`` for each rank (README, "Collective
+``NCCL_PROFILE_DUMP_FILE=<dir>/<job id>.gpu<local GPU index>`` for each rank (docs/install-gpu-hosts.md, "Collective
 timing"). The GPU comes from the name; the job from the name, else from the jobs collector's
 mapping for that GPU at the time the file is read (the plugin writes when the communicator
 ends, when the mapping may be gone, hence the name). Files with other names are ignored.

@@ -31,7 +31,7 @@ DATATYPE_BYTES = {
     "ncclFloat64": 8, "ncclDouble": 8, "ncclBfloat16": 2, "ncclFloat8e4m3": 1, "ncclFloat8e5m2": 1,
 }
 #: Dump file names the collector attributes: ``[<job id>.]gpu<index>-<hostname>-<tid>.txt``
-#: (``NCCL_PROFILE_DUMP_FILE=<dir>/<job id>.gpu<index>`` per rank; see the README).
+#: (``NCCL_PROFILE_DUMP_FILE=<dir>/<job id>.gpu<index>`` per rank; see docs/install-gpu-hosts.md).
 FILE_NAME = re.compile(r"^(?:(?P<job>[A-Za-z0-9_][A-Za-z0-9_.:@+-]{0,127})\.)?gpu(?P<gpu>0|[1-9][0-9]{0,3})-.+\.txt$")
 
 

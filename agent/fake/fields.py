@@ -1,5 +1,6 @@
 """The fake NVML's ``nvmlDeviceGetFieldValues``: memory temperature, clock-event time counters, NVLink
-link count, per-link NVLink throughput, and the link-scoped NVLink state and error counters.
+link count, per-link NVLink throughput, the link-scoped NVLink state and error counters, and the NVLink 5
+per-link counters (Blackwell).
 
 Field ids come from :mod:`gpufleet.agent.vocab.nvml`. The link-scoped fields (scopeId = link)
 answer from the same NvLinkSample as nvmlDeviceGetNvLinkState / nvmlDeviceGetNvLinkErrorCounter
@@ -15,6 +16,7 @@ import pynvml
 from gpufleet.agent.fake.core import Dev, FakeCore
 from gpufleet.agent.fake.ctypes_io import INVALID_ARGUMENT, NOT_SUPPORTED, SUCCESS, as_int, target
 from gpufleet.agent.fake.errors import field_rules
+from gpufleet.agent.vocab import fabric as fb
 from gpufleet.agent.vocab import nvml as nv
 
 #: field id -> clock-event reason whose time counter (ns) it reads.
@@ -25,6 +27,8 @@ _FI_MEMORY_TEMP = nv.FI_MEMORY_TEMP.value
 _FI_NVLINK_LINK_COUNT = nv.FI_NVLINK_LINK_COUNT.value
 #: Link-scoped NVLink fields (scopeId = link), as DCGM reads them on Hopper: field id -> NvLinkSample attribute.
 _FI_NVLINK_SCOPED: dict[int, str] = {c.field.value: c.name for c in nv.NVLINK_SCOPED if c.field is not None}
+#: NVLink 5 per-link counters (scopeId = link): field id -> NvLinkSample.counters key (issue 21).
+_FI_NVLINK5: dict[int, str] = {fid: name for name, _, fid in fb.NVLINK5_COUNTERS}
 _ULL: int = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
 _UI: int = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
 
@@ -60,6 +64,16 @@ class FieldValueEntryPoints(FakeCore):
                 up = pynvml.NVML_FEATURE_ENABLED if links[scope].up else pynvml.NVML_FEATURE_DISABLED
                 return SUCCESS, _UI, up
             v = getattr(links[scope], attr)
+            return (NOT_SUPPORTED, _ULL, None) if v is None else (SUCCESS, _ULL, v)
+        name = _FI_NVLINK5.get(fid)
+        if name is not None:  # NVLink 5 per-link counters: NOT_SUPPORTED before Blackwell (counters None)
+            links = s.nvlink
+            if d.inv.nvlink_count == 0 or links is None:
+                return NOT_SUPPORTED, _ULL, None
+            if not 0 <= scope < d.inv.nvlink_count:
+                return INVALID_ARGUMENT, _ULL, None
+            counters = links[scope].counters if scope < len(links) else None
+            v = None if counters is None else counters.get(name)
             return (NOT_SUPPORTED, _ULL, None) if v is None else (SUCCESS, _ULL, v)
         if fid == _FI_MEMORY_TEMP:
             t = s.temperature_memory_c

@@ -33,7 +33,8 @@ Behaviour mirrors NVML where it matters to a monitoring agent:
 The entry points live in one module per group, mixed into :class:`FakeNvml`:
 :mod:`.devices` (enumeration, identity), :mod:`.readings`, :mod:`.fields`
 (``nvmlDeviceGetFieldValues``), :mod:`.gpm`, :mod:`.events` (XID), :mod:`.mig` (MIG mode and MIG device
-handles) and :mod:`.processes` (running processes, per-process utilization); the shared state
+handles) and :mod:`.processes` (running processes, per-process utilization), :mod:`.fabric` (Blackwell NVLink
+fabric, platform, thermal margin, repair, C2C, NVLink bandwidth mode); the shared state
 and device lookup in :mod:`.core`, error injection in :mod:`.errors`, ctypes
 conversions in :mod:`.ctypes_io`. This module installs the library into pynvml and
 dispatches pynvml's calls to the entry points.
@@ -64,6 +65,7 @@ from gpufleet.agent.fake.ctypes_io import (
 from gpufleet.agent.fake.devices import SCALAR_ENTRY_POINTS, DeviceEntryPoints
 from gpufleet.agent.fake.errors import make_rule, system_code
 from gpufleet.agent.fake.events import EventEntryPoints
+from gpufleet.agent.fake.fabric import FabricEntryPoints
 from gpufleet.agent.fake.fields import FieldValueEntryPoints
 from gpufleet.agent.fake.gpm import GpmEntryPoints
 from gpufleet.agent.fake.processes import ProcessEntryPoints
@@ -159,7 +161,7 @@ class _FakeLib:
 
 
 class FakeNvml(ProcessEntryPoints, DeviceEntryPoints, ReadingEntryPoints, FieldValueEntryPoints, GpmEntryPoints,
-               EventEntryPoints):
+               EventEntryPoints, FabricEntryPoints):
     """A fake libnvidia-ml backed by ``source``; see the module docstring."""
 
     def __init__(self, source: DeviceSource) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from gpufleet.agent.fake.noise import mix, symmetric, uniform
 from gpufleet.agent.fake.sim_host import SimHostSysfs
 from gpufleet.agent.fake.smi_xml import SmiHost, builtin_host, load_smi_xml
+from gpufleet.agent.nvml.hardware import ARCH_BLACKWELL
 from gpufleet.agent.nvml.model import (
     DriverInfo,
     GpmCounters,
@@ -26,6 +27,7 @@ from gpufleet.agent.nvml.model import (
     NvLinkSample,
     XidEvent,
 )
+from gpufleet.agent.vocab.fabric import NVLINK5_EVENTS
 from gpufleet.agent.vocab.nvml import CLOCK_EVENT_BITS
 
 #: length of one model step: every reading is constant within a slot, counters grow linearly
@@ -38,6 +40,7 @@ THERMAL_TAU_S = 40.0
 NVLINK_TRAIN_BYTES_S = 150e9  # per GPU, each direction, during training (all-reduce traffic)
 QUANTUM_S = 0.01  # sample() resolution
 KB = 1024  # NVML reports PCIe throughput in KB/s; the model takes KB = 1024 bytes
+_NVLINK5_ZERO = dict.fromkeys(NVLINK5_EVENTS, 0)
 H100_LIMIT_W = 700.0  # the board the model is tuned on; other boards' power scales by their limit
 H100_MEMORY = 85520809984
 H100_MAX_SM_MHZ = 1980
@@ -113,6 +116,13 @@ def _synth_inventory(base: list[GpuInventory], n: int, seed: int) -> list[GpuInv
         serial = None if b.serial is None else f"{int(b.serial) + i}" if b.serial.isdigit() else f"{b.serial}-{i}"
         out.append(replace(b, index=i, uuid=f"GPU-{u}", pci_bus_id=f"{dom:08X}:{bus}", minor_number=i, serial=serial))
     return out
+
+
+def _margin(base: GpuSample, temp: float) -> int | None:
+    """The thermal margin at ``temp``: the captured margin moved by the captured-to-simulated temperature change."""
+    if base.margin_temperature_c is None or base.temperature_gpu_c is None:
+        return None
+    return round(base.temperature_gpu_c + base.margin_temperature_c - temp)
 
 
 def _limit_w(base: GpuSample, inv: GpuInventory) -> float:
@@ -316,8 +326,11 @@ class SimSource:
         ns = dict(p.base.clocks_event_ns or {})
         ns["sw_power_cap"] = acc.power_cap_ns
         kib = acc.nvlink_bytes / 1024.0
+        # NVLink 5 (Blackwell) per-link counters: a healthy link's FEC corrects a trickle of symbol errors.
+        nvlink5 = inv.architecture >= ARCH_BLACKWELL
         links = [
-            NvLinkSample(up=True, tx_kib=int(kib * w), rx_kib=int(kib * w), crc_flit=0, crc_data=0, replay=0, recovery=0)
+            NvLinkSample(up=True, tx_kib=int(kib * w), rx_kib=int(kib * w), crc_flit=0, crc_data=0, replay=0, recovery=0,
+                         counters={**_NVLINK5_ZERO, "symbol_errors": int(0.02 * (now - self._start))} if nvlink5 else None)
             for w in p.link_weights
         ]
         temp = acc.temp
@@ -365,6 +378,13 @@ class SimSource:
                 pcie_tx_bytes=int(acc.pcie_tx_bytes),
                 pcie_rx_bytes=int(acc.pcie_rx_bytes),
             ),
+            # Blackwell rack signals as captured (issue 21); the thermal margin follows the simulated temperature.
+            fabric=p.base.fabric,
+            margin_temperature_c=_margin(p.base, temp),
+            repair_channel_pending=p.base.repair_channel_pending,
+            repair_tpc_pending=p.base.repair_tpc_pending,
+            c2c_enabled=p.base.c2c_enabled,
+            nvlink_bw_mode=p.base.nvlink_bw_mode,
         )
 
     def poll_xid(self) -> list[XidEvent]:

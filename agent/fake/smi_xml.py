@@ -24,6 +24,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpufleet.agent.fake import smi_fabric
 from gpufleet.agent.nvml import hardware
 from gpufleet.agent.nvml.model import DriverInfo, GpuInventory, GpuSample
 from gpufleet.agent.vocab.nvml import CLOCK_EVENT_BITS
@@ -192,6 +193,7 @@ def _inventory(index: int, gpu: ET.Element) -> GpuInventory:
         gpm_supported=hardware.gpm_supported(arch, name),
         row_remap_supported=_text(gpu, "remapped_rows/remapped_row_corr") is not None,
         retired_pages_supported=_text(gpu, "retired_pages/multiple_single_bit_retirement/retired_count") is not None,
+        platform=smi_fabric.platform(gpu),
     )
     return inv
 
@@ -249,6 +251,7 @@ def _sample(gpu: ET.Element) -> GpuSample:
         pcie_rx_kbps=_int(gpu, "pci/rx_util"),
         nvlink=None,
         gpm=None,
+        **smi_fabric.sample_fields(gpu),
     )
 
 

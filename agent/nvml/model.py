@@ -28,6 +28,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol, TypeVar
 
+from gpufleet.agent.nvml.fabric_model import FabricSample, PlatformInfo
 from gpufleet.agent.serving.files import write_atomic
 
 
@@ -93,6 +94,8 @@ class GpuInventory:
     mig_mode_pending: int | None = None
     #: The MIG devices while MIG mode is enabled (nvmlDeviceGetMigDeviceHandleByIndex order)
     mig_devices: list[MigDeviceInventory] = field(default_factory=list)
+    #: Rack placement (nvmlDeviceGetPlatformInfo, Blackwell racks); None: NOT_SUPPORTED
+    platform: PlatformInfo | None = None
 
 
 @dataclass
@@ -104,6 +107,8 @@ class NvLinkSample:
     crc_data: int | None = 0
     replay: int | None = 0
     recovery: int | None = 0
+    #: NVLink 5 per-link counters by event name (vocab.fabric.NVLINK5_COUNTERS); None: NOT_SUPPORTED (pre-Blackwell)
+    counters: dict[str, int] | None = None
 
 
 @dataclass
@@ -191,6 +196,13 @@ class GpuSample:
     mig: list[MigSample] = field(default_factory=list)
     #: running compute processes; None: the source does not model processes (NOT_SUPPORTED)
     processes: list[ProcessSample] | None = None
+    # NVLink domain and rack signals (Blackwell, issue 21); None: NOT_SUPPORTED (no series).
+    fabric: FabricSample | None = None  # nvmlDeviceGetGpuFabricInfoV
+    margin_temperature_c: int | None = None  # nvmlDeviceGetMarginTemperature (to the slowdown threshold)
+    repair_channel_pending: bool | None = None  # nvmlDeviceGetRepairStatus
+    repair_tpc_pending: bool | None = None
+    c2c_enabled: bool | None = None  # nvmlDeviceGetC2cModeInfoV
+    nvlink_bw_mode: int | None = None  # nvmlDeviceGetNvlinkBwMode (NVML_GPU_NVLINK_BW_MODE_*)
 
 
 @dataclass
@@ -237,6 +249,8 @@ def inventory_from_dict(data: dict[str, Any]) -> GpuInventory:
     cc = inv.cuda_compute_capability
     inv.cuda_compute_capability = None if cc is None else (int(cc[0]), int(cc[1]))
     inv.mig_devices = [_from_dict(MigDeviceInventory, m) if isinstance(m, dict) else m for m in inv.mig_devices]
+    if isinstance(inv.platform, dict):
+        inv.platform = _from_dict(PlatformInfo, inv.platform)
     return inv
 
 
@@ -249,6 +263,8 @@ def sample_from_dict(data: dict[str, Any]) -> GpuSample:
     s.mig = [_mig_sample_from_dict(m) if isinstance(m, dict) else m for m in s.mig]
     if s.processes is not None:
         s.processes = [_from_dict(ProcessSample, p) if isinstance(p, dict) else p for p in s.processes]
+    if isinstance(s.fabric, dict):
+        s.fabric = _from_dict(FabricSample, s.fabric)
     return s
 
 

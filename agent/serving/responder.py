@@ -1,7 +1,8 @@
 """What the server answers to an authorized GET or HEAD: routes and response bodies.
 
 Routes: the telemetry path (Prometheus text, or OpenMetrics when the ``Accept`` header asks for
-it; gzip when ``Accept-Encoding`` allows), ``/health`` (200 "OK" plus the service's state), a
+it; gzip when ``Accept-Encoding`` allows), ``/health`` (200 "OK" plus the service's state),
+``/ready`` (200, or 503 while a service that says so is not ready: :class:`ReadyExposer`), a
 small landing page at ``/``, 404 for anything else. Every gpufleet service (the agent, the
 detector) plugs in through :class:`Exposer`.
 """
@@ -24,6 +25,14 @@ class Exposer(Protocol):
     def exposition(self, accept: str | None = None) -> tuple[bytes, str]: ...
 
     def health(self) -> str: ...
+
+
+@runtime_checkable
+class ReadyExposer(Protocol):
+    """An exposer with a readiness state (the detector: not ready until its state is rebuilt). ``ready()``
+    returns "" when ready, else why not; ``/ready`` answers 200 or 503 with it. Without one, ``/ready`` is 200."""
+
+    def ready(self) -> str: ...
 
 
 @runtime_checkable
@@ -72,6 +81,10 @@ class Responder:
         if req.path == "/health":
             body = f"OK\n{self.exposer.health()}\n".encode()
             return self.response(req, 200, body), req.keep_alive
+        if req.path == "/ready":  # the Kubernetes readiness probe (liveness stays on /health)
+            why = self.exposer.ready() if isinstance(self.exposer, ReadyExposer) else ""
+            body = f"not ready: {why}\n".encode() if why else b"ready\n"
+            return self.response(req, 503 if why else 200, body), req.keep_alive
         if req.path == "/":
             return self.response(req, 200, self.landing, "text/html; charset=utf-8"), req.keep_alive
         return self.response(req, 404, b"404 Not Found\n"), req.keep_alive

@@ -25,6 +25,7 @@ from gpufleet.agent.sim.scenario import (
     load_scenario,
     parse_time,
 )
+from gpufleet.agent.sim.scraping import MODELS
 from gpufleet.agent.sim.simulator import Simulator
 
 
@@ -49,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--start", metavar="TIME|now",
                      help="first sample time: ISO 8601 (UTC if no zone) or 'now' to end the recording now "
                           "(default: the scenario's start, else 2026-07-01T00:00:00Z, so output is reproducible)")
+    gen.add_argument("--scrape", choices=MODELS,
+                     help="how Prometheus scrapes the fleet (default: the scenario's [scrape] model, else prometheus: "
+                          "targets at their own offsets with jitter, failed scrapes, dcgm-exporter's lag; aligned: "
+                          "every series at the tick)")
     gen.add_argument("--quiet", action="store_true", help="no progress output")
     try:
         demo = importlib.import_module("gpufleet.agent.sim.demo")
@@ -88,6 +93,8 @@ def _generate(args: argparse.Namespace) -> int:
     except ScenarioError as e:
         print(f"gpufleet-sim: {e}", file=sys.stderr)
         return 2
+    if args.scrape is not None:
+        scenario.scrape.model = args.scrape
     try:
         start = _start(args.start, scenario)
     except ScenarioError as e:

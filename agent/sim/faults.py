@@ -52,6 +52,18 @@ Catalogue (``kind``: signature -> expected findings):
 * ``slow_host`` (node): the data loader starves the node's GPUs (5%..60% of a step): its GPUs show
   lower utilization and activity but no GPU-level fault, and the whole job slows; the node's CPU
   pressure (PSI cpu some) rises to 15%..70% of the time, its peers stay at their 0.1%..3%. -> straggler/host.
+* ``nvlink_fabric_degraded`` (GPU of an NVL72 rack): the GPU's NVLink fabric health degrades: bandwidth degraded
+  (``gpufleet_gpu_fabric_health{condition=bandwidth_degraded}`` 1, summary limited capacity), from moderate
+  severity with a route recovery in progress, at obvious an unhealthy route (summary unhealthy).
+  -> tray_health/nvlink on that GPU.
+* ``nvswitch_tray_failure`` (the rack of ``node``): an NVLink switch tray fails and degrades 40%..100% of the
+  rack's 72 GPUs at once (bandwidth degraded, insufficient NVLinks; summary limited capacity); every rank slows
+  alike, so no GPU stands out from its peers. -> nvlink_domain/nvlink, one finding naming the rack.
+* ``c2c_lost`` (node: a compute tray): the chip-to-chip links between the tray's Grace CPUs and its GPUs go down
+  (``gpufleet_gpu_c2c_enabled`` 0). -> tray_health/c2c.
+* ``tray_thermal_margin`` (node: a compute tray): the tray's liquid cooling loses flow: thermal resistance rises
+  1.3x..2.0x, its GPUs run out of thermal margin (``gpufleet_gpu_thermal_margin_celsius`` a few C, its rack
+  peers' 25 C) and throttle, their job waits on them. -> tray_health/thermal, throttling/thermal, straggler/thermal.
 * ``pue_drift`` (site): facility power / IT power rises by +0.03..+0.20 over 2 hours (cooling plant
   degrading), independent of weather. -> pue_drift (cause null).
 
@@ -66,6 +78,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar
+
+import numpy as np
 
 from gpufleet.agent.sim.physics import NVLINK_ERR, Physics
 
@@ -92,6 +106,8 @@ class Fault:
     target: ClassVar[str] = "gpu"  # "site", "node", "gpu" or "nic"
     findings: ClassVar[tuple[tuple[str, str | None], ...]] = ()
     signals: ClassVar[tuple[str, ...]] = ()
+    #: The ground truth's entity when it is not the target's (an NVL72 switch tray's fault: "rack").
+    entity: ClassVar[str | None] = None
 
     onset: float
     end: float | None = None
@@ -376,6 +392,58 @@ class PueDrift(Fault):
         p.mods.pue_add[self.site] += lerp(0.03, 0.2, self.severity) * max(ramp, 0.05)
 
 
+class NvlinkFabricDegraded(Fault):
+    kind = "nvlink_fabric_degraded"
+    findings = (("tray_health", "nvlink"),)
+    signals = ("gpufleet_gpu_fabric_health{condition=bandwidth_degraded}", "gpufleet_gpu_fabric_overall_health")
+
+    def apply(self, p: Physics, t: float, dt: float) -> None:
+        g = self.gpus(p)
+        p.mods.fabric[g, 0] = True  # bandwidth degraded (vocab.fabric.HEALTH_CONDITIONS order)
+        if self.severity >= 0.35:
+            p.mods.fabric[g, 1] = True  # route recovery in progress
+        if self.severity >= 0.75:
+            p.mods.fabric[g, 2] = True  # route unhealthy
+
+
+class NvswitchTrayFailure(Fault):
+    kind = "nvswitch_tray_failure"
+    target = "node"
+    entity = "rack"
+    findings = (("nvlink_domain", "nvlink"),)
+    signals = ("gpufleet_gpu_fabric_health{condition=bandwidth_degraded}",)
+
+    def apply(self, p: Physics, t: float, dt: float) -> None:
+        f = p.fleet
+        assert self.node is not None
+        rack = f.node_rack[self.node]
+        nodes = np.flatnonzero(f.node_rack == rack) if rack >= 0 else np.array([self.node])
+        gpus = np.concatenate([f.node_gpus(int(n)) for n in nodes])
+        hit = gpus[: max(1, round(len(gpus) * lerp(0.4, 1.0, self.severity)))]
+        p.mods.fabric[hit, 0] = True  # bandwidth degraded
+        p.mods.fabric[hit, 4] = True  # incorrect configuration: insufficient NVLinks
+
+
+class C2cLost(Fault):
+    kind = "c2c_lost"
+    target = "node"
+    findings = (("tray_health", "c2c"),)
+    signals = ("gpufleet_gpu_c2c_enabled",)
+
+    def apply(self, p: Physics, t: float, dt: float) -> None:
+        p.mods.c2c_off[self.gpus(p)] = True
+
+
+class TrayThermalMargin(Fault):
+    kind = "tray_thermal_margin"
+    target = "node"
+    findings = (("tray_health", "thermal"), ("throttling", "thermal"), ("straggler", "thermal"))
+    signals = ("gpufleet_gpu_thermal_margin_celsius",)
+
+    def apply(self, p: Physics, t: float, dt: float) -> None:
+        p.mods.r_mult[self.gpus(p)] *= lerp(1.3, 2.0, self.severity)
+
+
 class FaultSchedule:
     """The faults of one run and where each is in its lifecycle; ``schedule(p, t, dt)`` is a tick's effects.
 
@@ -408,6 +476,7 @@ FAULTS: dict[str, type[Fault]] = {
     c.kind: c for c in (
         CoolingFailure, IntermittentThermal, PowerBrake, PowerCap, ClockStuckLow, IbLinkDegraded, IbLinkFlapping,
         NetworkCongestion, PcieDowngrade, NvlinkDown, HbmEcc, Xid79, SlowHost, PueDrift, RocePauseStorm,
+        NvlinkFabricDegraded, NvswitchTrayFailure, C2cLost, TrayThermalMargin,
     )
 }
 

@@ -40,6 +40,9 @@ class GpuModel:
     pcie_gen: int
     pcie_width: int
     gpm: bool = True
+    #: Rack-scale NVLink (GB200/GB300 NVL72): compute trays per rack, all of one rack in one NVLink domain
+    #: (agent.sim.nvl72); 0: the NVLink domain is the node.
+    rack_trays: int = 0
 
 
 GPU_MODELS: dict[str, GpuModel] = {
@@ -49,6 +52,10 @@ GPU_MODELS: dict[str, GpuModel] = {
                          700.0, 75.0, 790.0, 0.064, 35.0, 85, 87, 92, 95, 18, 25.0, 5, 16),
     "A100-SXM": GpuModel("A100-SXM", "NVIDIA A100-SXM4-80GB", 7, (8, 0), 85899345920, 1410, 210, 1593,
                          400.0, 55.0, 420.0, 0.105, 30.0, 85, 88, 92, 95, 12, 25.0, 4, 16, gpm=False),
+    # GB200 NVL72 compute tray GPU (the capture in tests/fixtures/nvidia-smi/gb200-4gpu.xml: 2062 MHz, 3996 MHz
+    # memory, 1200 W, 18 NVLink 5 links of 50 GB/s per direction); 4 per tray, 18 trays per rack.
+    "GB200": GpuModel("GB200", "NVIDIA GB200", 10, (10, 0), 198673924096, 2062, 345, 3996,
+                      1200.0, 140.0, 1250.0, 0.040, 35.0, 85, 87, 92, 95, 18, 50.0, 5, 16, rack_trays=18),
 }
 
 
@@ -128,6 +135,20 @@ class Fleet:
         self.nic_is_host = self.nic_local == self.gpus_per_node
         #: NIC index of each GPU's rail NIC
         self.gpu_nic = self.gpu_node * self.nics_per_node + self.gpu_local
+        #: Rack-scale NVLink (GpuModel.rack_trays): each node's rack (-1: none) and compute tray, the k-th rack
+        #: node of a site in its rack k // rack_trays at tray k % rack_trays.
+        self.node_rack = np.full(n_nodes, -1)
+        self.node_tray = np.zeros(n_nodes, int)
+        racks = 0
+        for site in sorted(set(self.node_site.tolist())):
+            members = [i for i, nd in enumerate(self.nodes) if nd.site == site and nd.model.rack_trays]
+            for k, i in enumerate(members):
+                per = self.nodes[i].model.rack_trays
+                self.node_rack[i] = racks + k // per
+                self.node_tray[i] = k % per
+            if members:
+                racks = int(self.node_rack.max()) + 1
+        self.n_racks = racks
 
     @property
     def n_gpus(self) -> int:

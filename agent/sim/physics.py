@@ -97,6 +97,10 @@ class Mods:
         # The workload's own unevenness (issue 19, gpufleet.agent.sim.workload): each rank's compute per step
         # relative to its job's (a busier pipeline stage, longer sequences, hot experts).
         self.work = np.ones(g)
+        # NVLink domain and rack (issue 21, agent.sim.nvl72): the fabric health conditions that hold per GPU
+        # (columns: vocab.fabric.HEALTH_CONDITIONS) and GPUs whose C2C link to their Grace CPU is down.
+        self.fabric = np.zeros((g, 5), bool)
+        self.c2c_off = np.zeros(g, bool)
 
 
 @dataclass

@@ -24,7 +24,10 @@ evaluation phase, the second job crashing and resubmitted (the whole job down
 while others run), an inference service, idle nodes, exporter restarts, missed
 scrapes and isolated PCIe-replay and symbol-error blips; a 2-hour (6-hour full)
 ``messy`` control gives false findings per 1,000 GPU-hours with all of them on.
-Every recording starts at :data:`START`, so the figures are reproducible.
+Every recording starts at :data:`START`, so the figures are reproducible. Recordings are scraped as Prometheus
+scrapes (:mod:`gpufleet.agent.sim.scraping`: each target at its own offset inside the interval, jitter, failed
+scrapes, dcgm-exporter's collect lag, job-wide changes reaching the nodes up to an interval apart); ``--scrape
+aligned`` records every series at the tick instead, as the harness did before.
 
 Reported, per profile, fleet and severity class: precision counting every
 finding (see :func:`score_run`), recall, cause accuracy per attributed finding,
@@ -51,6 +54,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gpufleet.agent.sim.faults import SEVERITY_WORDS
+from gpufleet.agent.sim.scraping import MODELS
 from gpufleet.detector.config import DetectorConfig, parse
 from gpufleet.detector.findings import Finding
 from gpufleet.detector.profiles import PROFILES
@@ -61,6 +65,10 @@ T = TypeVar("T")
 FAULT_SCENARIOS = ("clock_stuck_low", "cooling_failure", "intermittent_thermal", "power_brake", "power_cap",
                    "ib_link_degraded", "ib_link_flapping", "network_congestion", "pcie_downgrade", "nvlink_down",
                    "slow_host", "hbm_ecc", "xid79")
+#: GB200 NVL72 rack faults (issue 21): injected into their own scenario (18 trays x 4 GPUs, one job on the rack),
+#: never the messy fleet (its nodes have 8 GPUs): their fleet is reported as ``nvl72``; the ``nvl72`` scenario
+#: is their healthy control.
+RACK_FAULT_SCENARIOS = ("nvlink_fabric_degraded", "nvswitch_tray_failure", "c2c_lost", "tray_thermal_margin")
 #: The fleet every fault is injected into: ``plain`` (the fault's own scenario: 8 H100 nodes, two steady jobs)
 #: or ``messy`` (the built-in ``messy`` scenario: H100 on 400G and A100 on 200G InfiniBand, checkpoints, an
 #: evaluation phase, a job crash and resubmit, an inference service, idle nodes, exporter restarts, missed
@@ -91,6 +99,9 @@ class Run:
     kind: str  # "fault" or "control"
     series: str = "core"  # the simulator's series set: "core" (detector inputs, fast) or "full"
     fleet: str = "plain"  # faults: "plain" (the fault's own scenario) or "messy" (see FLEETS)
+    #: How the recordings are scraped (gpufleet.agent.sim.scraping): "prometheus" (per-target offsets, jitter,
+    #: failed scrapes, exporter lag; the default) or "aligned" (every series at the tick, as before issue 25)
+    scrape: str = "prometheus"
 
 
 @dataclass
@@ -114,6 +125,8 @@ def _matches_entity(f: Finding | dict[str, Any], fault: dict[str, Any]) -> bool:
     get = f.get if isinstance(f, dict) else lambda k: getattr(f, k)
     if fault["entity"] == "site":
         return bool(get("site") == fault["site"])
+    if fault["entity"] == "rack":  # an NVL72 domain-wide fault: the finding names the rack (issue 21)
+        return get("node") in (fault["rack"], fault.get("rack_clique"))
     if fault.get("node") and get("node") != fault["node"]:
         return False
     return not (fault.get("gpu") is not None and get("gpu") not in (None, fault["gpu"]))
@@ -181,6 +194,7 @@ def execute(run: Run, workdir: str) -> list[Outcome]:
             faults = sc.faults
             sc = load_scenario("messy", hours=run.hours, seed=run.seed)
             sc.faults = faults
+    sc.scrape.model = run.scrape
     d = Path(workdir) / f"{run.fleet}-{run.scenario}-{run.severity}-{run.seed}"
     res = record(Simulator(sc, seed=run.seed, start=parse_time(START)), d, PROFILES, series=run.series)
     labels = json.loads(res.labels.read_text())
@@ -203,8 +217,11 @@ def plan(quick: bool, seeds: int, fleets: Sequence[str] = ("messy",)) -> list[Ru
     runs += [Run("healthy", "-", seed, 3.0 if quick else 6.0, "control") for seed in range(1, seeds + 1)]
     if "messy" in fleets:
         runs += [Run("messy", "-", seed, 2.0 if quick else 6.0, "control") for seed in range(1, seeds + 1)]
+    runs += [Run("nvl72", "-", seed, 3.0 if quick else 6.0, "control") for seed in range(1, seeds + 1)]
     runs += [Run(s, v, seed, 1.25, "fault", fleet=fl) for fl in fleets for seed in range(1, seeds + 1)
              for s in FAULT_SCENARIOS for v in sev]
+    runs += [Run(s, v, seed, 1.25, "fault", fleet="nvl72") for seed in range(1, seeds + 1)
+             for s in RACK_FAULT_SCENARIOS for v in sev]
     return runs
 
 
@@ -321,6 +338,14 @@ def run_all(execute: Callable[[Run, str], T], runs: Sequence[Run], jobs: int, pr
                 done(i, execute(run, work))
 
 
+def add_scrape_option(ap: argparse.ArgumentParser) -> None:
+    """The harnesses' ``--scrape`` option (:attr:`Run.scrape`)."""
+    ap.add_argument("--scrape", choices=MODELS, default="prometheus",
+                    help="how the recordings are scraped: prometheus (targets at their own offsets in the interval, "
+                         "jitter, failed scrapes, dcgm-exporter's lag, job-wide changes reaching nodes up to an "
+                         "interval apart; default) or aligned (every series at the tick, as before)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gpufleet.agent.sim.quality", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 seed, moderate and obvious only, shorter controls")
@@ -334,22 +359,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--series", choices=("auto", "core", "full"), default="auto",
                     help="simulator series set: core (detector inputs; fast), full (every modelled series) or "
                          "auto (core, but full for nvlink_down: per-link NVLink state is only in full)")
-    ap.add_argument("--workload", action="store_true",
-                    help="run the workload section instead (uneven jobs: false pages, routes; "
-                         "gpufleet.agent.sim.quality_workload)")
+    add_scrape_option(ap)
     args = ap.parse_args(argv)
-    if args.workload:
-        from gpufleet.agent.sim import quality_workload
-
-        return quality_workload.main([*(["--quick"] if args.quick else []), "--jobs", str(args.jobs),
-                                      "--out", args.out, *(["--seeds", str(args.seeds)] if args.seeds else []),
-                                      *(["--only", *args.only] if args.only else [])])
     seeds = args.seeds or (1 if args.quick else 3)
     runs = plan(args.quick, seeds, FLEETS if args.fleet == "both" else (args.fleet,))
     if args.only:
         runs = [r for r in runs if r.scenario in args.only]
     for r in runs:
         r.series = args.series if args.series != "auto" else ("full" if r.scenario == "nvlink_down" else "core")
+        r.scrape = args.scrape
     outs: list[Outcome] = []
     started = time.perf_counter()
     out = Path(args.out)

@@ -36,6 +36,7 @@ from gpufleet.agent.sim.quality import (
     START,
     Outcome,
     Run,
+    add_scrape_option,
     markdown,
     run_all,
     score_run,
@@ -90,6 +91,7 @@ def attribution(outcome: Outcome, labels: dict[str, Any]) -> tuple[int, int]:
 
 def execute(run: Run, workdir: str) -> list[tuple[Outcome, tuple[int, int]]]:
     ks = scenario(run)
+    ks.scenario.scrape.model = run.scrape
     d = Path(workdir) / f"k8s-{run.scenario}-{run.severity}-{run.seed}"
     # pinned, as the bare-metal harness's: the figures reproduce
     res = kubernetes.record(ks, d, PROFILES, series=run.series, start=parse_time(START))
@@ -175,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", choices=(*FAULTS, *CONTROLS), help="only these cases")
     ap.add_argument("--out", default="quality-results", help="directory for quality-kubernetes.json")
     ap.add_argument("--from-json", metavar="FILE", help="only print the tables of an earlier run's JSON")
+    add_scrape_option(ap)
     args = ap.parse_args(argv)
     if args.from_json:
         try:
@@ -188,6 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = plan(args.quick, args.seeds or (1 if args.quick else 3))
     if args.only:
         runs = [r for r in runs if r.scenario in args.only]
+    for r in runs:
+        r.scrape = args.scrape
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: list[tuple[Outcome, tuple[int, int]]] = []

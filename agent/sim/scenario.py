@@ -8,7 +8,10 @@ Example::
     hours = 2            # or duration = "90m" (s, m, h, d suffixes; plain numbers are seconds)
     step = 15            # seconds between samples
     start = "2026-07-01T00:00:00Z"   # optional; recordings default to this, live runs to now
-    scrape_miss_rate = 0.0005        # probability a node's scrape is missing from the recording
+    scrape_miss_rate = 0.0005        # probability a target's scrape fails (default 0.001; 0 with model "aligned")
+
+    [scrape]                         # how Prometheus scrapes the fleet (gpufleet.agent.sim.scraping)
+    model = "prometheus"             # per-target offsets, jitter, exporter lag, rank skew; "aligned": none
 
     [[sites]]
     name = "site-a"
@@ -79,7 +82,15 @@ from typing import Any
 from gpufleet.agent.sim.faults import FAULTS, SEVERITY_WORDS
 from gpufleet.agent.sim.fleet import GPU_MODELS
 from gpufleet.agent.sim.mig import MIG_FAULTS, MigFaultSpec, MigSpec, instance_ids, layout_of
-from gpufleet.agent.sim.workload import WorkloadSpec, parse_workloads
+from gpufleet.agent.sim.scraping import (
+    COMPONENTS,
+    DEFAULT_MISS_RATE,
+    ScrapeSpec,
+    ScrapeSpecError,
+    parse_scrape,
+)
+from gpufleet.agent.sim.workload import PATTERNS as WORKLOAD_PATTERNS
+from gpufleet.agent.sim.workload import WORKLOAD_KEYS, WorkloadSpec, job_nodes
 
 DEFAULT_START = "2026-07-01T00:00:00Z"
 
@@ -139,7 +150,9 @@ class Scenario:
     duration: float = 3600.0
     step: float = 15.0
     start: str | None = None
-    scrape_miss_rate: float = 0.0
+    #: Failed scrapes per target and scrape; None: the scrape model's default (miss_rate).
+    scrape_miss_rate: float | None = None
+    scrape: ScrapeSpec = field(default_factory=ScrapeSpec)
     sites: list[SiteSpec] = field(default_factory=list)
     auto_jobs: bool = False
     fill: float = 0.85
@@ -153,7 +166,8 @@ class Scenario:
     #: Isolated counter blips (not faults): {"counter": "pcie_replay" | "symbol_error", "node", "gpu" | "nic",
     #: "at", "count"}.
     blips: list[dict[str, Any]] = field(default_factory=list)
-    #: Exporter restarts: the node's scrapes are missing for "seconds" from "at"; counters go on.
+    #: Exporter restarts: {"node", "at", "seconds", "component"}: that exporter's scrapes of the node are missing
+    #: for "seconds" from "at" and the counters it keeps itself start again from 0 (hardware counters go on).
     exporter_restarts: list[dict[str, Any]] = field(default_factory=list)
     #: Nodes in MIG mode and faults of single MIG slices (gpufleet.agent.sim.mig).
     mig: list[MigSpec] = field(default_factory=list)
@@ -166,6 +180,13 @@ class Scenario:
         total = sum(s.nodes for s in self.sites)
         width = max(3, len(str(total - 1)))
         return [f"node-{i:0{width}d}" for i in range(total)]
+
+    @property
+    def miss_rate(self) -> float:
+        """Failed scrapes per target and scrape: the scenario's rate, else the scrape model's default."""
+        if self.scrape_miss_rate is not None:
+            return self.scrape_miss_rate
+        return DEFAULT_MISS_RATE if self.scrape.realistic else 0.0
 
     def start_unix(self) -> float:
         return parse_time(self.start or DEFAULT_START)
@@ -241,7 +262,7 @@ def parse_scenario(data: dict[str, Any], source: str = "<scenario>") -> Scenario
     w = source
     _check_keys(data, {"name", "description", "seed", "hours", "duration", "step", "start", "scrape_miss_rate",
                        "sites", "jobs", "faults", "heatwaves", "reboots", "blips", "exporter_restarts", "mig",
-                       "mig_faults", "workloads"}, w)
+                       "mig_faults", "workloads", "scrape"}, w)
     sc = Scenario(name=_get(data, "name", str, w, Path(source).stem))
     sc.description = _get(data, "description", str, w, "")
     sc.seed = _get(data, "seed", int, w, 0)
@@ -257,9 +278,13 @@ def parse_scenario(data: dict[str, Any], source: str = "<scenario>") -> Scenario
     sc.start = _get(data, "start", str, w)
     if sc.start is not None:
         parse_time(sc.start)
-    sc.scrape_miss_rate = _get(data, "scrape_miss_rate", float, w, 0.0)
-    if not 0.0 <= sc.scrape_miss_rate < 1.0:
+    sc.scrape_miss_rate = _get(data, "scrape_miss_rate", float, w, None)
+    if sc.scrape_miss_rate is not None and not 0.0 <= sc.scrape_miss_rate < 1.0:
         raise ScenarioError(f"{w}.scrape_miss_rate: must be in [0, 1)")
+    try:
+        sc.scrape = parse_scrape(_get(data, "scrape", dict, w, {}), f"{w}.scrape")
+    except ScrapeSpecError as e:
+        raise ScenarioError(str(e)) from e
     sites = _get(data, "sites", list, w)
     if not sites:
         raise ScenarioError(f"{w}: at least one [[sites]] table is required")
@@ -336,14 +361,18 @@ def parse_scenario(data: dict[str, Any], source: str = "<scenario>") -> Scenario
         rw = f"{w}: exporter_restarts[{i}]"
         if not isinstance(r, dict):
             raise ScenarioError(f"{rw}: expected a table")
-        _check_keys(r, {"node", "at", "seconds"}, rw)
+        _check_keys(r, {"node", "at", "seconds", "component"}, rw)
         node = _get(r, "node", str, rw)
         if node not in node_names:
             raise ScenarioError(f"{rw}.node: unknown node {node!r}")
+        component = _get(r, "component", str, rw, "gpu")
+        if component not in COMPONENTS:
+            raise ScenarioError(f"{rw}.component: must be one of {', '.join(COMPONENTS)}, got {component!r}")
         sc.exporter_restarts.append({"node": node, "at": parse_duration(r.get("at", 0), f"{rw}.at"),
-                                     "seconds": parse_duration(r.get("seconds", 60), f"{rw}.seconds")})
+                                     "seconds": parse_duration(r.get("seconds", 60), f"{rw}.seconds"),
+                                     "component": component})
     _parse_mig(sc, data, w)
-    sc.workloads = parse_workloads(data.get("workloads"), sc, w)
+    sc.workloads = _parse_workloads(data.get("workloads"), sc, w)
     return sc
 
 
@@ -578,3 +607,65 @@ def describe(name: str) -> str:
         return str(tomllib.loads(builtin_text(name)).get("description", ""))
     except (OSError, tomllib.TOMLDecodeError):
         return ""
+
+
+def _parse_workloads(items: object, sc: Scenario, where: str) -> list[WorkloadSpec]:
+    """The validated ``[[workloads]]`` tables of a scenario whose jobs are parsed (errors name ``where``)."""
+    if items is None:
+        return []
+    if not isinstance(items, list):
+        raise ScenarioError(f"{where}: workloads must be an array of tables ([[workloads]])")
+    jobs = {j.id: j for j in sc.jobs}
+    names = sc.node_names
+    gpn = sc.sites[0].gpus_per_node
+    out = []
+    for i, w in enumerate(items):
+        ww = f"{where}: workloads[{i}]"
+        if not isinstance(w, dict):
+            raise ScenarioError(f"{ww}: expected a table")
+        unknown = sorted(set(w) - WORKLOAD_KEYS)
+        if unknown:
+            raise ScenarioError(f"{ww}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(WORKLOAD_KEYS))}")
+        spec = WorkloadSpec(job=_get(w, "job", str, ww, ""), pattern=_get(w, "pattern", str, ww, ""))
+        if spec.job not in jobs or jobs[spec.job].kind != "training":
+            raise ScenarioError(f"{ww}.job: {spec.job!r} is not a training job of [[jobs.fixed]]")
+        if spec.pattern not in WORKLOAD_PATTERNS:
+            raise ScenarioError(f"{ww}.pattern: must be one of {', '.join(WORKLOAD_PATTERNS)}")
+        spec.owner = _get(w, "owner", str, ww, "")
+        spec.extra = _get(w, "extra", float, ww, spec.extra)
+        if not 0.0 < spec.extra <= 3.0:
+            raise ScenarioError(f"{ww}.extra: must be in (0, 3]")
+        spec.sigma = _get(w, "sigma", float, ww, spec.sigma)
+        if not 0.0 < spec.sigma <= 0.5:
+            raise ScenarioError(f"{ww}.sigma: must be in (0, 0.5]")
+        members = job_nodes(sc, spec.job)
+        spec.stages = _get(w, "stages", int, ww, spec.stages)
+        if not 2 <= spec.stages <= len(members) * gpn:
+            raise ScenarioError(f"{ww}.stages: must be between 2 and the job's GPUs ({len(members) * gpn})")
+        spec.stage = _get(w, "stage", int, ww, spec.stage)
+        if not -spec.stages <= spec.stage < spec.stages:
+            raise ScenarioError(f"{ww}.stage: must be a stage of the {spec.stages}")
+        spec.node = _get(w, "node", str, ww)
+        if spec.node is not None and spec.node not in [names[n] for n in members]:
+            raise ScenarioError(f"{ww}.node: {spec.node!r} is not a node of job {spec.job!r}")
+        spec.gpu = _get(w, "gpu", int, ww)
+        if spec.gpu is not None and (spec.node is None or not 0 <= spec.gpu < gpn):
+            raise ScenarioError(f"{ww}.gpu: needs a node and must be between 0 and {gpn - 1}")
+        if spec.pattern == "data_skew" and spec.node is None:
+            raise ScenarioError(f"{ww}.node: a data_skew workload names the busier node (and gpu for one rank)")
+        if "start" in w:
+            spec.start = parse_duration(w["start"], f"{ww}.start")
+        if "end" in w:
+            spec.end = parse_duration(w["end"], f"{ww}.end")
+            if spec.end <= (spec.start or 0.0):
+                raise ScenarioError(f"{ww}.end: must be after the start")
+        spec.hot = _get(w, "hot", int, ww, spec.hot)
+        if not 1 <= spec.hot <= gpn:
+            raise ScenarioError(f"{ww}.hot: must be between 1 and {gpn}")
+        spec.move_every = parse_duration(w.get("move_every", spec.move_every), f"{ww}.move_every")
+        if spec.move_every <= 0:
+            raise ScenarioError(f"{ww}.move_every: must be greater than 0")
+        if spec.pattern == "hot_experts" and len(members) < 2:
+            raise ScenarioError(f"{ww}: hot experts move between nodes: the job needs at least 2 nodes")
+        out.append(spec)
+    return out

@@ -35,6 +35,7 @@ from gpufleet.agent.fake.sysfs import (  # every port has IB_COUNTER_FILES; unmo
 )
 from gpufleet.agent.nvml import model
 from gpufleet.agent.serving.files import write_atomic
+from gpufleet.agent.sim import nvl72
 from gpufleet.agent.sim.faults import FAULTS, Fault, FaultSchedule, fault_doc, severity_class
 from gpufleet.agent.sim.fleet import GPU_MODELS, Fleet, Job, Node, Site, schedule_jobs
 from gpufleet.agent.sim.mig import fault_labels, layout_of, mig_snapshot
@@ -120,6 +121,7 @@ class Simulator:
             start = sc.start_unix() if sc.start else float(int(time.time()))
         self.start = float(start)
         self.fleet = build_fleet(sc, self.rng)
+        self.racks = nvl72.Racks.of(self.fleet, self.seed)  # NVL72 racks' identities (none on other fleets)
         site_index = {s.name: i for i, s in enumerate(sc.sites)}
         heat = [Heatwave(site_index[h["site"]], h["start"], h["end"], h["delta_c"]) for h in sc.heatwaves]
         self.physics = Physics(self.fleet, self.rng, self.start, heat)
@@ -183,11 +185,14 @@ class Simulator:
             p.nic_err[node * self.fleet.nics_per_node + b["nic"], 0] += b["count"]
 
     def scrape_gaps(self, n_ticks: int) -> np.ndarray:
-        """Ticks x nodes: True where an exporter restart leaves the node's scrape missing."""
+        """Ticks x nodes: True where a restart of the node's GPU exporter leaves its scrape missing (the aligned
+        scrape model's node-wide gaps; the prometheus model keeps each exporter's restarts to its own target)."""
         sc = self.scenario
         out = np.zeros((n_ticks, len(self.fleet.nodes)), dtype=bool)
         times = (np.arange(n_ticks) + 1) * sc.step
         for r in sc.exporter_restarts:
+            if r.get("component", "gpu") != "gpu":
+                continue
             out[:, sc.node_names.index(r["node"])] |= (times >= r["at"]) & (times < r["at"] + r["seconds"])
         return out
 
@@ -237,6 +242,7 @@ class Simulator:
                 temp_memory_max_c=m.temp_memory_max_c, max_clock_sm_mhz=m.max_sm_mhz,
                 max_clock_memory_mhz=m.memory_mhz, max_clock_graphics_mhz=m.max_sm_mhz, pcie_max_gen=m.pcie_gen,
                 pcie_max_width=m.pcie_width, nvlink_count=m.nvlink_links, gpm_supported=m.gpm,
+                platform=nvl72.platform(self.racks, i, k),
             ))
         return out
 
@@ -273,6 +279,7 @@ class Simulator:
             pcie_gen=int(p.pcie_gen[g]), pcie_width=int(p.pcie_width[g]), pcie_replay_counter=int(p.pcie_replay[g]),
             pcie_tx_kbps=int(p.pcie_rate[g] / 1000), pcie_rx_kbps=int(p.pcie_rate[g] / 1000),
             nvlink=links, gpm=gpm if self.fleet.nodes[int(self.fleet.gpu_node[g])].model.gpm else None,
+            **nvl72.sample_fields(p, self.racks, g),  # NVL72 racks (issue 21)
         )
 
     def node_snapshot(self, i: int) -> model.Snapshot:
@@ -418,12 +425,14 @@ class Simulator:
             node = fs.node
             gpu = None if fs.gpu is None else str(fs.gpu)
             entity = fault.target if fault.target != "node" or fs.gpu is None else "gpu"
+            entity = fault.entity or entity  # a domain-wide NVL72 fault is about its rack (issue 21)
             nic = f"mlx5_{fs.nic}" if fs.nic is not None else None
             node_i = sc.node_names.index(node) if node else None
             job_at_onset = next((j.id for j in self.fleet.jobs
                                  if node_i is not None and node_i in j.nodes and j.start <= fs.onset < j.end), None)
             findings = [{"kind": k, "cause": c} for k, c in fault.findings
-                        if k in ("pue_drift", "network") or job_at_onset is not None]
+                        if k in ("pue_drift", "network", "nvlink_domain", "tray_health") or job_at_onset is not None]
+            rack = self.fleet.node_rack[node_i] if node_i is not None else -1
             faults.append({
                 "type": fs.kind, "entity": entity, "site": fs.site or (self.node_site(sc.node_names.index(node))
                                                                         if node else None),
@@ -433,6 +442,10 @@ class Simulator:
                 "severity": fs.severity, "severity_class": severity_class(fs.severity),
                 "job_id": job_at_onset, "expected_findings": findings,
                 "signals": list(fault.signals), "signature": fault_doc(fs.kind),
+                # NVL72 (issue 21): the rack of the faulty tray, as the detector names it
+                # (its chassis serial; the dcgm profile, without string fields, knows it by its clique)
+                **({"rack": f"rack {self.racks.chassis[rack]}",
+                    "rack_clique": f"rack clique {self.racks.clique[rack]}"} if rack >= 0 else {}),
             })
         faults += fault_labels(self)  # [[mig_faults]]: one MIG slice each
         jobs = [{"job_id": j.id, "nodes": [self.fleet.nodes[n].name for n in j.nodes],

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 #: Patterns a ``[[workloads]]`` table may give; all but ``seqlen_noise`` are
 #: :data:`gpufleet.agent.vocab.catalog.WORKLOAD_PATTERNS`.
 PATTERNS = ("stage_imbalance", "data_skew", "hot_experts", "seqlen_noise")
-_KEYS = {"job", "pattern", "owner", "extra", "stages", "stage", "node", "gpu", "start", "end", "hot", "move_every",
+WORKLOAD_KEYS = {"job", "pattern", "owner", "extra", "stages", "stage", "node", "gpu", "start", "end", "hot", "move_every",
          "sigma"}
 
 
@@ -72,70 +72,6 @@ class WorkloadSpec:
     hot: int = 2
     move_every: float = 300.0
     sigma: float = 0.05
-
-
-def parse_workloads(items: object, sc: Scenario, where: str) -> list[WorkloadSpec]:
-    """The validated ``[[workloads]]`` tables of a scenario whose jobs are parsed (errors name ``where``)."""
-    from gpufleet.agent.sim.scenario import ScenarioError, _get, parse_duration
-
-    if items is None:
-        return []
-    if not isinstance(items, list):
-        raise ScenarioError(f"{where}: workloads must be an array of tables ([[workloads]])")
-    jobs = {j.id: j for j in sc.jobs}
-    names = sc.node_names
-    gpn = sc.sites[0].gpus_per_node
-    out = []
-    for i, w in enumerate(items):
-        ww = f"{where}: workloads[{i}]"
-        if not isinstance(w, dict):
-            raise ScenarioError(f"{ww}: expected a table")
-        unknown = sorted(set(w) - _KEYS)
-        if unknown:
-            raise ScenarioError(f"{ww}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(_KEYS))}")
-        spec = WorkloadSpec(job=_get(w, "job", str, ww, ""), pattern=_get(w, "pattern", str, ww, ""))
-        if spec.job not in jobs or jobs[spec.job].kind != "training":
-            raise ScenarioError(f"{ww}.job: {spec.job!r} is not a training job of [[jobs.fixed]]")
-        if spec.pattern not in PATTERNS:
-            raise ScenarioError(f"{ww}.pattern: must be one of {', '.join(PATTERNS)}")
-        spec.owner = _get(w, "owner", str, ww, "")
-        spec.extra = _get(w, "extra", float, ww, spec.extra)
-        if not 0.0 < spec.extra <= 3.0:
-            raise ScenarioError(f"{ww}.extra: must be in (0, 3]")
-        spec.sigma = _get(w, "sigma", float, ww, spec.sigma)
-        if not 0.0 < spec.sigma <= 0.5:
-            raise ScenarioError(f"{ww}.sigma: must be in (0, 0.5]")
-        members = job_nodes(sc, spec.job)
-        spec.stages = _get(w, "stages", int, ww, spec.stages)
-        if not 2 <= spec.stages <= len(members) * gpn:
-            raise ScenarioError(f"{ww}.stages: must be between 2 and the job's GPUs ({len(members) * gpn})")
-        spec.stage = _get(w, "stage", int, ww, spec.stage)
-        if not -spec.stages <= spec.stage < spec.stages:
-            raise ScenarioError(f"{ww}.stage: must be a stage of the {spec.stages}")
-        spec.node = _get(w, "node", str, ww)
-        if spec.node is not None and spec.node not in [names[n] for n in members]:
-            raise ScenarioError(f"{ww}.node: {spec.node!r} is not a node of job {spec.job!r}")
-        spec.gpu = _get(w, "gpu", int, ww)
-        if spec.gpu is not None and (spec.node is None or not 0 <= spec.gpu < gpn):
-            raise ScenarioError(f"{ww}.gpu: needs a node and must be between 0 and {gpn - 1}")
-        if spec.pattern == "data_skew" and spec.node is None:
-            raise ScenarioError(f"{ww}.node: a data_skew workload names the busier node (and gpu for one rank)")
-        if "start" in w:
-            spec.start = parse_duration(w["start"], f"{ww}.start")
-        if "end" in w:
-            spec.end = parse_duration(w["end"], f"{ww}.end")
-            if spec.end <= (spec.start or 0.0):
-                raise ScenarioError(f"{ww}.end: must be after the start")
-        spec.hot = _get(w, "hot", int, ww, spec.hot)
-        if not 1 <= spec.hot <= gpn:
-            raise ScenarioError(f"{ww}.hot: must be between 1 and {gpn}")
-        spec.move_every = parse_duration(w.get("move_every", spec.move_every), f"{ww}.move_every")
-        if spec.move_every <= 0:
-            raise ScenarioError(f"{ww}.move_every: must be greater than 0")
-        if spec.pattern == "hot_experts" and len(members) < 2:
-            raise ScenarioError(f"{ww}: hot experts move between nodes: the job needs at least 2 nodes")
-        out.append(spec)
-    return out
 
 
 def job_nodes(sc: Scenario, job: str) -> list[int]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from gpufleet.agent.vocab.fabric import BW_MODE_NAMES, HEALTH_CONDITIONS, NVLINK5_EVENTS, REPAIR_KINDS
 from gpufleet.agent.vocab.nvml import CLOCK_EVENT_COUNTED, CLOCK_EVENT_NAMES
 
 if TYPE_CHECKING:  # the families are built only where prometheus-client is installed (agent, detector)
@@ -45,6 +46,7 @@ GROUPS = (
     "pcie",  # PCIe AER counters and link state of the GPUs, NICs and the ports above them (sysfs)
     "pressure",  # pressure stall information (PSI) of the host and of the attributed jobs' cgroups
     "mig",  # MIG mode and MIG devices (NVML)
+    "fabric",  # NVLink domain (fabric) health, rack placement, thermal margin, repair, C2C (NVML, Blackwell racks)
     "processes",  # compute processes per GPU, aggregated to their owners (NVML + /proc/PID/cgroup)
     "nccl",  # NCCL collective timing from the profiler plugin's trace dumps
     "site",  # facility data (BMS/DCIM); produced by the simulator in recordings
@@ -123,8 +125,9 @@ IB_PORT_ERRORS = (
     "excessive_buffer_overrun_errors",
     "VL15_dropped",
 )
-FINDING_KINDS = ("straggler", "throttling", "network", "pue_drift")
-FINDING_CAUSES = ("thermal", "power", "clock", "network", "pcie", "memory", "host", "unknown", "workload")
+FINDING_KINDS = ("straggler", "throttling", "network", "pue_drift", "nvlink_domain", "tray_health")
+FINDING_CAUSES = ("thermal", "power", "clock", "network", "pcie", "memory", "host", "unknown", "workload", "nvlink",
+                  "c2c")
 #: Who a finding goes to (issue 19): the hardware on-call, or the job's owner (the workload made it uneven).
 FINDING_ROUTES = ("hardware", "workload")
 #: How a workload made its job uneven ("" when not told): a pipeline stage uniformly busier since the job started,
@@ -478,6 +481,44 @@ SPECS: tuple[MetricSpec, ...] = (
                "malformed_line (lines that are not trace events).",
                ("reason",), "nccl",
                label_values={"reason": ("directory", "unreadable", "too_large", "malformed_line")}),
+    # ---------------------------------------------------------------- fabric (NVLink domain and rack, issue 21)
+    MetricSpec("gpufleet_gpu_fabric_info", _G, "",
+               "NVLink fabric identity of a GPU (nvmlDeviceGetGpuFabricInfoV): the NVLink domain's cluster UUID and "
+               "the GPU's clique id; value is 1. No series where the driver has no fabric.",
+               ("gpu", "cluster_uuid", "clique_id"), "fabric"),
+    MetricSpec("gpufleet_gpu_platform_info", _G, "",
+               "Rack placement of a GPU (nvmlDeviceGetPlatformInfo): chassis (rack) serial number, slot number, compute "
+               "tray index, host id and module id; value is 1.",
+               ("gpu", "chassis_serial", "slot", "tray", "host_id", "module_id"), "fabric"),
+    MetricSpec("gpufleet_gpu_fabric_state", _G, "",
+               "The GPU's NVLink fabric registration state (nvmlGpuFabricState_t): 1 not started, 2 in progress, "
+               "3 completed.", ("gpu",), "fabric"),
+    MetricSpec("gpufleet_gpu_fabric_status", _G, "",
+               "NVML return code of the GPU's fabric registration (0 = success).", ("gpu",), "fabric"),
+    MetricSpec("gpufleet_gpu_fabric_health", _G, "",
+               "1 while an NVLink fabric health condition of the GPU holds, 0 while it does not (health mask of "
+               "nvmlDeviceGetGpuFabricInfoV); no series for a condition the driver does not report.",
+               ("gpu", "condition"), "fabric", label_values={"condition": HEALTH_CONDITIONS}),
+    MetricSpec("gpufleet_gpu_fabric_overall_health", _G, "",
+               "The GPU's NVLink fabric health summary: 1 healthy, 2 unhealthy, 3 limited capacity.", ("gpu",),
+               "fabric"),
+    MetricSpec("gpufleet_gpu_thermal_margin_celsius", _G, "celsius",
+               "Degrees C the GPU is below its slowdown temperature (nvmlDeviceGetMarginTemperature, T.Limit); "
+               "0 or less: it throttles.", ("gpu",), "fabric"),
+    MetricSpec("gpufleet_gpu_repair_pending", _G, "",
+               "1 while a repair of the GPU is pending (nvmlDeviceGetRepairStatus): kind=channel (memory channel) "
+               "or tpc; it takes a GPU reset.", ("gpu", "kind"), "fabric", label_values={"kind": REPAIR_KINDS}),
+    MetricSpec("gpufleet_gpu_c2c_enabled", _G, "",
+               "1 while the chip-to-chip (C2C) link between the GPU and its Grace CPU is enabled "
+               "(nvmlDeviceGetC2cModeInfoV), 0 when it is not.", ("gpu",), "fabric"),
+    MetricSpec("gpufleet_gpu_nvlink_bandwidth_mode", _G, "",
+               "The GPU's NVLink bandwidth mode (nvmlDeviceGetNvlinkBwMode); value is 1 for the current mode.",
+               ("gpu", "mode"), "fabric", label_values={"mode": tuple(BW_MODE_NAMES.values())}),
+    MetricSpec("gpufleet_gpu_nvlink_link_events_total", _C, "",
+               "NVLink 5 per-link counters (Blackwell, NVML_FI_DEV_NVLINK_COUNT_*): symbol and effective errors, "
+               "link recoveries (successful, failed), receive errors, transmit discards, malformed packets, buffer "
+               "overruns, local link integrity errors. Re-read every --collector.gpu.slow-interval.",
+               ("gpu", "link", "event"), "fabric", label_values={"event": NVLINK5_EVENTS}),
     # ---------------------------------------------------------------- site (facility, from BMS/DCIM)
     MetricSpec("gpufleet_site_facility_power_watts", _G, "watts",
                "Total facility power of a site (utility meter).", ("site",), "site"),
@@ -557,12 +598,13 @@ def markdown_table(groups: Sequence[str] = GROUPS) -> str:
     return "\n".join(lines) + "\n"
 
 
-README_BEGIN = "<!-- metrics:begin (generated by: python -m gpufleet.agent.vocab.catalog --readme README.md) -->"
+# The metric reference lives in the operator's guide, docs/metrics.md (it was the README's last section).
+README_BEGIN = "<!-- metrics:begin (generated by: python -m gpufleet.agent.vocab.catalog --readme docs/metrics.md) -->"
 README_END = "<!-- metrics:end -->"
 
 
 def readme_section() -> str:
-    """The README's metric reference, one table per group."""
+    """The metric reference of docs/metrics.md, one table per group."""
     parts = [f"#### {g}\n\n" + markdown_table((g,)) for g in GROUPS]
     return README_BEGIN + "\n" + "\n".join(parts) + README_END
 
@@ -573,23 +615,27 @@ def replace_readme_section(text: str) -> str:
         start = text.index(README_BEGIN)
         end = text.index(README_END, start) + len(README_END)
     except ValueError:
-        raise ValueError("README has no metric reference markers") from None
+        raise ValueError("no metric reference markers (docs/metrics.md has them)") from None
     return text[:start] + readme_section() + text[end:]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Print the metric reference as Markdown, or regenerate it in a README.
+    """Print the metric reference as Markdown, or regenerate it in docs/metrics.md.
 
     ``python -m gpufleet.agent.vocab.catalog [GROUP...]`` prints tables;
-    ``python -m gpufleet.agent.vocab.catalog --readme README.md`` rewrites the README's section.
+    ``python -m gpufleet.agent.vocab.catalog --readme docs/metrics.md`` rewrites its section.
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["--readme"]:
         if len(args) != 2:
-            sys.stderr.write("usage: python -m gpufleet.agent.vocab.catalog --readme README.md\n")
+            sys.stderr.write("usage: python -m gpufleet.agent.vocab.catalog --readme docs/metrics.md\n")
             return 2
         path = Path(args[1])
-        path.write_text(replace_readme_section(path.read_text(encoding="utf-8")), encoding="utf-8")
+        try:
+            path.write_text(replace_readme_section(path.read_text(encoding="utf-8")), encoding="utf-8")
+        except (OSError, ValueError) as e:
+            sys.stderr.write(f"{path}: {e}\n")
+            return 1
         return 0
     for g in args:
         if g not in GROUPS:

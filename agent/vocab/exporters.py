@@ -213,11 +213,35 @@ KSM_EXPORTER_OWNER_KINDS = ("DaemonSet",)
 EXPORTED_POD_LABEL = "exported_pod"
 EXPORTED_NAMESPACE_LABEL = "exported_namespace"
 
+#: dcgm-exporter fields of a GB200/GB300 NVL72 rack (issue 21), when enabled in its counters CSV. Names and
+#: numbers from DCGM's dcgmlib/dcgm_fields.h (github.com/NVIDIA/DCGM, commit 72fa3fe, July 2026):
+#: DCGM_FI_DEV_FABRIC_MANAGER_STATUS 170 (dcgmFabricManagerStatus_t: 0 not supported, 1 not started,
+#: 2 in progress, 3 success, 4 failure, 5 unrecognized, 6 NVML too old), _FABRIC_CLIQUE_ID 173,
+#: _FABRIC_HEALTH_MASK 174 (NVML's mask), _FABRIC_HEALTH_SUMMARY 175 (NVML's summary), _GPU_TEMP_MARGIN_CELSIUS 153,
+#: _C2C_LINK_STATUS 286 (1 active), _PLATFORM_CHASSIS_SLOT_NUMBER 573, _PLATFORM_TRAY_INDEX 574,
+#: _PLATFORM_MODULE_ID 577. The string fields (_FABRIC_CLUSTER_UUID 172, _PLATFORM_CHASSIS_SERIAL_NUMBER 572)
+#: have no numeric series: in the dcgm profile a rack is known by its clique.
+DCGM_FM_STATUS_SUCCESS = 3
+DCGM_RACK_METRICS: tuple[ExternalMetric, ...] = (
+    _dcgm("DCGM_FI_DEV_FABRIC_MANAGER_STATUS", "gauge", "The status of the fabric manager (dcgmFabricManagerStatus_t)."),
+    _dcgm("DCGM_FI_DEV_FABRIC_CLIQUE_ID", "gauge", "The ID of the fabric clique to which this GPU belongs."),
+    _dcgm("DCGM_FI_DEV_FABRIC_HEALTH_MASK", "gauge", "GPU fabric health status mask."),
+    _dcgm("DCGM_FI_DEV_FABRIC_HEALTH_SUMMARY", "gauge",
+          "GPU fabric health summary (1 healthy, 2 unhealthy, 3 limited capacity)."),
+    _dcgm("DCGM_FI_DEV_GPU_TEMP_MARGIN_CELSIUS", "gauge",
+          "Thermal margin temperature (distance to the nearest slowdown threshold, in C).", "celsius"),
+    _dcgm("DCGM_FI_DEV_C2C_LINK_STATUS", "gauge", "C2C link status (0 inactive, 1 active)."),
+    _dcgm("DCGM_FI_DEV_PLATFORM_CHASSIS_SLOT_NUMBER", "gauge", "Slot number in the rack containing the GPU."),
+    _dcgm("DCGM_FI_DEV_PLATFORM_TRAY_INDEX", "gauge", "Tray index within the compute slots of the chassis."),
+    _dcgm("DCGM_FI_DEV_PLATFORM_MODULE_ID", "gauge", "ID of the GPU within the node."),
+)
+
 #: Every external family by name (sample names included), for look-ups and checks.
 BY_NAME: dict[str, ExternalMetric] = {
     n: m
-    for m in (*DCGM_METRICS, DCGM_CLOCKS_EVENT_REASONS, *NODE_INFINIBAND_METRICS, NODE_PRESSURE_CPU_WAITING, IPMI_DCMI_POWER, KUBE_POD_OWNER,
-              KUBE_POD_LABELS, KUBE_POD_INFO, KUBE_JOB_OWNER, *DCGM_MIG_METRICS)
+    for m in (*DCGM_METRICS, DCGM_CLOCKS_EVENT_REASONS, *NODE_INFINIBAND_METRICS, NODE_PRESSURE_CPU_WAITING,
+              IPMI_DCMI_POWER, KUBE_POD_OWNER, KUBE_POD_LABELS, KUBE_POD_INFO, KUBE_JOB_OWNER, *DCGM_MIG_METRICS,
+              *DCGM_RACK_METRICS)
     for n in {m.name, m.sample}
 }
 

@@ -54,13 +54,15 @@ def test_family_builds_the_right_type() -> None:
     assert g.type == "gauge"
 
 
-def test_readme_metric_reference_matches_the_catalog() -> None:
+def test_docs_metric_reference_matches_the_catalog() -> None:
     from support import REPO
 
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert catalog.readme_section() in readme, (
-        "README's metric reference is stale: run python -m gpufleet.agent.vocab.catalog --readme README.md"
+    doc = (REPO / "docs" / "metrics.md").read_text(encoding="utf-8")
+    assert catalog.readme_section() in doc, (
+        "docs/metrics.md is stale: run python -m gpufleet.agent.vocab.catalog --readme docs/metrics.md"
     )
+    guide = (REPO / "docs" / "README.md").read_text(encoding="utf-8")
+    assert "(metrics.md)" in guide and "(docs/README.md)" in (REPO / "README.md").read_text(encoding="utf-8")
 
 
 def test_a_family_is_what_prometheus_client_makes_and_its_own() -> None:

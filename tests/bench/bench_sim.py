@@ -3,7 +3,7 @@
 Run from the repository root::
 
     .venv/bin/python tests/bench/bench_sim.py [--runs 3] [--gpus 1000] [--hours 24] [--step 15]
-        [--series core|full] [--profile gpufleet|dcgm] [--out DIR | --devnull]
+        [--series core|full] [--profile gpufleet|dcgm] [--out DIR | --devnull] [--scrape prometheus|aligned]
 
 Each run builds a fresh simulator (125 nodes x 8 H100 for 1,000 GPUs, auto-scheduled jobs with churn),
 steps every GPU and NIC with the vectorized physics while keeping every tick (``record.run``), then
@@ -11,6 +11,8 @@ writes the OpenMetrics recording (``record.write_profile``) to ``--out`` (a temp
 deleted after each run) or to /dev/null (``--devnull``: formatting cost without the disk).
 Reports the median over the runs of wall and CPU time (``time.process_time``) per phase, samples,
 samples/s and file size, as a Markdown table. Target: simulated + recorded in < 60 s on 2 cores.
+``--scrape``: the scrape model (default ``prometheus``: each target's own timestamps, resampled arrays;
+``aligned``: every series at the tick, the writer's cost before issue 25).
 """
 
 from __future__ import annotations
@@ -26,13 +28,16 @@ from pathlib import Path
 TARGET_S = 60.0
 
 
-def one_run(gpus: int, hours: float, step: float, series: str, profile: str, out: Path | None) -> dict[str, float]:
+def one_run(gpus: int, hours: float, step: float, series: str, profile: str, out: Path | None,
+            scrape: str = "prometheus") -> dict[str, float]:
     from gpufleet.agent.sim.recording import run, write_profile
     from gpufleet.agent.sim.scenario import parse_scenario
     from gpufleet.agent.sim.simulator import Simulator
 
     doc = {"name": "bench", "hours": hours, "step": step, "seed": 1,
            "sites": [{"name": "site-a", "nodes": gpus // 8}], "jobs": {"auto": True}}
+    if scrape != "prometheus":  # (a tree from before issue 25 knows no [scrape] table)
+        doc["scrape"] = {"model": scrape}
     sim = Simulator(parse_scenario(doc, "bench"), start=1_750_000_000.0)
     w0, c0 = time.perf_counter(), time.process_time()
     frames = run(sim)
@@ -56,6 +61,8 @@ def main() -> int:
     ap.add_argument("--profile", choices=("gpufleet", "dcgm"), default="gpufleet")
     ap.add_argument("--out", type=Path, help="directory for the recording (default: a temporary one)")
     ap.add_argument("--devnull", action="store_true", help="format the recording but write it to /dev/null")
+    ap.add_argument("--scrape", choices=("prometheus", "aligned"), default="prometheus",
+                    help="the scrape model (aligned: every series at the tick)")
     args = ap.parse_args()
     results = []
     for i in range(args.runs):
@@ -65,7 +72,7 @@ def main() -> int:
             tmp = tempfile.mkdtemp(prefix="bench-sim-", dir=args.out)
             out = Path(tmp)
         try:
-            r = one_run(args.gpus, args.hours, args.step, args.series, args.profile, out)
+            r = one_run(args.gpus, args.hours, args.step, args.series, args.profile, out, args.scrape)
         finally:
             if tmp:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -79,7 +86,8 @@ def main() -> int:
     r0 = results[0]
     print()
     print(f"{int(r0['gpus'])} GPUs x {int(r0['ticks'])} ticks ({args.hours:g} h at {args.step:g} s), "
-          f"series={args.series}, profile={args.profile}, {'/dev/null' if args.devnull else 'disk'}, "
+          f"series={args.series}, profile={args.profile}, scrape={args.scrape}, "
+          f"{'/dev/null' if args.devnull else 'disk'}, "
           f"median of {args.runs}, {os.cpu_count()} CPUs")
     print()
     print("| phase | wall s | CPU s | samples/s (wall) |")

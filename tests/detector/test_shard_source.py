@@ -229,3 +229,13 @@ def test_shards_without_the_metadata_endpoints_query_instead(source: RecordingSo
         cfg = fast_cfg(detector__shard=f"{i}/2")
         parts.append(run(cfg, shard_source.ShardSource(NoMetadata(source), shard.Shard(i, 2), cfg, local=False)))
     assert sum(len(p) for p in parts) == len(one) and parts[0] | parts[1] == one
+
+
+def test_fleet_parts_are_read_by_every_shard_unrestricted() -> None:
+    from gpufleet.detector.profiles import DCGM_FABRIC, FABRIC
+
+    # NVL72 fabric series: a rack's NVLink domain spans trays of any job (its findings go by node hash)
+    assert all(shard_source.scope(q) == "fleet" for q in FABRIC + DCGM_FABRIC)
+    assert {shard_source.scope(q) for q in queries("gpufleet") if q.metric.startswith("kube_")} == {"fleet"}
+    assert shard.owns_finding(shard.Shard(shard.bucket("node:rack A1", 4), 4), "nvlink_domain", "rack A1", None, {})
+    assert sum(shard.owns_finding(shard.Shard(i, 4), "tray_health", "node-3", None, {}) for i in range(4)) == 1

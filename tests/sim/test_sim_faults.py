@@ -118,6 +118,14 @@ SIGNATURES: dict[str, tuple[set[str], Check]] = {
     "xid79": ({"gpufleet_gpu_up"}, lambda s: _eq(one(s, "gpufleet_gpu_up", gpu="4", **N2), 0)),
     "slow_host": ({"gpufleet_gpu_utilization_ratio"},
                   lambda s: _below(one(s, "gpufleet_gpu_utilization_ratio", gpu="2", **N2), 0.9)),
+    # NVL72 racks (issue 21): GB200 trays of 4 GPUs
+    "nvlink_fabric_degraded": ({"gpufleet_gpu_fabric_health"}, lambda s: _eq(one(
+        s, "gpufleet_gpu_fabric_health", gpu="1", condition="bandwidth_degraded", **N2), 1)),
+    "nvswitch_tray_failure": ({"gpufleet_gpu_fabric_health"}, lambda s: _eq(one(
+        s, "gpufleet_gpu_fabric_health", gpu="0", condition="bandwidth_degraded", instance="node-000:9445"), 1)),
+    "c2c_lost": ({"gpufleet_gpu_c2c_enabled"}, lambda s: _eq(one(s, "gpufleet_gpu_c2c_enabled", gpu="3", **N2), 0)),
+    "tray_thermal_margin": ({"gpufleet_gpu_thermal_margin_celsius"},
+                            lambda s: _below(one(s, "gpufleet_gpu_thermal_margin_celsius", gpu="2", **N2), 12)),
     "roce_pause_storm": ({"gpufleet_nic_pause_duration_seconds"},
                          lambda s: _rises(one(s, "gpufleet_nic_pause_duration_seconds_total", interface="ens1f0np0",
                                               **N2), 5.0)),
@@ -158,10 +166,12 @@ def test_dcgm_profile_shows_the_straggler(tmp_path: Path) -> None:
     ts, reasons = one(s, "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", gpu="5", **host)
     after = ts >= START + ONSET
     assert not (reasons[~after].astype(int) & 0x8).any()
-    assert (reasons[after].astype(int) & 0x8).all()
+    # the change reaches the node within an interval and dcgm-exporter serves it within its collect interval
+    shown = ts >= START + ONSET + 2 * STEP
+    assert (reasons[shown].astype(int) & 0x8).all()
     _, clock = one(s, "DCGM_FI_DEV_SM_CLOCK", gpu="5", **host)
     _, peer = one(s, "DCGM_FI_DEV_SM_CLOCK", gpu="4", **host)
-    assert clock[after].max() < 0.6 * peer[after].min()
+    assert clock[shown].max() < 0.6 * peer[shown].min()
 
 
 def test_dcgm_nvlink_error_counters_rise_on_the_faulty_gpu_only(tmp_path: Path) -> None:
@@ -175,7 +185,8 @@ def test_dcgm_nvlink_error_counters_rise_on_the_faulty_gpu_only(tmp_path: Path) 
     for name in ("DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL", "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL"):
         ts, v = one(s, name, gpu=str(fault["gpu"]), Hostname=fault["node"], hpc_job="job-a")
         assert not v[ts < onset].any(), f"{name} before the onset"
-        assert v[(ts >= onset) & (ts <= onset + STEP)].min() > 0, f"{name} not up at the onset"
+        # up once the change reached the node (< 1 interval), counted a tick's worth (1) and was collected (1)
+        assert v[ts >= onset + 3 * STEP].min() > 0, f"{name} not up after the onset"
         assert np.all(np.diff(v) >= 0)
     for (name, ls), samples in s.items():
         labs = dict(ls)

@@ -23,7 +23,7 @@ DESC_RE = re.compile(r"Metric: `([A-Za-z0-9_:]+)` \((\w+)\)$")
 #: Values a user could pick for each template variable, to turn queries into plain PromQL.
 VARS = {
     "$__rate_interval": "1m", "$__interval": "30s", "$__range": "1h",
-    "$site": ".*", "$node": "node-001", "$gpu": ".*", "$job_id": ".*", "$namespace": ".*",
+    "$site": ".*", "$node": "node-001", "$gpu": ".*", "$job_id": ".*", "$namespace": ".*", "$rack": ".*",
 }
 
 

@@ -102,6 +102,9 @@ NO_DATA_EXPECTED = (
     re.compile(r"gpufleet_(mig_|gpu_mig_|gpu_owner_|gpu_processes\b|gpu_process_)"),
     # RoCE driver statistics and NCCL timing: the live fleet is InfiniBand-only and runs no NCCL (test_fabric_dashboards)
     re.compile(r"gpufleet_(nic_(pause|discards|phy_errors|ethtool|netdev)|nccl_)"),
+    # NVL72 racks: the live fleet is H100 HGX, no rack (test_rack_dashboards.py checks these panels)
+    re.compile(r"gpufleet_gpu_(platform_info|fabric_|c2c_|thermal_margin|repair_|nvlink_bandwidth_mode|nvlink_link_events)"),
+    re.compile(r'gpufleet_detector_finding\{kind=~"nvlink_domain\|tray_health"'),
 )
 
 
@@ -322,7 +325,7 @@ def logs(tmp_path: Path) -> str:
 
 # ------------------------------------------------------------------------------------------ the tests
 DASH_VARS = {"$__rate_interval": "30s", "$__interval": "5s", "$__range": "1m",
-             "$site": ".*", "$node": ".*", "$gpu": ".*", "$job_id": ".*", "$namespace": ".*"}
+             "$site": ".*", "$node": ".*", "$gpu": ".*", "$job_id": ".*", "$namespace": ".*", "$rack": ".*"}
 
 
 def dashboard_queries(dcgm: bool = False, **values: str) -> Iterator[tuple[str, str, str]]:

@@ -36,6 +36,8 @@ SDIST_FILES = [
     "packaging/demo.sh", "packaging/systemd/gpufleet-agent.service", "packaging/web-config.yml",
     "tests/run.sh", "tests/conftest.py", "tests/support.py", "tests/fixtures/traces/h100x8-sim.jsonl.gz",
     "tests/fixtures/nvidia-smi/h100-8gpu-idle.xml", ".ci/run", ".ci/check-install.sh",
+    "docs/README.md", "docs/metrics.md", "docs/images.md", "packaging/container/Dockerfile",
+    "packaging/container/build.sh",
 ]
 
 
@@ -70,6 +72,8 @@ def test_the_sdist_carries_the_project(dist: Path) -> None:
         names = {n.removeprefix(top + "/") for n in tar.getnames()}
     assert [f for f in SDIST_FILES if f not in names] == []
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
+    # build.sh's cached Debian base tarballs (hundreds of MB, there after tests/system/test_images.py) stay out
+    assert not [n for n in names if n.startswith("packaging/container/.cache")]
 
 
 def test_the_alert_rules_are_package_data() -> None:

@@ -60,3 +60,28 @@ def test_ci_runs_the_quickstart_commands_as_the_readme_gives_them() -> None:
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == commands
+
+
+#: Guide pages other branches of this round add (docs/README.md lists them); present once merged.
+PARALLEL_PAGES = {"agent-stalls.md", "nvl72.md", "restarts.md", "detector-evidence.md", "shards-and-replay.md",
+                  "workload-routing.md", "scrape-model.md"}
+
+
+def test_the_landing_page_and_the_guide_link_only_to_files_that_exist() -> None:
+    """README.md stays a landing page, and every relative link in it and in docs/ resolves (anchors aside)."""
+    assert len(README.splitlines()) < 120, "README.md is the landing page: the rest goes to docs/"
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    assert len(pages) > 8
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
+            path = target.split("#", 1)[0]
+            if not path or re.match(r"[a-z]+:", path):
+                continue
+            resolved = (page.parent / path).resolve()
+            if not resolved.exists() and not (page.parent.name == "docs" and path in PARALLEL_PAGES):
+                broken.append(f"{page.relative_to(REPO)} -> {target}")
+    assert not broken, broken
+    index = (REPO / "docs" / "README.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"\]\(([\w-]+\.md)\)", index))
+    assert {p.name for p in pages[1:] if p.name != "README.md"} <= listed, "a guide page missing from the index"

@@ -22,8 +22,13 @@ needs its text in memory. Files:
 * ``labels.json`` — the ground truth.
 
 Both metric files end with ``# EOF`` and load with ``promtool tsdb create-blocks-from
-openmetrics FILE DIR``. A node's scrape is missing at a tick with probability
-``scrape_miss_rate`` and during reboots; a GPU that fell off the bus keeps only ``gpu_up 0``.
+openmetrics FILE DIR``. By default (the scenario's ``[scrape] model = "prometheus"``) the files hold what a
+Prometheus server would have stored (:mod:`.scrape`): every target (exporter on a node) scraped at its own
+offset inside the interval with millisecond jitter, dcgm-exporter's values up to one collect interval old,
+job-wide changes reaching the nodes' samples up to one interval apart, failed scrapes per target
+(``scrape_miss_rate``) and gaps while an exporter restarts. With ``model = "aligned"`` every series is sampled
+at the tick and a node's scrape is missing at a tick with probability ``scrape_miss_rate``. Either way a
+node's scrapes are missing while it reboots, and a GPU that fell off the bus keeps only ``gpu_up 0``.
 
 Ground-truth schema (``labels.json``)::
 
@@ -34,7 +39,8 @@ Ground-truth schema (``labels.json``)::
       "sites": [str], "nodes": [{"node", "site", "gpus", "gpu_model"}],
       "faults": [{
         "type": fault kind (gpufleet.agent.sim.faults),
-        "entity": "site" | "node" | "gpu" | "nic" | "gpu_instance" (a MIG slice, [[mig_faults]]),
+        "entity": "site" | "node" | "gpu" | "nic" | "gpu_instance" (a MIG slice, [[mig_faults]])
+                  | "rack" (an NVL72 domain-wide fault: the finding's node is "rack <chassis serial>"),
         "site": str, "node": str | null, "gpu": str | null (NVML index as in the gpu label),
         "gpu_instance": str, "mig_profile": str (MIG slice faults only),
         "nic": str | null (e.g. "mlx5_3"),
@@ -45,7 +51,9 @@ Ground-truth schema (``labels.json``)::
         "job_id": the job running on the target node at onset | null,
         "expected_findings": [{"kind": FINDING_KINDS, "cause": FINDING_CAUSES | null}]
                              (straggler/throttling findings only when a job ran there at onset),
-        "signals": [metric names that move], "signature": one-line description
+        "signals": [metric names that move], "signature": one-line description,
+        "rack", "rack_clique": str (faults on a tray of an NVL72 rack: "rack <chassis serial>" and
+                               "rack clique <id>", the names the gpufleet and dcgm profiles' findings give it)
       }],
       "confounders": [{"type": "heatwave" | "reboot", "site"/"node", "start", "end", "expected_findings": []}],
       "jobs": [{"job_id", "nodes": [str], "start", "end" | null, "parallel", "noisy": bool}],
@@ -68,6 +76,7 @@ from pathlib import Path
 from gpufleet.agent.sim.recording import dcgm_profile, gpufleet_profile
 from gpufleet.agent.sim.recording.capture import Context, Frames, run
 from gpufleet.agent.sim.recording.openmetrics import OmWriter
+from gpufleet.agent.sim.recording.scrape import ScrapeModel
 from gpufleet.agent.sim.simulator import Simulator
 from gpufleet.detector.profiles import PROFILES
 
@@ -98,10 +107,14 @@ def write_profile(path: Path, profile: str, sim: Simulator, fr: Frames, series: 
 
     ``pod_of`` and ``extra``: the Kubernetes mode's pod labels (see ``Context.pod_of``) and further families
     (kube-state-metrics), from :mod:`gpufleet.agent.sim.kubernetes`."""
-    ctx = Context(sim, fr, series == "full")
+    scrape = ScrapeModel(sim, fr) if sim.scenario.scrape.realistic else None
+    ctx = Context(sim, fr if scrape is None else scrape.frames(profile), series == "full")
     ctx.pod_of = pod_of
+    if scrape is not None:
+        ctx.restart_ticks = lambda node: scrape.restart_ticks(profile, node)
+        ctx.as_scraped = lambda values, nodes: scrape.gauge(profile, "gpu", values, nodes)
     with path.open("wb", buffering=1 << 20) as out:
-        w = OmWriter(out, fr.times)
+        w = OmWriter(out, fr.times, None if scrape is None else scrape.timing(profile))
         _WRITERS[profile](w, ctx)
         if extra is not None:
             extra(w, ctx)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gpufleet.agent.sim import nvl72
 from gpufleet.agent.sim.physics import NIC_ERRORS
 from gpufleet.agent.sim.simulator import Simulator
 from gpufleet.agent.vocab.nvml import CLOCK_EVENT_COUNTED
@@ -40,6 +41,24 @@ class Frames:
     def clock_event_seconds(self, reason: str) -> np.ndarray:
         """Seconds spent so far in the counted clock-event ``reason`` (one of THROTTLE_SECONDS_REASONS), ticks x GPUs."""
         return self.arrays["throttle"][:, :, THROTTLE_SECONDS_REASONS.index(reason)]
+
+
+#: Arrays per node and per site (every other array is per GPU, or per NIC when its name starts with ``nic_``).
+NODE_ARRAYS = frozenset({"host_psi_cpu", "node_power", "node_up", "present"})
+SITE_ARRAYS = frozenset({"outdoor", "it_power", "facility"})
+#: Arrays that only grow (counters): a scrape between two ticks reads them interpolated, not one tick's value.
+CUMULATIVE_ARRAYS = frozenset({"energy", "throttle", "ecc", "pcie_replay", "nvl_bytes", "nvl_err", "nic_bytes",
+                               "nic_pkts", "nic_wait", "nic_err", "nic_hw", "host_psi_cpu", "nic_pause",
+                               "nic_discards", "aer_cor"})
+
+
+def entity_of(key: str) -> str:
+    """What the columns of array ``key`` are: ``gpu``, ``nic``, ``node`` or ``site``."""
+    if key in NODE_ARRAYS:
+        return "node"
+    if key in SITE_ARRAYS:
+        return "site"
+    return "nic" if key.startswith("nic_") else "gpu"
 
 
 _GPU_F32 = ("util", "clock_sm", "power", "limit", "temp", "temp_mem", "sm_active", "tensor", "dram", "nvl_rate",
@@ -85,6 +104,12 @@ def run(sim: Simulator, progress: Callable[[int, int], None] | None = None) -> F
     a["outdoor"] = np.zeros((n_ticks, s))
     a["it_power"] = np.zeros((n_ticks, s))
     a["facility"] = np.zeros((n_ticks, s))
+    racks = f.n_racks > 0  # NVL72 racks (agent.sim.nvl72): fabric health, C2C, thermal margin per GPU and tick
+    if racks:
+        a["fab_mask"] = np.zeros((n_ticks, g), np.int32)
+        a["fab_summary"] = np.zeros((n_ticks, g), np.int8)
+        a["c2c"] = np.zeros((n_ticks, g), np.int8)
+        a["margin"] = np.zeros((n_ticks, g), np.float32)
     job_index: dict[str, int] = {}
     last_xid: dict[tuple[int, int], int] = {}
     for k in range(n_ticks):
@@ -135,6 +160,11 @@ def run(sim: Simulator, progress: Callable[[int, int], None] | None = None) -> F
         a["outdoor"][k] = p.outdoor
         a["it_power"][k] = p.it_power
         a["facility"][k] = p.facility_power
+        if racks:
+            a["fab_mask"][k] = nvl72.health_masks(p.mods.fabric)
+            a["fab_summary"][k] = nvl72.summaries(p.mods.fabric)
+            a["c2c"][k] = ~p.mods.c2c_off
+            a["margin"][k] = nvl72.margins(f, a["temp"][k])
         if p.xid_counts != last_xid:
             last_xid = dict(p.xid_counts)
             fr.xid.append((k, last_xid))
@@ -143,7 +173,10 @@ def run(sim: Simulator, progress: Callable[[int, int], None] | None = None) -> F
         if progress is not None and (k % 240 == 0 or k == n_ticks - 1):
             progress(k + 1, n_ticks)
     fr.job_ids = list(job_index)
-    miss = np.random.default_rng(sim.seed + 7919).random((n_ticks, nodes)) < sc.scrape_miss_rate
+    if sc.scrape.realistic:  # failed scrapes and restarts are the scrape model's, per target (recording.scrape)
+        a["present"] = a["node_up"].copy()
+        return fr
+    miss = np.random.default_rng(sim.seed + 7919).random((n_ticks, nodes)) < sc.miss_rate
     miss |= sim.scrape_gaps(n_ticks)  # exporter restarts
     a["present"] = a["node_up"] & ~miss
     return fr
@@ -159,6 +192,12 @@ class Context:
         #: Kubernetes mode (agent.sim.kubernetes): the pod labels (namespace, pod, container) of a simulator job's
         #: rank on a node, written instead of the Slurm job (hpc_job, gpufleet_gpu_job_info); None: no pods.
         self.pod_of: Callable[[str, int], dict[str, str] | None] | None = None
+        #: The first tick after each restart of a node's GPU exporter (dcgm-exporter or the agent), whose own
+        #: counters begin again there (set by the scrape model, :mod:`.scrape`; none with aligned scrapes).
+        self.restart_ticks: Callable[[int], list[int]] = lambda node: []
+        #: Per-tick GPU values built from events (XIDs; ticks x columns on the nodes given) as the node's GPU
+        #: exporter reads them (set by the scrape model; with aligned scrapes, as they are).
+        self.as_scraped: Callable[[np.ndarray, np.ndarray], np.ndarray] = lambda values, node_of_col: values
         f = sim.fleet
         self.f = f
         self.nodes = sim.nodes
@@ -169,3 +208,14 @@ class Context:
         self.node_present_gpu = present[:, f.gpu_node]
         self.gpu_present = self.node_present_gpu & ~fr["lost"]
         self.nic_present = present[:, f.nic_node]
+
+    def since_restart(self, values: np.ndarray, node_of_col: np.ndarray) -> np.ndarray:
+        """Counters ``values`` (ticks x columns on nodes ``node_of_col``) as the GPU exporter counts them itself:
+        from 0 again after each of its restarts."""
+        out = values
+        for node in np.unique(node_of_col):
+            cols = np.flatnonzero(node_of_col == node)
+            for k in self.restart_ticks(int(node)):
+                out = out.copy() if out is values else out
+                out[k:, cols] -= out[k - 1, cols] if k > 0 else 0
+        return out

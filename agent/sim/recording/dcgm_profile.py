@@ -19,6 +19,8 @@ from gpufleet.agent.sim.mig import SliceSeries, slice_series
 from gpufleet.agent.sim.physics import ECC_KEYS, NIC_ERRORS, REMAP_CAUSES
 from gpufleet.agent.sim.recording.capture import Context
 from gpufleet.agent.sim.recording.gpufleet_profile import site_families
+from gpufleet.agent.sim.recording.mig_profile import scraped_slices
+from gpufleet.agent.sim.recording.nvl72_profile import write_dcgm as write_racks
 from gpufleet.agent.sim.recording.openmetrics import OmWriter, prefix
 from gpufleet.agent.vocab.exporters import (
     DCGM,
@@ -66,6 +68,13 @@ def _xid_last(c: Context, n_ticks: int) -> np.ndarray:
         for g, x in lastx.items():
             xid_last[k0:k1, g] = x
         prev = d
+    xid_last = c.as_scraped(xid_last, c.gpu_node)
+    for node in range(len(c.nodes)):  # dcgm-exporter restarted: the gauge is 0 until the next XID
+        for k in c.restart_ticks(node):
+            for g in c.f.node_gpus(node):
+                after = xid_last[k:, g]
+                changed = np.flatnonzero(after != (xid_last[k - 1, g] if k > 0 else 0))
+                after[:changed[0] if changed.size else len(after)] = 0
     return xid_last
 
 
@@ -89,7 +98,9 @@ def _dcgm_exporter(w: OmWriter, c: Context) -> None:
         labels.update(_target(DCGM, c.nodes[node], c.site_of_node[node]))
         base.append(labels)
     us = 1e6
-    secs = fr.clock_event_seconds
+
+    def secs(reason: str) -> np.ndarray:  # dcgm-exporter's violation counters restart with it
+        return c.since_restart(fr.clock_event_seconds(reason), c.gpu_node)
     nvl_err = fr["nvl_err"]
     ecc = fr["ecc"]
     values: dict[str, tuple[np.ndarray, int]] = {
@@ -136,6 +147,14 @@ def _dcgm_exporter(w: OmWriter, c: Context) -> None:
             w.family(m.name, m.type, m.help)
             mig.write(w, m, None, 0)
 
+    def device_labels(g: int) -> dict[str, str]:
+        node, k = int(c.gpu_node[g]), int(c.gpu_local[g])
+        identity = (str(k), c.sim.uuid(g), c.sim.pci_bus_id(node, k), f"nvidia{k}", f.nodes[node].model.name,
+                    c.nodes[node])
+        return {**dict(zip(DCGM.labels, identity, strict=True)), **_target(DCGM, c.nodes[node], c.site_of_node[node])}
+
+    write_racks(w, c, device_labels)  # NVL72 racks (issue 21)
+
 
 class _MigInstances:
     """The GPU instances of the scenario's ``[[mig]]`` nodes as dcgm-exporter exposes them with its default
@@ -149,7 +168,8 @@ class _MigInstances:
         self.in_mig_mode = np.zeros(c.f.n_gpus, dtype=bool)
         for node in sim.mig_nodes:
             self.in_mig_mode[sim.fleet.node_gpus(node)] = True
-        self.slices = slice_series(sim, fr.times, {f: fr[f] for f in ("sm_active", "tensor", "dram", "mem_used")}) \
+        self.slices = scraped_slices(c, slice_series(sim, fr.times, {f: fr[f] for f in ("sm_active", "tensor", "dram",
+                                                                                        "mem_used")})) \
             if sim.mig_nodes else []
         self.parents = np.array([int(sim.fleet.node_gpus(s.node)[s.gpu]) for s in self.slices], dtype=np.int64)
         self.mask = c.gpu_present[:, self.parents]

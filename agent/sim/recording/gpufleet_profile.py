@@ -16,7 +16,9 @@ import numpy as np
 from gpufleet.agent.sim.physics import ECC_KEYS, NIC_ERRORS, NIC_HW
 from gpufleet.agent.sim.recording.capture import THROTTLE_SECONDS_REASONS, Context
 from gpufleet.agent.sim.recording.mig_profile import write as write_mig
+from gpufleet.agent.sim.recording.nvl72_profile import write_gpufleet as write_racks
 from gpufleet.agent.sim.recording.openmetrics import OmWriter, prefix
+from gpufleet.agent.sim.recording.scrape import AGENT, instance
 from gpufleet.agent.vocab.catalog import spec
 from gpufleet.agent.vocab.nvml import CLOCK_EVENT_BITS
 
@@ -32,7 +34,7 @@ def write(w: OmWriter, c: Context) -> None:
     g_all = range(f.n_gpus)
 
     def target(node: int) -> dict[str, str]:
-        return {"instance": f"{c.nodes[node]}:9445", "job": "gpufleet-agent", "site": c.site_of_node[node]}
+        return {"instance": instance(AGENT, c.nodes[node]), "job": AGENT.job, "site": c.site_of_node[node]}
 
     def gpu_prefixes(name: str, extra: dict[str, str] | None = None) -> list[bytes]:
         return [prefix(name, {"gpu": str(c.gpu_local[g]), **(extra or {}), **target(int(c.gpu_node[g]))})
@@ -58,7 +60,7 @@ def write(w: OmWriter, c: Context) -> None:
         info.append(prefix("gpufleet_gpu_info", {
             "gpu": str(k), "uuid": c.sim.uuid(g), "name": m.name, "serial": f"{1650000000000 + g:013d}",
             "pci_bus_id": c.sim.pci_bus_id(node, k), "vbios_version": "96.00.99.00.01",
-            "architecture": {9: "hopper", 7: "ampere"}.get(m.architecture, "unknown"), **target(node)}))
+            "architecture": {10: "blackwell", 9: "hopper", 7: "ampere"}.get(m.architecture, "unknown"), **target(node)}))
     if info:
         fam("gpufleet_gpu_info")
         w.block(info, np.ones((w.n_ticks, f.n_gpus)), 0, c.gpu_present)
@@ -78,6 +80,7 @@ def write(w: OmWriter, c: Context) -> None:
         mask = (fr["gpu_job"][:, chunk[:, 1]] == chunk[:, 0][None, :]) & c.gpu_present[:, chunk[:, 1]]
         w.block(pre, np.ones((w.n_ticks, 1)), 0, mask, cols=np.zeros(len(chunk), np.int64))
     write_mig(w, c, fam, target)  # the scenario's [[mig]] nodes: MIG devices, their activity and owners
+    write_racks(w, c, fam, target)  # NVL72 racks: NVLink fabric, rack placement, margin, C2C (issue 21)
     # ---- utilization, clocks, power, thermal
     gpu_metric("gpufleet_gpu_utilization_ratio", fr["util"] / 100.0, 2)
     if full:
@@ -254,7 +257,13 @@ def _xid_families(w: OmWriter, c: Context, target: Callable[[int], dict[str, str
             counts[k0:k1, col[key]] = v
             last[k0:k1, col[key]] = seen[key]
         prev_counts = d
-    present = np.isfinite(counts) & c.node_present_gpu[:, [g for g, _ in keys]] if keys else None
+    gpus = np.array([g for g, _ in keys], np.int64)
+    if keys:  # an agent restart forgets what it counted: the series come back with the next XID, from 1
+        counts = c.since_restart(c.as_scraped(counts, c.gpu_node[gpus]), c.gpu_node[gpus])
+        last = c.as_scraped(last, c.gpu_node[gpus])
+        last = np.where(counts > 0, last, np.nan)
+        counts = np.where(counts > 0, counts, np.nan)
+    present = np.isfinite(counts) & c.node_present_gpu[:, gpus] if keys else None
     for name, values, dec in (("gpufleet_gpu_xid_errors_total", counts, 0),
                               ("gpufleet_gpu_xid_last_seen_timestamp_seconds", last, 0)):
         s = spec(name)

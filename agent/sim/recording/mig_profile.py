@@ -10,12 +10,32 @@ processes collector exports them from the processes' cgroups. Series are present
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 
-from gpufleet.agent.sim.mig import slice_series
+from gpufleet.agent.sim.mig import SliceSeries, slice_series
 from gpufleet.agent.sim.recording.capture import Context
 from gpufleet.agent.sim.recording.openmetrics import OmWriter, prefix
+
+_SLICE_ARRAYS = ("sm_active", "sm_occupancy", "tensor", "dram", "memory_used")
+
+
+def scraped_slices(c: Context, slices: list[SliceSeries]) -> list[SliceSeries]:
+    """``slices`` as the node's GPU exporter reads them: a job's slices are modelled per tick, so they are read
+    through the scrape model (:attr:`Context.as_scraped`); jobless slices follow their parent's arrays, which are."""
+    owned = [k for k, s in enumerate(slices) if s.job]
+    if not owned:
+        return slices
+    nodes = np.array([slices[k].node for k in owned], np.int64)
+    out = list(slices)
+    read = {name: c.as_scraped(np.stack([getattr(slices[k], name) for k in owned], axis=1), nodes)
+            for name in _SLICE_ARRAYS}
+    for i, k in enumerate(owned):
+        s = slices[k]
+        out[k] = replace(s, sm_active=read["sm_active"][:, i], sm_occupancy=read["sm_occupancy"][:, i],
+                         tensor=read["tensor"][:, i], dram=read["dram"][:, i], memory_used=read["memory_used"][:, i])
+    return out
 
 
 def write(w: OmWriter, c: Context, fam: Callable[[str], str], target: Callable[[int], dict[str, str]]) -> None:
@@ -24,7 +44,8 @@ def write(w: OmWriter, c: Context, fam: Callable[[str], str], target: Callable[[
     if not sim.mig_nodes:
         return
     fr = c.fr
-    slices = slice_series(sim, fr.times, {f: fr[f] for f in ("sm_active", "tensor", "dram", "mem_used")})
+    slices = scraped_slices(c, slice_series(sim, fr.times, {f: fr[f] for f in ("sm_active", "tensor", "dram",
+                                                                               "mem_used")}))
     glob = [int(sim.fleet.node_gpus(s.node)[s.gpu]) for s in slices]
     mask = c.gpu_present[:, glob]
 

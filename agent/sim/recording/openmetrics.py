@@ -3,11 +3,14 @@
 :class:`OmWriter` streams a family's samples (series prefixes x tick values, with timestamps) without
 building the text line by line, so a 1,000-GPU day never needs its text in memory; :func:`prefix`
 formats a series' ``name{labels} `` with OpenMetrics escaping. Nothing here knows any metric name.
+Timestamps are the ticks' (one row for every series) or, with a :class:`Timing`, each target's own
+(:mod:`.scrape`): a series' target is its ``instance`` label, and its samples are kept only where the
+target's scrape succeeded.
 """
 
 from __future__ import annotations
 
-from typing import IO
+from typing import IO, Protocol
 
 import numpy as np
 
@@ -32,16 +35,38 @@ def _ts_matrix(times: np.ndarray) -> np.ndarray:
     return np.frombuffer("".join(x.rjust(width) for x in text).encode(), np.uint8).reshape(len(times), width)
 
 
+class Timing(Protocol):
+    """Per-target timestamps and successful scrapes (:class:`gpufleet.agent.sim.recording.scrape.Timing`)."""
+
+    def rows_of(self, prefixes: list[bytes]) -> np.ndarray:
+        """The target row of each series prefix."""
+
+    def tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """(timestamp text, targets x ticks x width; successful scrapes, targets x ticks)."""
+
+
 class OmWriter:
     """Streams OpenMetrics families built from (series prefixes x tick values) blocks."""
 
     CHUNK_BYTES = 48 << 20
 
-    def __init__(self, out: IO[bytes], times: np.ndarray) -> None:
+    def __init__(self, out: IO[bytes], times: np.ndarray, timing: Timing | None = None) -> None:
         self.out = out
-        self.ts = _ts_matrix(times)
+        self.timing = timing
+        self.ts = _ts_matrix(times)[None]  # targets x ticks x width (one row: the ticks)
+        self._ragged = bool((self.ts == ord(" ")).any())  # timestamps of unequal widths (a timing's never are)
         self.n_ticks = len(times)
         self.samples = 0
+
+    def _targets(self, prefixes: list[bytes], ok: np.ndarray) -> np.ndarray:
+        """Each series' row of ``self.ts`` (0 without a timing); drops the failed scrapes from ``ok`` in place."""
+        if self.timing is None:
+            return np.zeros(len(prefixes), np.int64)
+        rows = self.timing.rows_of(prefixes)
+        self.ts, scraped = self.timing.tables()
+        self._ragged = False
+        ok &= scraped[rows].T
+        return rows
 
     def family(self, name: str, typ: str, help_text: str) -> None:
         self.out.write(f"# TYPE {name} {typ}\n# HELP {name} {_escape_help(help_text)}\n".encode())
@@ -62,7 +87,8 @@ class OmWriter:
         ok = np.isfinite(values) if cols is None else np.isfinite(values)[:, src]
         if mask is not None:
             ok &= np.asarray(mask, bool).reshape(self.n_ticks, len(prefixes))
-        if self._fast(prefixes, values, src, decimals, ok):
+        rows = self._targets(prefixes, ok)
+        if self._fast(prefixes, values, src, decimals, ok, rows):
             return
         if cols is not None:
             values = values[:, src]
@@ -76,7 +102,7 @@ class OmWriter:
         for i, x in enumerate(prefixes):
             pre[i, : len(x)] = np.frombuffer(x, np.uint8)
             pre_keep[i, : len(x)] = True
-        wts = self.ts.shape[1]
+        wts = self.ts.shape[2]
         vcols = ndig + 1 + (1 if decimals else 0)  # sign + digits + point
         width = pmax + vcols + 1 + wts + 1
         per_series = self.n_ticks * width
@@ -110,8 +136,8 @@ class OmWriter:
             m[:, :, c] = ord(" ")
             keep[:, :, c] = True
             c += 1
-            m[:, :, c:c + wts] = self.ts[None, :, :]
-            keep[:, :, c:c + wts] = self.ts[None, :, :] != ord(" ")
+            m[:, :, c:c + wts] = self.ts[rows[lo:hi]]
+            keep[:, :, c:c + wts] = self.ts[rows[lo:hi]] != ord(" ")
             c += wts
             m[:, :, c] = ord("\n")
             keep[:, :, c] = True
@@ -121,13 +147,13 @@ class OmWriter:
             self.out.write(m[keep].tobytes())
 
     def _fast(self, prefixes: list[bytes], values: np.ndarray, src: np.ndarray, decimals: int,
-              ok: np.ndarray) -> bool:
+              ok: np.ndarray, targets: np.ndarray) -> bool:
         """Fixed-width lines per prefix length: the value field keeps one width by printing more decimals
         for shorter integer parts (``72.5000`` next to ``612.500``), so rows are copied whole. Work is done per
         chunk of series over the ticks where they have samples. Returns False (nothing written) when the
         block needs the general path (negative values, over 18 digits)."""
         finite = np.isfinite(values)
-        if bool((values[finite] < 0).any()) or bool((self.ts == ord(" ")).any()):
+        if bool((values[finite] < 0).any()) or self._ragged:
             return False
         scaled = np.rint(np.where(finite, np.abs(values), 0.0) * 10.0 ** decimals).astype(np.int64)
         ni = np.maximum(np.floor(np.log10(np.maximum(scaled, 1))).astype(np.int64) + 1 - decimals, 1)
@@ -139,7 +165,8 @@ class OmWriter:
         if ndig > 18:
             return False
         lengths = np.array([len(x) for x in prefixes])
-        wts = self.ts.shape[1]
+        wts = self.ts.shape[2]
+        one_row = self.ts.shape[0] == 1
         present = ok.any(axis=0)
         first = np.where(present, ok.argmax(axis=0), self.n_ticks)
         for plen in np.unique(lengths):
@@ -177,7 +204,7 @@ class OmWriter:
                     buf[:, :, plen:plen + width] = digits
                 c = int(plen) + width
                 buf[:, :, c] = ord(" ")
-                buf[:, :, c + 1:c + 1 + wts] = self.ts[None, t0:t1, :]
+                buf[:, :, c + 1:c + 1 + wts] = self.ts[:1, t0:t1] if one_row else self.ts[targets[cols], t0:t1]
                 buf[:, :, -1] = ord("\n")
                 rows = ok[t0:t1, cols].T.reshape(-1)
                 self.samples += int(rows.sum())
