@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from gpufleet.agent.vocab import fabric as fb
 from gpufleet.detector import fabric
+from gpufleet.detector.candidate import Candidate
 from gpufleet.detector.features import NodeNaming
 from gpufleet.detector.source import Result
-from gpufleet.detector.candidate import Candidate
 
 NAMING = NodeNaming()
 CLUSTER = "00000001-0000-0000-0000-000000000001"
