@@ -225,10 +225,12 @@ class Tracker:
     def _reopen(self, k: Key, c: Candidate, p: _Pending, t: float) -> bool:
         """A fault that comes back on the same entity within ``reopen_seconds`` of its finding's end (an
         intermittent thermal fault, a flapping link) is the same problem: its finding opens again with its
-        incident, start and detection time, and stays open through longer gaps from then on."""
+        incident, start and detection time, and stays open through longer gaps from then on. A job-level ticket (a
+        workload pattern: ``group``) opens again whenever its job and pattern come back: one per job and pattern,
+        not one per episode."""
         for j in range(len(self.closed) - 1, -1, -1):
             f = self.closed[j]
-            if f.end is not None and t - f.end > self.reopen_seconds:
+            if f.end is not None and t - f.end > self.reopen_seconds and not f.group:
                 continue
             if f.absorbed_by or key_of(f.kind, _as_candidate(f)) != k:
                 continue
