@@ -334,16 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--series", choices=("auto", "core", "full"), default="auto",
                     help="simulator series set: core (detector inputs; fast), full (every modelled series) or "
                          "auto (core, but full for nvlink_down: per-link NVLink state is only in full)")
-    ap.add_argument("--workload", action="store_true",
-                    help="run the workload section instead (uneven jobs: false pages, routes; "
-                         "gpufleet.agent.sim.quality_workload)")
     args = ap.parse_args(argv)
-    if args.workload:
-        from gpufleet.agent.sim import quality_workload
-
-        return quality_workload.main([*(["--quick"] if args.quick else []), "--jobs", str(args.jobs),
-                                      "--out", args.out, *(["--seeds", str(args.seeds)] if args.seeds else []),
-                                      *(["--only", *args.only] if args.only else [])])
     seeds = args.seeds or (1 if args.quick else 3)
     runs = plan(args.quick, seeds, FLEETS if args.fleet == "both" else (args.fleet,))
     if args.only:
