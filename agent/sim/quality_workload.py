@@ -1,6 +1,7 @@
 """The quality harness's workload section (issue 19): slowness the job causes must not page the hardware on-call.
 
-Run ``.venv/bin/python -m gpufleet.agent.sim.quality_workload [--quick] [--seeds N] [--jobs N] [--out DIR]``.
+Run ``.venv/bin/python -m gpufleet.agent.sim.quality_workload [--quick] [--seeds N] [--jobs N] [--out DIR]``
+(its own entry point, as the Kubernetes section's).
 
 Fleets: the built-in ``workload`` scenario (:mod:`gpufleet.agent.sim.workload`; 16 nodes x 8 H100, 90 minutes):
 a pipeline-parallel job whose last stage does more work from its start (``stage_imbalance``), a data-parallel
@@ -58,7 +59,7 @@ from gpufleet.agent.sim.quality import (
     score_run,
 )
 from gpufleet.agent.sim.scenario import FaultSpec, Scenario, load_scenario
-from gpufleet.agent.sim.workload import WorkloadSpec, job_nodes
+from gpufleet.agent.sim.workload_spec import WorkloadSpec
 from gpufleet.detector.findings import Finding
 from gpufleet.detector.profiles import PROFILES
 from gpufleet.detector.replay import replay
@@ -215,6 +216,17 @@ def vary(sc: Scenario, rng: np.random.Generator, case: str) -> dict[str, Any]:
         moe = nodes_of(by_pattern["hot_experts"][0].job)
         return {"kind": "ib_link_degraded", "node": str(rng.choice(moe)), "nic": int(rng.integers(0, gpn))}
     return {}
+
+
+def job_nodes(sc: Scenario, job: str) -> list[int]:
+    """Node indices of a scenario's fixed job, in order."""
+    js = next(j for j in sc.jobs if j.id == job)
+    names = sc.node_names
+    if js.nodes == "all":
+        return list(range(len(names)))
+    if isinstance(js.nodes, int):
+        return list(range(js.nodes))
+    return sorted(names.index(n) for n in js.nodes)
 
 
 def on_kubernetes(sc: Scenario, seed: int) -> KubeScenario:

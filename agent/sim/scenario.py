@@ -89,8 +89,7 @@ from gpufleet.agent.sim.scraping import (
     ScrapeSpecError,
     parse_scrape,
 )
-from gpufleet.agent.sim.workload import PATTERNS as WORKLOAD_PATTERNS
-from gpufleet.agent.sim.workload import WORKLOAD_KEYS, WorkloadSpec, job_nodes
+from gpufleet.agent.sim.workload_spec import KEYS, PATTERNS, WorkloadSpec
 
 DEFAULT_START = "2026-07-01T00:00:00Z"
 
@@ -376,6 +375,70 @@ def parse_scenario(data: dict[str, Any], source: str = "<scenario>") -> Scenario
     return sc
 
 
+def _parse_workloads(items: object, sc: Scenario, where: str) -> list[WorkloadSpec]:
+    """The validated ``[[workloads]]`` tables of a scenario whose jobs are parsed (errors name ``where``)."""
+    if items is None:
+        return []
+    if not isinstance(items, list):
+        raise ScenarioError(f"{where}: workloads must be an array of tables ([[workloads]])")
+    jobs = {j.id: j for j in sc.jobs}
+    names = sc.node_names
+    gpn = sc.sites[0].gpus_per_node
+    out = []
+    for i, w in enumerate(items):
+        ww = f"{where}: workloads[{i}]"
+        if not isinstance(w, dict):
+            raise ScenarioError(f"{ww}: expected a table")
+        unknown = sorted(set(w) - KEYS)
+        if unknown:
+            raise ScenarioError(f"{ww}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(KEYS))}")
+        spec = WorkloadSpec(job=_get(w, "job", str, ww, ""), pattern=_get(w, "pattern", str, ww, ""))
+        if spec.job not in jobs or jobs[spec.job].kind != "training":
+            raise ScenarioError(f"{ww}.job: {spec.job!r} is not a training job of [[jobs.fixed]]")
+        if spec.pattern not in PATTERNS:
+            raise ScenarioError(f"{ww}.pattern: must be one of {', '.join(PATTERNS)}")
+        spec.owner = _get(w, "owner", str, ww, "")
+        spec.extra = _get(w, "extra", float, ww, spec.extra)
+        if not 0.0 < spec.extra <= 3.0:
+            raise ScenarioError(f"{ww}.extra: must be in (0, 3]")
+        spec.sigma = _get(w, "sigma", float, ww, spec.sigma)
+        if not 0.0 < spec.sigma <= 0.5:
+            raise ScenarioError(f"{ww}.sigma: must be in (0, 0.5]")
+        js = jobs[spec.job]
+        members = (list(range(len(names))) if js.nodes == "all" else list(range(js.nodes))
+                   if isinstance(js.nodes, int) else sorted(names.index(n) for n in js.nodes))
+        spec.stages = _get(w, "stages", int, ww, spec.stages)
+        if not 2 <= spec.stages <= len(members) * gpn:
+            raise ScenarioError(f"{ww}.stages: must be between 2 and the job's GPUs ({len(members) * gpn})")
+        spec.stage = _get(w, "stage", int, ww, spec.stage)
+        if not -spec.stages <= spec.stage < spec.stages:
+            raise ScenarioError(f"{ww}.stage: must be a stage of the {spec.stages}")
+        spec.node = _get(w, "node", str, ww)
+        if spec.node is not None and spec.node not in [names[n] for n in members]:
+            raise ScenarioError(f"{ww}.node: {spec.node!r} is not a node of job {spec.job!r}")
+        spec.gpu = _get(w, "gpu", int, ww)
+        if spec.gpu is not None and (spec.node is None or not 0 <= spec.gpu < gpn):
+            raise ScenarioError(f"{ww}.gpu: needs a node and must be between 0 and {gpn - 1}")
+        if spec.pattern == "data_skew" and spec.node is None:
+            raise ScenarioError(f"{ww}.node: a data_skew workload names the busier node (and gpu for one rank)")
+        if "start" in w:
+            spec.start = parse_duration(w["start"], f"{ww}.start")
+        if "end" in w:
+            spec.end = parse_duration(w["end"], f"{ww}.end")
+            if spec.end <= (spec.start or 0.0):
+                raise ScenarioError(f"{ww}.end: must be after the start")
+        spec.hot = _get(w, "hot", int, ww, spec.hot)
+        if not 1 <= spec.hot <= gpn:
+            raise ScenarioError(f"{ww}.hot: must be between 1 and {gpn}")
+        spec.move_every = parse_duration(w.get("move_every", spec.move_every), f"{ww}.move_every")
+        if spec.move_every <= 0:
+            raise ScenarioError(f"{ww}.move_every: must be greater than 0")
+        if spec.pattern == "hot_experts" and len(members) < 2:
+            raise ScenarioError(f"{ww}: hot experts move between nodes: the job needs at least 2 nodes")
+        out.append(spec)
+    return out
+
+
 def _parse_mig(sc: Scenario, data: dict[str, Any], source: str) -> None:
     """``[[mig]]`` nodes and ``[[mig_faults]]``; a MIG node may not be in a whole-GPU job."""
     names = sc.node_names
@@ -607,65 +670,3 @@ def describe(name: str) -> str:
         return str(tomllib.loads(builtin_text(name)).get("description", ""))
     except (OSError, tomllib.TOMLDecodeError):
         return ""
-
-
-def _parse_workloads(items: object, sc: Scenario, where: str) -> list[WorkloadSpec]:
-    """The validated ``[[workloads]]`` tables of a scenario whose jobs are parsed (errors name ``where``)."""
-    if items is None:
-        return []
-    if not isinstance(items, list):
-        raise ScenarioError(f"{where}: workloads must be an array of tables ([[workloads]])")
-    jobs = {j.id: j for j in sc.jobs}
-    names = sc.node_names
-    gpn = sc.sites[0].gpus_per_node
-    out = []
-    for i, w in enumerate(items):
-        ww = f"{where}: workloads[{i}]"
-        if not isinstance(w, dict):
-            raise ScenarioError(f"{ww}: expected a table")
-        unknown = sorted(set(w) - WORKLOAD_KEYS)
-        if unknown:
-            raise ScenarioError(f"{ww}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(WORKLOAD_KEYS))}")
-        spec = WorkloadSpec(job=_get(w, "job", str, ww, ""), pattern=_get(w, "pattern", str, ww, ""))
-        if spec.job not in jobs or jobs[spec.job].kind != "training":
-            raise ScenarioError(f"{ww}.job: {spec.job!r} is not a training job of [[jobs.fixed]]")
-        if spec.pattern not in WORKLOAD_PATTERNS:
-            raise ScenarioError(f"{ww}.pattern: must be one of {', '.join(WORKLOAD_PATTERNS)}")
-        spec.owner = _get(w, "owner", str, ww, "")
-        spec.extra = _get(w, "extra", float, ww, spec.extra)
-        if not 0.0 < spec.extra <= 3.0:
-            raise ScenarioError(f"{ww}.extra: must be in (0, 3]")
-        spec.sigma = _get(w, "sigma", float, ww, spec.sigma)
-        if not 0.0 < spec.sigma <= 0.5:
-            raise ScenarioError(f"{ww}.sigma: must be in (0, 0.5]")
-        members = job_nodes(sc, spec.job)
-        spec.stages = _get(w, "stages", int, ww, spec.stages)
-        if not 2 <= spec.stages <= len(members) * gpn:
-            raise ScenarioError(f"{ww}.stages: must be between 2 and the job's GPUs ({len(members) * gpn})")
-        spec.stage = _get(w, "stage", int, ww, spec.stage)
-        if not -spec.stages <= spec.stage < spec.stages:
-            raise ScenarioError(f"{ww}.stage: must be a stage of the {spec.stages}")
-        spec.node = _get(w, "node", str, ww)
-        if spec.node is not None and spec.node not in [names[n] for n in members]:
-            raise ScenarioError(f"{ww}.node: {spec.node!r} is not a node of job {spec.job!r}")
-        spec.gpu = _get(w, "gpu", int, ww)
-        if spec.gpu is not None and (spec.node is None or not 0 <= spec.gpu < gpn):
-            raise ScenarioError(f"{ww}.gpu: needs a node and must be between 0 and {gpn - 1}")
-        if spec.pattern == "data_skew" and spec.node is None:
-            raise ScenarioError(f"{ww}.node: a data_skew workload names the busier node (and gpu for one rank)")
-        if "start" in w:
-            spec.start = parse_duration(w["start"], f"{ww}.start")
-        if "end" in w:
-            spec.end = parse_duration(w["end"], f"{ww}.end")
-            if spec.end <= (spec.start or 0.0):
-                raise ScenarioError(f"{ww}.end: must be after the start")
-        spec.hot = _get(w, "hot", int, ww, spec.hot)
-        if not 1 <= spec.hot <= gpn:
-            raise ScenarioError(f"{ww}.hot: must be between 1 and {gpn}")
-        spec.move_every = parse_duration(w.get("move_every", spec.move_every), f"{ww}.move_every")
-        if spec.move_every <= 0:
-            raise ScenarioError(f"{ww}.move_every: must be greater than 0")
-        if spec.pattern == "hot_experts" and len(members) < 2:
-            raise ScenarioError(f"{ww}: hot experts move between nodes: the job needs at least 2 nodes")
-        out.append(spec)
-    return out

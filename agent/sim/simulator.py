@@ -136,7 +136,7 @@ class Simulator:
             ))
         self.fault_schedule = FaultSchedule(self.faults)
         #: The scenario's uneven work ([[workloads]]), applied each tick after the faults (None: none).
-        self.workloads = Workloads(self) if sc.workloads else None
+        self.workloads = Workloads(sc.workloads, self.fleet, self.seed) if sc.workloads else None
         self._reboots = sorted((r["at"], node_index[r["node"]]) for r in sc.reboots)
         self._blips = sorted((b["at"], k) for k, b in enumerate(sc.blips))
         self._uuids = [self._uuid(g) for g in range(self.fleet.n_gpus)]
@@ -475,5 +475,5 @@ class Simulator:
             "nodes": [{"node": n.name, "site": self.fleet.sites[n.site].name, "gpus": n.gpus,
                        "gpu_model": n.model.key} for n in self.fleet.nodes],
             "faults": faults, "confounders": confounders, "jobs": jobs,
-            **({"workloads": workload_labels(self)} if sc.workloads else {}),
+            **({"workloads": workload_labels(self.workloads, self.start, sc.duration)} if sc.workloads else {}),
         }

@@ -39,57 +39,19 @@ report: one ``straggler``/``workload`` finding routed to the owner with the patt
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from gpufleet.agent.sim.fleet import Fleet
 from gpufleet.agent.sim.physics import Physics
-
-if TYPE_CHECKING:
-    from gpufleet.agent.sim.scenario import Scenario
-    from gpufleet.agent.sim.simulator import Simulator
-
-#: Patterns a ``[[workloads]]`` table may give; all but ``seqlen_noise`` are
-#: :data:`gpufleet.agent.vocab.catalog.WORKLOAD_PATTERNS`.
-PATTERNS = ("stage_imbalance", "data_skew", "hot_experts", "seqlen_noise")
-WORKLOAD_KEYS = {"job", "pattern", "owner", "extra", "stages", "stage", "node", "gpu", "start", "end", "hot", "move_every",
-         "sigma"}
-
-
-@dataclass
-class WorkloadSpec:
-    job: str
-    pattern: str
-    owner: str = ""
-    extra: float = 0.25
-    stages: int = 4
-    stage: int = -1
-    node: str | None = None
-    gpu: int | None = None
-    start: float | None = None  # seconds from the scenario start; None: the job's start
-    end: float | None = None  # None: the job's end
-    hot: int = 2
-    move_every: float = 300.0
-    sigma: float = 0.05
-
-
-def job_nodes(sc: Scenario, job: str) -> list[int]:
-    """Node indices of a scenario's fixed job, in order."""
-    js = next(j for j in sc.jobs if j.id == job)
-    names = sc.node_names
-    if js.nodes == "all":
-        return list(range(len(names)))
-    if isinstance(js.nodes, int):
-        return list(range(js.nodes))
-    return sorted(names.index(n) for n in js.nodes)
+from gpufleet.agent.sim.workload_spec import WorkloadSpec
 
 
 class _Active:
     """One workload table bound to its job's GPUs (flat indices, rank order) and window."""
 
-    def __init__(self, spec: WorkloadSpec, sim: Simulator) -> None:
-        f = sim.fleet
+    def __init__(self, spec: WorkloadSpec, f: Fleet) -> None:
         job = next(j for j in f.jobs if j.id == spec.job)
         self.spec = spec
         self.nodes = list(job.nodes)
@@ -97,7 +59,7 @@ class _Active:
         self.start = job.start if spec.start is None else spec.start
         self.end = job.end if spec.end is None else spec.end
         self.gpn = f.gpus_per_node
-        self.node_names = list(sim.nodes)
+        self.node_names = [n.name for n in f.nodes]
         self._hot_node = -1
         self._hot_until = -math.inf
         self._hot: np.ndarray = np.zeros(0, int)
@@ -150,35 +112,35 @@ class _Active:
 class Workloads:
     """A tick's uneven work (:attr:`Mods.work`): called after the fault schedule (:meth:`Simulator.step`)."""
 
-    def __init__(self, sim: Simulator) -> None:
-        self.rng = np.random.default_rng([sim.seed, 19])
-        self.active = [_Active(w, sim) for w in sim.scenario.workloads]
+    def __init__(self, specs: list[WorkloadSpec], fleet: Fleet, seed: int) -> None:
+        self.rng = np.random.default_rng([seed, 19])
+        self.fleet = fleet
+        self.active = [_Active(w, fleet) for w in specs]
 
     def __call__(self, p: Physics, t: float, dt: float) -> None:
         for a in self.active:
             a.apply(p.mods.work, t, self.rng)
 
 
-def labels(sim: Simulator) -> list[dict[str, Any]]:
-    """The ``workloads`` section of the ground truth (see the module docstring)."""
-    sched = sim.workloads
+def labels(sched: Workloads | None, start_unix: float, end_of_run: float) -> list[dict[str, Any]]:
+    """The ``workloads`` section of the ground truth (see the module docstring); times from ``start_unix``."""
     if sched is None:
         return []
-    names = sim.nodes
-    end_of_run = sim.scenario.duration
+    fleet = sched.fleet
+    names = [n.name for n in fleet.nodes]
     out = []
     for a in sched.active:
         s = a.spec
         start, end = max(a.start, 0.0), min(a.end, end_of_run)
         if s.pattern == "hot_experts":
-            spots = [(names[n], [str(k) for k in gpus], sim.start + x, sim.start + min(y, end_of_run))
+            spots = [(names[n], [str(k) for k in gpus], start_unix + x, start_unix + min(y, end_of_run))
                      for x, y, n, gpus in a.placements]
             gpus = sorted({(node, g) for node, gl, _, _ in spots for g in gl})
         elif s.pattern == "seqlen_noise":
             spots, gpus = [], []
         else:
             busy = a.busier()
-            gpus = sorted({(names[int(sim.fleet.gpu_node[g])], str(int(sim.fleet.gpu_local[g]))) for g in busy})
+            gpus = sorted({(names[int(fleet.gpu_node[g])], str(int(fleet.gpu_local[g]))) for g in busy})
             spots = []
         expected = [] if s.pattern == "seqlen_noise" else [
             {"kind": "straggler", "cause": "workload", "route": "workload", "pattern": s.pattern}]
@@ -186,7 +148,7 @@ def labels(sim: Simulator) -> list[dict[str, Any]]:
             "job_id": s.job, "pattern": s.pattern, "owner": s.owner, "extra": s.extra,
             "nodes": [names[n] for n in a.nodes], "busier": [{"node": n, "gpu": g} for n, g in gpus],
             "busier_nodes": sorted({n for n, _ in gpus}),
-            "start": sim.start + start, "end": sim.start + end,
+            "start": start_unix + start, "end": start_unix + end,
             "hot_spots": [{"node": n, "gpus": gl, "start": x, "end": y} for n, gl, x, y in spots],
             "expected_findings": expected,
         })
