@@ -32,7 +32,8 @@ def scraped_slices(c: Context, slices: list[SliceSeries]) -> list[SliceSeries]:
     read = {name: c.as_scraped(np.stack([getattr(slices[k], name) for k in owned], axis=1), nodes)
             for name in _SLICE_ARRAYS}
     for i, k in enumerate(owned):
-        out[k] = replace(slices[k], **{name: read[name][:, i] for name in _SLICE_ARRAYS})
+        out[k] = replace(slices[k], sm_active=read["sm_active"][:, i], sm_occupancy=read["sm_occupancy"][:, i],
+                         tensor=read["tensor"][:, i], dram=read["dram"][:, i], memory_used=read["memory_used"][:, i])
     return out
 
 
