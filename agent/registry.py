@@ -12,6 +12,12 @@ starts while another is reading waits for that read and serves its result. With
 many seconds. Scrapes of one read also share its encodings: each negotiated format
 (:mod:`gpufleet.agent.exposition`) is encoded once per read, and gzip-compressed once per read,
 so a burst of scrapes costs little more than one. ``describe()`` never touches hardware.
+
+A read has a deadline (the scrape's timeout, from Prometheus' ``X-Prometheus-Scrape-Timeout-Seconds``
+header or ``timeout``, less a margin: :mod:`gpufleet.agent.collectors.budget`). Each collector runs on
+a worker of its own key (:class:`~gpufleet.agent.nvml.lanes.Lanes`); one that has not finished by the
+deadline is left running, served without (success 0, its families absent, never an older copy) and
+not started again until it returns, while the read answers with everything else.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from gpufleet.agent import __version__
 from gpufleet.agent.collectors import Collector
+from gpufleet.agent.collectors import budget as budgets
 from gpufleet.agent.exposition import TEXT, Format, encode_text
+from gpufleet.agent.nvml.lanes import Lanes
 from gpufleet.agent.vocab import catalog
 
 __all__ = ["AgentCollector", "encode_text", "new_registry"]
@@ -39,6 +47,8 @@ log = logging.getLogger("gpufleet.agent.registry")
 _DURATION = catalog.spec("gpufleet_scrape_collector_duration_seconds")
 _SUCCESS = catalog.spec("gpufleet_scrape_collector_success")
 _BUILD = catalog.spec("gpufleet_build_info")
+#: Worker threads running collectors: one normally busy, one more per collector stuck past a deadline.
+COLLECTOR_WORKERS = 4
 
 
 def _binding_version() -> str:
@@ -91,10 +101,16 @@ class AgentCollector:
     def __init__(
         self, collectors: Sequence[Collector], cache_seconds: float = 0.0,
         clock: Callable[[], float] = time.monotonic, before_read: Callable[[], None] | None = None,
+        timeout: float = budgets.DEFAULT_TIMEOUT,
     ) -> None:
         """``before_read``: called at the start of every hardware read, before any collector runs
-        (the fake NVML's ``refresh_host``: a simulated host's files move on by themselves)."""
+        (the fake NVML's ``refresh_host``: a simulated host's files move on by themselves).
+        ``timeout``: seconds a read may take when the scrape does not say (``--scrape.timeout``)."""
         self.collectors = list(collectors)
+        self.timeout = timeout
+        self._lanes = Lanes("gpufleet-collect", COLLECTOR_WORKERS, call_prefix="collect")
+        #: Collectors found still running from an earlier read (logged once per stall).
+        self._stuck: set[str] = set()
         self._before_read = before_read
         self.cache_seconds = cache_seconds
         self._clock = clock
@@ -138,20 +154,29 @@ class AgentCollector:
     def collect(self) -> Iterator[Metric]:
         return iter(self.read())
 
-    def read(self) -> list[Metric]:
+    def read(self, timeout: float | None = None) -> list[Metric]:
         """The metric families of one hardware read, shared with concurrent scrapes."""
-        return self._shared_read().metrics
+        return self._shared_read(timeout).metrics
 
-    def read_text(self) -> bytes:
+    def read_text(self, timeout: float | None = None) -> bytes:
         """The Prometheus text exposition (format 0.0.4) of one shared hardware read."""
-        return self._shared_read().encoded(TEXT)
+        return self._shared_read(timeout).encoded(TEXT)
 
-    def read_encoded(self, fmt: Format, gzipped: bool = False) -> bytes:
+    def read_encoded(self, fmt: Format, gzipped: bool = False, timeout: float | None = None) -> bytes:
         """One shared hardware read in format ``fmt`` (gzip-compressed, level 1, if ``gzipped``):
-        concurrent scrapes of the same read get the very same bytes, encoded and compressed once."""
-        return self._shared_read().encoded(fmt, gzipped)
+        concurrent scrapes of the same read get the very same bytes, encoded and compressed once.
+        ``timeout``: seconds the scrape allows (None: ``self.timeout``); the read answers within it."""
+        return self._shared_read(timeout).encoded(fmt, gzipped)
 
-    def _shared_read(self) -> _Flight:
+    def stuck(self) -> list[str]:
+        """Collectors still running from a read that went on without them."""
+        return sorted(s.key for s in self._lanes.stalled())
+
+    def close(self) -> None:
+        """Idle collector workers exit (one stuck in a collector exits once it returns)."""
+        self._lanes.close()
+
+    def _shared_read(self, timeout: float | None = None) -> _Flight:
         with self._lock:
             if (self._last is not None and self.cache_seconds > 0
                     and self._clock() - self._last_done < self.cache_seconds):
@@ -167,7 +192,7 @@ class AgentCollector:
             return flight
         self.reading_since = time.monotonic()
         try:
-            flight.metrics = self._read_all()
+            flight.metrics = self._read_all(budgets.deadline_for(self.timeout if timeout is None else timeout))
         finally:
             self.reading_since = None
             with self._lock:
@@ -177,8 +202,9 @@ class AgentCollector:
             flight.done.set()
         return flight
 
-    def _read_all(self) -> list[Metric]:
+    def _read_all(self, deadline: float) -> list[Metric]:
         self.reads += 1
+        start = time.monotonic()
         if self._before_read is not None:
             try:
                 self._before_read()
@@ -188,21 +214,43 @@ class AgentCollector:
         duration = _DURATION.family()
         success = _SUCCESS.family()
         for c in self.collectors:
-            start = time.perf_counter()
-            ok = 1.0
-            try:
-                fams = list(c.collect())
-            except Exception as e:
-                ok = 0.0
-                fams = []
-                log.error("collector %s failed: %s: %s", c.name, type(e).__name__, e)
-                log.debug("collector %s traceback", c.name, exc_info=True)
-            duration.add_metric([c.name], time.perf_counter() - start)
+            t0 = time.perf_counter()
+            fams, ok = self._run(c, budgets.Budget(start, deadline))
+            duration.add_metric([c.name], time.perf_counter() - t0)
             success.add_metric([c.name], ok)
             out.extend(fams)
         out.append(duration)
         out.append(success)
         return _merge(out)
+
+
+    def _run(self, c: Collector, budget: budgets.Budget) -> tuple[list[Metric], float]:
+        """One collector's families for this read and its success (1, or 0: failed, late or incomplete)."""
+        job = self._lanes.submit(c.name, "collect", lambda: _collect(c, budget))
+        if job is None:
+            if c.name not in self._stuck:
+                self._stuck.add(c.name)
+                log.error("collector %s is still running from an earlier scrape: served without it until it returns",
+                          c.name)
+            return [], 0.0
+        self._stuck.discard(c.name)
+        if not job.wait(budget.deadline):
+            log.error("collector %s did not finish within the scrape's deadline: served without it", c.name)
+            return [], 0.0
+        e = job.error
+        if e is not None:
+            log.error("collector %s failed: %s: %s", c.name, type(e).__name__, e)
+            log.debug("collector %s traceback", c.name, exc_info=e)
+            return [], 0.0
+        return job.result or [], 0.0 if budget.missing else 1.0
+
+
+def _collect(c: Collector, budget: budgets.Budget) -> list[Metric]:
+    token = budgets.enter(budget)
+    try:
+        return list(c.collect())
+    finally:
+        budgets.leave(token)
 
 
 def _merge(families: Iterable[Metric]) -> list[Metric]:
