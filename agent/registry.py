@@ -49,6 +49,10 @@ _SUCCESS = catalog.spec("gpufleet_scrape_collector_success")
 _BUILD = catalog.spec("gpufleet_build_info")
 #: Worker threads running collectors: one normally busy, one more per collector stuck past a deadline.
 COLLECTOR_WORKERS = 4
+#: The part of a read's budget kept for the collectors after the one running, and at most how much
+#: (seconds) for each of them.
+RESERVE_SHARE = 0.3
+RESERVE_MAX = 0.25
 
 
 def _binding_version() -> str:
@@ -213,9 +217,13 @@ class AgentCollector:
         out: list[Metric] = [self._build]
         duration = _DURATION.family()
         success = _SUCCESS.family()
-        for c in self.collectors:
+        n = len(self.collectors)
+        # Each collector keeps a slice of the budget for every one after it, so one that hangs on its
+        # first scrape still leaves them time (on later scrapes it is skipped at once).
+        slice_ = min(RESERVE_MAX, max(0.0, deadline - start) * RESERVE_SHARE / max(1, n))
+        for i, c in enumerate(self.collectors):
             t0 = time.perf_counter()
-            fams, ok = self._run(c, budgets.Budget(start, deadline))
+            fams, ok = self._run(c, budgets.Budget(start, deadline - (n - 1 - i) * slice_))
             duration.add_metric([c.name], time.perf_counter() - t0)
             success.add_metric([c.name], ok)
             out.extend(fams)

@@ -198,18 +198,27 @@ class NvmlBackend:
                     self._open(dev)
             return True
 
-    def close(self) -> None:
-        """Shut NVML down (and uninstall the fake library)."""
-        with self._lock:
-            self._drop_devices()
-            self._shutdown_quietly()
+    def close(self, timeout: float = 2.0) -> None:
+        """Shut NVML down (and uninstall the fake library). When an init or refresh is blocked in a call
+        that does not return, NVML is left as it is after ``timeout`` seconds (no nvmlShutdown)."""
+        locked = self._lock.acquire(timeout=timeout)
+        try:
+            if locked:
+                self._drop_devices()
+                self._shutdown_quietly()
+            else:
+                log.warning("NVML is blocked in a call that has not returned: closing without nvmlShutdown")
             self._set_down("closed")
+            self.lanes.close()
             if self._fake is not None and self._fake_installed:
                 self._fake.uninstall()
                 self._fake_installed = False
                 closer = getattr(self.source, "close", None)
                 if callable(closer):
                     closer()  # stops the source's threads, removes its temporary sysfs tree
+        finally:
+            if locked:
+                self._lock.release()
 
     def __enter__(self) -> NvmlBackend:
         self.start()

@@ -108,12 +108,13 @@ class Lanes:
     def submit(self, key: str, what: str, fn: Callable[[], T]) -> Job[T] | None:
         """Queue ``fn`` for ``key``; None when the key's previous job is still queued or running."""
         with self._cv:
-            if self._closed or key in self._busy:
+            if key in self._busy:
                 return None
+            self._closed = False  # used again after close(): workers start on demand again
             job: Job[T] = Job(self, key, what, fn)
             self._busy[key] = job
             self._queue.append(job)
-            if self._idle == 0 and self._workers < self.max_workers:
+            if len(self._queue) > self._idle and self._workers < self.max_workers:
                 self._workers += 1
                 threading.Thread(target=self._work, name=f"{self.name}-{self._workers}", daemon=True).start()
             else:
@@ -168,9 +169,14 @@ class Lanes:
             return self._workers
 
     def close(self) -> None:
-        """Idle workers exit; a worker stuck in a call exits once it returns."""
+        """Idle workers exit; a worker stuck in a call exits once it returns. Jobs queued are dropped
+        (their callers stop waiting at their deadlines); a later submit starts workers again."""
         with self._cv:
             self._closed = True
+            for job in self._queue:
+                job.abandoned = True
+                self._release(job)
+                job.done.set()
             self._queue.clear()
             self._cv.notify_all()
 
@@ -209,16 +215,23 @@ class Lanes:
 
 
 def _innermost_call(frame: FrameType | None, prefix: str) -> str:
-    """The innermost function on ``frame``'s stack whose name starts with ``prefix`` (pynvml's wrappers
-    are named after the C entry points: nvmlDeviceGetPowerUsage), "" if none."""
-    found = ""
+    """The NVML function ``frame``'s stack is in: the pynvml wrapper (named after the C entry point,
+    nvmlDeviceGetPowerUsage), else the entry point a Python stand-in of the library is running (the
+    fake NVML), else the innermost gpufleet NVML function (a direct ctypes call: read_fields); "" if none."""
+    entry = ours = ""
     depth = 0
     while frame is not None and depth < _MAX_FRAMES:
         name = frame.f_code.co_name
-        if name.startswith(prefix) and frame.f_globals.get("__name__") == "pynvml":
+        module = str(frame.f_globals.get("__name__", ""))
+        if module == "pynvml" and name.startswith(prefix):
             return name
-        if not found and name.startswith(prefix):
-            found = name
+        if not entry and name == "__call__":
+            called = getattr(frame.f_locals.get("self"), "__name__", "")
+            if isinstance(called, str) and called.startswith(prefix):
+                entry = called
+        if not ours and (name.startswith(prefix) or module.startswith("gpufleet.agent.nvml.")) \
+                and module != __name__:
+            ours = name
         frame = frame.f_back
         depth += 1
-    return found
+    return entry or ours
