@@ -17,6 +17,7 @@ from support import parse
 from gpufleet.agent.app import Agent
 from gpufleet.agent.collectors import budget as budgets
 from gpufleet.agent.config import AgentConfig
+from gpufleet.agent.fake.library import FakeNvml
 from gpufleet.agent.fake.spec import fake_backend, fake_library
 from gpufleet.agent.fake.stalls import parse_rules, split_spec
 from gpufleet.agent.nvml.lanes import Lanes
@@ -172,8 +173,8 @@ def test_hung_init_serves_the_rest_and_recovers() -> None:
         assert any(n.startswith("gpufleet_ib_") for n, _ in got), "NIC metrics are served"
         assert agent.health().startswith("degraded: nvml: down") and "nvml: nvmlInitWithFlags blocked" in agent.health()
         fake = agent.backend.fake
-        assert fake is not None
-        fake.clear_stalls()  # type: ignore[attr-defined]
+        assert isinstance(fake, FakeNvml)
+        fake.clear_stalls()
         end = time.monotonic() + 5
         while not agent.backend.up and time.monotonic() < end:
             time.sleep(0.01)
@@ -260,6 +261,7 @@ def test_hang_for_seconds_then_answers() -> None:
         import pynvml
 
         h = backend.devices[0].handle
+        assert h is not None
         t0 = time.monotonic()
         pynvml.nvmlDeviceGetPowerUsage(h)
         assert 0.1 < time.monotonic() - t0 < 1.0
