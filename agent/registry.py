@@ -131,6 +131,8 @@ class AgentCollector:
         self.compressions = 0
         #: ``time.monotonic()`` when the hardware read in progress started; None between reads.
         self.reading_since: float | None = None
+        #: ``time.monotonic()`` by which the read in progress must answer; None between reads.
+        self.reading_deadline: float | None = None
         self._build = self._build_info()
 
     @staticmethod
@@ -144,6 +146,13 @@ class AgentCollector:
         e.g. an NVML call that never returns, grows without bound: the watchdog checks this)."""
         since = self.reading_since
         return 0.0 if since is None else max(0.0, time.monotonic() - since)
+
+    def overdue_for(self) -> float:
+        """Seconds the read in progress has run past its deadline; 0 when none is. A read answers by its
+        deadline whatever the hardware does, so this grows only when the scrape path itself is wedged
+        (the watchdog checks this; a hung NVML call does not count)."""
+        deadline = self.reading_deadline
+        return 0.0 if deadline is None else max(0.0, time.monotonic() - deadline)
 
     def describe(self) -> Iterator[Metric]:
         yield _BUILD.family()
@@ -195,10 +204,11 @@ class AgentCollector:
             flight.done.wait()
             return flight
         self.reading_since = time.monotonic()
+        deadline = self.reading_deadline = budgets.deadline_for(self.timeout if timeout is None else timeout)
         try:
-            flight.metrics = self._read_all(budgets.deadline_for(self.timeout if timeout is None else timeout))
+            flight.metrics = self._read_all(deadline)
         finally:
-            self.reading_since = None
+            self.reading_since = self.reading_deadline = None
             with self._lock:
                 self._flight = None
                 self._last = flight

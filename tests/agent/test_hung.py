@@ -143,6 +143,33 @@ def test_a_stuck_collector_is_served_without_and_not_started_again() -> None:
         reg.close()
 
 
+def test_a_wedged_scrape_path_is_overdue_and_stops_the_watchdog() -> None:
+    """What the watchdog acts on: a read past its deadline (the scrape path itself wedged, here in the
+    before-read hook that runs in the scrape thread), or a serving loop that stopped or stopped turning."""
+    from gpufleet.agent.modes import _serving_problem
+
+    gate = threading.Event()
+    reg = AgentCollector([_Fine()], before_read=lambda: None if gate.wait() else None, timeout=0.2)
+    t = threading.Thread(target=reg.read_text)
+    t.start()
+    try:
+        time.sleep(0.5)
+        assert reg.overdue_for() > 0.2
+    finally:
+        gate.set()
+        t.join(5)
+        reg.close()
+    assert reg.overdue_for() == 0.0
+    serving = threading.Event()
+    alive = threading.Thread(target=serving.wait)
+    alive.start()
+    assert _serving_problem(alive, 1.0, 60.0) is None
+    assert _serving_problem(alive, 61.0, 60.0) == "HTTP connection loop has not turned for 61 s"
+    serving.set()
+    alive.join()
+    assert _serving_problem(alive, 0.0, 60.0) == "HTTP server thread stopped"
+
+
 def test_deadline_takes_a_margin() -> None:
     assert budgets.deadline_for(10.0, now=0.0) == pytest.approx(9.5)
     assert budgets.deadline_for(1.0, now=0.0) == pytest.approx(0.9)
