@@ -149,7 +149,11 @@ def test_a_wedged_scrape_path_is_overdue_and_stops_the_watchdog() -> None:
     from gpufleet.agent.modes import _serving_problem
 
     gate = threading.Event()
-    reg = AgentCollector([_Fine()], before_read=lambda: None if gate.wait() else None, timeout=0.2)
+
+    def wedged() -> None:
+        gate.wait()
+
+    reg = AgentCollector([_Fine()], before_read=wedged, timeout=0.2)
     t = threading.Thread(target=reg.read_text)
     t.start()
     try:
