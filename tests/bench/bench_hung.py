@@ -127,7 +127,11 @@ def run_case(case: str, minutes: float, interval: float) -> Result:
         print(f"  scrapes: {len(lat)}; first {lat[0] * 1000:.0f} ms; then median {statistics.median(rest) * 1000:.1f} ms, "
               f"max {max(rest) * 1000:.0f} ms (deadline 9.5 s)")
     print(f"  served: IB series {res.ib_series}, host series {res.host_series}; stalled now: {res.stalls or 'none'}")
-    marks = [res.status[0], res.status[len(res.status) // 2], res.status[-1]] if res.status else []
+    marks = []
+    for want in (0.0, 60.0, (minutes * 60) / 2, float("inf")):  # start, after a minute, middle, end
+        at = next((m for m in res.status if m[0] >= want), res.status[-1] if res.status else None)
+        if at is not None and at not in marks:
+            marks.append(at)
     print("  threads/RSS: " + ", ".join(f"t={t:.0f}s {th} threads {rss / 1024:.1f} MB" for t, th, rss in marks))
     print(f"  /health: {health}")
     if case != "healthy":
