@@ -28,6 +28,7 @@ import platform
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
 from importlib import metadata
 
 from prometheus_client import CollectorRegistry
@@ -37,7 +38,7 @@ from gpufleet.agent import __version__
 from gpufleet.agent.collectors import Collector
 from gpufleet.agent.collectors import budget as budgets
 from gpufleet.agent.exposition import TEXT, Format, encode_text
-from gpufleet.agent.nvml.lanes import Lanes
+from gpufleet.agent.nvml.lanes import Lanes, Outcome, staggered
 from gpufleet.agent.vocab import catalog
 
 __all__ = ["AgentCollector", "encode_text", "new_registry"]
@@ -227,14 +228,16 @@ class AgentCollector:
         out: list[Metric] = [self._build]
         duration = _DURATION.family()
         success = _SUCCESS.family()
-        n = len(self.collectors)
-        # Each collector keeps a slice of the budget for every one after it, so one that hangs on its
-        # first scrape still leaves them time (on later scrapes it is skipped at once).
-        slice_ = min(RESERVE_MAX, max(0.0, deadline - start) * RESERVE_SHARE / max(1, n))
-        for i, c in enumerate(self.collectors):
-            t0 = time.perf_counter()
-            fams, ok = self._run(c, budgets.Budget(start, deadline - (n - 1 - i) * slice_))
-            duration.add_metric([c.name], time.perf_counter() - t0)
+        # One worker runs the collectors in order; each keeps a slice of the budget for every one after
+        # it, so one that hangs on its first scrape still leaves them time (later it is skipped at once).
+        collectors = self.collectors
+        untils = staggered(start, deadline, len(collectors), RESERVE_SHARE, RESERVE_MAX)
+        budgets_ = [budgets.Budget(start, u) for u in untils]
+        outcomes = self._lanes.run_batch(
+            [(c.name, "collect", partial(_collect, c, b)) for c, b in zip(collectors, budgets_, strict=True)], untils)
+        for c, b, o in zip(collectors, budgets_, outcomes, strict=True):
+            fams, ok = self._outcome(c, b, o)
+            duration.add_metric([c.name], b.took)
             success.add_metric([c.name], ok)
             out.extend(fams)
         out.append(duration)
@@ -242,32 +245,32 @@ class AgentCollector:
         return _merge(out)
 
 
-    def _run(self, c: Collector, budget: budgets.Budget) -> tuple[list[Metric], float]:
+    def _outcome(self, c: Collector, budget: budgets.Budget, o: Outcome[list[Metric]]) -> tuple[list[Metric], float]:
         """One collector's families for this read and its success (1, or 0: failed, late or incomplete)."""
-        job = self._lanes.submit(c.name, "collect", lambda: _collect(c, budget))
-        if job is None:
+        if not o.answered:
+            if budget.started and not budget.took:
+                budget.took = time.perf_counter() - budget.started  # still running: how long so far
             if c.name not in self._stuck:
                 self._stuck.add(c.name)
-                log.error("collector %s is still running from an earlier scrape: served without it until it returns",
-                          c.name)
+                log.error("collector %s did not finish within the scrape's deadline: served without it, and not "
+                          "run again until it returns", c.name)
             return [], 0.0
         self._stuck.discard(c.name)
-        if not job.wait(budget.deadline):
-            log.error("collector %s did not finish within the scrape's deadline: served without it", c.name)
-            return [], 0.0
-        e = job.error
+        e = o.error
         if e is not None:
             log.error("collector %s failed: %s: %s", c.name, type(e).__name__, e)
             log.debug("collector %s traceback", c.name, exc_info=e)
             return [], 0.0
-        return job.result or [], 0.0 if budget.missing else 1.0
+        return o.result or [], 0.0 if budget.missing else 1.0
 
 
 def _collect(c: Collector, budget: budgets.Budget) -> list[Metric]:
     token = budgets.enter(budget)
+    budget.started = time.perf_counter()
     try:
         return list(c.collect())
     finally:
+        budget.took = time.perf_counter() - budget.started
         budgets.leave(token)
 
 

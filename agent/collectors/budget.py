@@ -34,8 +34,11 @@ class Budget:
 
     start: float
     deadline: float
-    #: What the collector could not read in time ("gpu 3: nvmlDeviceGetPowerUsage"); empty: complete.
+    #: What the collector could not read in time ("gpu 3"); empty: complete.
     missing: list[str] = field(default_factory=list)
+    #: ``time.perf_counter()`` when the collector started (0.0: not yet), and seconds it ran.
+    started: float = 0.0
+    took: float = 0.0
 
     def share(self, ratio: float) -> float:
         """The time (``time.monotonic()``) by which ``ratio`` of the budget has gone."""

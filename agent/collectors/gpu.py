@@ -9,9 +9,9 @@ A lost GPU is ``gpufleet_gpu_up 0`` and keeps its ``gpufleet_gpu_info`` series
 (cached identity); the other GPUs are reported as usual. When NVML is down the
 collector yields ``gpufleet_nvml_up 0`` (and the error counters) and nothing else.
 
-NVML calls run on the backend's lanes (:mod:`gpufleet.agent.nvml.lanes`): one worker per GPU and one
-for the node-wide calls, each waited for until the GPU share of the scrape's budget
-(:mod:`.budget`). A GPU whose read did not finish in time has no reading series this scrape (not
+NVML calls run on the backend's lanes (:mod:`gpufleet.agent.nvml.lanes`): the GPUs one after another
+on one worker, each given a deadline within the GPU share of the scrape's budget (:mod:`.budget`); a
+GPU whose call overruns keeps that worker to itself and the others go on on another. A GPU whose read did not finish in time has no reading series this scrape (not
 even ``gpufleet_gpu_up``; its ``gpufleet_gpu_info`` stays), the collector reports success 0, and
 ``gpufleet_nvml_call_stalled_seconds{gpu,call}`` says which call has been blocked for how long; the
 GPU is read again once that call returns. A node-wide call that does not return makes
@@ -20,6 +20,7 @@ GPU is read again once that call returns. A node-wide call that does not return 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from functools import partial
 
@@ -30,7 +31,7 @@ from gpufleet.agent.collectors import budget as budgets
 from gpufleet.agent.collectors.series import FrozenLabels, SampleSink, SeriesCache
 from gpufleet.agent.nvml.backend import Device, NvmlBackend
 from gpufleet.agent.nvml.hardware import architecture_label
-from gpufleet.agent.nvml.lanes import NODE, Lanes
+from gpufleet.agent.nvml.lanes import NODE, Lanes, staggered
 from gpufleet.agent.nvml.reader import read_gpu
 from gpufleet.agent.nvml.reading import Reading
 from gpufleet.agent.vocab import catalog
@@ -103,16 +104,19 @@ class GpuCollector:
             return [up, *self._errors(), *stalled_family(lanes)]
         devices = list(b.devices)
         slow = self.slow_interval
-        jobs = [lanes.submit(d.label, "read_gpu", partial(read_gpu, b, d, slow_interval=slow)) for d in devices]
+        # One worker reads the GPUs in order; a GPU whose call overruns keeps that worker (its lane is
+        # stalled) and the GPUs after it go on on another.
+        outcomes = lanes.run_batch([(d.label, "read_gpu", partial(read_gpu, b, d, slow_interval=slow))
+                                    for d in devices], staggered(time.monotonic(), until, len(devices)))
         readings: list[Reading | None] = []
-        for d, job in zip(devices, jobs, strict=True):
-            if job is None or not job.wait(until):
+        for d, o in zip(devices, outcomes, strict=True):
+            if not o.answered:
                 budget.missing.append(f"gpu {d.label}")
                 readings.append(None)
-            elif job.error is not None:
-                raise job.error
+            elif o.error is not None:
+                raise o.error
             else:
-                readings.append(job.result)
+                readings.append(o.result)
         f: dict[str, Fam] = {s.name: s.family() for s in _SPECS}
         f["gpufleet_nvml_up"].add_metric([], 1)
         self._identity(f, devices, readings)

@@ -18,7 +18,7 @@ from functools import partial
 from gpufleet.agent.cgroups import Owner, OwnerCache
 from gpufleet.agent.collectors import budget as budgets
 from gpufleet.agent.nvml.backend import Device, NvmlBackend
-from gpufleet.agent.nvml.lanes import NODE
+from gpufleet.agent.nvml.lanes import NODE, staggered
 from gpufleet.agent.nvml.mig import MigReading, MigState, read_mig
 from gpufleet.agent.nvml.processes import GpuProcess, ProcessState, read_processes
 
@@ -98,15 +98,16 @@ class GpuUsage:
             self._mig.setdefault(dev.label, MigState())
             self._procs.setdefault(dev.label, ProcessState())
         # Each GPU on its own NVML lane: one whose call hangs is left out (MIG and processes unknown).
-        jobs = [b.lanes.submit(d.label, "read_usage", partial(self._read_gpu, d)) for d in devices]
-        for dev, job in zip(devices, jobs, strict=True):
+        outcomes = b.lanes.run_batch([(d.label, "read_usage", partial(self._read_gpu, d)) for d in devices],
+                                     staggered(time.monotonic(), until, len(devices)))
+        for dev, o in zip(devices, outcomes, strict=True):
             use = GpuUse(dev.label)
-            if job is None or not job.wait(until):
+            if not o.answered:
                 budget.missing.append(f"gpu {dev.label}")
-            elif job.error is not None:
-                raise job.error
-            elif job.result is not None:
-                use.mig, procs = job.result
+            elif o.error is not None:
+                raise o.error
+            elif o.result is not None:
+                use.mig, procs = o.result
                 if procs is not None:
                     use.processes = [(p, self.owners.owner(p.pid)) for p in procs]
                     running.update(p.pid for p in procs)

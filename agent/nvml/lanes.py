@@ -12,17 +12,24 @@ return) and for how long.
 
 Workers are started on demand, up to ``max_workers``, and stay for later jobs; an abandoned job
 that has not started yet is taken out of the queue, so its key is free at once.
+
+:meth:`Lanes.run_batch` runs many keys' work one after another on one worker (one thread handoff for
+a whole scrape's GPUs or collectors, as cheap as running them inline): when one item overruns its
+time, the caller leaves that worker to it (the item's key is stalled, exactly as above) and hands
+the items after it to another worker.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from types import FrameType
 from typing import Any, Generic, TypeVar
 
@@ -76,6 +83,33 @@ class Job(Generic[T]):
 
 
 @dataclass(frozen=True)
+class Outcome(Generic[T]):
+    """One batch item: whether it answered in time, its result, and the exception it raised."""
+
+    answered: bool
+    result: T | None = None
+    error: BaseException | None = None
+
+
+_MISSED: Outcome[Any] = Outcome(False)
+
+
+class _Batch:
+    """A batch's shared state: the items, the next one to run (``pos``), where the worker must stop
+    (``stop``: the caller moved the items from there on to another worker), the outcomes."""
+
+    __slots__ = ("item", "out", "pos", "stop", "tasks")
+
+    def __init__(self, tasks: Sequence[tuple[str, str, Callable[[], Any]]], start: int, out: list[Outcome[Any]]) -> None:
+        self.tasks = tasks
+        self.pos = start
+        self.stop = len(tasks)
+        self.out = out
+        #: the item job running now (None between items)
+        self.item: Job[Any] | None = None
+
+
+@dataclass(frozen=True)
 class Stall:
     """A job its caller gave up on that is still running: which key, in which call, since when."""
 
@@ -93,7 +127,9 @@ class Lanes:
         self.max_workers = max(1, max_workers)
         self._clock = clock
         self._prefix = call_prefix
-        self._cv = threading.Condition(threading.Lock())
+        lock = threading.Lock()
+        self._cv = threading.Condition(lock)  # workers wait on it for jobs
+        self._progress = threading.Condition(lock)  # run_batch callers wait on it for items
         self._queue: deque[Job[Any]] = deque()
         #: key -> its job queued or running
         self._busy: dict[str, Job[Any]] = {}
@@ -102,6 +138,7 @@ class Lanes:
         self._closed = False
         #: Jobs that returned after their caller had given up (their results were dropped).
         self.late = 0
+        self._batches = itertools.count()
 
     # ------------------------------------------------------------------ use
 
@@ -130,6 +167,75 @@ class Lanes:
         if job.error is not None:
             raise job.error
         return True, job.result
+
+    def run_batch(self, tasks: Sequence[tuple[str, str, Callable[[], Any]]],
+                  untils: Sequence[float]) -> list[Outcome[Any]]:
+        """Run ``tasks`` (key, what, fn) in order on one worker; item ``i`` must finish by ``untils[i]``
+        (``time.monotonic()``, non-decreasing). An item whose key is still busy from before is skipped;
+        one that overruns keeps its worker (its key stalled, its result dropped when it comes) and the
+        items after it go on on another worker. Returns each item's :class:`Outcome`."""
+        n = len(tasks)
+        out: list[Outcome[Any]] = [_MISSED] * n
+        start = 0
+        while start < n:
+            batch = _Batch(tasks, start, out)
+            job = self.submit(f"\x00batch{next(self._batches)}", "batch", partial(self._run_items, batch))
+            assert job is not None  # a fresh key
+            start = n
+            with self._cv:
+                while batch.pos < batch.stop:
+                    i = batch.pos
+                    left = untils[i] - self._clock()
+                    if left > 0:
+                        self._progress.wait(left)
+                        continue
+                    # item i overran (or never started: no free worker): leave it, go on from i + 1
+                    item = batch.item
+                    if item is not None and item.key == tasks[i][0] and item.started is not None:
+                        item.abandoned = True
+                        batch.stop = i + 1
+                    else:
+                        batch.stop = i
+                    start = i + 1
+                    break
+            if job.started is None:
+                self.abandon(job)
+        return out
+
+    def _run_items(self, batch: _Batch) -> None:
+        """The worker's side of :meth:`run_batch`."""
+        tasks, me = batch.tasks, threading.get_ident()
+        while True:
+            with self._cv:
+                i = batch.pos
+                if i >= batch.stop:
+                    return
+                key, what, fn = tasks[i]
+                if key in self._busy:  # still stalled from an earlier call: not called again
+                    batch.pos = i + 1
+                    self._progress.notify_all()
+                    continue
+                item: Job[Any] = Job(self, key, what, fn)
+                item.started = self._clock()
+                item.thread_id = me
+                self._busy[key] = item
+                batch.item = item
+            try:
+                result, error = fn(), None
+            except BaseException as e:  # handed to the caller in the Outcome
+                result, error = None, e
+            with self._cv:
+                item.finished = self._clock()
+                self._release(item)
+                batch.item = None
+                if item.abandoned:
+                    self.late += 1
+                    log.warning("%s %s: %s returned after %.1f s; its result was dropped (already reported missing)",
+                                self.name, key or "node", what, item.finished - (item.started or 0.0))
+                    return
+                batch.out[i] = Outcome(True, result, error)
+                batch.pos = i + 1
+                self._progress.notify_all()
 
     def abandon(self, job: Job[Any]) -> None:
         """The caller stops waiting for ``job``: if it has not started it never will (its key is free)."""
@@ -212,6 +318,14 @@ class Lanes:
                     log.warning("%s %s: %s returned after %.1f s; its result was dropped (already reported missing)",
                                 self.name, job.key or "node", job.what, job.finished - (job.started or 0.0))
                 job.done.set()
+
+
+def staggered(start: float, end: float, n: int, share: float = 0.3, cap: float = 0.25) -> list[float]:
+    """Deadlines for ``n`` items run one after another between ``start`` and ``end``: each keeps a slice
+    (``share`` of the time over ``n``, at most ``cap`` seconds) for every item after it, so one that
+    hangs still leaves the others time."""
+    slice_ = min(cap, max(0.0, end - start) * share / max(1, n))
+    return [end - (n - 1 - i) * slice_ for i in range(n)]
 
 
 def _innermost_call(frame: FrameType | None, prefix: str) -> str:

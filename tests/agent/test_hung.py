@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from functools import partial
 
 import pytest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -20,7 +21,7 @@ from gpufleet.agent.config import AgentConfig
 from gpufleet.agent.fake.library import FakeNvml
 from gpufleet.agent.fake.spec import fake_backend, fake_library
 from gpufleet.agent.fake.stalls import parse_rules, split_spec
-from gpufleet.agent.nvml.lanes import Lanes
+from gpufleet.agent.nvml.lanes import Lanes, staggered
 from gpufleet.agent.registry import AgentCollector
 from gpufleet.agent.serving.http import Request
 from gpufleet.agent.serving.responder import Responder, scrape_timeout
@@ -75,6 +76,44 @@ def test_threads_stay_bounded_while_calls_hang() -> None:
                 lanes.run(str(k), "read", gate.wait if k == 3 else (lambda: None), time.monotonic() + 0.01)
         assert lanes.threads <= 8
         assert [s.key for s in lanes.stalled()] == ["3"]
+    finally:
+        gate.set()
+        lanes.close()
+
+
+def test_a_batch_goes_on_past_a_hung_item_and_skips_it_later() -> None:
+    lanes = Lanes("t", 8)
+    gate = threading.Event()
+    calls: list[str] = []
+
+    def item(k: str) -> str:
+        calls.append(k)
+        if k == "1":
+            gate.wait()
+        return k
+
+    def batch(seconds: float) -> list[object]:
+        now = time.monotonic()
+        tasks = [(k, "read", partial(item, k)) for k in "0123"]
+        return [o.result if o.answered else None for o in lanes.run_batch(tasks, staggered(now, now + seconds, 4))]
+
+    try:
+        t0 = time.monotonic()
+        assert batch(1.0) == ["0", None, "2", "3"], "the items after the hung one are still run"
+        assert time.monotonic() - t0 < 1.0
+        assert [s.key for s in lanes.stalled()] == ["1"]
+        threads = lanes.threads
+        for _ in range(5):
+            t0 = time.monotonic()
+            assert batch(1.0) == ["0", None, "2", "3"]
+            assert time.monotonic() - t0 < 0.5, "a stalled key is skipped at once"
+        assert calls.count("1") == 1, "a hung item is not called again"
+        assert lanes.threads == threads, "no thread per batch"
+        gate.set()
+        end = time.monotonic() + 2
+        while lanes.busy("1") and time.monotonic() < end:
+            time.sleep(0.005)
+        assert batch(1.0) == ["0", "1", "2", "3"]
     finally:
         gate.set()
         lanes.close()
