@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -127,6 +129,15 @@ class Lanes:
         self.max_workers = max(1, max_workers)
         self._clock = clock
         self._prefix = call_prefix
+        self._reset()
+        self._closed = False
+        _ALL.add(self)
+        #: Jobs that returned after their caller had given up (their results were dropped).
+        self.late = 0
+        self._batches = itertools.count()
+
+    def _reset(self) -> None:
+        """No workers and no jobs (a new pool; also in a forked child, which has none of the parent's threads)."""
         lock = threading.Lock()
         self._cv = threading.Condition(lock)  # workers wait on it for jobs
         self._progress = threading.Condition(lock)  # run_batch callers wait on it for items
@@ -135,10 +146,6 @@ class Lanes:
         self._busy: dict[str, Job[Any]] = {}
         self._workers = 0
         self._idle = 0
-        self._closed = False
-        #: Jobs that returned after their caller had given up (their results were dropped).
-        self.late = 0
-        self._batches = itertools.count()
 
     # ------------------------------------------------------------------ use
 
@@ -318,6 +325,18 @@ class Lanes:
                     log.warning("%s %s: %s returned after %.1f s; its result was dropped (already reported missing)",
                                 self.name, job.key or "node", job.what, job.finished - (job.started or 0.0))
                 job.done.set()
+
+
+#: Every pool, so that a forked child starts its own workers (fork copies only the forking thread).
+_ALL: weakref.WeakSet[Lanes] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for lanes in list(_ALL):
+        lanes._reset()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def staggered(start: float, end: float, n: int, share: float = 0.3, cap: float = 0.25) -> list[float]:

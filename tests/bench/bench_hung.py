@@ -132,7 +132,7 @@ def run_case(case: str, minutes: float, interval: float) -> Result:
         at = next((m for m in res.status if m[0] >= want), res.status[-1] if res.status else None)
         if at is not None and at not in marks:
             marks.append(at)
-    print("  threads/RSS: " + ", ".join(f"t={t:.0f}s {th} threads {rss / 1024:.1f} MB" for t, th, rss in marks))
+    print("  threads/RSS: " + ", ".join(f"t={t:.0f}s {th} threads {rss / 1024:.1f} MB" for t, th, rss in sorted(marks)))
     print(f"  /health: {health}")
     if case != "healthy":
         print(f"  critical alert condition (GpufleetNvmlStalled) reached: {res.alert}")
