@@ -2,9 +2,12 @@
 
 :class:`Agent` owns the NVML backend, the enabled collectors (in
 :data:`gpufleet.agent.config.COLLECTORS` order), the :class:`~gpufleet.agent.registry.AgentCollector`
-and a private prometheus-client registry. ``start()`` initializes NVML (never raises;
-NVML being down is reported as ``gpufleet_nvml_up 0``) and starts the XID listener
-thread; ``close()`` stops both.
+and a private prometheus-client registry. ``start()`` initializes NVML on the NVML lanes
+(:mod:`gpufleet.agent.nvml.lanes`) and waits for it a bounded time: an init that fails or hangs
+never stops the agent, which serves its other collectors with ``gpufleet_nvml_up 0`` while the
+GPU collector retries the init on a later scrape (never a second one while the first is blocked).
+It also starts the XID listener thread; ``close()`` stops both, without waiting for ever on a
+call that does not return. ``health()`` is one line: ``nvml: up``, or ``degraded: ...`` and why.
 
 The NVML backend is the real one, or with ``--nvml.fake`` one on the fake NVML
 (:func:`gpufleet.agent.fake.spec.fake_backend`, imported only then). When the fake's
@@ -17,6 +20,8 @@ that tree is current whichever collectors are enabled.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client import CollectorRegistry
@@ -24,7 +29,8 @@ from prometheus_client import CollectorRegistry
 from gpufleet.agent.collectors import Collector
 from gpufleet.agent.config import COLLECTORS, AgentConfig
 from gpufleet.agent.exposition import negotiate
-from gpufleet.agent.nvml.backend import NvmlBackend
+from gpufleet.agent.nvml.backend import NVML_WORKERS, NvmlBackend
+from gpufleet.agent.nvml.lanes import NODE, Lanes
 from gpufleet.agent.registry import AgentCollector, new_registry
 
 if TYPE_CHECKING:
@@ -34,6 +40,8 @@ log = logging.getLogger("gpufleet.agent")
 
 _DEFAULT_SYSFS = AgentConfig().sysfs_path
 _DEFAULT_PROCFS = AgentConfig().procfs_path
+#: Seconds close() waits for NVML's shutdown (a driver wedged in a call may never let it finish).
+CLOSE_TIMEOUT = 5.0
 
 
 def build_backend(fake_spec: str) -> NvmlBackend:
@@ -46,6 +54,9 @@ def build_backend(fake_spec: str) -> NvmlBackend:
 
 
 class Agent:
+    #: The HTTP responder passes Prometheus' scrape timeout to exposition() (serving.responder).
+    takes_scrape_timeout = True
+
     def __init__(self, cfg: AgentConfig, backend: Any | None = None,
                  collectors: list[Collector] | None = None) -> None:
         """Build the agent; ``backend``/``collectors`` may be given (tests, benchmarks)."""
@@ -56,7 +67,10 @@ class Agent:
         self.collectors = collectors if collectors is not None else self._build_collectors()
         refresh_host = getattr(getattr(self.backend, "fake", None), "refresh_host", None)
         self.collector = AgentCollector(self.collectors, cache_seconds=cfg.cache_seconds,
-                                        before_read=refresh_host if callable(refresh_host) else None)
+                                        before_read=refresh_host if callable(refresh_host) else None,
+                                        timeout=cfg.scrape_timeout)
+        lanes = getattr(self.backend, "lanes", None)
+        self.lanes: Lanes = lanes if isinstance(lanes, Lanes) else Lanes("gpufleet-nvml", NVML_WORKERS)
         self.registry: CollectorRegistry = new_registry(self.collector)
         self._started = False
 
@@ -161,10 +175,17 @@ class Agent:
         return self._usage
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self, listen_xid: bool = True) -> None:
-        """Initialize NVML and, unless ``listen_xid`` is false, start the XID event thread."""
-        self.backend.start()
-        if not getattr(self.backend, "up", False):
+    def start(self, listen_xid: bool = True, wait: float | None = None) -> None:
+        """Initialize NVML, waiting at most ``wait`` seconds (default: the scrape timeout) for it, and,
+        unless ``listen_xid`` is false, start the XID event thread. Never blocks longer, never raises."""
+        wait = self.cfg.scrape_timeout if wait is None else wait
+        job = self.lanes.submit(NODE, "nvmlInit", self.backend.start)
+        if job is not None and not job.wait(time.monotonic() + wait):
+            log.error("NVML initialization has not returned after %g s: serving without GPUs (gpufleet_nvml_up 0) "
+                      "until it does", wait)
+        elif job is not None and job.error is not None:
+            log.error("NVML initialization failed: %s: %s", type(job.error).__name__, job.error)
+        elif not getattr(self.backend, "up", False):
             log.warning("NVML is not available: %s", getattr(self.backend, "init_error", "unknown error"))
         if listen_xid:
             for c in self.collectors:
@@ -181,10 +202,23 @@ class Agent:
                     close()
                 except Exception:
                     log.exception("collector %s: close() failed", c.name)
-        try:
-            self.backend.close()
-        except Exception:
-            log.exception("closing NVML failed")
+        self.collector.close()
+        done = threading.Event()
+
+        def shut() -> None:
+            try:
+                self.backend.close()
+            except Exception:
+                log.exception("closing NVML failed")
+            finally:
+                done.set()
+
+        # NVML's shutdown waits for the calls in progress; one wedged in the driver must not stop the agent.
+        threading.Thread(target=shut, name="gpufleet-nvml-close", daemon=True).start()
+        if not done.wait(CLOSE_TIMEOUT):
+            log.error("NVML shutdown has not returned after %g s (a call is still blocked): exiting without it",
+                      CLOSE_TIMEOUT)
+        self.lanes.close()
         self._started = False
 
     def __enter__(self) -> Agent:
@@ -195,24 +229,30 @@ class Agent:
         self.close()
 
     # ------------------------------------------------------------------ output
-    def exposition(self, accept: str | None = None) -> tuple[bytes, str]:
+    def exposition(self, accept: str | None = None, timeout: float | None = None) -> tuple[bytes, str]:
         """The exposition in the format ``accept`` asks for (Prometheus text by default), as
-        prometheus_client would encode it; concurrent scrapes of one read share the bytes."""
+        prometheus_client would encode it; concurrent scrapes of one read share the bytes.
+        ``timeout``: the scrape's (Prometheus' header), else ``--scrape.timeout``."""
         fmt = negotiate(accept)
-        return self.collector.read_encoded(fmt), fmt.content_type
+        return self.collector.read_encoded(fmt, timeout=timeout), fmt.content_type
 
-    def compressed_exposition(self, accept: str | None = None) -> tuple[bytes, str]:
+    def compressed_exposition(self, accept: str | None = None, timeout: float | None = None) -> tuple[bytes, str]:
         """:meth:`exposition` gzip-compressed (level 1), compressed once per read and format."""
         fmt = negotiate(accept)
-        return self.collector.read_encoded(fmt, gzipped=True), fmt.content_type
+        return self.collector.read_encoded(fmt, gzipped=True, timeout=timeout), fmt.content_type
 
     def text(self) -> bytes:
         """The Prometheus text exposition of one (shared) read."""
         return bytes(self.collector.read_text())
 
     def health(self) -> str:
-        """One line on NVML's state for /health."""
-        if getattr(self.backend, "up", False):
-            return "nvml: up"
-        err = getattr(self.backend, "init_error", "") or "not initialized"
-        return f"nvml: down ({err})"
+        """One line for /health and systemd's status: ``nvml: up``, or ``degraded: `` and every reason
+        (NVML down, an NVML call blocked, a collector still running past its scrape's deadline)."""
+        reasons = []
+        if not getattr(self.backend, "up", False):
+            err = getattr(self.backend, "init_error", "") or "not initialized"
+            reasons.append(f"nvml: down ({err})")
+        for st in self.lanes.stalled():
+            reasons.append(f"gpu {st.key}: {st.call} blocked" if st.key else f"nvml: {st.call} blocked")
+        reasons.extend(f"collector {name}: still running" for name in self.collector.stuck())
+        return "degraded: " + "; ".join(reasons) if reasons else "nvml: up"

@@ -45,6 +45,9 @@ class AgentConfig:
     nvml_fake: str = ""
     #: Scrapes arriving within this many seconds of a finished hardware read reuse it.
     cache_seconds: float = 0.0
+    #: --scrape.timeout: a scrape is answered within this many seconds (less a margin) with what is ready,
+    #: unless Prometheus' X-Prometheus-Scrape-Timeout-Seconds header says otherwise
+    scrape_timeout: float = 10.0
     #: --collector.gpu.slow-interval: slow-changing GPU health groups (NVLink link state and error counters,
     #: ECC counters, remapped rows, retired pages) are re-read at most this often and served from cache in
     #: between; 0 reads them on every scrape. 30 s: dcgm-exporter's default collection interval.

@@ -76,9 +76,10 @@ def _stop_event() -> threading.Event:
 
 def watchdog(alive: Callable[[], str | None], busy_for: Callable[[], float], what: str) -> sdnotify.Watchdog:
     """Start systemd's watchdog pings (when ``WatchdogSec=`` is set): they stop when ``alive()``
-    gives a reason or when ``busy_for()`` (seconds the work in progress has run) reaches the
-    watchdog timeout, so systemd restarts an agent wedged in, say, an NVML call that never returns.
-    An idle agent that nobody scrapes keeps pinging."""
+    gives a reason or when ``busy_for()`` (seconds the work in progress has run past its deadline)
+    reaches the watchdog timeout, so systemd restarts an agent whose serving loop is wedged. An NVML
+    call that never returns does not stop them: scrapes answer without it by their deadline, and a
+    restarted agent would block in the same call. An idle agent that nobody scrapes keeps pinging."""
     wd = sdnotify.Watchdog(lambda: None)
     limit = wd.timeout
 
@@ -90,6 +91,15 @@ def watchdog(alive: Callable[[], str | None], busy_for: Callable[[], float], wha
 
     wd.check = check
     return wd.start()
+
+
+def _serving_problem(thread: threading.Thread, loop_stalled: float, limit: float) -> str | None:
+    """Why the serving loop is not alive (the watchdog stops pinging), or None."""
+    if not thread.is_alive():
+        return "HTTP server thread stopped"
+    if loop_stalled >= limit:
+        return f"HTTP connection loop has not turned for {loop_stalled:.0f} s"
+    return None
 
 
 def serve(cfg: AgentConfig) -> int:
@@ -117,8 +127,9 @@ def serve(cfg: AgentConfig) -> int:
                  cfg.telemetry_path, __version__)
         where = f"listening on {server.scheme}://{cfg.listen_address}{cfg.telemetry_path}"
         sdnotify.ready(f"{where}; {agent.health()}")
-        wd = watchdog(lambda: None if thread.is_alive() else "HTTP server thread stopped",
-                      agent.collector.reading_for, "a hardware read")
+        limit = sdnotify.watchdog_interval() or 60.0
+        wd = watchdog(lambda: _serving_problem(thread, server.loop_stalled_for(), limit),
+                      agent.collector.overdue_for, "a scrape past its deadline")
         shown = agent.health()
         try:
             while not stop.wait(1.0):
@@ -166,8 +177,9 @@ def textfile(cfg: AgentConfig) -> int:
         agent.start(listen_xid=cfg.textfile_interval > 0)
         if cfg.textfile_interval > 0:
             tune_gc()
-            wd = watchdog(lambda: None, lambda: 0.0 if busy[0] is None else time.monotonic() - busy[0],
-                          "writing the textfile")
+            wd = watchdog(lambda: None, lambda: max(0.0, 0.0 if busy[0] is None else
+                                                    time.monotonic() - busy[0] - cfg.scrape_timeout),
+                          "writing the textfile (past the scrape timeout)")
         shown = ""
         while True:
             started = busy[0] = time.monotonic()

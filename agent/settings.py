@@ -31,6 +31,7 @@ file given by ``--config.file`` (sections mirror the flags)::
     fake = ""
     [scrape]
     cache_seconds = 0
+    timeout = 10
     [textfile]
     directory = "/var/lib/node_exporter/textfile"
     interval = 15
@@ -207,6 +208,9 @@ OPTIONS: tuple[Option, ...] = (
            help="serve a fake NVML instead of the driver: sim, sim:N, sim:PATH[:N] (an nvidia-smi -q -x capture), trace:PATH, live:PATH"),
     Option("--scrape.cache-seconds", "cache_seconds", ("scrape", "cache_seconds"), _float, metavar="S",
            help="reuse a hardware read for scrapes arriving within S seconds of it (default 0)"),
+    Option("--scrape.timeout", "scrape_timeout", ("scrape", "timeout"), _interval, metavar="S",
+           help=f"answer a scrape within S seconds (less a margin) with what is ready when Prometheus sends no "
+                f"X-Prometheus-Scrape-Timeout-Seconds header (default {_D.scrape_timeout:g})"),
     Option("--config.file", "config_file", ("", ""), metavar="FILE", help="TOML config file"),
 )
 TEXTFILE_OPTIONS: tuple[Option, ...] = (

@@ -8,18 +8,30 @@ ns -> s, MiB/s -> bytes/s. A reading NVML does not support yields no sample.
 A lost GPU is ``gpufleet_gpu_up 0`` and keeps its ``gpufleet_gpu_info`` series
 (cached identity); the other GPUs are reported as usual. When NVML is down the
 collector yields ``gpufleet_nvml_up 0`` (and the error counters) and nothing else.
+
+NVML calls run on the backend's lanes (:mod:`gpufleet.agent.nvml.lanes`): the GPUs one after another
+on one worker, each given a deadline within the GPU share of the scrape's budget (:mod:`.budget`); a
+GPU whose call overruns keeps that worker to itself and the others go on on another. A GPU whose read did not finish in time has no reading series this scrape (not
+even ``gpufleet_gpu_up``; its ``gpufleet_gpu_info`` stays), the collector reports success 0, and
+``gpufleet_nvml_call_stalled_seconds{gpu,call}`` says which call has been blocked for how long; the
+GPU is read again once that call returns. A node-wide call that does not return makes
+``gpufleet_nvml_up`` 0.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Mapping
+from functools import partial
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.samples import Sample
 
+from gpufleet.agent.collectors import budget as budgets
 from gpufleet.agent.collectors.series import FrozenLabels, SampleSink, SeriesCache
 from gpufleet.agent.nvml.backend import Device, NvmlBackend
 from gpufleet.agent.nvml.hardware import architecture_label
+from gpufleet.agent.nvml.lanes import NODE, Lanes, staggered
 from gpufleet.agent.nvml.reader import read_gpu
 from gpufleet.agent.nvml.reading import Reading
 from gpufleet.agent.vocab import catalog
@@ -76,17 +88,35 @@ class GpuCollector:
         self._link_labels: dict[str, list[tuple[FrozenLabels, FrozenLabels]]] = {}
 
     def describe(self) -> Iterable[Metric]:
-        return [s.family() for s in _SPECS]
+        return [*(s.family() for s in _SPECS), catalog.spec("gpufleet_nvml_call_stalled_seconds").family()]
 
     def collect(self) -> Iterable[Metric]:
         b = self.backend
-        if not b.refresh():
+        budget = budgets.current()
+        until = budget.share(budgets.GPU_SHARE)
+        lanes: Lanes = b.lanes
+        answered, up_now = lanes.run(NODE, "nvmlDeviceGetCount", b.refresh, until)
+        if not answered:
+            budget.missing.append("nvml: node-wide call")
+        if not up_now:
             up = catalog.spec("gpufleet_nvml_up").family()
             up.add_metric([], 0)
-            return [up, *self._errors()]
+            return [up, *self._errors(), *stalled_family(lanes)]
         devices = list(b.devices)
         slow = self.slow_interval
-        readings = [read_gpu(b, d, slow_interval=slow) for d in devices]
+        # One worker reads the GPUs in order; a GPU whose call overruns keeps that worker (its lane is
+        # stalled) and the GPUs after it go on on another.
+        outcomes = lanes.run_batch([(d.label, "read_gpu", partial(read_gpu, b, d, slow_interval=slow))
+                                    for d in devices], staggered(time.monotonic(), until, len(devices)))
+        readings: list[Reading | None] = []
+        for d, o in zip(devices, outcomes, strict=True):
+            if not o.answered:
+                budget.missing.append(f"gpu {d.label}")
+                readings.append(None)
+            elif o.error is not None:
+                raise o.error
+            else:
+                readings.append(o.result)
         f: dict[str, Fam] = {s.name: s.family() for s in _SPECS}
         f["gpufleet_nvml_up"].add_metric([], 1)
         self._identity(f, devices, readings)
@@ -95,7 +125,7 @@ class GpuCollector:
         last_energy = self._energy
         present: set[str] = set()
         for dev, r in zip(devices, readings, strict=True):
-            s = r.sample
+            s = None if r is None else r.sample
             key = str(dev.facts.get("uuid") or dev.label)
             present.add(key)
             if s is None or s.energy_mj is None:
@@ -106,6 +136,7 @@ class GpuCollector:
                     n_j += 1
                 if s is None:
                     continue
+            assert r is not None  # s is r.sample
             g = dev.label
             gl = [g]
             _div(f["gpufleet_gpu_utilization_ratio"], gl, s.utilization_gpu_pct, PER_PCT)
@@ -161,11 +192,12 @@ class GpuCollector:
             f["gpufleet_node_gpu_energy_joules_total"].add_metric([], total_j)
         out: list[Metric] = [f[n] for n in _NAMES[:-1] if f[n].samples]
         out.extend(self._errors())
+        out.extend(stalled_family(lanes))
         return out
 
     # ------------------------------------------------------------------ helpers
 
-    def _identity(self, f: dict[str, Fam], devices: list[Device], readings: list[Reading]) -> None:
+    def _identity(self, f: dict[str, Fam], devices: list[Device], readings: list[Reading | None]) -> None:
         b = self.backend
         if b.driver is not None:
             d = b.driver
@@ -179,7 +211,8 @@ class GpuCollector:
                 facts.get("pci_bus_id") or "", facts.get("vbios_version") or "",
                 architecture_label(facts.get("architecture")),  # "" (no label) when unknown
             ], 1)
-            _put(up, [dev.label], 0 if r.lost or r.sample is None else 1)
+            if r is not None:  # a GPU whose read is stalled is neither up nor down: no sample
+                _put(up, [dev.label], 0 if r.lost or r.sample is None else 1)
 
     def _slow(self, f: dict[str, Fam], g: str, r: Reading) -> None:
         """The slow tier's series (ECC, row remapping, retired pages, NVLink state and errors).
@@ -299,6 +332,18 @@ class GpuCollector:
             fam.add_metric([function, error], n)
         if errors:
             yield fam
+
+
+def stalled_family(lanes: Lanes) -> list[Metric]:
+    """``gpufleet_nvml_call_stalled_seconds{gpu,call}`` for every NVML call a scrape gave up on that is
+    still running (gpu "" for node-wide calls); nothing when none is."""
+    stalls = lanes.stalled()
+    if not stalls:
+        return []
+    fam = catalog.spec("gpufleet_nvml_call_stalled_seconds").family()
+    for st in stalls:
+        fam.add_metric([st.key, st.call], round(st.seconds, 3))
+    return [fam]
 
 
 class _Samples:

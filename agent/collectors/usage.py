@@ -13,9 +13,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from gpufleet.agent.cgroups import Owner, OwnerCache
-from gpufleet.agent.nvml.backend import NvmlBackend
+from gpufleet.agent.collectors import budget as budgets
+from gpufleet.agent.nvml.backend import Device, NvmlBackend
+from gpufleet.agent.nvml.lanes import NODE, staggered
 from gpufleet.agent.nvml.mig import MigReading, MigState, read_mig
 from gpufleet.agent.nvml.processes import GpuProcess, ProcessState, read_processes
 
@@ -60,6 +63,13 @@ class GpuUsage:
             self._at = self._clock()
             return self._last
 
+    def _read_gpu(self, dev: Device) -> tuple[MigReading | None, list[GpuProcess] | None]:
+        """One GPU's NVML part of the read (runs on its lane)."""
+        b, g = self.backend, dev.label
+        mig = read_mig(b, dev, self._mig[g])
+        migs = [u.device for u in mig.devices] if mig is not None else []
+        return mig, read_processes(b, dev, self._procs[g], migs)
+
     def mig_uuids(self) -> dict[str, str]:
         """MIG device UUID -> parent GPU index label, from the last read (no NVML call)."""
         last = self._last
@@ -72,21 +82,35 @@ class GpuUsage:
 
     def _read(self) -> UsageSnapshot:
         b = self.backend
-        if not b.refresh():
+        budget = budgets.current()
+        until = budget.share(budgets.GPU_SHARE)
+        answered, up = b.lanes.run(NODE, "nvmlDeviceGetCount", b.refresh, until)
+        if not answered:
+            budget.missing.append("nvml: node-wide call")
+        if not up:
             return UsageSnapshot()
         out = UsageSnapshot(up=True)
         running: set[int] = set()
         labels = set()
-        for dev in list(b.devices):
-            g = dev.label
-            labels.add(g)
-            use = GpuUse(g)
-            use.mig = read_mig(b, dev, self._mig.setdefault(g, MigState()))
-            migs = [u.device for u in use.mig.devices] if use.mig is not None else []
-            procs = read_processes(b, dev, self._procs.setdefault(g, ProcessState()), migs)
-            if procs is not None:
-                use.processes = [(p, self.owners.owner(p.pid)) for p in procs]
-                running.update(p.pid for p in procs)
+        devices = list(b.devices)
+        for dev in devices:
+            labels.add(dev.label)
+            self._mig.setdefault(dev.label, MigState())
+            self._procs.setdefault(dev.label, ProcessState())
+        # Each GPU on its own NVML lane: one whose call hangs is left out (MIG and processes unknown).
+        outcomes = b.lanes.run_batch([(d.label, "read_usage", partial(self._read_gpu, d)) for d in devices],
+                                     staggered(time.monotonic(), until, len(devices)))
+        for dev, o in zip(devices, outcomes, strict=True):
+            use = GpuUse(dev.label)
+            if not o.answered:
+                budget.missing.append(f"gpu {dev.label}")
+            elif o.error is not None:
+                raise o.error
+            elif o.result is not None:
+                use.mig, procs = o.result
+                if procs is not None:
+                    use.processes = [(p, self.owners.owner(p.pid)) for p in procs]
+                    running.update(p.pid for p in procs)
             out.gpus.append(use)
         for gone in [g for g in self._mig if g not in labels]:
             self._mig.pop(gone).close()

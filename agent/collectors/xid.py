@@ -128,7 +128,7 @@ class XidCollector:
     def _listen_once(self) -> bool:
         """Build an event set, wait on it until it breaks or we stop. True if it worked for a while."""
         b = self.backend
-        if not b.up and not b.start():
+        if not b.up:  # initialized on the NVML lanes (it may hang there), never from this thread
             return False
         generation = b.generation
         try:

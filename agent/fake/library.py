@@ -28,7 +28,9 @@ Behaviour mirrors NVML where it matters to a monitoring agent:
   ``NVMLError_FunctionNotFound`` instead of silently succeeding;
 * :meth:`FakeNvml.inject_error` makes chosen calls (by C entry point or pynvml
   wrapper name, device, or field id inside ``nvmlDeviceGetFieldValues``) fail
-  with any NVML return code.
+  with any NVML return code;
+* :meth:`FakeNvml.inject_stall` makes chosen calls (by entry point, device) slow or hung,
+  for a while or until cleared (:mod:`.stalls`).
 
 The entry points live in one module per group, mixed into :class:`FakeNvml`:
 :mod:`.devices` (enumeration, identity), :mod:`.readings`, :mod:`.fields`
@@ -57,6 +59,7 @@ from gpufleet.agent.fake.ctypes_io import (
     SUCCESS,
     UNINITIALIZED,
     UNKNOWN,
+    address,
     as_int,
     norm,
     set_out,
@@ -70,6 +73,7 @@ from gpufleet.agent.fake.fields import FieldValueEntryPoints
 from gpufleet.agent.fake.gpm import GpmEntryPoints
 from gpufleet.agent.fake.processes import ProcessEntryPoints
 from gpufleet.agent.fake.readings import ReadingEntryPoints
+from gpufleet.agent.fake.stalls import StallRule, Stalls
 from gpufleet.agent.nvml.model import DeviceSource
 
 #: Entry points that work without nvmlInit.
@@ -94,6 +98,8 @@ class _Entry:
 
     def __call__(self, *args: Any) -> Any:
         fake = self._fake
+        if fake.stalls:  # blocks outside the lock: the other devices keep answering
+            fake.stalls.wait(self._normed, fake.stall_index(self._normed, args))
         if fake.cpu_accounting:
             t0 = time.thread_time()
             try:
@@ -181,6 +187,8 @@ class FakeNvml(ProcessEntryPoints, DeviceEntryPoints, ReadingEntryPoints, FieldV
         #: real host spends inside libnvidia-ml, which this fake and its source stand in for).
         self.cpu_accounting = False
         self.cpu_seconds = 0.0
+        #: Slow and hung calls (:meth:`inject_stall`).
+        self.stalls = Stalls()
 
     # ------------------------------------------------------------------ public API
 
@@ -208,6 +216,7 @@ class FakeNvml(ProcessEntryPoints, DeviceEntryPoints, ReadingEntryPoints, FieldV
             pynvml._nvmlGetFunctionPointer_cache.clear()
             self._previous = None
             self._installed = False
+        self.stalls.clear()  # calls still blocked in this fake return
 
     def __enter__(self) -> FakeNvml:
         return self.install()
@@ -235,6 +244,34 @@ class FakeNvml(ProcessEntryPoints, DeviceEntryPoints, ReadingEntryPoints, FieldV
     def clear_errors(self) -> None:
         with self._lock:
             self._rules.clear()
+
+    def inject_stall(self, *, function: str | None = None, gpu: int | None = None, delay: float | None = None,
+                     duration: float | None = None) -> StallRule:
+        """Make matching calls block before answering: ``delay`` seconds each (None: until
+        :meth:`clear_stalls`), while the rule holds (``duration`` seconds, None: until cleared).
+        ``function``: entry point or pynvml wrapper name, None for every call (but nvmlShutdown,
+        nvmlErrorString and the event wait); ``gpu``: one device index (also matches
+        nvmlDeviceGetHandleByIndex for that index), None for any and for node-wide calls."""
+        return self.stalls.add(function=function, gpu=gpu, delay=delay, duration=duration, known=self._impl)
+
+    def clear_stalls(self) -> None:
+        """Remove every stall rule; calls blocked on them return now."""
+        self.stalls.clear()
+
+    def stall_index(self, normed: str, args: tuple[Any, ...]) -> int | None:
+        """The device index a call is about (its handle, or the index asked for), None if none."""
+        if not args:
+            return None
+        if normed == "nvmlDeviceGetHandleByIndex":
+            try:
+                return as_int(args[0])
+            except (TypeError, ValueError):
+                return None
+        addr = address(args[0])
+        off = None if addr is None else addr - self._dev_base
+        if off is None or off <= 0 or off % 0x100:
+            return None
+        return off // 0x100 - 1
 
     def refresh_host(self) -> None:
         """Bring what the source simulates besides NVML (its fake sysfs tree) up to the source's time.

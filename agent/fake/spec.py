@@ -20,6 +20,9 @@ Specs:
 * ``live:PATH`` — :class:`~gpufleet.agent.fake.live_source.LiveSource`: serve a snapshot file
   (model.Snapshot) that another process (the fleet simulator) rewrites; re-read when it changes.
 
+Any spec may end with slow or hung calls (:mod:`gpufleet.agent.fake.stalls`), after commas:
+``sim:8,hang=nvmlDeviceGetPowerUsage@3``, ``sim,slow=nvmlDeviceGetPowerUsage@0:2``, ``sim,hang=*``.
+
 The agent's composition root (:mod:`gpufleet.agent.app`, the recorder) imports this module only
 when ``--nvml.fake`` is given; tests and the simulator use :func:`fake_backend` too.
 """
@@ -34,6 +37,7 @@ from gpufleet.agent.fake.live_source import LiveSource
 from gpufleet.agent.fake.shared_source import SharedSource, parse_layout
 from gpufleet.agent.fake.sim_source import SimSource
 from gpufleet.agent.fake.smi_xml import SmiXmlError, load_smi_xml
+from gpufleet.agent.fake.stalls import parse_rules, split_spec
 from gpufleet.agent.fake.trace_source import TraceSource
 from gpufleet.agent.nvml.backend import NvmlBackend
 from gpufleet.agent.nvml.model import DeviceSource
@@ -108,8 +112,23 @@ def source_from_spec(spec: str) -> DeviceSource:
 
 
 def fake_library(spec: str) -> FakeNvml:
-    """The fake NVML (not installed yet) on the source named by ``spec``; ValueError on a bad spec."""
-    return FakeNvml(source_from_spec(spec))
+    """The fake NVML (not installed yet) on the source named by ``spec``, with the spec's stall rules;
+    ValueError on a bad spec."""
+    base, stalls = split_spec(spec)
+    try:
+        rules = parse_rules(stalls) if stalls else []
+    except ValueError as e:
+        raise ValueError(f"--nvml.fake={spec!r}: {e}") from None
+    fake = FakeNvml(source_from_spec(base))
+    for rule in rules:
+        try:
+            fake.inject_stall(**rule)  # type: ignore[arg-type]
+        except ValueError as e:
+            closer = getattr(fake.source, "close", None)
+            if callable(closer):
+                closer()
+            raise ValueError(f"--nvml.fake={spec!r}: {e}") from None
+    return fake
 
 
 def fake_backend(spec: str) -> NvmlBackend:

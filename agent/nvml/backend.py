@@ -27,11 +27,15 @@ from typing import Any, Protocol, TypeVar
 
 import pynvml
 
+from gpufleet.agent.nvml.lanes import Lanes
 from gpufleet.agent.nvml.model import DeviceSource, GpuInventory
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: Worker threads for NVML calls (one per GPU plus one for node-wide calls, up to this many).
+NVML_WORKERS = 16
 
 #: NVML return code -> short name ("GPU_IS_LOST"), for the ``error`` label.
 ERROR_NAMES: dict[int, str] = {
@@ -130,6 +134,8 @@ class NvmlBackend:
         self._errors: dict[tuple[str, str], int] = {}
         #: Total of every counted error (cheap "did anything fail since" check for the reader's caches).
         self.error_total = 0
+        #: Where callers run NVML calls that may hang: one lane per GPU label, lanes.NODE for the rest.
+        self.lanes = Lanes("gpufleet-nvml", NVML_WORKERS)
 
     @property
     def fake(self) -> FakeLibrary | None:
@@ -192,18 +198,27 @@ class NvmlBackend:
                     self._open(dev)
             return True
 
-    def close(self) -> None:
-        """Shut NVML down (and uninstall the fake library)."""
-        with self._lock:
-            self._drop_devices()
-            self._shutdown_quietly()
+    def close(self, timeout: float = 2.0) -> None:
+        """Shut NVML down (and uninstall the fake library). When an init or refresh is blocked in a call
+        that does not return, NVML is left as it is after ``timeout`` seconds (no nvmlShutdown)."""
+        locked = self._lock.acquire(timeout=timeout)
+        try:
+            if locked:
+                self._drop_devices()
+                self._shutdown_quietly()
+            else:
+                log.warning("NVML is blocked in a call that has not returned: closing without nvmlShutdown")
             self._set_down("closed")
+            self.lanes.close()
             if self._fake is not None and self._fake_installed:
                 self._fake.uninstall()
                 self._fake_installed = False
                 closer = getattr(self.source, "close", None)
                 if callable(closer):
                     closer()  # stops the source's threads, removes its temporary sysfs tree
+        finally:
+            if locked:
+                self._lock.release()
 
     def __enter__(self) -> NvmlBackend:
         self.start()
@@ -268,9 +283,8 @@ class NvmlBackend:
     # ------------------------------------------------------------------ devices and identity
 
     def pci_bus_ids(self) -> dict[str, str]:
-        """GPU index (string) -> NVML PCI bus id ("00000000:18:00.0"), for the topology collector."""
-        if not self.up:
-            self.start()
+        """GPU index (string) -> NVML PCI bus id ("00000000:18:00.0"), for the topology collector; empty
+        until NVML is up (this never calls NVML: initialization runs on the lanes, where it may hang)."""
         return {d.label: bus for d in self.devices if (bus := d.fact("pci_bus_id"))}
 
     def identify(self, dev: Device) -> None:

@@ -95,6 +95,8 @@ class ConnectionLoop:
         self.idle_timeout = idle_timeout
         self.max_connections = fd_bounded(max_connections)
         self._sel = selectors.DefaultSelector()
+        #: time.monotonic() when the loop last went round (at least every poll interval while it runs)
+        self.last_tick = time.monotonic()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -126,7 +128,7 @@ class ConnectionLoop:
                     else:
                         self._io(key.data, mask)
                 self._finish_responses()
-                now = time.monotonic()
+                now = self.last_tick = time.monotonic()
                 if now >= next_sweep:
                     self._sweep(now)
                     next_sweep = now + _SWEEP_INTERVAL

@@ -5,6 +5,12 @@ it; gzip when ``Accept-Encoding`` allows), ``/health`` (200 "OK" plus the servic
 ``/ready`` (200, or 503 while a service that says so is not ready: :class:`ReadyExposer`), a
 small landing page at ``/``, 404 for anything else. Every gpufleet service (the agent, the
 detector) plugs in through :class:`Exposer`.
+
+An exposer with ``takes_scrape_timeout = True`` (the agent) is given the scrape's timeout from
+Prometheus' ``X-Prometheus-Scrape-Timeout-Seconds`` header, and answers within it. ``/health`` is
+``OK`` (200) with the service's one-line state, or ``DEGRADED`` (still 200: the process serves, a
+restart would not help; the liveness probe fails only when nothing answers) when that line starts
+with ``degraded``.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import gzip
 import html
 import logging
+import math
 from http import HTTPStatus
 from typing import Protocol, runtime_checkable
 
@@ -55,6 +62,23 @@ def _landing_page(telemetry_path: str, title: str) -> bytes:
     ).encode()
 
 
+#: The longest scrape timeout taken from a request header (seconds); longer ones are cut to it.
+MAX_SCRAPE_TIMEOUT = 300.0
+
+
+def scrape_timeout(header: str | None) -> float | None:
+    """Prometheus' ``X-Prometheus-Scrape-Timeout-Seconds`` as seconds (None: absent or not a positive number)."""
+    if not header:
+        return None
+    try:
+        t = float(header.strip())
+    except ValueError:
+        return None
+    if not math.isfinite(t) or t <= 0:
+        return None
+    return min(t, MAX_SCRAPE_TIMEOUT)
+
+
 def _accepts_gzip(header: str | None) -> bool:
     for part in (header or "").split(","):
         name, _, params = part.strip().partition(";")
@@ -73,13 +97,15 @@ class Responder:
         self.telemetry_path = telemetry_path
         self.landing = _landing_page(telemetry_path, title)
         self._compressing = exposer if isinstance(exposer, CompressingExposer) else None
+        self._timed = bool(getattr(exposer, "takes_scrape_timeout", False))
 
     def route(self, req: Request) -> tuple[bytes, bool]:
         """The response to an authorized GET or HEAD request, and whether to keep the connection."""
         if req.path == self.telemetry_path:
             return self._metrics(req), req.keep_alive
         if req.path == "/health":
-            body = f"OK\n{self.exposer.health()}\n".encode()
+            state = self.exposer.health()
+            body = f"{'DEGRADED' if state.startswith('degraded') else 'OK'}\n{state}\n".encode()
             return self.response(req, 200, body), req.keep_alive
         if req.path == "/ready":  # the Kubernetes readiness probe (liveness stays on /health)
             why = self.exposer.ready() if isinstance(self.exposer, ReadyExposer) else ""
@@ -112,11 +138,13 @@ class Responder:
     def _metrics(self, req: Request) -> bytes:
         accept = req.headers.get("accept")
         gzipped = _accepts_gzip(req.headers.get("accept-encoding"))
+        timeout = scrape_timeout(req.headers.get("x-prometheus-scrape-timeout-seconds")) if self._timed else None
+        kw = {"timeout": timeout} if timeout is not None else {}
         try:
             if gzipped and self._compressing is not None:
-                body, content_type = self._compressing.compressed_exposition(accept)
+                body, content_type = self._compressing.compressed_exposition(accept, **kw)
             else:
-                body, content_type = self.exposer.exposition(accept)
+                body, content_type = self.exposer.exposition(accept, **kw)
                 if gzipped:
                     body = gzip.compress(body, compresslevel=1)
         except Exception:

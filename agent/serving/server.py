@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ssl
 import threading
+import time
 
 from gpufleet.agent.serving.connections import (
     CONNECTION_TIMEOUT,
@@ -61,6 +62,11 @@ class MetricsServer:
     def connections(self) -> int:
         """Connections open now (for tests and diagnostics)."""
         return self._loop.connections
+
+    def loop_stalled_for(self) -> float:
+        """Seconds since the connection loop last went round (it does every poll interval while it is
+        alive): what the systemd watchdog checks, so it pings only from a serving loop that turns."""
+        return max(0.0, time.monotonic() - self._loop.last_tick)
 
     def serve_forever(self, poll_interval: float = 0.5) -> None:
         self._stopped.clear()

@@ -153,6 +153,11 @@ SPECS: tuple[MetricSpec, ...] = (
                "NVML calls that returned an error other than NOT_SUPPORTED, by function and NVML error name; "
                "error=IMPLAUSIBLE_VALUE: a reading outside physical bounds, dropped (no series) instead of exported.",
                ("function", "error"), "exporter"),
+    MetricSpec("gpufleet_nvml_call_stalled_seconds", _G, "seconds",
+               "Seconds an NVML call has been blocked after a scrape gave up waiting for it, by GPU index "
+               "(\"\" for node-wide calls: init, device count) and NVML function; that GPU has no readings and is "
+               "not called again until the call returns. No series: nothing is stalled.",
+               ("gpu", "call"), "exporter"),
     # ---------------------------------------------------------------- gpu identity
     MetricSpec("gpufleet_driver_info", _G, "", "NVIDIA driver, NVML and CUDA driver versions; value is 1.",
                ("driver_version", "nvml_version", "cuda_version"), "gpu"),

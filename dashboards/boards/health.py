@@ -24,6 +24,9 @@ dashboard = p.build(
             (p.timeseries("gpufleet_nvml_errors_total", "NVML errors",
                           Q(f"sum by (instance, function, error) (rate(gpufleet_nvml_errors_total{{{N}}}"
                             "[$__rate_interval]))", "{{instance}} {{function}} {{error}}"), op="rate"), 12, 8),
+            (p.timeseries("gpufleet_nvml_call_stalled_seconds", "NVML calls stalled (GPU left out of scrapes)",
+                          Q(f"gpufleet_nvml_call_stalled_seconds{{{N}}}", "{{instance}} gpu {{gpu}} {{call}}")),
+             24, 8),
         ]),
         ("Detector", [
             (p.stat("gpufleet_detector_last_success_timestamp_seconds", "Since last successful evaluation",

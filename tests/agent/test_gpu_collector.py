@@ -462,7 +462,7 @@ def test_describe_does_not_touch_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
     reg = CollectorRegistry()
     reg.register(GpuCollector(backend))  # registration calls describe()
     wanted = {s.name.removesuffix("_total") for s in catalog.by_group("gpu") + catalog.by_group("xid")}
-    wanted |= {"gpufleet_nvml_up", "gpufleet_nvml_errors"}
+    wanted |= {"gpufleet_nvml_up", "gpufleet_nvml_errors", "gpufleet_nvml_call_stalled_seconds"}
     assert names == wanted
 
 

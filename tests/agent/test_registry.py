@@ -278,7 +278,7 @@ def test_health_reports_nvml_down() -> None:
 
     agent = Agent(AgentConfig(), backend=DeadBackend(), collectors=[FakeHost()])
     agent.start()
-    assert agent.health() == "nvml: down (nvmlInit: DRIVER_NOT_LOADED)"
+    assert agent.health() == "degraded: nvml: down (nvmlInit: DRIVER_NOT_LOADED)"
     assert b"gpufleet_host_cpus 4.0" in agent.text()
     agent.close()
 

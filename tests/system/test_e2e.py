@@ -90,6 +90,7 @@ close_after = 3
 NO_DATA_EXPECTED = (
     re.compile(r"gpufleet_gpu_xid_(errors_total|last_seen_timestamp_seconds)\b"),  # no XID events injected
     re.compile(r"gpufleet_nvml_errors_total\b"),  # no NVML errors
+    re.compile(r"gpufleet_nvml_call_stalled_seconds\b"),  # no NVML call hangs (tests/agent/test_stall_faults.py)
     re.compile(r"gpufleet_gpu_fan_speed_ratio\b"),  # SXM boards have no fans
     re.compile(r"gpufleet_gpu_retired_pages(_pending)?\b"),  # Hopper remaps rows instead of retiring pages
     re.compile(r'gpufleet_detector_finding\{.*kind="(network|pue_drift)"'),  # fault kinds not injected here
