@@ -62,10 +62,6 @@ def test_ci_runs_the_quickstart_commands_as_the_readme_gives_them() -> None:
     assert r.stdout.splitlines() == commands
 
 
-#: Guide pages other branches of this round add (docs/README.md lists them); present once merged.
-PARALLEL_PAGES = {"agent-stalls.md"}
-
-
 def test_the_landing_page_and_the_guide_link_only_to_files_that_exist() -> None:
     """README.md stays a landing page, and every relative link in it and in docs/ resolves (anchors aside)."""
     assert len(README.splitlines()) < 120, "README.md is the landing page: the rest goes to docs/"
@@ -78,7 +74,7 @@ def test_the_landing_page_and_the_guide_link_only_to_files_that_exist() -> None:
             if not path or re.match(r"[a-z]+:", path):
                 continue
             resolved = (page.parent / path).resolve()
-            if not resolved.exists() and not (page.parent.name == "docs" and path in PARALLEL_PAGES):
+            if not resolved.exists():
                 broken.append(f"{page.relative_to(REPO)} -> {target}")
     assert not broken, broken
     index = (REPO / "docs" / "README.md").read_text(encoding="utf-8")
