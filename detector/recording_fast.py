@@ -89,6 +89,8 @@ def load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
         last_block = q - p
         brace_at = prefix.find("{")
         name = prefix[:brace_at] if brace_at >= 0 else prefix
+        if not line.startswith(lead) or " " not in line[len(lead):]:
+            return None  # a sample line without its value and timestamp (wanted or not): the strict reader says so
         if wanted is not None and name not in wanted:
             p = q
             continue

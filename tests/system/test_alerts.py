@@ -184,7 +184,7 @@ def amtool(*args: str) -> subprocess.CompletedProcess[str]:
 def test_amtool_check_config_is_clean() -> None:
     proc = amtool("check-config", str(AM_CONFIG))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "SUCCESS" in proc.stdout and "4 inhibit rules" in proc.stdout
+    assert "SUCCESS" in proc.stdout and "5 inhibit rules" in proc.stdout
 
 
 @pytest.mark.parametrize(("labels", "receiver"), [
