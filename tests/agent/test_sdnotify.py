@@ -393,16 +393,18 @@ def _detector_config(tmp_path: Path, prometheus_port: int, timeout: float) -> Pa
 
 @pytest.mark.slow
 def test_detector_process_ready_pings_and_stopping(notify_socket: NotifySocket, tmp_path: Path) -> None:
-    # Prometheus is down (nothing listens): evaluations fail fast, the service is still up and alive.
+    # Prometheus is down (nothing listens): the state cannot be rebuilt from it (docs/restarts.md), so the service
+    # is alive (watchdog pings) but not ready, and it keeps asking systemd for more start time meanwhile.
     cfg = _detector_config(tmp_path, free_port(), 1.0)
     argv = [str(BIN / "gpufleet-detector"), "serve", "--config", str(cfg)]
     with running(argv, env=_env(notify_socket, 500_000), log=tmp_path / "detector.log") as proc:
-        notify_socket.wait_for("READY=1", 30)
-        notify_socket.wait_for("STATUS=last evaluation failed: ", 10)
+        notify_socket.wait_for("STATUS=not ready (state not rebuilt); last evaluation failed: ", 30)
+        notify_socket.wait_for("EXTEND_TIMEOUT_USEC=", 10)
         # interval_seconds = 60 with a 0.5 s watchdog: the pings come from the timer while the loop sleeps.
         assert pings(notify_socket.collect(1.6)) >= 4
-        statuses = [m for _, m in notify_socket.got if m.startswith("STATUS=last evaluation failed")]
+        statuses = [m for _, m in notify_socket.got if m.startswith("STATUS=not ready")]
         assert statuses and statuses[0].endswith("; 0 findings open")
+        assert "READY=1" not in [m for _, m in notify_socket.got]
         _stop(proc, notify_socket)
 
 
@@ -417,8 +419,8 @@ def test_detector_process_stops_pinging_when_an_evaluation_wedges(notify_socket:
         cfg = _detector_config(tmp_path, prom.getsockname()[1], 60.0)
         argv = [str(BIN / "gpufleet-detector"), "serve", "--config", str(cfg)]
         with running(argv, env=_env(notify_socket, 1_000_000), log=tmp_path / "detector.log") as proc:
-            notify_socket.wait_for("READY=1", 30)
-            notify_socket.wait_for("STATUS=unhealthy: evaluation made no progress for ", 5)
+            notify_socket.wait_for("STATUS=unhealthy: evaluation made no progress for ", 30)
             assert pings(notify_socket.collect(1.5)) == 0
+            assert "READY=1" not in [m for _, m in notify_socket.got]  # the state rebuild itself wedged
             proc.kill()
         assert "is not below the systemd watchdog" in (tmp_path / "detector.log").read_text()
