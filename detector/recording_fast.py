@@ -89,16 +89,23 @@ def load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
         last_block = q - p
         brace_at = prefix.find("{")
         name = prefix[:brace_at] if brace_at >= 0 else prefix
-        if not line.startswith(lead) or " " not in line[len(lead):]:
+        if not line.startswith(lead) or len(line[len(lead):].split(" ")) != 2 or "" in line[len(lead):].split(" "):
             return None  # a sample line without its value and timestamp (wanted or not): the strict reader says so
+        labels = _series_labels(prefix, name)
+        if labels is None:
+            return None  # unusual labels (read or not): the strict reader decides
         if wanted is not None and name not in wanted:
+            # Not read, but the file must still be one the strict reader reads: the block holds only this series'
+            # lines (the search above brackets its end; a stray line inside it is found here).
+            skipped = text[p:q]
+            if skipped.count("\n" + lead) != skipped.count("\n") - 1:
+                return None
             p = q
             continue
         if prefix in seen:
             return None  # samples of one series not contiguous
         seen.add(prefix)
-        labels = _series_labels(prefix, name)
-        if labels is None or _SAMPLE_SUFFIX.get(ftype) is None or name != family + _SAMPLE_SUFFIX[ftype]:
+        if _SAMPLE_SUFFIX.get(ftype) is None or name != family + _SAMPLE_SUFFIX[ftype]:
             return None  # unusual labels, or a sample outside its family: the strict reader decides
         block = text[p:q]
         lines = block.count("\n")
@@ -166,6 +173,8 @@ def _series_labels(prefix: str, name: str) -> dict[str, str] | None:
         return None
     if len(prefix) == len(name):
         return {}
+    if prefix[len(name)] != "{" or not prefix.endswith("}"):
+        return None
     body = prefix[len(name) + 1: -1]
     labels: dict[str, str] = {}
     pos = 0
