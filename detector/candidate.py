@@ -36,10 +36,6 @@ class Evidence:
     #: the cause rules that applied (detector.cause_rules), by name
     rules: tuple[str, ...] = ()
 
-    def direct(self) -> dict[str, float]:
-        """The causes backed by direct evidence (worth more than :data:`DIRECT`), with their strength."""
-        return {c: v for c, v in self.causes.items() if v > DIRECT}
-
     def strongest(self) -> str:
         """The cause with the most evidence ("unknown" without any)."""
         return max(self.causes, key=lambda c: self.causes[c]) if self.causes else "unknown"
@@ -73,8 +69,3 @@ class Candidate:
     pattern: str = ""
     owner: str = ""
     group: str = ""
-
-    @property
-    def direct(self) -> bool:
-        """Does the candidate carry direct hardware evidence?"""
-        return bool(self.evidence.direct())

@@ -78,6 +78,7 @@ class Finding:
     pattern: str = ""
     owner: str = ""
     group: str = ""  # a job-level finding's identity beyond its kind (Candidate.group)
+    key: Key | None = None  # its identity in the tracker (key_of at opening)
     #: How often it came back after it had closed (within the tracker's ``reopen_seconds``): each return keeps
     #: it open through a longer clear gap (``merge_seconds`` times one more than this).
     recurrences: int = 0
@@ -109,12 +110,6 @@ def key_of(kind: str, c: Candidate) -> Key:
         return (kind, "", "", "", "", c.group)
     gpu = (c.gpu or "") + (f"/{c.gpu_instance}" if c.gpu_instance else "")  # a MIG slice is its own entity
     return (kind, c.node, gpu, c.nic, c.site if kinds.spec(kind).by_site else "", "")
-
-
-def _as_candidate(f: Finding) -> Candidate:
-    """The identity fields of a finding as a candidate's (for :func:`key_of`)."""
-    return Candidate(f.node or "", f.gpu, f.job, f.site or "", f.cause or "", f.score, nic=f.nic,
-                     gpu_instance=f.gpu_instance, group=f.group)
 
 
 @dataclass
@@ -232,7 +227,7 @@ class Tracker:
             f = self.closed[j]
             if f.end is not None and t - f.end > self.reopen_seconds and not f.group:
                 continue
-            if f.absorbed_by or key_of(f.kind, _as_candidate(f)) != k:
+            if f.absorbed_by or f.key != k:
                 continue
             del self.closed[j]
             f.end = None
@@ -272,6 +267,7 @@ class Tracker:
                     self._close(ok, t)
             for pk in [pk for pk in self.pending if pk[0] == kind and pk[1] == c.node and pk[2]]:
                 del self.pending[pk]
+        f.key = k
         self.active[k] = f
         self.incident_meta.setdefault(f.incident, (f.node or "", f.gpu or "", f.site or "", f.job or "", f.namespace,
                                                    f.pod))

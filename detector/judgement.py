@@ -47,6 +47,9 @@ class Judgement:
     #: NVL72 racks (detector.fabric): was the GPU's (or the rack's) fabric state read
     fabric: Callable[[str, str], bool] = lambda node, gpu: False
 
+    def __post_init__(self) -> None:
+        self._slice_nodes = {n for n, _ in self.slices}
+
     def _on(self, mask: BoolArray, node: str, gpu: str) -> bool:
         if gpu:
             if (node, gpu) in self.slices:
@@ -54,7 +57,7 @@ class Judgement:
             i = self.gpu_pos.get((node, gpu))
             return i is not None and bool(mask[i])
         idx = self.gpus_of_node.get(node)
-        return any(n == node for n, _ in self.slices) or (idx is not None and bool(mask[idx].any()))
+        return node in self._slice_nodes or (idx is not None and bool(mask[idx].any()))
 
     def observed(self, k: Key) -> bool:
         kind, node, gpu, nic, site, _ = k

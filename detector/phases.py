@@ -84,8 +84,3 @@ class JobEdges:
                 out[ix] = True
         self.at_edge = now
         return out
-
-
-def job_edges(frame: GpuFrame, min_gpus: int = 4) -> BoolArray:
-    """Per GPU: its job reached a job-wide phase edge in this window (one evaluation, no history)."""
-    return JobEdges(min_gpus).update(frame)

@@ -146,7 +146,7 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
           limit_ref: FloatArray | None = None,
           node_causes: dict[str, tuple[str, dict[str, float]]] | None = None,
           edge: FloatArray | None = None) -> StragglerResult:
-    """Score the frame's GPUs against their peers. ``edge`` (bool per GPU, :func:`gpufleet.detector.phases.job_edges`):
+    """Score the frame's GPUs against their peers. ``edge`` (bool per GPU, :class:`gpufleet.detector.phases.JobEdges`):
     the GPU's job is at a job-wide phase edge in this window, so only direct hardware evidence makes it a
     candidate (deviations alone cannot tell a fault from the edge)."""
     n = len(frame)
@@ -288,15 +288,6 @@ def _candidate(frame: GpuFrame, i: int, s: float, z: dict[str, FloatArray], p: S
     strengths, values, applied = cause_rules.evaluate(view)
     ev = Evidence(deviations=dev, causes=strengths, values=values, rules=applied)
     return Candidate(frame.nodes[i], frame.gpus[i], frame.jobs[i], frame.sites[i], ev.strongest(), float(s), ev)
-
-
-def cause_evidence(frame: GpuFrame, i: int, z: dict[str, float], p: StragglerParams,
-                   nic_flags: dict[tuple[str, str], float],
-                   node_causes: cause_rules.NodeCauses | None = None) -> list[tuple[str, float]]:
-    """(cause, strength) evidence for GPU ``i`` (``z``: its robust z-scores) by the cause rules, strongest first."""
-    strengths, _, _ = cause_rules.evaluate(cause_rules.GpuView(frame, i, z, _thresholds(p), nic_flags,
-                                                               node_causes or {}))
-    return sorted(strengths.items(), key=lambda cs: -cs[1])
 
 
 def _collapse_nodes(frame: GpuFrame, groups: FloatArray, cands: list[Candidate],

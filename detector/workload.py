@@ -25,6 +25,7 @@ never reaches here: it does not stand out of the peers for two evaluations runni
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import compress
 
 from gpufleet.agent.vocab.catalog import WORKLOAD_PATTERNS
 from gpufleet.detector.candidate import Candidate
@@ -43,6 +44,7 @@ PATTERNS = WORKLOAD_PATTERNS
 @dataclass
 class _Job:
     first: float  # the job's first evaluation
+    last: float  # its latest evaluation
     #: node -> (first, last) time it held a busier spot
     nodes: dict[str, tuple[float, float]] = field(default_factory=dict)
     #: the first time the job had a busier spot, and how often its spots moved wholesale to new nodes
@@ -58,9 +60,10 @@ class WorkloadRouter:
 
     def observe(self, g: GpuFrame, t: float) -> None:
         """Note the jobs of this evaluation (a job's first evaluation is when it began, as far as we know)."""
-        for job, valid in zip(g.jobs, g.valid.tolist(), strict=True):
-            if job and valid and job not in self.jobs:
-                self.jobs[job] = _Job(t)
+        for job in set(compress(g.jobs, g.valid.tolist())):
+            if job:
+                j = self.jobs.setdefault(job, _Job(t, t))
+                j.last = t
 
     def route(self, cands: list[tuple[str, Candidate]], t: float) -> list[tuple[str, Candidate]]:
         """The candidates with every workload straggler replaced by its job's ticket (or held back)."""
@@ -79,7 +82,7 @@ class WorkloadRouter:
         return out
 
     def _ticket(self, job: str, cs: list[Candidate], t: float) -> Candidate | None:
-        j = self.jobs.setdefault(job, _Job(t))
+        j = self.jobs.setdefault(job, _Job(t, t))
         now = {c.node for c in cs}
         for node in now:
             first, _ = j.nodes.get(node, (t, t))
@@ -115,6 +118,8 @@ class WorkloadRouter:
         for job in list(self.jobs):
             j = self.jobs[job]
             j.nodes = {n: fl for n, fl in j.nodes.items() if t - fl[1] <= MEMORY_SECONDS}
+            if t - j.last > MEMORY_SECONDS:  # a job gone this long has ended: a service runs for months
+                del self.jobs[job]
 
 
 def summary(c: Candidate) -> str:
