@@ -42,6 +42,19 @@ NOISE = {"sm_clock": 5e6, "power": 10.0, "temp": 2.0, "tensor": 0.02, "sm_active
          "nic_xmit_wait": 2e5, "nic_tx": 1e8}
 
 
+
+def fleet_labels(q: Query, g: int, nodes: list[str]) -> dict[str, str]:
+    """The labels of GPU ``g``'s series (or its NIC's) in the synthetic fleet: 8 GPUs and 8 NICs a node, 256 GPUs a
+    job (shared with bench_warmstart.py)."""
+    labels = {"instance": nodes[g // 8], "site": "dc1", "job": "gpufleet-agent"}
+    if q.entity in ("nic", "nicmap"):
+        labels |= {"device": f"mlx5_{g % 8}", "port": "1"}
+    if q.entity != "nic":
+        labels["gpu"] = str(g % 8)
+    if q.feature == "@job":
+        labels["job_id"] = f"job-{g // 256}"
+    return labels
+
 class MemorySource:
     """Answers each query with one series per GPU (or NIC) from arrays built up front."""
 
@@ -62,13 +75,7 @@ class MemorySource:
             vals = BASE[q.feature] + (rng.normal(0, NOISE[q.feature], n_gpus) if q.feature in NOISE else np.zeros(n_gpus))
             res: Pairs = []
             for g in range(n_gpus):
-                labels = {"instance": nodes[g // 8], "site": "dc1", "job": "gpufleet-agent"}
-                if q.entity in ("nic", "nicmap"):
-                    labels |= {"device": f"mlx5_{g % 8}", "port": "1"}
-                if q.entity != "nic":
-                    labels["gpu"] = str(g % 8)
-                if q.feature == "@job":
-                    labels["job_id"] = f"job-{g // 256}"
+                labels = fleet_labels(q, g, nodes)
                 v = float(vals[g])
                 if g in stragglers and q.feature == "sm_clock":
                     v = 1.4e9

@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_detector import BASE
+from bench_detector import BASE, fleet_labels
 
 from gpufleet.detector import warmstart
 from gpufleet.detector.config import parse
@@ -85,13 +85,7 @@ class FakePrometheus:
             return [(json.dumps({"instance": nd, "site": "dc1"}), float(BASE[q.feature])) for nd in nodes]
         out = []
         for g in range(n):
-            labels = {"instance": nodes[g // 8], "site": "dc1", "job": "gpufleet-agent"}
-            if q.entity in ("nic", "nicmap"):
-                labels |= {"device": f"mlx5_{g % 8}", "port": "1"}
-            if q.entity != "nic":
-                labels["gpu"] = str(g % 8)
-            if q.feature == "@job":
-                labels["job_id"] = f"job-{g // 256}"
+            labels = fleet_labels(q, g, nodes)
             out.append((json.dumps(labels), float(BASE[q.feature])))
         return out
 
