@@ -167,7 +167,7 @@ def probe_errors(spec: str) -> dict[str, str]:
         h = pynvml.nvmlDeviceGetHandleByIndex(0)
         probe("nvmlDeviceGetHandleByIndex(count)", lambda: pynvml.nvmlDeviceGetHandleByIndex(count))
         probe("nvmlDeviceGetHandleByUUID(unknown)",
-              lambda: untyped.nvmlDeviceGetHandleByUUID("GPU-00000000-0000-0000-0000-000000000000"))
+              lambda: untyped.nvmlDeviceGetHandleByUUID("GPU-ffffffff-ffff-ffff-ffff-ffffffffffff"))
         probe("nvmlDeviceGetHandleByPciBusId(unknown)", lambda: untyped.nvmlDeviceGetHandleByPciBusId("0000:FF:1F.7"))
         probe("nvmlDeviceGetNvLinkState(link 63)", lambda: pynvml.nvmlDeviceGetNvLinkState(h, 63))
         probe("nvmlDeviceGetTemperatureThreshold(99)", lambda: pynvml.nvmlDeviceGetTemperatureThreshold(h, 99))

@@ -63,7 +63,12 @@ def test_error_probes_on_the_fake() -> None:
     assert got["nvmlDeviceGetName(1-byte buffer)"] == "INSUFFICIENT_SIZE"
     assert got["nvmlEventSetWait_v2(empty set, 1 ms)"] == "TIMEOUT"
     assert got["nvmlDeviceGetCount(after shutdown)"] == "UNINITIALIZED"
-    assert got["nvmlDeviceGetFieldValues(unknown field) nvmlReturn"] == "NOT_SUPPORTED"
+    # as the real H200's driver answered (tests/gpu/results/h200-gvisor-580/errors.json)
+    assert got["nvmlDeviceGetFieldValues(unknown field) nvmlReturn"] == "INVALID_ARGUMENT"
+    assert got["nvmlDeviceGetHandleByUUID(unknown)"] == "NOT_FOUND"
+    assert got["nvmlDeviceGetHandleByPciBusId(unknown)"] == "INVALID_ARGUMENT"
+    assert got["nvmlDeviceGetClockInfo(type 99)"] == "NOT_SUPPORTED"
+    assert got["nvmlDeviceGetNvLinkState(link 63)"] == "INVALID_ARGUMENT", "out of range on a GPU with 18 NVLinks"
     assert len(got) == 10 and not any(v.startswith("EXCEPTION") for v in got.values()), got
 
 
