@@ -48,8 +48,8 @@ from gpufleet.agent.nvml import fabric_reader
 from gpufleet.agent.nvml.backend import Device, NvmlBackend
 from gpufleet.agent.nvml.model import DriverInfo, GpmCounters, GpuInventory, GpuSample, XidEvent
 from gpufleet.agent.nvml.reader import read_gpu
-from gpufleet.agent.nvml.record_usage import UsageRecorder
 from gpufleet.agent.nvml.reading import GpmRates, Reading, blank_sample
+from gpufleet.agent.nvml.record_usage import UsageRecorder
 from gpufleet.agent.nvml.trace import TraceWriter
 from gpufleet.agent.serving.argtypes import positive_float, positive_int
 from gpufleet.agent.serving.logs import LOG_FORMAT, LOG_LEVELS, log_level

@@ -18,8 +18,8 @@ from support import FIXTURES, parse
 from gpufleet.agent.app import Agent
 from gpufleet.agent.config import AgentConfig
 from gpufleet.agent.fake import smi_state
-from gpufleet.agent.fake.spec import fake_backend
 from gpufleet.agent.fake.smi_xml import load_smi_xml, parse_smi_xml
+from gpufleet.agent.fake.spec import fake_backend
 from gpufleet.agent.nvml import hardware
 from gpufleet.agent.nvml.reader import read_gpu
 from gpufleet.agent.nvml.trace import read_trace
