@@ -31,7 +31,8 @@ _FI_NVLINK_SCOPED: dict[int, str] = {c.field.value: c.name for c in nv.NVLINK_SC
 _FI_NVLINK5: dict[int, str] = {fid: name for name, _, fid in fb.NVLINK5_COUNTERS}
 _ULL: int = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
 _UI: int = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
-_FI_MAX: int = pynvml.NVML_FI_MAX
+#: One past the largest field id NVML defines (pynvml's NVML_FI_MAX; not in the project's pynvml stubs).
+_FI_MAX: int = int(getattr(pynvml, "NVML_FI_MAX"))  # noqa: B009
 
 
 class FieldValueEntryPoints(FakeCore):

@@ -18,6 +18,7 @@ from support import FIXTURES, parse
 from gpufleet.agent.app import Agent
 from gpufleet.agent.config import AgentConfig
 from gpufleet.agent.fake import smi_state
+from gpufleet.agent.fake.library import FakeNvml
 from gpufleet.agent.fake.smi_xml import load_smi_xml, parse_smi_xml
 from gpufleet.agent.fake.spec import fake_backend
 from gpufleet.agent.nvml import hardware
@@ -130,7 +131,7 @@ def test_unknown_field_answered_invalid_argument_is_no_nvml_error() -> None:
     try:
         assert backend.start()
         fake = backend.fake
-        assert fake is not None
+        assert isinstance(fake, FakeNvml)
         fake.inject_error(pynvml.NVML_ERROR_INVALID_ARGUMENT, field=nv.FI_MEMORY_TEMP.value)
         fake.inject_error(pynvml.NVML_ERROR_INVALID_ARGUMENT, field=nv.FI_NVLINK_GET_STATE.value)
         dev = backend.devices[0]
