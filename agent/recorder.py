@@ -6,6 +6,9 @@ under ``<sysfs>/class/infiniband``. Replay it anywhere with
 ``gpufleet-agent --nvml.fake=trace:PATH``: the agent then exports what it would
 have exported on the recorded host.
 
+The MIG mode (in the trace's inventory) and every line's compute processes are
+recorded too (:mod:`gpufleet.agent.nvml.record_usage`).
+
 GPM metrics are ratios between two samples on real hardware; the recorder
 integrates them over the time between samples into the cumulative
 :class:`~gpufleet.agent.nvml.model.GpmCounters`, so replay recomputes the same
@@ -46,6 +49,7 @@ from gpufleet.agent.nvml.backend import Device, NvmlBackend
 from gpufleet.agent.nvml.model import DriverInfo, GpmCounters, GpuInventory, GpuSample, XidEvent
 from gpufleet.agent.nvml.reader import read_gpu
 from gpufleet.agent.nvml.reading import GpmRates, Reading, blank_sample
+from gpufleet.agent.nvml.record_usage import UsageRecorder
 from gpufleet.agent.nvml.trace import TraceWriter
 from gpufleet.agent.serving.argtypes import positive_float, positive_int
 from gpufleet.agent.serving.logs import LOG_FORMAT, LOG_LEVELS, log_level
@@ -225,6 +229,7 @@ def _record(ns: argparse.Namespace, backend: NvmlBackend, out: Path, stop: threa
 
     xid = XidCollector(backend, on_event=on_xid)
     xid.start()
+    usage = UsageRecorder(backend)
     try:
         devices = list(backend.devices)
         if not devices:
@@ -237,6 +242,7 @@ def _record(ns: argparse.Namespace, backend: NvmlBackend, out: Path, stop: threa
         fabric = fabric_reader.FabricReader(backend, slow_interval=0.0)  # NVLink domain and rack (issue 21)
         for g, d in zip(gpus, devices, strict=True):
             g.platform = (fabric.read(d) or fabric_reader.FabricReading()).platform
+            g.mig_mode_current, g.mig_mode_pending = usage.mig_mode(d)
         assert backend.driver is not None
         driver = backend.driver
         info = DriverInfo(driver_version=driver.driver_version, nvml_version=driver.nvml_version,
@@ -261,6 +267,8 @@ def _record(ns: argparse.Namespace, backend: NvmlBackend, out: Path, stop: threa
                     fr = fabric.read(d) if r.sample is not None else None
                     if fr is not None:
                         fabric_reader.apply(fr, sample, r.nvlink_links)
+                    if r.sample is not None:
+                        sample.processes = usage.processes(d)
                 with lock:
                     xids, events[:] = list(events), []
                 if has_ib and refresh_host is not None:
@@ -283,6 +291,7 @@ def _record(ns: argparse.Namespace, backend: NvmlBackend, out: Path, stop: threa
         log.info("wrote %d sample line(s) to %s", written, out)
         return 0
     finally:
+        usage.close()
         xid.close()
 
 

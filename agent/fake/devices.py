@@ -15,6 +15,7 @@ import pynvml
 from gpufleet.agent.fake.core import Dev, FakeCore
 from gpufleet.agent.fake.ctypes_io import (
     INVALID_ARGUMENT,
+    NOT_FOUND,
     NOT_SUPPORTED,
     SUCCESS,
     UNKNOWN,
@@ -55,6 +56,23 @@ SCALAR_ENTRY_POINTS: dict[str, Callable[[Dev], int | None]] = {
 }
 
 
+def _c_string(arg: Any) -> str | None:
+    """The text of a ``c_char_p`` (or bytes/str) argument; None for NULL."""
+    raw = getattr(arg, "value", arg)
+    if raw is None:
+        return None
+    return raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+
+
+def _bus_key(bus_id: str | None) -> tuple[int, int, int, int] | None:
+    """(domain, bus, device, function) of a PCI bus id ("0000:FF:1F.7" or "00000000:ff:1f.7")."""
+    m = None if bus_id is None else re.fullmatch(
+        r"(?:([0-9a-fA-F]{1,8}):)?([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})\.([0-7])", bus_id.strip())
+    if m is None:
+        return None
+    return int(m.group(1) or "0", 16), int(m.group(2), 16), int(m.group(3), 16), int(m.group(4))
+
+
 class DeviceEntryPoints(FakeCore):
     """Enumeration and the static facts of each device (inventory)."""
 
@@ -70,6 +88,27 @@ class DeviceEntryPoints(FakeCore):
             return code
         set_pointer(out, self.handle_address(i))
         return SUCCESS
+
+    def _c_nvmlDeviceGetHandleByUUID(self, uuid: Any, out: Any) -> int:
+        """NOT_FOUND for a UUID no GPU has, as the driver answered (tests/gpu/results/h200-gvisor-580)."""
+        key = _c_string(uuid)
+        if key is None:
+            return INVALID_ARGUMENT
+        for i, inv in enumerate(self.source.inventory()):
+            if inv.uuid == key:
+                return self._c_nvmlDeviceGetHandleByIndex_v2(i, out)
+        return NOT_FOUND
+
+    def _c_nvmlDeviceGetHandleByPciBusId_v2(self, bus_id: Any, out: Any) -> int:
+        """A GPU by PCI bus id (either width of domain, any case). A bus id no GPU has is INVALID_ARGUMENT:
+        NVML documents NOT_FOUND, but driver 580 answered INVALID_ARGUMENT (tests/gpu/results/h200-gvisor-580)."""
+        key = _bus_key(_c_string(bus_id))
+        if key is None:
+            return INVALID_ARGUMENT
+        for i, inv in enumerate(self.source.inventory()):
+            if _bus_key(inv.pci_bus_id) == key:
+                return self._c_nvmlDeviceGetHandleByIndex_v2(i, out)
+        return INVALID_ARGUMENT
 
     def _c_nvmlDeviceGetUUID(self, handle: Any, buf: Any, length: Any) -> int:
         d = self._dev("nvmlDeviceGetUUID", handle)

@@ -31,6 +31,8 @@ _FI_NVLINK_SCOPED: dict[int, str] = {c.field.value: c.name for c in nv.NVLINK_SC
 _FI_NVLINK5: dict[int, str] = {fid: name for name, _, fid in fb.NVLINK5_COUNTERS}
 _ULL: int = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
 _UI: int = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+#: One past the largest field id NVML defines (pynvml's NVML_FI_MAX; not in the project's pynvml stubs).
+_FI_MAX: int = int(getattr(pynvml, "NVML_FI_MAX"))  # noqa: B009
 
 
 class FieldValueEntryPoints(FakeCore):
@@ -86,7 +88,9 @@ class FieldValueEntryPoints(FakeCore):
             return SUCCESS, _ULL, ns[reason]
         if fid == _FI_NVLINK_LINK_COUNT:
             return (NOT_SUPPORTED, _UI, None) if d.inv.nvlink_count == 0 else (SUCCESS, _UI, d.inv.nvlink_count)
-        return NOT_SUPPORTED, _ULL, None
+        # A field id NVML does not define (>= NVML_FI_MAX) is INVALID_ARGUMENT in its nvmlReturn, as driver 580
+        # answered (tests/gpu/results/h200-gvisor-580); a defined field this fake does not model, NOT_SUPPORTED.
+        return (INVALID_ARGUMENT if not 0 <= fid < _FI_MAX else NOT_SUPPORTED), _ULL, None
 
     def _c_nvmlDeviceGetFieldValues(self, handle: Any, count: Any, values: Any) -> int:
         d = self._dev("nvmlDeviceGetFieldValues", handle)

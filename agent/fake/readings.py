@@ -54,7 +54,8 @@ class ReadingEntryPoints(FakeCore):
             pynvml.NVML_CLOCK_MEM: s.clock_memory_mhz,
             pynvml.NVML_CLOCK_VIDEO: None,
         }
-        return set_out(out, values[c]) if c in values else INVALID_ARGUMENT
+        # An unknown clock type is NOT_SUPPORTED, as driver 580 answered (tests/gpu/results/h200-gvisor-580).
+        return set_out(out, values[c]) if c in values else NOT_SUPPORTED
 
     def _c_nvmlDeviceGetTemperature(self, handle: Any, sensor: Any, out: Any) -> int:
         d = self._dev("nvmlDeviceGetTemperature", handle)

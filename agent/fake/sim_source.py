@@ -385,6 +385,8 @@ class SimSource:
             repair_tpc_pending=p.base.repair_tpc_pending,
             c2c_enabled=p.base.c2c_enabled,
             nvlink_bw_mode=p.base.nvlink_bw_mode,
+            # The capture's process list as captured (None: the capture has none, NOT_SUPPORTED).
+            processes=None if p.base.processes is None else list(p.base.processes),
         )
 
     def poll_xid(self) -> list[XidEvent]:

@@ -12,8 +12,14 @@ Temperature thresholds: older drivers print absolute thresholds
 print them relative to T.Limit (``gpu_temp_*_tlimit_threshold``: the T.Limit
 margin at which the action triggers) next to the current margin
 ``gpu_temp_tlimit``; the absolute GPU thresholds are then
-``gpu_temp + gpu_temp_tlimit - threshold``. The memory threshold has no T.Limit
-reading to anchor it, so it stays ``None`` in that case.
+``gpu_temp + gpu_temp_tlimit - threshold``. Each threshold is read in the form
+the capture gives it (absolute first). The memory threshold
+(``gpu_temp_max_mem_tlimit_threshold``) has no T.Limit reading to anchor it: it
+is anchored at the HBM limit NVML reports (:data:`hardware.MEMORY_TLIMIT_C`,
+95 C: what a real H200 with driver 580 answered where its capture printed 0 C);
+"N/A" there (GDDR boards) stays ``None``.
+
+MIG mode, the process list and NVLink presence: :mod:`.smi_state`.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpufleet.agent.fake import smi_fabric
+from gpufleet.agent.fake import smi_fabric, smi_state
 from gpufleet.agent.nvml import hardware
 from gpufleet.agent.nvml.model import DriverInfo, GpuInventory, GpuSample
 from gpufleet.agent.vocab.nvml import CLOCK_EVENT_BITS
@@ -116,28 +122,23 @@ def _power(gpu: ET.Element, name: str) -> int | None:
 
 
 def _thresholds(gpu: ET.Element) -> tuple[int | None, int | None, int | None, int | None]:
-    """(slowdown, shutdown, gpu max, memory max) in Celsius."""
+    """(slowdown, shutdown, gpu max, memory max) in Celsius, each absolute where the capture prints it so,
+    else from its T.Limit form (see the module docstring)."""
     t = "temperature/"
-    absolute = (
-        _int(gpu, t + "gpu_temp_slow_threshold"),
-        _int(gpu, t + "gpu_temp_max_threshold"),
-        _int(gpu, t + "gpu_temp_max_gpu_threshold"),
-        _int(gpu, t + "gpu_temp_max_mem_threshold"),
-    )
-    if any(v is not None for v in absolute):
-        return absolute
     temp, margin = _int(gpu, t + "gpu_temp"), _int(gpu, t + "gpu_temp_tlimit")
-    if temp is None or margin is None:
-        return None, None, None, None
-    anchor = temp + margin
+    anchor = None if temp is None or margin is None else temp + margin
 
-    def rel(name: str) -> int | None:
-        v = _int(gpu, t + name)
-        return None if v is None else anchor - v
+    def read(absolute: str, relative: str, limit: int | None) -> int | None:
+        v = _int(gpu, t + absolute)
+        if v is not None:
+            return v
+        rel = _int(gpu, t + relative)
+        return None if rel is None or limit is None else limit - rel
 
-    return rel("gpu_temp_slow_tlimit_threshold"), rel("gpu_temp_max_tlimit_threshold"), rel(
-        "gpu_temp_max_gpu_tlimit_threshold"
-    ), None
+    return (read("gpu_temp_slow_threshold", "gpu_temp_slow_tlimit_threshold", anchor),
+            read("gpu_temp_max_threshold", "gpu_temp_max_tlimit_threshold", anchor),
+            read("gpu_temp_max_gpu_threshold", "gpu_temp_max_gpu_tlimit_threshold", anchor),
+            read("gpu_temp_max_mem_threshold", "gpu_temp_max_mem_tlimit_threshold", hardware.MEMORY_TLIMIT_C))
 
 
 def _bus_id(gpu: ET.Element) -> str:
@@ -154,7 +155,8 @@ def _inventory(index: int, gpu: ET.Element) -> GpuInventory:
     uuid = _text(gpu, "uuid")
     if uuid is None:
         raise SmiXmlError(f"GPU {index} has no <uuid>")
-    # nvidia-smi -q prints neither the compute capability nor the NVLinks: product knowledge fills them in.
+    # nvidia-smi -q prints neither the compute capability nor the NVLinks: product knowledge fills them in
+    # (NVLinks only where the capture does not say the GPU is outside an NVLink fabric: smi_state).
     arch = hardware.architecture_id(_text(gpu, "product_architecture"))
     name = _text(gpu, "product_name") or "Unknown"
     slowdown, shutdown, gpu_max, mem_max = _thresholds(gpu)
@@ -187,7 +189,7 @@ def _inventory(index: int, gpu: ET.Element) -> GpuInventory:
         max_clock_graphics_mhz=_int(gpu, "max_clocks/graphics_clock"),
         pcie_max_gen=_int(gpu, "pci/pci_gpu_link_info/pcie_gen/max_link_gen"),
         pcie_max_width=None if width is None else round(width[0]),
-        nvlink_count=hardware.nvlink_count(name),
+        nvlink_count=smi_state.nvlink_count(gpu, arch, name),
         fan_count=sum(1 for f in fans if (f.text or "").strip() not in ("", "N/A")),
         ecc_supported=_text(gpu, "ecc_mode/current_ecc") is not None,
         gpm_supported=hardware.gpm_supported(arch, name),
@@ -195,6 +197,7 @@ def _inventory(index: int, gpu: ET.Element) -> GpuInventory:
         retired_pages_supported=_text(gpu, "retired_pages/multiple_single_bit_retirement/retired_count") is not None,
         platform=smi_fabric.platform(gpu),
     )
+    inv.mig_mode_current, inv.mig_mode_pending = smi_state.mig_mode(gpu)
     return inv
 
 
@@ -251,6 +254,7 @@ def _sample(gpu: ET.Element) -> GpuSample:
         pcie_rx_kbps=_int(gpu, "pci/rx_util"),
         nvlink=None,
         gpm=None,
+        processes=smi_state.processes(gpu),
         **smi_fabric.sample_fields(gpu),
     )
 

@@ -26,7 +26,7 @@ import pynvml
 from gpufleet.agent.nvml import reader as gpu_reader
 from gpufleet.agent.nvml.backend import Device, GpuLost, NvmlBackend
 from gpufleet.agent.nvml.fabric_model import FabricSample, PlatformInfo
-from gpufleet.agent.nvml.fieldvalues import FieldValue, field_results, field_values, words
+from gpufleet.agent.nvml.fieldvalues import FIELD_ABSENT, FieldValue, field_results, field_values, words
 from gpufleet.agent.nvml.model import GpuSample
 from gpufleet.agent.vocab.fabric import NVLINK5_COUNTERS, NVLINK5_EVENTS
 
@@ -189,7 +189,7 @@ class FabricReader:
                     absent = False
                 else:
                     got.append(None)
-                    if ret not in _ABSENT:
+                    if ret not in _ABSENT and ret not in FIELD_ABSENT:
                         absent = False
                         self.backend.failed("nvmlDeviceGetFieldValues", ret)  # counts; GPU_IS_LOST raises GpuLost
             if absent:

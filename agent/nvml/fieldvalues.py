@@ -28,6 +28,10 @@ FI_NVLINK_RX_KIB = nv.FI_NVLINK_RX_KIB.value
 FI_CLOCK_EVENT_NS: dict[str, int] = nv.FI_CLOCK_EVENT_NS
 
 _SUCCESS = pynvml.NVML_SUCCESS
+#: Per-field nvmlReturn codes that mean "the driver has no such field for this GPU": no value, no error
+#: counted. A field id the driver does not define is INVALID_ARGUMENT in its nvmlReturn (driver 580 on a
+#: real H200, tests/gpu/results/h200-gvisor-580): an older driver asked a newer field answers so.
+FIELD_ABSENT = frozenset({pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_INVALID_ARGUMENT})
 _VALUE_ATTR = {
     pynvml.NVML_VALUE_TYPE_DOUBLE: "dVal",
     pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
@@ -133,7 +137,8 @@ def read_fields(b: NvmlBackend, dev: Device, h: pynvml.c_nvmlDevice_t, state: Re
         lost = False
         for i, ret in enumerate(rets):
             if ret != _SUCCESS:
-                b.count_error("nvmlDeviceGetFieldValues", ret)
+                if ret not in FIELD_ABSENT:
+                    b.count_error("nvmlDeviceGetFieldValues", ret)
                 lost = lost or ret == pynvml.NVML_ERROR_GPU_IS_LOST
                 out[i] = None
         if lost:

@@ -62,6 +62,15 @@ _SMI_NAMES = {"ada lovelace": ARCH_ADA}
 #: Architectures whose data-center GPUs have GPU Performance Monitoring (nvmlGpmQueryDeviceSupport).
 GPM_ARCHITECTURES = frozenset({ARCH_HOPPER, ARCH_BLACKWELL, ARCH_RUBIN})
 
+#: Architectures whose NVLink GPUs report an NVLink fabric (nvmlDeviceGetGpuFabricInfo, nvidia-smi's
+#: ``<fabric><state>``): where such a GPU's capture says N/A there, its NVLinks are not usable by NVML.
+FABRIC_ARCHITECTURES = frozenset({ARCH_HOPPER, ARCH_BLACKWELL, ARCH_RUBIN})
+
+#: The memory (HBM) temperature limit in Celsius: NVML_TEMPERATURE_THRESHOLD_MEM_MAX where the memory
+#: T.Limit margin is 0. Seen as 95 both where nvidia-smi prints it absolutely (A100, driver 570) and from
+#: the real H200's NVML (driver 580, whose nvidia-smi prints only ``gpu_temp_max_mem_tlimit_threshold`` 0 C).
+MEMORY_TLIMIT_C = 95
+
 #: Compute capability of an architecture whose products all share one (or whose exceptions
 #: are listed in _PRODUCTS); architectures left out have no single answer.
 _ARCH_COMPUTE_CAPABILITY: dict[int, tuple[int, int]] = {

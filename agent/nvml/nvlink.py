@@ -15,7 +15,7 @@ from typing import Any
 import pynvml
 
 from gpufleet.agent.nvml.backend import LOST_CODES, Device, GpuLost, NvmlBackend
-from gpufleet.agent.nvml.fieldvalues import FieldValue, field_results, field_values, words
+from gpufleet.agent.nvml.fieldvalues import FIELD_ABSENT, FieldValue, field_results, field_values, words
 from gpufleet.agent.nvml.model import GpuSample, NvLinkSample
 from gpufleet.agent.nvml.reading import ReaderState, Reading
 from gpufleet.agent.vocab import nvml as nv
@@ -106,7 +106,7 @@ def read_nvlink(b: NvmlBackend, dev: Device, h: pynvml.c_nvmlDevice_t, state: Re
                         ups[j] = v == pynvml.NVML_FEATURE_ENABLED
                     else:
                         setattr(ls, attr, int(v))
-                elif ret == _NOT_SUPPORTED:
+                elif ret in FIELD_ABSENT:  # a driver without this field: the per-link call instead
                     legacy.append((j, link, attr, counter))
                 else:
                     b.count_error("nvmlDeviceGetFieldValues", ret)

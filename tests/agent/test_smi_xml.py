@@ -56,7 +56,8 @@ def test_fixture_inventory_matches_the_file() -> None:
     assert g0.ecc_supported and g0.row_remap_supported and not g0.retired_pages_supported
     # T.Limit-relative thresholds: GPU 0 reads 29 C with a 58 C margin -> anchor 87 C
     assert (g0.temp_gpu_max_c, g0.temp_slowdown_c, g0.temp_shutdown_c) == (87, 89, 95)
-    assert g0.temp_memory_max_c is None  # no memory T.Limit reading: unknown, not invented
+    # memory: T.Limit margin 0 C at the HBM limit NVML reports (95 C on a real H200, driver 580)
+    assert g0.temp_memory_max_c == 95
     s0 = host.samples[0]
     assert (s0.power_mw, s0.temperature_gpu_c, s0.temperature_memory_c) == (68920, 29, 37)
     assert s0.pcie_replay_counter == 150

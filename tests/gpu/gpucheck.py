@@ -9,6 +9,8 @@ with NVIDIA GPUs and the driver; it finishes in well under 5 minutes and writes 
   the other has not, and the series count per family (identity values such as UUIDs are not compared);
 * ``cpu.json``: per-scrape CPU of the agent, real driver beside the fake (the fake's own CPU, which stands in
   for libnvidia-ml, counted apart);
+* ``calls.json`` (and ``calls.md``): per scrape, every NVML entry point the agent called, how often and its CPU
+  time, real beside fake (:mod:`calltime`);
 * ``errors.json``: the NVML error paths that need no mode change or reset (bad index, UUID, PCI bus id, link,
   field id, threshold, clock type, a too-small buffer, an event wait with nothing to wait for, a call after
   shutdown), real return code beside the fake's;
@@ -133,6 +135,24 @@ def differences_md(diff: dict[str, Any], real: str = "real", fake: str = "fake")
     return "\n".join(lines)
 
 
+def calls_md(real: dict[str, Any], fake: dict[str, Any]) -> str:
+    """The per-entry-point table of the calls step, real beside fake, dearest on the real side first."""
+    by_name = {e["name"]: e for e in fake["entry_points"]}
+    names = [e["name"] for e in real["entry_points"]] + [n for n in by_name if n not in
+                                                         {e["name"] for e in real["entry_points"]}]
+    real_by = {e["name"]: e for e in real["entry_points"]}
+    lines = ["# NVML calls per scrape: real vs fake", "",
+             f"Means over {real['scrapes']} scrapes each: real {real['cpu_ms_per_scrape']:.2f} ms in "
+             f"{real['calls_per_scrape']:.0f} calls, fake {fake['cpu_ms_per_scrape']:.2f} ms in "
+             f"{fake['calls_per_scrape']:.0f} calls (the calling thread's CPU time around each call).", "",
+             "| entry point | real calls | real ms | fake calls | fake ms |", "|---|---|---|---|---|"]
+    for n in names:
+        r, f = real_by.get(n), by_name.get(n)
+        cells = [f"{e['calls_per_scrape']:.1f} | {e['cpu_ms_per_scrape']:.3f}" if e else "- | -" for e in (r, f)]
+        lines.append(f"| `{n}` | {cells[0]} | {cells[1]} |")
+    return "\n".join([*lines, ""])
+
+
 # ---------------------------------------------------------------------------- probes (run in a child process)
 
 
@@ -167,7 +187,7 @@ def probe_errors(spec: str) -> dict[str, str]:
         h = pynvml.nvmlDeviceGetHandleByIndex(0)
         probe("nvmlDeviceGetHandleByIndex(count)", lambda: pynvml.nvmlDeviceGetHandleByIndex(count))
         probe("nvmlDeviceGetHandleByUUID(unknown)",
-              lambda: untyped.nvmlDeviceGetHandleByUUID("GPU-00000000-0000-0000-0000-000000000000"))
+              lambda: untyped.nvmlDeviceGetHandleByUUID("GPU-ffffffff-ffff-ffff-ffff-ffffffffffff"))
         probe("nvmlDeviceGetHandleByPciBusId(unknown)", lambda: untyped.nvmlDeviceGetHandleByPciBusId("0000:FF:1F.7"))
         probe("nvmlDeviceGetNvLinkState(link 63)", lambda: pynvml.nvmlDeviceGetNvLinkState(h, 63))
         probe("nvmlDeviceGetTemperatureThreshold(99)", lambda: pynvml.nvmlDeviceGetTemperatureThreshold(h, 99))
@@ -269,6 +289,7 @@ class Check:
         self.step("once", self.once)
         self.step("compare", self.compare)
         self.step("cpu", self.cpu)
+        self.step("calls", self.calls)
         self.step("errors", self.errors)
         self.step("record", self.record)
         report = ["# gpufleet real-GPU check", "", f"- driver side: `{self.real_spec or 'libnvidia-ml'}`",
@@ -312,6 +333,15 @@ class Check:
         return (f"real {real['cpu_ms_median']:.1f} ms/scrape; fake {fake['cpu_ms_median']:.1f} ms/scrape, "
                 f"of which the agent {fake['agent_cpu_ms_median']:.1f} ms")
 
+    def calls(self) -> str:
+        real = self.child("calls", self.real_spec, SCRAPES)
+        fake = self.child("calls", self.fake_spec, SCRAPES)
+        (self.out / "calls.json").write_text(json.dumps({"real": real, "fake": fake}, indent=1))
+        (self.out / "calls.md").write_text(calls_md(real, fake))
+        top = ", ".join(f"{e['name']} {e['cpu_ms_per_scrape']:.2f} ms" for e in real["entry_points"][:3])
+        return (f"real {real['calls_per_scrape']:.0f} calls, {real['cpu_ms_per_scrape']:.1f} ms/scrape (dearest: {top}); "
+                f"fake {fake['calls_per_scrape']:.0f} calls, {fake['cpu_ms_per_scrape']:.1f} ms/scrape (calls.md)")
+
     def errors(self) -> str:
         real = self.child("errors", self.real_spec)
         fake = self.child("errors", self.fake_spec)
@@ -337,6 +367,11 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["cpu"]:  # child: per-scrape CPU of one side
         print(json.dumps(probe_cpu(args[1], int(args[2]))))
+        return 0
+    if args[:1] == ["calls"]:  # child: per-entry-point calls and CPU of one side
+        from calltime import probe_calls
+
+        print(json.dumps(probe_calls(args[1], int(args[2]))))
         return 0
     if args[:1] == ["errors"]:  # child: the error paths of one side
         print(json.dumps(probe_errors(args[1])))

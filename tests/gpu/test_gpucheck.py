@@ -11,8 +11,10 @@ import os
 import subprocess
 from pathlib import Path
 
+import pynvml
 import pytest
-from gpucheck import compare, differences_md, probe_errors
+from calltime import probe_calls
+from gpucheck import calls_md, compare, differences_md, probe_errors
 from support import REPO
 
 REAL = """\
@@ -63,8 +65,28 @@ def test_error_probes_on_the_fake() -> None:
     assert got["nvmlDeviceGetName(1-byte buffer)"] == "INSUFFICIENT_SIZE"
     assert got["nvmlEventSetWait_v2(empty set, 1 ms)"] == "TIMEOUT"
     assert got["nvmlDeviceGetCount(after shutdown)"] == "UNINITIALIZED"
-    assert got["nvmlDeviceGetFieldValues(unknown field) nvmlReturn"] == "NOT_SUPPORTED"
+    # as the real H200's driver answered (tests/gpu/results/h200-gvisor-580/errors.json)
+    assert got["nvmlDeviceGetFieldValues(unknown field) nvmlReturn"] == "INVALID_ARGUMENT"
+    assert got["nvmlDeviceGetHandleByUUID(unknown)"] == "NOT_FOUND"
+    assert got["nvmlDeviceGetHandleByPciBusId(unknown)"] == "INVALID_ARGUMENT"
+    assert got["nvmlDeviceGetClockInfo(type 99)"] == "NOT_SUPPORTED"
+    assert got["nvmlDeviceGetNvLinkState(link 63)"] == "INVALID_ARGUMENT", "out of range on a GPU with 18 NVLinks"
     assert len(got) == 10 and not any(v.startswith("EXCEPTION") for v in got.values()), got
+
+
+def test_call_timing_counts_every_entry_point_per_scrape() -> None:
+    before = pynvml._nvmlGetFunctionPointer
+    got = probe_calls("sim:2", 3)
+    assert pynvml._nvmlGetFunctionPointer is before, "the timing wrappers are removed"
+    rows = {e["name"]: e for e in got["entry_points"]}
+    assert rows["nvmlDeviceGetPowerUsage"]["calls_per_scrape"] == 2  # once per GPU
+    assert rows["nvmlDeviceGetFieldValues"]["calls_per_scrape"] >= 2
+    assert got["cpu_ms_per_scrape"] == pytest.approx(sum(e["cpu_ms_per_scrape"] for e in rows.values()))
+    assert all(e["cpu_ms_per_scrape"] >= 0 for e in rows.values())
+    costs = [e["cpu_ms_per_scrape"] for e in got["entry_points"]]
+    assert costs == sorted(costs, reverse=True)
+    md = calls_md(got, got)
+    assert "| `nvmlDeviceGetPowerUsage` | 2.0 |" in md
 
 
 @pytest.mark.slow
@@ -75,7 +97,7 @@ def test_check_script_runs_as_a_self_test(tmp_path: Path) -> None:
     p = subprocess.run(["bash", "tests/gpu/check.sh"], cwd=REPO, env=env, capture_output=True, timeout=280, check=False)
     assert p.returncode == 0, p.stdout.decode() + p.stderr.decode()
     report = (out / "report.md").read_text()
-    for step in ("environment", "once", "compare", "cpu", "errors", "record"):
+    for step in ("environment", "once", "compare", "cpu", "calls", "errors", "record"):
         assert f"| {step} |" in report
     assert "FAILED" not in report
     diff = json.loads((out / "differences.json").read_text())
@@ -85,3 +107,6 @@ def test_check_script_runs_as_a_self_test(tmp_path: Path) -> None:
     cpu = json.loads((out / "cpu.json").read_text())
     assert cpu["real"]["cpu_ms_median"] > 0 and cpu["fake"]["agent_cpu_ms_median"] > 0
     assert (out / "trace.jsonl.gz").stat().st_size > 0 and (out / "replay.prom").stat().st_size > 0
+    calls = json.loads((out / "calls.json").read_text())
+    assert {"nvmlDeviceGetPowerUsage", "nvmlDeviceGetFieldValues"} <= {e["name"] for e in calls["real"]["entry_points"]}
+    assert "| `nvmlDeviceGetPowerUsage` |" in (out / "calls.md").read_text()
