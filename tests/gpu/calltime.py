@@ -25,12 +25,14 @@ class Stats:
         self.lock = threading.Lock()
         self.calls: dict[str, int] = {}
         self.cpu: dict[str, float] = {}
+        self.wall: dict[str, float] = {}
         self.on = False
 
-    def add(self, name: str, seconds: float) -> None:
+    def add(self, name: str, seconds: float, wall: float) -> None:
         with self.lock:
             self.calls[name] = self.calls.get(name, 0) + 1
             self.cpu[name] = self.cpu.get(name, 0.0) + seconds
+            self.wall[name] = self.wall.get(name, 0.0) + wall
 
 
 class _Timed:
@@ -44,11 +46,11 @@ class _Timed:
     def __call__(self, *args: Any) -> Any:
         if not self._stats.on:
             return self._fn(*args)
-        t0 = time.thread_time()
+        t0, w0 = time.thread_time(), time.perf_counter()
         try:
             return self._fn(*args)
         finally:
-            self._stats.add(self._name, time.thread_time() - t0)
+            self._stats.add(self._name, time.thread_time() - t0, time.perf_counter() - w0)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._fn, name)
@@ -103,9 +105,11 @@ def probe_calls(spec: str, scrapes: int) -> dict[str, Any]:
             agent.close()
     finally:
         undo()
-    rows = sorted(((n, stats.calls[n] / scrapes, stats.cpu[n] * 1000 / scrapes) for n in stats.calls),
-                  key=lambda r: -r[2])
+    rows = sorted(((n, stats.calls[n] / scrapes, stats.cpu[n] * 1000 / scrapes, stats.wall[n] * 1000 / scrapes)
+                   for n in stats.calls), key=lambda r: -r[2])
     return {"scrapes": scrapes,
             "cpu_ms_per_scrape": sum(r[2] for r in rows),
+            "wall_ms_per_scrape": sum(r[3] for r in rows),
             "calls_per_scrape": sum(r[1] for r in rows),
-            "entry_points": [{"name": n, "calls_per_scrape": c, "cpu_ms_per_scrape": ms} for n, c, ms in rows]}
+            "entry_points": [{"name": n, "calls_per_scrape": c, "cpu_ms_per_scrape": ms, "wall_ms_per_scrape": w}
+                             for n, c, ms, w in rows]}

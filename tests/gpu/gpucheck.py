@@ -144,11 +144,15 @@ def calls_md(real: dict[str, Any], fake: dict[str, Any]) -> str:
     lines = ["# NVML calls per scrape: real vs fake", "",
              f"Means over {real['scrapes']} scrapes each: real {real['cpu_ms_per_scrape']:.2f} ms in "
              f"{real['calls_per_scrape']:.0f} calls, fake {fake['cpu_ms_per_scrape']:.2f} ms in "
-             f"{fake['calls_per_scrape']:.0f} calls (the calling thread's CPU time around each call).", "",
-             "| entry point | real calls | real ms | fake calls | fake ms |", "|---|---|---|---|---|"]
+             f"{fake['calls_per_scrape']:.0f} calls (the calling thread's CPU time around each call); in wall time "
+             f"real {real['wall_ms_per_scrape']:.2f} ms, fake {fake['wall_ms_per_scrape']:.2f} ms (a call that waits "
+             "on the driver, as one in a VM may, costs wall time and little CPU).", "",
+             "| entry point | real calls | real CPU ms | real wall ms | fake calls | fake CPU ms | fake wall ms |",
+             "|---|---|---|---|---|---|---|"]
     for n in names:
         r, f = real_by.get(n), by_name.get(n)
-        cells = [f"{e['calls_per_scrape']:.1f} | {e['cpu_ms_per_scrape']:.3f}" if e else "- | -" for e in (r, f)]
+        cells = [f"{e['calls_per_scrape']:.1f} | {e['cpu_ms_per_scrape']:.3f} | {e['wall_ms_per_scrape']:.3f}" if e
+                 else "- | - | -" for e in (r, f)]
         lines.append(f"| `{n}` | {cells[0]} | {cells[1]} |")
     return "\n".join([*lines, ""])
 

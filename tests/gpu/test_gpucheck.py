@@ -83,6 +83,9 @@ def test_call_timing_counts_every_entry_point_per_scrape() -> None:
     assert rows["nvmlDeviceGetFieldValues"]["calls_per_scrape"] >= 2
     assert got["cpu_ms_per_scrape"] == pytest.approx(sum(e["cpu_ms_per_scrape"] for e in rows.values()))
     assert all(e["cpu_ms_per_scrape"] >= 0 for e in rows.values())
+    # a call's wall time holds its CPU time (less the clocks' granularity)
+    assert all(e["wall_ms_per_scrape"] >= 0.9 * e["cpu_ms_per_scrape"] - 0.01 for e in rows.values())
+    assert got["wall_ms_per_scrape"] == pytest.approx(sum(e["wall_ms_per_scrape"] for e in rows.values()))
     costs = [e["cpu_ms_per_scrape"] for e in got["entry_points"]]
     assert costs == sorted(costs, reverse=True)
     md = calls_md(got, got)
