@@ -23,8 +23,10 @@ Options: ``--output PATH`` (``.jsonl`` or ``.jsonl.gz``, required), ``--interval
 SECONDS`` (default 1), ``--duration SECONDS`` or ``--samples N`` (default: until
 interrupted), ``--path.sysfs DIR`` (default ``/sys``; IB files are read from
 ``DIR/class/infiniband`` when it exists), ``--hostname NAME``, and the agent's
-``--nvml.fake SPEC`` and ``--log.level LEVEL``. Exit codes: 0 done (also when
-interrupted after the header), 1 NVML unavailable or an I/O error, 2 bad usage.
+``--nvml.fake SPEC`` and ``--log.level LEVEL``, and ``--call-timeout SECONDS`` (default 10): how long
+NVML's initialization and each line's reads may take (:mod:`gpufleet.agent.nvml.record_reads`: a GPU whose
+reads hang is written as lost until they return; the others go on). Exit codes: 0 done (also when
+interrupted after the header), 1 NVML unavailable, hung at initialization, or an I/O error, 2 bad usage.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ from gpufleet.agent.collectors.xid import XidCollector
 from gpufleet.agent.nvml import fabric_reader
 from gpufleet.agent.nvml.backend import Device, NvmlBackend
 from gpufleet.agent.nvml.model import DriverInfo, GpmCounters, GpuInventory, GpuSample, XidEvent
-from gpufleet.agent.nvml.reader import read_gpu
 from gpufleet.agent.nvml.reading import GpmRates, Reading, blank_sample
+from gpufleet.agent.nvml.record_reads import CALL_TIMEOUT, GpuRead, LineReader
 from gpufleet.agent.nvml.record_usage import UsageRecorder
 from gpufleet.agent.nvml.trace import TraceWriter
 from gpufleet.agent.serving.argtypes import positive_float, positive_int
@@ -80,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nvml.fake", dest="nvml_fake", default="", metavar="SPEC",
                    help="record from a fake NVML source (sim, sim:N, trace:PATH, live:PATH) instead of the driver")
     p.add_argument("--hostname", default=socket.gethostname(), help="host name stored in the trace header")
+    p.add_argument("--call-timeout", type=positive_float, default=CALL_TIMEOUT, metavar="SECONDS",
+                   help="how long NVML's initialization and each line's reads of a GPU may take; a GPU whose "
+                        f"reads have not returned is recorded as lost until they do (default: {CALL_TIMEOUT:g})")
     p.add_argument("--log.level", dest="log_level", default="info", choices=sorted(LOG_LEVELS))
     return p
 
@@ -170,9 +175,11 @@ def _to_sample(dev: Device, r: Reading, gpm: _Integrator, t: float) -> GpuSample
     return s
 
 
-def _inventory(backend: NvmlBackend, dev: Device, first: Reading) -> GpuInventory:
+def _inventory(backend: NvmlBackend, dev: Device, first: GpuRead) -> GpuInventory:
     inv = backend.inventory(dev)
-    s = first.sample
+    inv.platform = (first.fabric or fabric_reader.FabricReading()).platform
+    inv.mig_mode_current, inv.mig_mode_pending = first.mig_mode
+    s = first.reading.sample
     if s is not None:
         inv.ecc_supported = s.ecc is not None
         inv.row_remap_supported = s.remapped_rows_correctable is not None
@@ -213,7 +220,14 @@ def record_main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
 
 
 def _record(ns: argparse.Namespace, backend: NvmlBackend, out: Path, stop: threading.Event) -> int:
-    if not backend.start():
+    usage = UsageRecorder(backend)
+    reader = LineReader(backend, usage, ns.call_timeout)
+    started = reader.start()
+    if started is None:
+        print(f"gpufleet-agent record: NVML initialization has not returned after {ns.call_timeout:g} s "
+              "(a hung driver or GPU): nothing recorded", file=sys.stderr)
+        return 1
+    if not started:
         print(f"gpufleet-agent record: NVML is not available: {backend.init_error}", file=sys.stderr)
         return 1
     sysfs = ns.sysfs or getattr(backend.source, "sysfs_root", None) or "/sys"
@@ -229,7 +243,6 @@ def _record(ns: argparse.Namespace, backend: NvmlBackend, out: Path, stop: threa
 
     xid = XidCollector(backend, on_event=on_xid)
     xid.start()
-    usage = UsageRecorder(backend)
     try:
         devices = list(backend.devices)
         if not devices:
@@ -237,12 +250,8 @@ def _record(ns: argparse.Namespace, backend: NvmlBackend, out: Path, stop: threa
             return 1
         gpm = _Integrator(len(devices))
         read_t = time.time()
-        readings = [read_gpu(backend, d, pcie_always=True) for d in devices]
-        gpus = [_inventory(backend, d, r) for d, r in zip(devices, readings, strict=True)]
-        fabric = fabric_reader.FabricReader(backend, slow_interval=0.0)  # NVLink domain and rack (issue 21)
-        for g, d in zip(gpus, devices, strict=True):
-            g.platform = (fabric.read(d) or fabric_reader.FabricReading()).platform
-            g.mig_mode_current, g.mig_mode_pending = usage.mig_mode(d)
+        reads = reader.read(devices, first=True)
+        gpus = [_inventory(backend, d, g) for d, g in zip(devices, reads, strict=True)]
         assert backend.driver is not None
         driver = backend.driver
         info = DriverInfo(driver_version=driver.driver_version, nvml_version=driver.nvml_version,
@@ -262,13 +271,12 @@ def _record(ns: argparse.Namespace, backend: NvmlBackend, out: Path, stop: threa
             last_t = 0.0
             while True:
                 t = max(read_t, last_t + 1e-6)
-                samples = [_to_sample(d, r, gpm, t) for d, r in zip(devices, readings, strict=True)]
-                for d, r, sample in zip(devices, readings, samples, strict=True):
-                    fr = fabric.read(d) if r.sample is not None else None
-                    if fr is not None:
-                        fabric_reader.apply(fr, sample, r.nvlink_links)
-                    if r.sample is not None:
-                        sample.processes = usage.processes(d)
+                samples = [_to_sample(d, g.reading, gpm, t) for d, g in zip(devices, reads, strict=True)]
+                for g, sample in zip(reads, samples, strict=True):
+                    if g.fabric is not None:
+                        fabric_reader.apply(g.fabric, sample, g.reading.nvlink_links)
+                    if g.reading.sample is not None:
+                        sample.processes = g.processes
                 with lock:
                     xids, events[:] = list(events), []
                 if has_ib and refresh_host is not None:
@@ -284,10 +292,10 @@ def _record(ns: argparse.Namespace, backend: NvmlBackend, out: Path, stop: threa
                 if stop.wait(max(0.0, next_at - time.monotonic())):
                     break
                 read_t = time.time()
-                nxt = _read_all(backend, devices, stop)
+                nxt = _read_all(reader, devices, stop)
                 if nxt is None:
                     break
-                readings = nxt
+                reads = nxt
         log.info("wrote %d sample line(s) to %s", written, out)
         return 0
     finally:
@@ -295,16 +303,18 @@ def _record(ns: argparse.Namespace, backend: NvmlBackend, out: Path, stop: threa
         xid.close()
 
 
-def _read_all(backend: NvmlBackend, devices: list[Device], stop: threading.Event) -> list[Reading] | None:
-    """Read every GPU; while NVML is down, wait and retry (a trace never gets made-up lines)."""
-    while not backend.refresh():
-        log.warning("NVML not answering (%s); retrying", backend.init_error or "device count failed")
+def _read_all(reader: LineReader, devices: list[Device], stop: threading.Event) -> list[GpuRead] | None:
+    """Read every GPU, each bounded (a hung one is written as lost); while NVML is down or does not answer,
+    wait and retry (a trace never gets made-up lines)."""
+    backend = reader.backend
+    while not reader.refresh():
+        log.warning("NVML not answering (%s); retrying", backend.init_error or "device count failed or hung")
         if stop.wait(1.0):
             return None
     if [d.index for d in backend.devices] != [d.index for d in devices]:
         log.warning("the GPU set changed during recording; keeping the original %d GPU(s)", len(devices))
     current = {d.index: d for d in backend.devices}
-    return [read_gpu(backend, current.get(d.index, d), pcie_always=True) for d in devices]
+    return reader.read([current.get(d.index, d) for d in devices])
 
 
 def _install_signal_handlers(stop: threading.Event) -> Callable[[], None]:

@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol, TypeVar
 
 import pynvml
 
-from gpufleet.agent.nvml.lanes import Lanes
+from gpufleet.agent.nvml.lanes import Lanes, waits_on_lanes
 from gpufleet.agent.nvml.model import DeviceSource, GpuInventory
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,10 @@ T = TypeVar("T")
 
 #: Worker threads for NVML calls (one per GPU plus one for node-wide calls, up to this many).
 NVML_WORKERS = 16
+#: Seconds NVML's start, or a refresh that finds new GPUs, waits for their handles and identities, read in parallel
+#: on each GPU's own lane: a GPU that hangs there is left unopened (its lane held by the call, named as stalled)
+#: while the others are served, instead of holding up NVML's start for the whole node.
+OPEN_TIMEOUT = 5.0
 
 #: NVML return code -> short name ("GPU_IS_LOST"), for the ``error`` label.
 ERROR_NAMES: dict[int, str] = {
@@ -136,6 +142,7 @@ class NvmlBackend:
         self.error_total = 0
         #: Where callers run NVML calls that may hang: one lane per GPU label, lanes.NODE for the rest.
         self.lanes = Lanes("gpufleet-nvml", NVML_WORKERS)
+        self.open_timeout = OPEN_TIMEOUT
 
     @property
     def fake(self) -> FakeLibrary | None:
@@ -193,9 +200,7 @@ class NvmlBackend:
             if count != len(self.devices):
                 log.warning("GPU count changed from %d to %d: re-enumerating", len(self.devices), count)
                 self._enumerate(count)
-            for dev in self.devices:
-                if dev.handle is None:
-                    self._open(dev)
+            self._open_all([dev for dev in self.devices if dev.handle is None])
             return True
 
     def close(self, timeout: float = 2.0) -> None:
@@ -385,16 +390,30 @@ class NvmlBackend:
         except GpuLost:
             dev.lost = True
 
+    @waits_on_lanes
+    def _open_all(self, devices: list[Device]) -> None:
+        """Open and identify ``devices`` in parallel, each on its own lane, waiting at most ``open_timeout``
+        seconds in all: a GPU whose lane is still busy (a call from before that has not returned) is skipped,
+        one that misses the bound is left unopened, named once in the log (see OPEN_TIMEOUT)."""
+        if not devices:
+            return
+        deadline = time.monotonic() + self.open_timeout
+        jobs = [(dev, self.lanes.submit(dev.label, "open", partial(self._open, dev))) for dev in devices]
+        for dev, job in jobs:
+            if job is None:
+                continue
+            if not job.wait(deadline):
+                log.error("GPU %s: NVML has not answered its identification after %g s: serving the other GPUs; "
+                          "it is opened once its calls return", dev.label, self.open_timeout)
+            elif job.error is not None:
+                log.error("GPU %s: identification failed: %s: %s", dev.label, type(job.error).__name__, job.error)
+
     def _enumerate(self, count: int | None = None) -> None:
         if count is None:
             count = pynvml.nvmlDeviceGetCount()
         old = {d.index: d for d in self.devices}
-        devices: list[Device] = []
-        for i in range(count):
-            dev = old.pop(i, None) or Device(index=i)
-            if dev.handle is None:
-                self._open(dev)
-            devices.append(dev)
+        devices = [old.pop(i) if i in old else Device(index=i) for i in range(count)]
+        self._open_all([dev for dev in devices if dev.handle is None])
         for dev in old.values():
             closer = getattr(dev.reader_state, "close", None)
             if callable(closer):

@@ -347,6 +347,20 @@ def staggered(start: float, end: float, n: int, share: float = 0.3, cap: float =
     return [end - (n - 1 - i) * slice_ for i in range(n)]
 
 
+#: Code of the functions that only wait on other lanes' jobs (:func:`waits_on_lanes`).
+_WAITING: set[Any] = set()
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def waits_on_lanes(fn: F) -> F:
+    """Mark ``fn`` as one that only waits for other keys' jobs (NVML's start waiting for each GPU's open): a
+    job stalled in it is named by what it was submitted as, not by where it waits (the keys it waits for are
+    listed as stalled themselves once it gives up on them)."""
+    _WAITING.add(fn.__code__)
+    return fn
+
+
 def _innermost_call(frame: FrameType | None, prefix: str) -> str:
     """The NVML function ``frame``'s stack is in: the pynvml wrapper (named after the C entry point,
     nvmlDeviceGetPowerUsage), else the entry point a Python stand-in of the library is running (the
@@ -354,6 +368,8 @@ def _innermost_call(frame: FrameType | None, prefix: str) -> str:
     entry = ours = ""
     depth = 0
     while frame is not None and depth < _MAX_FRAMES:
+        if frame.f_code in _WAITING:
+            return ""
         name = frame.f_code.co_name
         module = str(frame.f_globals.get("__name__", ""))
         if module == "pynvml" and name.startswith(prefix):

@@ -275,6 +275,35 @@ def test_one_hung_gpu_health_and_close() -> None:
         assert time.monotonic() - t0 < 6
 
 
+def test_a_gpu_hung_before_the_agent_starts_does_not_hold_up_the_others() -> None:
+    """Every call of GPU 2 hangs from the start (a GPU wedged before the agent (re)started): NVML comes up
+    with the other GPUs after the backend's open bound, GPU 2 is named stalled, and it is opened once its
+    calls return."""
+    agent = _agent("sim:4,hang=*@2", timeout=0.6)
+    agent.backend.open_timeout = 0.5
+    try:
+        agent.start(wait=3.0)
+        assert agent.backend.up, "NVML is up without GPU 2"
+        got = parse(agent.text().decode())
+        assert got[("gpufleet_nvml_up", frozenset())] == 1
+        assert {dict(k)["gpu"] for n, k in got if n == "gpufleet_gpu_up"} == {"0", "1", "3"}
+        stalled = {dict(k)["gpu"]: dict(k)["call"] for n, k in got if n == "gpufleet_nvml_call_stalled_seconds"}
+        assert stalled == {"2": "nvmlDeviceGetHandleByIndex"}, stalled
+        assert "gpu 2: nvmlDeviceGetHandleByIndex blocked" in agent.health()
+        fake = agent.backend.fake
+        assert isinstance(fake, FakeNvml)
+        fake.clear_stalls()
+        end = time.monotonic() + 5
+        gpus: set[str] = set()
+        while time.monotonic() < end and gpus != {"0", "1", "2", "3"}:
+            got = parse(agent.text().decode())
+            gpus = {dict(k)["gpu"] for n, k in got if n == "gpufleet_gpu_up"}
+            time.sleep(0.05)
+        assert gpus == {"0", "1", "2", "3"}, "GPU 2 is served once its calls return"
+    finally:
+        agent.close()
+
+
 def _get(path: str, **headers: str) -> Request:
     return Request("GET", path, path, "HTTP/1.1", {k.lower().replace("_", "-"): v for k, v in headers.items()}, True)
 

@@ -20,7 +20,7 @@ from gpufleet.agent.collectors.gpu import GpuCollector
 from gpufleet.agent.fake.library import FakeNvml
 from gpufleet.agent.fake.spec import fake_backend
 from gpufleet.agent.fake.trace_source import TraceSource
-from gpufleet.agent.nvml.backend import NvmlBackend
+from gpufleet.agent.nvml.backend import OPEN_TIMEOUT, NvmlBackend
 from gpufleet.agent.nvml.model import GpuSample, XidEvent
 from gpufleet.agent.nvml.trace import read_trace
 from gpufleet.agent.recorder import build_parser, read_ib_files, record_main
@@ -226,6 +226,55 @@ def test_nvml_unavailable_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[
         assert record_main(["--output", str(tmp_path / "x.jsonl"), "--samples", "1"]) == 1
     assert "DRIVER_NOT_LOADED" in capsys.readouterr().err
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_hung_nvml_init_ends_the_recording_within_its_bound(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    t0 = time.monotonic()
+    assert record_main(["--output", str(tmp_path / "x.jsonl"), "--samples", "1", "--call-timeout", "0.5",
+                        "--nvml.fake=sim:2,hang=nvmlInit", f"--path.sysfs={tmp_path}"]) == 1
+    assert time.monotonic() - t0 < 5
+    # (other tests' lingering threads may log into the captured stream too: the recorder's own line is one)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gpufleet-agent record:")]
+    assert err == ["gpufleet-agent record: NVML initialization has not returned after 0.5 s (a hung driver or GPU): "
+                   "nothing recorded"]
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+# one call of GPU 2 hangs / every call of GPU 2 hangs (its identification at NVML's start too: the backend
+# waits backend.OPEN_TIMEOUT for it, then starts with the other GPUs)
+@pytest.mark.parametrize(("hang", "bound"), [("nvmlDeviceGetPowerUsage@2", 0.3),
+                                             pytest.param("*@2", OPEN_TIMEOUT + 1, marks=pytest.mark.slow)])
+def test_one_hung_gpu_is_recorded_as_lost_and_the_others_go_on(tmp_path: Path, hang: str, bound: float) -> None:
+    out = tmp_path / "hung.jsonl"
+    t0 = time.monotonic()
+    assert record_main(["--output", str(out), "--samples", "3", "--interval", "0.1", "--call-timeout", str(bound),
+                        f"--nvml.fake=sim:4,hang={hang}", f"--path.sysfs={tmp_path}"]) == 0
+    # the first line waits for the hung GPU once; while its call hangs, its lane is busy and is not waited on
+    assert time.monotonic() - t0 < bound + 6
+    trace = read_trace(out)
+    assert len(trace.records) == 3
+    for rec in trace.records:
+        assert [s.lost for s in rec.samples] == [False, False, True, False]
+        assert all(s.power_mw for s in rec.samples if not s.lost)
+    backend = fake_backend(f"trace:{out}@2")
+    try:
+        assert backend.start()
+        got = scrape(GpuCollector(backend))
+        assert value(got, "gpufleet_gpu_up", gpu="2") == 0 and value(got, "gpufleet_gpu_up", gpu="3") == 1
+    finally:
+        backend.close()
+
+
+def test_a_gpu_whose_reads_come_back_is_recorded_again(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    out = tmp_path / "back.jsonl"
+    # GPU 1's power read hangs once for 0.8 s: the lines read meanwhile have it lost, the later ones do not
+    assert record_main(["--output", str(out), "--samples", "6", "--interval", "0.3", "--call-timeout", "0.2",
+                        "--nvml.fake=sim:2,hang=nvmlDeviceGetPowerUsage@1:0.8", f"--path.sysfs={tmp_path}"]) == 0
+    lost = [rec.samples[1].lost for rec in read_trace(out).records]
+    assert lost[0] and not lost[-1], lost
+    assert all(not rec.samples[0].lost for rec in read_trace(out).records)
+    text = caplog.text
+    assert "GPU 1's NVML reads have not returned after 0.2 s" in text and "GPU 1 answers again" in text
 
 
 def test_duration_bounds_the_recording(tmp_path: Path) -> None:
