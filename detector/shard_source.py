@@ -23,9 +23,8 @@ series; its whole-recording precomputation stays valid), unless ``local=False`` 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
@@ -33,19 +32,18 @@ from gpufleet.detector import jobs, shard
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.features import NodeNaming, collect
 from gpufleet.detector.profiles import DCGM_FABRIC, FABRIC, Query
+from gpufleet.detector.shard_map import (
+    MAX_SELECTOR_BYTES,
+    MAX_SELECTOR_VALUES,
+    REFRESH_EVERY,
+    MapCache,
+    Plan,
+    node_regexes,
+)
 from gpufleet.detector.source import Result, Source, SourceError
 
-#: Characters RE2 (Prometheus, Thanos, Mimir) and VictoriaMetrics treat as special in a regular expression.
-_SPECIAL = re.compile(r"([\\.+*?()|\[\]{}^$])")
 _FABRIC = frozenset(FABRIC + DCGM_FABRIC)
-#: The longest node regular expression sent in one query (bytes); a shard's nodes are split into batches. Below
-#: VictoriaMetrics' default -search.maxQueryLen (16 KB) with the rest of the query; Prometheus, Thanos and Mimir
-#: take the query as a POST form without such a limit.
-MAX_SELECTOR_BYTES = 12000
-#: The most values in one node expression: Prometheus looks up an alternation of at most 256 literals as a set
-#: (``maxSetMatches`` in its regexp matcher); a longer one is run as a regular expression against every value.
-MAX_SELECTOR_VALUES = 256
-
+__all__ = ["MAX_SELECTOR_BYTES", "MAX_SELECTOR_VALUES", "REFRESH_EVERY", "Plan", "ShardSource", "node_regexes", "unwrap", "view"]
 
 def scope(q: Query) -> str:
     """``"site"`` (shard 0 only), ``"fleet"`` (every shard, unrestricted) or ``"nodes"`` (the shard's nodes)."""
@@ -72,36 +70,6 @@ def other_metrics(queries: Iterable[Query]) -> list[str]:
     return sorted({q.metric for q in queries if scope(q) == "nodes" and q.entity != "gpu"})
 
 
-def node_regexes(values: Iterable[str], max_bytes: int = MAX_SELECTOR_BYTES,
-                 max_values: int = MAX_SELECTOR_VALUES) -> list[str]:
-    """Regular expressions (fully anchored, as PromQL's ``=~``) matching exactly the node label ``values``, each
-    at most ``max_bytes`` long and of ``max_values`` values: alternations of literals, which Prometheus (and
-    VictoriaMetrics) match by a set lookup of the label's values rather than by running the expression on each."""
-    out: list[str] = []
-    batch: list[str] = []
-    size = 0
-    for v in sorted(set(values)):
-        quoted = _SPECIAL.sub(r"\\\1", v)
-        if batch and (size + len(quoted) + 1 > max_bytes or len(batch) >= max_values):
-            out.append("|".join(batch))
-            batch, size = [], 0
-        batch.append(quoted)
-        size += len(quoted) + 1
-    if batch:
-        out.append("|".join(batch))
-    return out
-
-
-@dataclass
-class Plan:
-    """One evaluation's share: the nodes this shard reads, and per node of the fleet the shards that read it."""
-
-    nodes: list[str]
-    readers: dict[str, set[int]]
-    #: The node label's values (each exporter's ``instance``) of ``nodes``, as batched regular expressions.
-    selectors: list[str]
-
-
 class _Fixed:
     """The job map's answers, served to :func:`collect` as a source."""
 
@@ -120,7 +88,7 @@ class ShardSource:
     """``inner`` as shard ``shard`` sees it (see the module's docstring)."""
 
     def __init__(self, inner: Source, shard_: shard.Shard, cfg: DetectorConfig, *, local: bool | None = None,
-                 max_selector_bytes: int = MAX_SELECTOR_BYTES) -> None:
+                 max_selector_bytes: int = MAX_SELECTOR_BYTES, refresh_every: int = REFRESH_EVERY) -> None:
         self.inner = inner
         self.shard = shard_
         self.cfg = cfg
@@ -128,6 +96,7 @@ class ShardSource:
         self.local = local if local is not None else not callable(getattr(inner, "series", None))
         self.max_selector_bytes = max_selector_bytes
         self.plan: Plan | None = None
+        self.cache = MapCache(refresh_every)
         #: Requests sent to the backend, all evaluations together (job map included).
         self.requests = 0
 
@@ -148,7 +117,7 @@ class ShardSource:
     def query_all(self, queries: Sequence[Query], t: float, window: float,
                   done: Callable[[], None] | None = None) -> list[Result | SourceError]:
         present = self._present(t, window)
-        plan = self.plan = self.make_plan(queries, t, window, present)
+        plan = self.plan = self.current_plan(queries, t, window, present)
         sent: list[Query] = []
         parts: list[list[int]] = []  # per query of ``queries``: its positions in ``sent`` (none: answered empty)
         for q in queries:
@@ -190,6 +159,13 @@ class ShardSource:
         self.requests += 1
         got = names(t - window, t)
         return got if isinstance(got, set) else None
+
+    def current_plan(self, queries: Sequence[Query], t: float, window: float, present: set[str] | None) -> Plan:
+        """This evaluation's plan: from the job map kept between evaluations (:class:`MapCache`) where the backend
+        answers the label values API, else the full job map."""
+        if self.local or present is None or not callable(getattr(self.inner, "label_values", None)):
+            return self.make_plan(queries, t, window, present)
+        return self.cache.plan(self, queries, t, window, present)
 
     def make_plan(self, queries: Sequence[Query], t: float, window: float,
                   present: set[str] | None = None) -> Plan:
@@ -241,7 +217,7 @@ class ShardSource:
                 readers.setdefault(at, {0})  # a node without GPUs (NICs, a host): shard 0
         nodes = sorted(n for n, r in readers.items() if self.shard.index in r)
         mine = [v for n in nodes for v in values.get(n, ())]
-        return Plan(nodes, readers, node_regexes(mine, self.max_selector_bytes))
+        return Plan(nodes, readers, node_regexes(mine, self.max_selector_bytes), sorted(set(mine)))
 
     def _other_values(self, queries: Sequence[Query], metrics: list[str], t: float, window: float) -> set[str]:
         """The node label values of the series of ``metrics`` over the window (one label values lookup)."""

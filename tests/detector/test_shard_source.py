@@ -68,8 +68,20 @@ class Counting:
         return Result(res.table, res.ids, res.values * 0 + 1)
 
     def label_values(self, label: str, match: list[str], start: float, end: float) -> set[str]:
+        """As the label values API answers: over the series of the ``match`` selectors, all series when none."""
         self.metadata += 1
-        return {v for name in match for s in self.inner.series.get(name, []) if (v := s.labels.get(label)) is not None}
+        if not match:
+            return {v for ss in self.inner.series.values() for s in ss if (v := s.labels.get(label)) is not None}
+        out: set[str] = set()
+        for sel in match:
+            m = _SELECTOR.fullmatch(sel)
+            assert m is not None, sel
+            matchers = _MATCHER.findall(m.group(2) or "")
+            for s in self.inner.series.get(m.group(1), []):
+                if all(re.fullmatch(v, s.labels.get(k, "")) if op == "=~" else s.labels.get(k, "") == v
+                       for k, op, v in matchers) and (got := s.labels.get(label)) is not None:
+                    out.add(got)
+        return out
 
 
 def _key(f: Finding) -> tuple[object, ...]:
