@@ -6,15 +6,16 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 from test_detector_core import T0, Fault, Synth, fast_cfg, synth
 
-from gpufleet.detector import shard, shard_source
+from gpufleet.detector import shard, shard_map, shard_source
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.findings import Finding
 from gpufleet.detector.profiles import Query, queries
-from gpufleet.detector.source import Result, SourceError
+from gpufleet.detector.source import Result, SeriesTable, SourceError
 from gpufleet.detector.source_recording import RecordingSource
 
 TIMES = [T0 + 607.5 + 60.0 * i for i in range(8)]
@@ -251,3 +252,101 @@ def test_fleet_parts_are_read_by_every_shard_unrestricted() -> None:
     assert {shard_source.scope(q) for q in queries("gpufleet") if q.metric.startswith("kube_")} == {"fleet"}
     assert shard.owns_finding(shard.Shard(shard.bucket("node:rack A1", 4), 4), "nvlink_domain", "rack A1", None, {})
     assert sum(shard.owns_finding(shard.Shard(i, 4), "tray_health", "node-3", None, {}) for i in range(4)) == 1
+
+
+class Fleet:
+    """A backend whose GPUs' jobs change between evaluations: each GPU's sample series, its job series where it has a
+    job, and NIC series per node; the series and label values APIs answer from the current state."""
+
+    def __init__(self, jobs: dict[tuple[int, int], str | None]) -> None:
+        self.jobs = jobs
+        self.query_errors = 0
+        self.table = SeriesTable()
+
+    def _series(self) -> dict[str, list[dict[str, str]]]:
+        out: dict[str, list[dict[str, str]]] = {"gpufleet_gpu_utilization_ratio": [], "gpufleet_gpu_job_info": [],
+                                                "gpufleet_ib_port_rate_bytes_per_second": []}
+        for (n, g), job in sorted(self.jobs.items()):
+            lb = {"instance": f"node-{n}:9445", "gpu": str(g)}
+            out["gpufleet_gpu_utilization_ratio"].append(lb)
+            out["gpufleet_ib_port_rate_bytes_per_second"].append({"instance": f"node-{n}:9445", "device": f"mlx5_{g}"})
+            if job:
+                out["gpufleet_gpu_job_info"].append({**lb, "job_id": job})
+        return out
+
+    def _match(self, sel: str) -> list[dict[str, str]]:
+        m = _SELECTOR.fullmatch(sel)
+        assert m is not None, sel
+        matchers = _MATCHER.findall(m.group(2) or "")
+        return [s for s in self._series().get(m.group(1), [])
+                if all(re.fullmatch(v, s.get(k, "")) if op == "=~" else s.get(k, "") == v for k, op, v in matchers)]
+
+    def metric_names(self, start: float, end: float) -> set[str]:
+        return {k for k, v in self._series().items() if v}
+
+    def label_values(self, label: str, match: list[str], start: float, end: float) -> set[str]:
+        series = [s for ss in self._series().values() for s in ss] if not match else [
+            s for sel in match for s in self._match(sel)]
+        return {v for s in series if (v := s.get(label)) is not None}
+
+    def series(self, selector: str, start: float, end: float) -> Result:
+        got = self._match(selector)
+        return Result(self.table, np.array([self.table.intern(s) for s in got], dtype=np.int64), np.ones(len(got)))
+
+    def query(self, q: Query, t: float, window: float) -> Result:
+        return self.series(shard_map.selector(q), t - window, t)
+
+
+def _needed(jobs: dict[tuple[int, int], str | None], i: int, n: int) -> set[str]:
+    """The nodes shard i/n must read: those with a GPU whose job it owns (or, shard 0, a GPU without a job)."""
+    return {f"node-{nd}" for (nd, _), job in jobs.items() if shard.owner(shard.gpu_key(job, ""), n) == i}
+
+
+def test_a_kept_job_map_follows_jobs_that_start_end_and_move_at_the_next_evaluation() -> None:
+    n = 4
+    jobs: dict[tuple[int, int], str | None] = {(nd, g): f"job-{nd % 6}" if nd < 12 else None
+                                               for nd in range(16) for g in range(4)}
+    fleet = Fleet(jobs)
+    qs = queries("gpufleet")
+    views = [shard_source.ShardSource(fleet, shard.Shard(i, n), fast_cfg(detector__shard=f"{i}/{n}"), local=False)
+             for i in range(n)]
+    owner = {f"job-{k}": shard.owner(f"job:job-{k}", n) for k in range(20)}
+    moved = next(j for j, o in owner.items() if o != 0 and j in set(jobs.values()))
+    new = next(j for j, o in owner.items() if o != 0 and j not in set(jobs.values()))
+
+    def check(step: str) -> None:
+        for i, v in enumerate(views):
+            plan = v.current_plan(qs, T0, 120.0, fleet.metric_names(0, 0))
+            need = _needed(jobs, i, n)
+            assert need <= set(plan.nodes), (step, i, sorted(need - set(plan.nodes)))
+            for node in need:  # every series of the node is selected (the exporter's instance)
+                assert any(re.fullmatch(rx, f"{node}:9445") for rx in plan.selectors), (step, i, node)
+
+    check("start")
+    full = [v.cache.full_maps for v in views]
+    check("unchanged")
+    assert [v.cache.full_maps for v in views] == full  # nothing changed: no full map was read again
+    # a job moves to idle nodes (its id stays): its shard reads the new nodes, shard 0 the nodes it left
+    for (nd, g), job in list(jobs.items()):
+        if job == moved:
+            jobs[(nd, g)] = None
+            jobs[(nd + 12 if nd + 12 < 16 else nd, g)] = moved
+    check("moved")
+    # a job grows onto GPUs of a node that runs another job (no new node, no new job id)
+    spare = next(k for k, j in jobs.items() if j is not None and j != moved and owner[j] != owner[moved])
+    jobs[spare] = moved
+    check("grown")
+    # a new job starts on jobless GPUs; then a job ends (its GPUs jobless: shard 0 reads them)
+    for k in [k for k, j in jobs.items() if j is None][:4]:
+        jobs[k] = new
+    check("new")
+    ended = next(j for j in set(jobs.values()) if j and j not in (moved, new))
+    for k, j in list(jobs.items()):
+        if j == ended:
+            jobs[k] = None
+    check("ended")
+    for v in views:  # and at the latest every refresh_every evaluations, the full map again
+        v.cache.age = v.cache.refresh_every
+    before = [v.cache.full_maps for v in views]
+    check("refresh")
+    assert [v.cache.full_maps for v in views] == [b + 1 for b in before]
