@@ -52,6 +52,11 @@ MAX_SELECTOR_BYTES = 12000
 MAX_SELECTOR_VALUES = 256
 
 
+def quote(value: str) -> str:
+    """``value`` as a literal in a PromQL regular expression (RE2 and VictoriaMetrics alike)."""
+    return _SPECIAL.sub(r"\\\1", value)
+
+
 def node_regexes(values: Iterable[str], max_bytes: int = MAX_SELECTOR_BYTES,
                  max_values: int = MAX_SELECTOR_VALUES) -> list[str]:
     """Regular expressions (fully anchored, as PromQL's ``=~``) matching exactly the node label ``values``, each
@@ -61,7 +66,7 @@ def node_regexes(values: Iterable[str], max_bytes: int = MAX_SELECTOR_BYTES,
     batch: list[str] = []
     size = 0
     for v in sorted(set(values)):
-        quoted = _SPECIAL.sub(r"\\\1", v)
+        quoted = quote(v)
         if batch and (size + len(quoted) + 1 > max_bytes or len(batch) >= max_values):
             out.append("|".join(batch))
             batch, size = [], 0
@@ -170,4 +175,4 @@ class MapCache:
         nodes = sorted(n for n, r in readers.items() if me in r)
         wanted = set(nodes)
         mine = sorted({*self.base.values, *(v for v in values if src.naming.node({label: v}) in wanted)})
-        return Plan(nodes, readers, node_regexes(mine, src.max_selector_bytes), mine)
+        return Plan(nodes, readers, node_regexes(mine, src.max_selector_bytes, src.max_selector_values), mine)

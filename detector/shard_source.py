@@ -28,7 +28,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from gpufleet.detector import jobs, shard
+from gpufleet.detector import jobs, shard, shard_fold
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.features import NodeNaming, collect
 from gpufleet.detector.profiles import DCGM_FABRIC, FABRIC, Query
@@ -88,13 +88,15 @@ class ShardSource:
     """``inner`` as shard ``shard`` sees it (see the module's docstring)."""
 
     def __init__(self, inner: Source, shard_: shard.Shard, cfg: DetectorConfig, *, local: bool | None = None,
-                 max_selector_bytes: int = MAX_SELECTOR_BYTES, refresh_every: int = REFRESH_EVERY) -> None:
+                 max_selector_bytes: int = MAX_SELECTOR_BYTES, max_selector_values: int = MAX_SELECTOR_VALUES,
+                 refresh_every: int = REFRESH_EVERY) -> None:
         self.inner = inner
         self.shard = shard_
         self.cfg = cfg
         self.naming = NodeNaming(cfg.node_label, cfg.strip_port)
         self.local = local if local is not None else not callable(getattr(inner, "series", None))
         self.max_selector_bytes = max_selector_bytes
+        self.max_selector_values = max_selector_values
         self.plan: Plan | None = None
         self.cache = MapCache(refresh_every)
         #: Requests sent to the backend, all evaluations together (job map included).
@@ -118,22 +120,34 @@ class ShardSource:
                   done: Callable[[], None] | None = None) -> list[Result | SourceError]:
         present = self._present(t, window)
         plan = self.plan = self.current_plan(queries, t, window, present)
+        folded, into = shard_fold.fold([q for q in queries if scope(q) == "nodes"]) if not self.local else ([], [])
+        node_i = 0
+        first: dict[int, list[int]] = {}  # folded query -> its positions in ``sent`` (one per node batch)
         sent: list[Query] = []
         parts: list[list[int]] = []  # per query of ``queries``: its positions in ``sent`` (none: answered empty)
+        via: list[Query | None] = []  # per query of ``queries``: the folded query that answers it, if any
         for q in queries:
             where = scope(q)
+            f: Query | None = None
+            if where == "nodes" and not self.local:
+                f = folded[into[node_i]]
+                node_i += 1
+            via.append(f)
             if (where == "site" and self.shard.index != 0) or (present is not None and q.metric not in present):
                 parts.append([])
-            elif where == "nodes" and not self.local:
-                parts.append(list(range(len(sent), len(sent) + len(plan.selectors))))
-                sent += [replace(q, matchers=(*q.matchers, (self.cfg.node_label, "=~", rx))) for rx in plan.selectors]
+            elif f is not None:
+                k = id(f)
+                if k not in first:
+                    first[k] = list(range(len(sent), len(sent) + len(plan.selectors)))
+                    sent += [replace(f, matchers=(*f.matchers, (self.cfg.node_label, "=~", rx))) for rx in plan.selectors]
+                parts.append(first[k])
             else:
                 parts.append([len(sent)])
                 sent.append(q)
         answers = self._run(sent, t, window, done)
         mine = set(plan.nodes)
         out: list[Result | SourceError] = []
-        for q, pos in zip(queries, parts, strict=True):
+        for q, pos, f in zip(queries, parts, via, strict=True):
             got = [answers[i] for i in pos]
             err = next((g for g in got if isinstance(g, SourceError)), None)
             if err is not None:
@@ -145,6 +159,8 @@ class ShardSource:
                 continue
             res = results[0] if len(results) == 1 else Result(
                 results[0].table, np.concatenate([r.ids for r in results]), np.concatenate([r.values for r in results]))
+            if f is not None:
+                res = shard_fold.split(q, f, res)
             if self.local and scope(q) == "nodes":
                 res = self._only(res, mine)
             out.append(res)
@@ -217,7 +233,7 @@ class ShardSource:
                 readers.setdefault(at, {0})  # a node without GPUs (NICs, a host): shard 0
         nodes = sorted(n for n, r in readers.items() if self.shard.index in r)
         mine = [v for n in nodes for v in values.get(n, ())]
-        return Plan(nodes, readers, node_regexes(mine, self.max_selector_bytes), sorted(set(mine)))
+        return Plan(nodes, readers, node_regexes(mine, self.max_selector_bytes, self.max_selector_values), sorted(set(mine)))
 
     def _other_values(self, queries: Sequence[Query], metrics: list[str], t: float, window: float) -> set[str]:
         """The node label values of the series of ``metrics`` over the window (one label values lookup)."""

@@ -350,3 +350,25 @@ def test_a_kept_job_map_follows_jobs_that_start_end_and_move_at_the_next_evaluat
     before = [v.cache.full_maps for v in views]
     check("refresh")
     assert [v.cache.full_maps for v in views] == [b + 1 for b in before]
+
+
+def test_folded_queries_answer_each_query_exactly_what_it_alone_answers(source: RecordingSource) -> None:
+    from gpufleet.detector import shard_fold
+
+    qs = [q for q in queries("gpufleet") if shard_source.scope(q) == "nodes"]
+    sent, into = shard_fold.fold(qs)
+    assert len(sent) < len(qs) - 10  # clock reasons, clocks, sensors, NIC errors: one query each
+    thr = [q for q in qs if q.metric == "gpufleet_gpu_clock_event_active" and q.op == "avg"]
+    assert len({into[qs.index(q)] for q in thr}) == 1 and len(thr) == 4
+    assert sent[into[qs.index(thr[0])]].matchers == (
+        ("reason", "=~", "(?:sw_thermal_slowdown|hw_thermal_slowdown)|sw_power_cap|hw_power_brake_slowdown|hw_slowdown"),)
+    t = TIMES[-1]
+    for q, k in zip(qs, into, strict=True):
+        alone = source.query(q, t, 120.0)
+        got = shard_fold.split(q, sent[k], source.query(sent[k], t, 120.0))
+        pairs = sorted(zip(got.ids.tolist(), got.values.tolist(), strict=True))
+        assert pairs == sorted(zip(alone.ids.tolist(), alone.values.tolist(), strict=True)), q
+    # a value with regex specials is matched literally; a missing label is the empty string
+    odd = [Query("a", "m", "avg", matchers=(("k", "=", "x.y"),)), Query("b", "m", "avg", matchers=(("k", "=", ""),))]
+    sent, into = shard_fold.fold(odd)
+    assert len(sent) == 1 and sent[0].matchers == (("k", "=~", "x\\.y|"),)
