@@ -155,6 +155,19 @@ def test_node_regexes_are_batched_literal_alternations() -> None:
     assert shard_source.node_regexes([]) == []
 
 
+def test_a_shards_nodes_go_out_in_few_batches() -> None:
+    # each request costs the backend about 1.3 ms whatever it selects (Prometheus 2.42, 10,000 GPUs): a shard of
+    # N = 2 or 4 at 10,000 GPUs (625 or 313 nodes, one instance each) sends each query once, not once per 256 nodes
+    half = [f"node-{i:04d}:9445" for i in range(0, 1250, 2)]
+    assert len(shard_source.node_regexes(half)) == 1
+    assert len(shard_source.node_regexes(half, max_values=256)) == 3
+    many = [f"node-{i:05d}.cluster.example:9100" for i in range(5000)]
+    rxs = shard_source.node_regexes(many)
+    assert all(len(r) <= shard_source.MAX_SELECTOR_BYTES and r.count("|") < shard_source.MAX_SELECTOR_VALUES
+               for r in rxs)
+    assert sorted(v for r in rxs for v in r.replace("\\", "").split("|")) == sorted(many)
+
+
 def test_unsharded_detector_reads_the_source_itself(source: RecordingSource) -> None:
     assert shard_source.view(source, fast_cfg()) is source
     assert shard_source.view(source, fast_cfg(detector__shard="0/1")) is source
