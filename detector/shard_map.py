@@ -163,7 +163,7 @@ class MapCache:
             return src.make_plan(queries, t, window, present)
         key = (frozenset(present), frozenset(values), tuple(keys), frozenset(job_nodes))
         if self.base is None or key != self.key or self.age >= self.refresh_every:
-            self.base, self.key, self.age = src.make_plan(queries, t, window, present), key, 0
+            self.base, self.key, self.age = src.make_plan(queries, t, window, present, others=me == 0), key, 0
             self.full_maps += 1
         self.age += 1
         readers = {n: set(r) for n, r in self.base.readers.items()}

@@ -184,11 +184,13 @@ class ShardSource:
         return self.cache.plan(self, queries, t, window, present)
 
     def make_plan(self, queries: Sequence[Query], t: float, window: float,
-                  present: set[str] | None = None) -> Plan:
+                  present: set[str] | None = None, others: bool = True) -> Plan:
         """Read the job map at ``t`` and decide which nodes this shard reads (``present``: the metric names the
-        backend holds; the job map skips the others)."""
+        backend holds; the job map skips the others). ``others=False`` skips the node label values of the other
+        per-node metrics (the nodes without GPUs, shard 0's; :class:`MapCache` finds every exporter of the shard's
+        nodes in the node label's values)."""
         mq = [q for q in map_queries(queries) if present is None or q.metric in present]
-        others = [m for m in other_metrics(queries) if present is None or m in present]
+        other = [m for m in other_metrics(queries) if present is None or m in present]
         answers: dict[Query, Result | SourceError] = {}
         series = getattr(self.inner, "series", None)
         for q in mq:
@@ -226,7 +228,7 @@ class ShardSource:
                     v, at = labels[i].get(label), self.naming.node(labels[i])
                     if v is not None and at is not None:
                         values.setdefault(at, set()).add(v)
-        for v in self._other_values(queries, others, t, window):
+        for v in self._other_values(queries, other if others else [], t, window):
             at = self.naming.node({label: v})
             if at is not None:
                 values.setdefault(at, set()).add(v)
