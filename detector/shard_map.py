@@ -161,12 +161,8 @@ class MapCache:
             self.base = None
             self.full_maps += 1
             return src.make_plan(queries, t, window, present)
-        key = (frozenset(present), frozenset(values), tuple(keys), frozenset(job_nodes))
-        if self.base is None or key != self.key or self.age >= self.refresh_every:
-            self.base, self.key, self.age = src.make_plan(queries, t, window, present, others=me == 0), key, 0
-            self.full_maps += 1
-        self.age += 1
-        readers = {n: set(r) for n, r in self.base.readers.items()}
+        # where this shard's jobs run now (exact for the labels that name the job itself)
+        fresh: set[str] = set()
         named = job_labels(src.cfg.profile)
         for lb, vals in keys:
             if lb not in named:
@@ -174,10 +170,21 @@ class MapCache:
             mine = [v for v in vals if v and shard.owner(shard.gpu_key(v, ""), count) == me]
             for rx in node_regexes(mine):
                 at = ask(label, [selector(q, ((lb, "=~", rx),)) for q in jq])
-                for v in at or ():
-                    node = src.naming.node({label: v})
-                    if node is not None:
-                        readers.setdefault(node, set()).add(me)
+                if at is None:  # not answered this time: the full map, as without the label values API
+                    self.base = None
+                    self.full_maps += 1
+                    return src.make_plan(queries, t, window, present)
+                fresh |= at
+        key = (frozenset(present), frozenset(values), tuple(keys), frozenset(job_nodes))
+        if self.base is None or key != self.key or self.age >= self.refresh_every:
+            self.base, self.key, self.age = src.make_plan(queries, t, window, present, others=me == 0), key, 0
+            self.full_maps += 1
+        self.age += 1
+        readers = {n: set(r) for n, r in self.base.readers.items()}
+        for v in fresh:
+            node = src.naming.node({label: v})
+            if node is not None:
+                readers.setdefault(node, set()).add(me)
         nodes = sorted(n for n, r in readers.items() if me in r)
         wanted = set(nodes)
         mine = sorted({*self.base.values, *(v for v in values if src.naming.node({label: v}) in wanted)})
