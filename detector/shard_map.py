@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from gpufleet.agent.vocab import exporters
 from gpufleet.detector import shard
-from gpufleet.detector.profiles import JOB_LABELS, Query
+from gpufleet.detector.profiles import JOB_LABELS, Query, promql_string
 
 if TYPE_CHECKING:
     from gpufleet.detector.shard_source import ShardSource
@@ -101,7 +101,7 @@ class LabelValues(Protocol):
 
 def selector(q: Query, extra: tuple[tuple[str, str, str], ...] = ()) -> str:
     """``q``'s series selector (``metric{label="value",...}``), with ``extra`` matchers."""
-    sel = ",".join(f'{k}{op}"{v}"' for k, op, v in (*q.matchers, *extra))
+    sel = ",".join(f"{k}{op}{promql_string(v)}" for k, op, v in (*q.matchers, *extra))
     return f"{q.metric}{{{sel}}}" if sel else q.metric
 
 

@@ -39,6 +39,7 @@ from gpufleet.detector.shard_map import (
     MapCache,
     Plan,
     node_regexes,
+    selector,
 )
 from gpufleet.detector.source import Result, Source, SourceError
 
@@ -197,9 +198,8 @@ class ShardSource:
             self.requests += 1
             got: Result | SourceError | None = None
             if callable(series) and not self.local:
-                sel = ",".join(f'{k}{op}"{v}"' for k, op, v in q.matchers)
                 try:
-                    listed = series(f"{q.metric}{{{sel}}}" if sel else q.metric, t - window, t)
+                    listed = series(selector(q), t - window, t)
                     got = listed if isinstance(listed, Result) else None
                 except SourceError:
                     got = None  # a backend without the series API (or refusing it): the query itself

@@ -16,6 +16,7 @@ from gpufleet.detector.engine import Detector
 from gpufleet.detector.findings import Finding
 from gpufleet.detector.profiles import Query, queries
 from gpufleet.detector.source import Result, SeriesTable, SourceError
+from gpufleet.detector.source_prometheus import PrometheusSource
 from gpufleet.detector.source_recording import RecordingSource
 
 TIMES = [T0 + 607.5 + 60.0 * i for i in range(8)]
@@ -385,3 +386,58 @@ def test_folded_queries_answer_each_query_exactly_what_it_alone_answers(source: 
     odd = [Query("a", "m", "avg", matchers=(("k", "=", "x.y"),)), Query("b", "m", "avg", matchers=(("k", "=", ""),))]
     sent, into = shard_fold.fold(odd)
     assert len(sent) == 1 and sent[0].matchers == (("k", "=~", "x\\.y|"),)
+
+
+def _probe_values() -> list[str]:
+    """Node label values of every shape a shard's batch holds: exporter ports, dots, IPv6 brackets."""
+    out = [f"node-{i:04d}:9400" for i in range(500)] + [f"10.0.{i // 250}.{i % 250}:9100" for i in range(400)]
+    return out + [f"[fe80::{i:x}]:9100" for i in range(100)] + [f"gpu-{i:05d}.dc1.example:9445" for i in range(300)]
+
+
+@pytest.mark.slow
+def test_long_node_batches_select_exactly_their_nodes_on_prometheus_and_victoriametrics(tmp_path: Path) -> None:
+    # batches of up to MAX_SELECTOR_VALUES (past Prometheus' 256-literal set lookup and VictoriaMetrics' short
+    # alternations, which both backends then match otherwise): each batch selects exactly its own values
+    import requests
+    from support import backfilled_prometheus, free_port, need_binary, running, wait_http
+
+    values = _probe_values()
+    lines = [f'shard_probe{{instance="{v}"}} 1 {T0 + k}' for k in (0.0, 15.0) for v in values]
+    tmp = tmp_path
+    (tmp / "p.om").write_text("\n".join(lines) + "\n# EOF\n")
+    text = "\n".join(f'shard_probe{{instance="{v}"}} 1 {round((T0 + k) * 1000)}' for k in (0.0, 15.0) for v in values)
+    wanted = values[::2]  # every other value: its neighbours (a digit, a dot apart) must not match
+    rxs = shard_source.node_regexes(wanted)
+    assert len(rxs) > 1 and max(r.count("|") + 1 for r in rxs) > 256
+
+    def check(url: str) -> None:
+        # through the product's own rendering (Query.promql) and client, as a shard sends its node batches
+        src = PrometheusSource(url)
+        got: list[str] = []
+        for rx in rxs:
+            res = src.query(Query("probe", "shard_probe", "last", "node", (("instance", "=~", rx),)), T0 + 15.0, 60.0)
+            got += [res.table.labels[i]["instance"] for i in res.ids.tolist()]
+        assert sorted(got) == sorted(wanted), url
+        assert src.query_errors == 0
+
+    with backfilled_prometheus(tmp / "p.om", tmp) as url:
+        check(url)
+    port = free_port()
+    argv = [need_binary("victoria-metrics"), f"-storageDataPath={tmp / 'vm'}", f"-httpListenAddr=127.0.0.1:{port}",
+            "-retentionPeriod=100y", "-search.disableCache", "-loggerLevel=ERROR"]
+    with running(argv, log=tmp / "victoria-metrics.log"):
+        url = f"http://127.0.0.1:{port}"
+        wait_http(f"{url}/health", timeout=60)
+        r = requests.post(f"{url}/api/v1/import/prometheus", data=text.encode() + b"\n", timeout=60)
+        assert r.status_code == 204, r.text
+        requests.get(f"{url}/internal/force_flush", timeout=30).raise_for_status()
+        check(url)
+
+
+def test_matcher_values_are_escaped_as_promql_strings() -> None:
+    # a node batch's regular expression escapes dots with a backslash; PromQL reads the string with Go's escapes,
+    # so the backslash itself is escaped (unescaped, Prometheus rejects "\." as an unknown escape sequence)
+    rx = shard_source.node_regexes(["10.0.0.1:9100", 'a"b'])[0]
+    q = Query("x", "m", "last", "node", (("instance", "=~", rx),))
+    assert q.promql(60.0) == 'last_over_time(m{instance=~"10\\\\.0\\\\.0\\\\.1:9100|a\\"b"}[60s])'
+    assert shard_map.selector(q) == 'm{instance=~"10\\\\.0\\\\.0\\\\.1:9100|a\\"b"}'
