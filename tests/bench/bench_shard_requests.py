@@ -89,7 +89,7 @@ def main() -> None:
             cost("unrestricted (one detector)", lambda: one(""), max(3, args.repeat // 4))
             for n in (2, 4):
                 cost(f"{n} shards, batches of 256 values", lambda n=n: [  # type: ignore[misc]
-                    one(f'{{instance=~"{rx}"}}') for v in values[n] for rx in shard_map.node_regexes(v)],
+                    one(f'{{instance=~"{rx}"}}') for v in values[n] for rx in shard_map.node_regexes(v, max_values=256)],
                     max(3, args.repeat // 4))
                 cost(f"{n} shards, one batch per shard", lambda n=n: [  # type: ignore[misc]
                     one(f'{{instance=~"{rx}"}}') for v in values[n]
@@ -99,6 +99,12 @@ def main() -> None:
             cost("64 node values", lambda: one(f'{{instance=~"{"|".join(v64)}"}}'))
             cost("the same 64 and 192 values that match nothing", lambda: one(
                 f'{{instance=~"{"|".join(v64 + absent)}"}}'))
+            every = sorted(v for vs in values[4] for v in vs)
+            print("-- the literals' own cost: one query of a metric Prometheus does not hold, n node values")
+            for k in (64, 256, 257, 1024):
+                lit = "|".join(every[:: max(1, len(every) // k)][:k])
+                cost(f"{k} node values", lambda lit=lit: src.instant(  # type: ignore[misc]
+                    f'avg_over_time(absent_metric{{instance=~"{lit}"}}[120s])', t))
             rx = shard_map.node_regexes(values[4][0])[0]
             funcs = ("avg", "min", "max", "count", "last")
             cost("five functions over one batch, five requests", lambda: [src.instant(
