@@ -56,9 +56,15 @@ class Query:
     optional: bool = False
 
     def promql(self, window: float) -> str:
-        sel = ",".join(f'{k}{op}"{v}"' for k, op, v in self.matchers)
+        sel = ",".join(f"{k}{op}{promql_string(v)}" for k, op, v in self.matchers)
         body = f"{self.metric}{{{sel}}}" if sel else self.metric
         return f"{PROMQL_FUNC[self.op]}({body}[{format_window(window)}])"
+
+
+def promql_string(value: str) -> str:
+    """``value`` as a PromQL string literal: double-quoted, a backslash and a double quote escaped (a node
+    regular expression's ``10\\.0\\.0\\.1:9100`` must reach the backend's regexp as written)."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def format_window(window: float) -> str:

@@ -23,29 +23,28 @@ series; its whole-recording precomputation stays valid), unless ``local=False`` 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
-from gpufleet.detector import jobs, shard
+from gpufleet.detector import jobs, shard, shard_fold
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.features import NodeNaming, collect
 from gpufleet.detector.profiles import DCGM_FABRIC, FABRIC, Query
+from gpufleet.detector.shard_map import (
+    MAX_SELECTOR_BYTES,
+    MAX_SELECTOR_VALUES,
+    REFRESH_EVERY,
+    MapCache,
+    Plan,
+    node_regexes,
+    selector,
+)
 from gpufleet.detector.source import Result, Source, SourceError
 
-#: Characters RE2 (Prometheus, Thanos, Mimir) and VictoriaMetrics treat as special in a regular expression.
-_SPECIAL = re.compile(r"([\\.+*?()|\[\]{}^$])")
 _FABRIC = frozenset(FABRIC + DCGM_FABRIC)
-#: The longest node regular expression sent in one query (bytes); a shard's nodes are split into batches. Below
-#: VictoriaMetrics' default -search.maxQueryLen (16 KB) with the rest of the query; Prometheus, Thanos and Mimir
-#: take the query as a POST form without such a limit.
-MAX_SELECTOR_BYTES = 12000
-#: The most values in one node expression: Prometheus looks up an alternation of at most 256 literals as a set
-#: (``maxSetMatches`` in its regexp matcher); a longer one is run as a regular expression against every value.
-MAX_SELECTOR_VALUES = 256
-
+__all__ = ["MAX_SELECTOR_BYTES", "MAX_SELECTOR_VALUES", "REFRESH_EVERY", "Plan", "ShardSource", "node_regexes", "unwrap", "view"]
 
 def scope(q: Query) -> str:
     """``"site"`` (shard 0 only), ``"fleet"`` (every shard, unrestricted) or ``"nodes"`` (the shard's nodes)."""
@@ -72,36 +71,6 @@ def other_metrics(queries: Iterable[Query]) -> list[str]:
     return sorted({q.metric for q in queries if scope(q) == "nodes" and q.entity != "gpu"})
 
 
-def node_regexes(values: Iterable[str], max_bytes: int = MAX_SELECTOR_BYTES,
-                 max_values: int = MAX_SELECTOR_VALUES) -> list[str]:
-    """Regular expressions (fully anchored, as PromQL's ``=~``) matching exactly the node label ``values``, each
-    at most ``max_bytes`` long and of ``max_values`` values: alternations of literals, which Prometheus (and
-    VictoriaMetrics) match by a set lookup of the label's values rather than by running the expression on each."""
-    out: list[str] = []
-    batch: list[str] = []
-    size = 0
-    for v in sorted(set(values)):
-        quoted = _SPECIAL.sub(r"\\\1", v)
-        if batch and (size + len(quoted) + 1 > max_bytes or len(batch) >= max_values):
-            out.append("|".join(batch))
-            batch, size = [], 0
-        batch.append(quoted)
-        size += len(quoted) + 1
-    if batch:
-        out.append("|".join(batch))
-    return out
-
-
-@dataclass
-class Plan:
-    """One evaluation's share: the nodes this shard reads, and per node of the fleet the shards that read it."""
-
-    nodes: list[str]
-    readers: dict[str, set[int]]
-    #: The node label's values (each exporter's ``instance``) of ``nodes``, as batched regular expressions.
-    selectors: list[str]
-
-
 class _Fixed:
     """The job map's answers, served to :func:`collect` as a source."""
 
@@ -120,14 +89,17 @@ class ShardSource:
     """``inner`` as shard ``shard`` sees it (see the module's docstring)."""
 
     def __init__(self, inner: Source, shard_: shard.Shard, cfg: DetectorConfig, *, local: bool | None = None,
-                 max_selector_bytes: int = MAX_SELECTOR_BYTES) -> None:
+                 max_selector_bytes: int = MAX_SELECTOR_BYTES, max_selector_values: int = MAX_SELECTOR_VALUES,
+                 refresh_every: int = REFRESH_EVERY) -> None:
         self.inner = inner
         self.shard = shard_
         self.cfg = cfg
         self.naming = NodeNaming(cfg.node_label, cfg.strip_port)
         self.local = local if local is not None else not callable(getattr(inner, "series", None))
         self.max_selector_bytes = max_selector_bytes
+        self.max_selector_values = max_selector_values
         self.plan: Plan | None = None
+        self.cache = MapCache(refresh_every)
         #: Requests sent to the backend, all evaluations together (job map included).
         self.requests = 0
 
@@ -148,23 +120,35 @@ class ShardSource:
     def query_all(self, queries: Sequence[Query], t: float, window: float,
                   done: Callable[[], None] | None = None) -> list[Result | SourceError]:
         present = self._present(t, window)
-        plan = self.plan = self.make_plan(queries, t, window, present)
+        plan = self.plan = self.current_plan(queries, t, window, present)
+        folded, into = shard_fold.fold([q for q in queries if scope(q) == "nodes"]) if not self.local else ([], [])
+        node_i = 0
+        first: dict[int, list[int]] = {}  # folded query -> its positions in ``sent`` (one per node batch)
         sent: list[Query] = []
         parts: list[list[int]] = []  # per query of ``queries``: its positions in ``sent`` (none: answered empty)
+        via: list[Query | None] = []  # per query of ``queries``: the folded query that answers it, if any
         for q in queries:
             where = scope(q)
+            f: Query | None = None
+            if where == "nodes" and not self.local:
+                f = folded[into[node_i]]
+                node_i += 1
+            via.append(f)
             if (where == "site" and self.shard.index != 0) or (present is not None and q.metric not in present):
                 parts.append([])
-            elif where == "nodes" and not self.local:
-                parts.append(list(range(len(sent), len(sent) + len(plan.selectors))))
-                sent += [replace(q, matchers=(*q.matchers, (self.cfg.node_label, "=~", rx))) for rx in plan.selectors]
+            elif f is not None:
+                k = id(f)
+                if k not in first:
+                    first[k] = list(range(len(sent), len(sent) + len(plan.selectors)))
+                    sent += [replace(f, matchers=(*f.matchers, (self.cfg.node_label, "=~", rx))) for rx in plan.selectors]
+                parts.append(first[k])
             else:
                 parts.append([len(sent)])
                 sent.append(q)
         answers = self._run(sent, t, window, done)
         mine = set(plan.nodes)
         out: list[Result | SourceError] = []
-        for q, pos in zip(queries, parts, strict=True):
+        for q, pos, f in zip(queries, parts, via, strict=True):
             got = [answers[i] for i in pos]
             err = next((g for g in got if isinstance(g, SourceError)), None)
             if err is not None:
@@ -176,6 +160,8 @@ class ShardSource:
                 continue
             res = results[0] if len(results) == 1 else Result(
                 results[0].table, np.concatenate([r.ids for r in results]), np.concatenate([r.values for r in results]))
+            if f is not None:
+                res = shard_fold.split(q, f, res)
             if self.local and scope(q) == "nodes":
                 res = self._only(res, mine)
             out.append(res)
@@ -191,21 +177,29 @@ class ShardSource:
         got = names(t - window, t)
         return got if isinstance(got, set) else None
 
+    def current_plan(self, queries: Sequence[Query], t: float, window: float, present: set[str] | None) -> Plan:
+        """This evaluation's plan: from the job map kept between evaluations (:class:`MapCache`) where the backend
+        answers the label values API, else the full job map."""
+        if self.local or present is None or not callable(getattr(self.inner, "label_values", None)):
+            return self.make_plan(queries, t, window, present)
+        return self.cache.plan(self, queries, t, window, present)
+
     def make_plan(self, queries: Sequence[Query], t: float, window: float,
-                  present: set[str] | None = None) -> Plan:
+                  present: set[str] | None = None, others: bool = True) -> Plan:
         """Read the job map at ``t`` and decide which nodes this shard reads (``present``: the metric names the
-        backend holds; the job map skips the others)."""
+        backend holds; the job map skips the others). ``others=False`` skips the node label values of the other
+        per-node metrics (the nodes without GPUs, shard 0's; :class:`MapCache` finds every exporter of the shard's
+        nodes in the node label's values)."""
         mq = [q for q in map_queries(queries) if present is None or q.metric in present]
-        others = [m for m in other_metrics(queries) if present is None or m in present]
+        other = [m for m in other_metrics(queries) if present is None or m in present]
         answers: dict[Query, Result | SourceError] = {}
         series = getattr(self.inner, "series", None)
         for q in mq:
             self.requests += 1
             got: Result | SourceError | None = None
             if callable(series) and not self.local:
-                sel = ",".join(f'{k}{op}"{v}"' for k, op, v in q.matchers)
                 try:
-                    listed = series(f"{q.metric}{{{sel}}}" if sel else q.metric, t - window, t)
+                    listed = series(selector(q), t - window, t)
                     got = listed if isinstance(listed, Result) else None
                 except SourceError:
                     got = None  # a backend without the series API (or refusing it): the query itself
@@ -234,14 +228,14 @@ class ShardSource:
                     v, at = labels[i].get(label), self.naming.node(labels[i])
                     if v is not None and at is not None:
                         values.setdefault(at, set()).add(v)
-        for v in self._other_values(queries, others, t, window):
+        for v in self._other_values(queries, other if others else [], t, window):
             at = self.naming.node({label: v})
             if at is not None:
                 values.setdefault(at, set()).add(v)
                 readers.setdefault(at, {0})  # a node without GPUs (NICs, a host): shard 0
         nodes = sorted(n for n, r in readers.items() if self.shard.index in r)
         mine = [v for n in nodes for v in values.get(n, ())]
-        return Plan(nodes, readers, node_regexes(mine, self.max_selector_bytes))
+        return Plan(nodes, readers, node_regexes(mine, self.max_selector_bytes, self.max_selector_values), sorted(set(mine)))
 
     def _other_values(self, queries: Sequence[Query], metrics: list[str], t: float, window: float) -> set[str]:
         """The node label values of the series of ``metrics`` over the window (one label values lookup)."""

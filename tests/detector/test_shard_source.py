@@ -6,15 +6,17 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 from test_detector_core import T0, Fault, Synth, fast_cfg, synth
 
-from gpufleet.detector import shard, shard_source
+from gpufleet.detector import shard, shard_map, shard_source
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.findings import Finding
 from gpufleet.detector.profiles import Query, queries
-from gpufleet.detector.source import Result, SourceError
+from gpufleet.detector.source import Result, SeriesTable, SourceError
+from gpufleet.detector.source_prometheus import PrometheusSource
 from gpufleet.detector.source_recording import RecordingSource
 
 TIMES = [T0 + 607.5 + 60.0 * i for i in range(8)]
@@ -68,8 +70,20 @@ class Counting:
         return Result(res.table, res.ids, res.values * 0 + 1)
 
     def label_values(self, label: str, match: list[str], start: float, end: float) -> set[str]:
+        """As the label values API answers: over the series of the ``match`` selectors, all series when none."""
         self.metadata += 1
-        return {v for name in match for s in self.inner.series.get(name, []) if (v := s.labels.get(label)) is not None}
+        if not match:
+            return {v for ss in self.inner.series.values() for s in ss if (v := s.labels.get(label)) is not None}
+        out: set[str] = set()
+        for sel in match:
+            m = _SELECTOR.fullmatch(sel)
+            assert m is not None, sel
+            matchers = _MATCHER.findall(m.group(2) or "")
+            for s in self.inner.series.get(m.group(1), []):
+                if all(re.fullmatch(v, s.labels.get(k, "")) if op == "=~" else s.labels.get(k, "") == v
+                       for k, op, v in matchers) and (got := s.labels.get(label)) is not None:
+                    out.add(got)
+        return out
 
 
 def _key(f: Finding) -> tuple[object, ...]:
@@ -140,6 +154,19 @@ def test_node_regexes_are_batched_literal_alternations() -> None:
     assert not any(c.fullmatch("aab:1") for c in compiled)
     assert shard_source.node_regexes(["n1:9445", "n1:9445"]) == ["n1:9445"]
     assert shard_source.node_regexes([]) == []
+
+
+def test_a_shards_nodes_go_out_in_few_batches() -> None:
+    # each request costs the backend about 1.3 ms whatever it selects (Prometheus 2.42, 10,000 GPUs): a shard of
+    # N = 2 or 4 at 10,000 GPUs (625 or 313 nodes, one instance each) sends each query once, not once per 256 nodes
+    half = [f"node-{i:04d}:9445" for i in range(0, 1250, 2)]
+    assert len(shard_source.node_regexes(half)) == 1
+    assert len(shard_source.node_regexes(half, max_values=256)) == 3
+    many = [f"node-{i:05d}.cluster.example:9100" for i in range(5000)]
+    rxs = shard_source.node_regexes(many)
+    assert all(len(r) <= shard_source.MAX_SELECTOR_BYTES and r.count("|") < shard_source.MAX_SELECTOR_VALUES
+               for r in rxs)
+    assert sorted(v for r in rxs for v in r.replace("\\", "").split("|")) == sorted(many)
 
 
 def test_unsharded_detector_reads_the_source_itself(source: RecordingSource) -> None:
@@ -239,3 +266,178 @@ def test_fleet_parts_are_read_by_every_shard_unrestricted() -> None:
     assert {shard_source.scope(q) for q in queries("gpufleet") if q.metric.startswith("kube_")} == {"fleet"}
     assert shard.owns_finding(shard.Shard(shard.bucket("node:rack A1", 4), 4), "nvlink_domain", "rack A1", None, {})
     assert sum(shard.owns_finding(shard.Shard(i, 4), "tray_health", "node-3", None, {}) for i in range(4)) == 1
+
+
+class Fleet:
+    """A backend whose GPUs' jobs change between evaluations: each GPU's sample series, its job series where it has a
+    job, and NIC series per node; the series and label values APIs answer from the current state."""
+
+    def __init__(self, jobs: dict[tuple[int, int], str | None]) -> None:
+        self.jobs = jobs
+        self.query_errors = 0
+        self.table = SeriesTable()
+
+    def _series(self) -> dict[str, list[dict[str, str]]]:
+        out: dict[str, list[dict[str, str]]] = {"gpufleet_gpu_utilization_ratio": [], "gpufleet_gpu_job_info": [],
+                                                "gpufleet_ib_port_rate_bytes_per_second": []}
+        for (n, g), job in sorted(self.jobs.items()):
+            lb = {"instance": f"node-{n}:9445", "gpu": str(g)}
+            out["gpufleet_gpu_utilization_ratio"].append(lb)
+            out["gpufleet_ib_port_rate_bytes_per_second"].append({"instance": f"node-{n}:9445", "device": f"mlx5_{g}"})
+            if job:
+                out["gpufleet_gpu_job_info"].append({**lb, "job_id": job})
+        return out
+
+    def _match(self, sel: str) -> list[dict[str, str]]:
+        m = _SELECTOR.fullmatch(sel)
+        assert m is not None, sel
+        matchers = _MATCHER.findall(m.group(2) or "")
+        return [s for s in self._series().get(m.group(1), [])
+                if all(re.fullmatch(v, s.get(k, "")) if op == "=~" else s.get(k, "") == v for k, op, v in matchers)]
+
+    def metric_names(self, start: float, end: float) -> set[str]:
+        return {k for k, v in self._series().items() if v}
+
+    def label_values(self, label: str, match: list[str], start: float, end: float) -> set[str]:
+        series = [s for ss in self._series().values() for s in ss] if not match else [
+            s for sel in match for s in self._match(sel)]
+        return {v for s in series if (v := s.get(label)) is not None}
+
+    def series(self, selector: str, start: float, end: float) -> Result:
+        got = self._match(selector)
+        return Result(self.table, np.array([self.table.intern(s) for s in got], dtype=np.int64), np.ones(len(got)))
+
+    def query(self, q: Query, t: float, window: float) -> Result:
+        return self.series(shard_map.selector(q), t - window, t)
+
+
+def _needed(jobs: dict[tuple[int, int], str | None], i: int, n: int) -> set[str]:
+    """The nodes shard i/n must read: those with a GPU whose job it owns (or, shard 0, a GPU without a job)."""
+    return {f"node-{nd}" for (nd, _), job in jobs.items() if shard.owner(shard.gpu_key(job, ""), n) == i}
+
+
+def test_a_kept_job_map_follows_jobs_that_start_end_and_move_at_the_next_evaluation() -> None:
+    n = 4
+    jobs: dict[tuple[int, int], str | None] = {(nd, g): f"job-{nd % 6}" if nd < 12 else None
+                                               for nd in range(16) for g in range(4)}
+    fleet = Fleet(jobs)
+    qs = queries("gpufleet")
+    views = [shard_source.ShardSource(fleet, shard.Shard(i, n), fast_cfg(detector__shard=f"{i}/{n}"), local=False)
+             for i in range(n)]
+    owner = {f"job-{k}": shard.owner(f"job:job-{k}", n) for k in range(20)}
+    moved = next(j for j, o in owner.items() if o != 0 and j in set(jobs.values()))
+    new = next(j for j, o in owner.items() if o != 0 and j not in set(jobs.values()))
+
+    def check(step: str) -> None:
+        for i, v in enumerate(views):
+            plan = v.current_plan(qs, T0, 120.0, fleet.metric_names(0, 0))
+            need = _needed(jobs, i, n)
+            assert need <= set(plan.nodes), (step, i, sorted(need - set(plan.nodes)))
+            for node in need:  # every series of the node is selected (the exporter's instance)
+                assert any(re.fullmatch(rx, f"{node}:9445") for rx in plan.selectors), (step, i, node)
+
+    check("start")
+    full = [v.cache.full_maps for v in views]
+    check("unchanged")
+    assert [v.cache.full_maps for v in views] == full  # nothing changed: no full map was read again
+    # a job moves to idle nodes (its id stays): its shard reads the new nodes, shard 0 the nodes it left
+    for (nd, g), job in list(jobs.items()):
+        if job == moved:
+            jobs[(nd, g)] = None
+            jobs[(nd + 12 if nd + 12 < 16 else nd, g)] = moved
+    check("moved")
+    # a job grows onto GPUs of a node that runs another job (no new node, no new job id)
+    spare = next(k for k, j in jobs.items() if j is not None and j != moved and owner[j] != owner[moved])
+    jobs[spare] = moved
+    check("grown")
+    # a new job starts on jobless GPUs; then a job ends (its GPUs jobless: shard 0 reads them)
+    for k in [k for k, j in jobs.items() if j is None][:4]:
+        jobs[k] = new
+    check("new")
+    ended = next(j for j in set(jobs.values()) if j and j not in (moved, new))
+    for k, j in list(jobs.items()):
+        if j == ended:
+            jobs[k] = None
+    check("ended")
+    for v in views:  # and at the latest every refresh_every evaluations, the full map again
+        v.cache.age = v.cache.refresh_every
+    before = [v.cache.full_maps for v in views]
+    check("refresh")
+    assert [v.cache.full_maps for v in views] == [b + 1 for b in before]
+
+
+def test_folded_queries_answer_each_query_exactly_what_it_alone_answers(source: RecordingSource) -> None:
+    from gpufleet.detector import shard_fold
+
+    qs = [q for q in queries("gpufleet") if shard_source.scope(q) == "nodes"]
+    sent, into = shard_fold.fold(qs)
+    assert len(sent) < len(qs) - 10  # clock reasons, clocks, sensors, NIC errors: one query each
+    thr = [q for q in qs if q.metric == "gpufleet_gpu_clock_event_active" and q.op == "avg"]
+    assert len({into[qs.index(q)] for q in thr}) == 1 and len(thr) == 4
+    assert sent[into[qs.index(thr[0])]].matchers == (
+        ("reason", "=~", "(?:sw_thermal_slowdown|hw_thermal_slowdown)|sw_power_cap|hw_power_brake_slowdown|hw_slowdown"),)
+    t = TIMES[-1]
+    for q, k in zip(qs, into, strict=True):
+        alone = source.query(q, t, 120.0)
+        got = shard_fold.split(q, sent[k], source.query(sent[k], t, 120.0))
+        pairs = sorted(zip(got.ids.tolist(), got.values.tolist(), strict=True))
+        assert pairs == sorted(zip(alone.ids.tolist(), alone.values.tolist(), strict=True)), q
+    # a value with regex specials is matched literally; a missing label is the empty string
+    odd = [Query("a", "m", "avg", matchers=(("k", "=", "x.y"),)), Query("b", "m", "avg", matchers=(("k", "=", ""),))]
+    sent, into = shard_fold.fold(odd)
+    assert len(sent) == 1 and sent[0].matchers == (("k", "=~", "x\\.y|"),)
+
+
+def _probe_values() -> list[str]:
+    """Node label values of every shape a shard's batch holds: exporter ports, dots, IPv6 brackets."""
+    out = [f"node-{i:04d}:9400" for i in range(500)] + [f"10.0.{i // 250}.{i % 250}:9100" for i in range(400)]
+    return out + [f"[fe80::{i:x}]:9100" for i in range(100)] + [f"gpu-{i:05d}.dc1.example:9445" for i in range(300)]
+
+
+@pytest.mark.slow
+def test_long_node_batches_select_exactly_their_nodes_on_prometheus_and_victoriametrics(tmp_path: Path) -> None:
+    # batches of up to MAX_SELECTOR_VALUES (past Prometheus' 256-literal set lookup and VictoriaMetrics' short
+    # alternations, which both backends then match otherwise): each batch selects exactly its own values
+    import requests
+    from support import backfilled_prometheus, free_port, need_binary, running, wait_http
+
+    values = _probe_values()
+    lines = [f'shard_probe{{instance="{v}"}} 1 {T0 + k}' for k in (0.0, 15.0) for v in values]
+    tmp = tmp_path
+    (tmp / "p.om").write_text("\n".join(lines) + "\n# EOF\n")
+    text = "\n".join(f'shard_probe{{instance="{v}"}} 1 {round((T0 + k) * 1000)}' for k in (0.0, 15.0) for v in values)
+    wanted = values[::2]  # every other value: its neighbours (a digit, a dot apart) must not match
+    rxs = shard_source.node_regexes(wanted)
+    assert len(rxs) > 1 and max(r.count("|") + 1 for r in rxs) > 256
+
+    def check(url: str) -> None:
+        # through the product's own rendering (Query.promql) and client, as a shard sends its node batches
+        src = PrometheusSource(url)
+        got: list[str] = []
+        for rx in rxs:
+            res = src.query(Query("probe", "shard_probe", "last", "node", (("instance", "=~", rx),)), T0 + 15.0, 60.0)
+            got += [res.table.labels[i]["instance"] for i in res.ids.tolist()]
+        assert sorted(got) == sorted(wanted), url
+        assert src.query_errors == 0
+
+    with backfilled_prometheus(tmp / "p.om", tmp) as url:
+        check(url)
+    port = free_port()
+    argv = [need_binary("victoria-metrics"), f"-storageDataPath={tmp / 'vm'}", f"-httpListenAddr=127.0.0.1:{port}",
+            "-retentionPeriod=100y", "-search.disableCache", "-loggerLevel=ERROR"]
+    with running(argv, log=tmp / "victoria-metrics.log"):
+        url = f"http://127.0.0.1:{port}"
+        wait_http(f"{url}/health", timeout=60)
+        r = requests.post(f"{url}/api/v1/import/prometheus", data=text.encode() + b"\n", timeout=60)
+        assert r.status_code == 204, r.text
+        requests.get(f"{url}/internal/force_flush", timeout=30).raise_for_status()
+        check(url)
+
+
+def test_matcher_values_are_escaped_as_promql_strings() -> None:
+    # a node batch's regular expression escapes dots with a backslash; PromQL reads the string with Go's escapes,
+    # so the backslash itself is escaped (unescaped, Prometheus rejects "\." as an unknown escape sequence)
+    rx = shard_source.node_regexes(["10.0.0.1:9100", 'a"b'])[0]
+    q = Query("x", "m", "last", "node", (("instance", "=~", rx),))
+    assert q.promql(60.0) == 'last_over_time(m{instance=~"10\\\\.0\\\\.0\\\\.1:9100|a\\"b"}[60s])'
+    assert shard_map.selector(q) == 'm{instance=~"10\\\\.0\\\\.0\\\\.1:9100|a\\"b"}'
