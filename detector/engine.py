@@ -110,6 +110,7 @@ class Detector:
         self.workload = WorkloadRouter(cfg.window_seconds)
         self._gpu_index = _EntityIndex()
         self._nic_index = _EntityIndex()
+        self._nic_ids = _NicIds()
         self.last: Evaluation | None = None
 
     def evaluate(self, t: float) -> Evaluation:
@@ -167,9 +168,10 @@ class Detector:
         gpus_flapped = {(nic.nodes[i], gg) for i in went_down for gg in nic.gpus[i]}
         nic_flags = {(c.node, c.gpu): c.score for c in nets if c.gpu is not None}
         whole = {c.node: c.score for c in nets if c.gpu is None and not c.nic}  # every fabric port of the node
-        for node, gpu in zip(g.nodes, g.gpus, strict=True):
-            if node in whole:
-                nic_flags.setdefault((node, gpu), whole[node])
+        if whole:  # (at 100k GPUs a pass over every GPU costs more than the rest of this stage)
+            for node, gpu in zip(g.nodes, g.gpus, strict=True):
+                if node in whole:
+                    nic_flags.setdefault((node, gpu), whole[node])
         return _Network(nets, nic_flags, nics_flapped, gpus_flapped)
 
     def _peers(self, g: GpuFrame, t: float) -> _Peers:
@@ -207,9 +209,8 @@ class Detector:
         valid = np.asarray(g.valid, dtype=bool)
         judged = peers.busy & np.asarray(st.scored, dtype=bool)
         gpu_pos, gpu_nodes = self._gpu_index.get(g.nodes, g.gpus)
-        nic_pos, _ = self._nic_index.get(snap.nic.nodes, [f"{d}/{p}" for d, p in
-                                                          zip(snap.nic.devices, snap.nic.ports, strict=True)])
-        gpus_low = {(n, gg) for n, gg, lo in zip(g.nodes, g.gpus, peers.low, strict=True) if lo}
+        nic_pos, _ = self._nic_index.get(snap.nic.nodes, self._nic_ids.get(snap.nic.devices, snap.nic.ports))
+        gpus_low = {(g.nodes[i], g.gpus[i]) for i in np.flatnonzero(peers.low).tolist()}
         busy_not_low = peers.busy & ~peers.low  # a node is low only when none of its busy GPUs works normally
         nodes_low = {n for n, _ in gpus_low if not bool(busy_not_low[gpu_nodes[n]].any())}
         open_causes = {k: f.cause for k, f in self.tracker.active.items()} if net.gpus_flapped else {}
@@ -274,6 +275,21 @@ class _EntityIndex:
                 groups.setdefault(n, []).append(i)
             self.by_node = {n: np.array(ix, dtype=np.int64) for n, ix in groups.items()}
         return self.pos, self.by_node
+
+
+class _NicIds:
+    """Each NIC's "device/port", rebuilt only when the frame's devices or ports change."""
+
+    def __init__(self) -> None:
+        self.devices: list[str] = []
+        self.ports: list[str] = []
+        self.ids: list[str] = []
+
+    def get(self, devices: list[str], ports: list[str]) -> list[str]:
+        if devices != self.devices or ports != self.ports:
+            self.devices, self.ports = list(devices), list(ports)
+            self.ids = [f"{d}/{p}" for d, p in zip(devices, ports, strict=True)]
+        return self.ids
 
 
 @contextmanager
