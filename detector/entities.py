@@ -116,7 +116,8 @@ class EntityFrame:
             (table,) = tables.values()
             ents = self._entities(table)
             codes = np.concatenate([ents.get(table)[r.ids] for r in defining])
-            present = np.unique(codes[codes >= 0])
+            # the sorted distinct codes (as np.unique, counted rather than hashed or sorted)
+            present = np.flatnonzero(np.bincount(codes[codes >= 0], minlength=len(ents.keys)))
             if ents.present is None or not np.array_equal(present, ents.present):
                 ents.frame_keys = sorted(ents.keys[c] for c in present.tolist())
                 where = {k: i for i, k in enumerate(ents.frame_keys)}
