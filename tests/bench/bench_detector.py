@@ -1,6 +1,6 @@
 """Detector benchmarks: one evaluation over N GPUs from in-memory features, and replay throughput.
 
-Run: ``.venv/bin/python tests/bench/bench_detector.py [--gpus 10000 30000 100000] [--repeat 3]``.
+Run: ``.venv/bin/python tests/bench/bench_detector.py [--gpus 10000 30000 100000] [--repeat 3] [--replay-nodes 0]``.
 Evaluation = the full Detector.evaluate (feature frames from query results, straggler robust z + IsolationForest,
 throttling, network, findings) over a fleet of 8-GPU nodes in 256-GPU jobs with one straggler per job; the
 source answers every query from memory, so the figure excludes Prometheus' own query time.
@@ -11,6 +11,7 @@ every evaluation), timed beside ``promtool tsdb create-blocks-from openmetrics``
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import resource
 import shutil
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -88,21 +90,60 @@ class MemorySource:
         return self.results.get(query) or Result.empty(self.table)
 
 
-def bench_eval(n: int, repeat: int) -> None:
-    src = MemorySource(n)
+def bench_eval(sizes: list[int] | int, repeat: int) -> None:
+    """Evaluation CPU per GPU at each size, and its growth between sizes, with every size measured in one process.
+
+    Each size gets a detector of its own; after one cold evaluation each (per-table caches built: reported
+    apart), the sizes are evaluated in turns, ``repeat`` rounds, a smaller size several times a round (up to 10,
+    so that each size evaluates about as many GPUs in all), and each evaluation's CPU time is kept: a change of
+    the machine's load falls on every size alike. Figures are medians; the growth is the per-GPU CPU at one size
+    over that at the first. Then one more evaluation per size under tracemalloc: the peak of memory allocated
+    during an evaluation (the query answers it reads are held by the source, before and after)."""
+    sizes = [sizes] if isinstance(sizes, int) else sorted(sizes)
     cfg = parse({"findings": {"open_after": 1}})
-    det = Detector(cfg, src)
-    walls, cpus = [], []
-    for i in range(repeat):
-        c0, w0 = time.process_time(), time.perf_counter()
-        ev = det.evaluate(1_700_000_000.0 + 60 * i)
-        walls.append(time.perf_counter() - w0)
-        cpus.append(time.process_time() - c0)
-    found = sum(1 for kind, _ in ev.candidates if kind == "straggler")
-    wall = statistics.median(walls)
-    print(f"evaluate {n:>7} GPUs: median wall {wall:.3f} s ({wall / n * 1e6:.1f} us/GPU), "
-          f"cpu {statistics.median(cpus):.3f} s over {repeat} runs; straggler candidates {found} "
-          f"(planted {len(range(5, n, 256))})")
+    dets: dict[int, Detector] = {}
+    cold: dict[int, float] = {}
+    found: dict[int, int] = {}
+    digest: dict[int, str] = {}
+    for n in sizes:
+        dets[n] = Detector(cfg, MemorySource(n))
+        c0 = time.process_time()
+        dets[n].evaluate(1_700_000_000.0)
+        cold[n] = time.process_time() - c0
+    cpus: dict[int, list[float]] = {n: [] for n in sizes}
+    walls: dict[int, list[float]] = {n: [] for n in sizes}
+    turns = {n: min(10, max(1, max(sizes) // n)) for n in sizes}
+    t = 1_700_000_000.0
+    for _ in range(repeat):
+        for n in sizes:
+            for _ in range(turns[n]):
+                t += 60.0
+                c0, w0 = time.process_time(), time.perf_counter()
+                ev = dets[n].evaluate(t)
+                walls[n].append(time.perf_counter() - w0)
+                cpus[n].append(time.process_time() - c0)
+                found[n] = sum(1 for kind, _ in ev.candidates if kind == "straggler")
+                digest[n] = hashlib.sha256(repr((ev.candidates, sorted(
+                    dets[n].tracker.active.items(), key=repr))).encode()).hexdigest()[:12]
+    peak: dict[int, float] = {}
+    for n in sizes:
+        tracemalloc.start()
+        t += 60.0
+        dets[n].evaluate(t)
+        peak[n] = tracemalloc.get_traced_memory()[1] / 2**20
+        tracemalloc.stop()
+    ref = sizes[0]
+    per_ref = statistics.median(cpus[ref]) / ref
+    print(f"{'GPUs':>8} {'evals':>5} {'CPU s/eval':>10} {'CPU us/GPU':>10} {'growth':>7} {'wall s':>7} "
+          f"{'cold CPU s':>10} {'eval peak MiB':>13}  stragglers (findings digest)")
+    for n in sizes:
+        cpu = statistics.median(cpus[n])
+        print(f"{n:>8} {len(cpus[n]):>5} {cpu:>10.3f} {cpu / n * 1e6:>10.2f} {cpu / n / per_ref:>6.2f}x "
+              f"{statistics.median(walls[n]):>7.3f} {cold[n]:>10.3f} {peak[n]:>13.0f}  {found[n]} (planted "
+              f"{len(range(5, n, 256))}; {digest[n]})")
+    print(f"per-GPU CPU growth {ref:,} -> {sizes[-1]:,} GPUs: {statistics.median(cpus[sizes[-1]]) / sizes[-1] / per_ref:.2f}x"
+          f" (medians; every evaluation's CPU ms, {sizes[-1]:,} GPUs: "
+          f"{' '.join(f'{x * 1e3:.0f}' for x in cpus[sizes[-1]])})")
 
 
 def bench_replay(nodes: int, repeat: int) -> None:
@@ -152,16 +193,40 @@ def _children_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+def before_and_after(rev: str, sizes: list[int], repeat: int) -> None:
+    """The evaluation benchmark on revision ``rev``'s detector, then on this tree's, each in a fresh process."""
+    root = Path(__file__).resolve().parent.parent.parent
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--gpus", *map(str, sizes), "--repeat", str(repeat),
+           "--replay-nodes", "0"]
+    with tempfile.TemporaryDirectory() as d:
+        pkg = Path(d) / "gpufleet"
+        pkg.mkdir()
+        archive = subprocess.run(["git", "-C", str(root), "archive", rev, "detector", "agent"], capture_output=True,
+                                 check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(pkg)], input=archive, check=True)
+        for label, env in ((f"before ({rev})", {**os.environ, "PYTHONPATH": d}), ("after (this tree)", None)):
+            print(f"--- {label}", flush=True)
+            subprocess.run(cmd, env=env, check=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gpus", type=int, nargs="+", default=[10_000, 30_000, 100_000])
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--replay-nodes", type=int, default=16, help="nodes (8 GPUs each) of the replayed recording")
+    ap.add_argument("--replay-nodes", type=int, default=16,
+                    help="nodes (8 GPUs each) of the replayed recording; 0: no replay benchmark")
+    ap.add_argument("--before", metavar="REV", help="also run the evaluation benchmark on the detector of git "
+                    "revision REV (its detector/ and agent/ exported to a temporary directory), before this tree's")
     args = ap.parse_args()
-    print(f"cpus available: {len(os.sched_getaffinity(0))}")
-    for n in args.gpus:
-        bench_eval(n, args.repeat)
-    bench_replay(args.replay_nodes, args.repeat)
+    if args.before:
+        before_and_after(args.before, args.gpus, args.repeat)
+        if args.replay_nodes > 0:
+            bench_replay(args.replay_nodes, args.repeat)
+        return
+    print(f"cpus available: {len(os.sched_getaffinity(0))}, load average {os.getloadavg()[0]:.1f}")
+    bench_eval(args.gpus, args.repeat)
+    if args.replay_nodes > 0:
+        bench_replay(args.replay_nodes, args.repeat)
     print(f"max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
 
 
