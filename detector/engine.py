@@ -109,6 +109,7 @@ class Detector:
         self.edges = phases.JobEdges(cfg.straggler.min_peers)
         self.workload = WorkloadRouter(cfg.window_seconds)
         self._gpu_index = _EntityIndex()
+        self._fleet_index = _EntityIndex()  # the whole fleet's GPUs (before this replica's share is taken)
         self._nic_index = _EntityIndex()
         self._nic_ids = _NicIds()
         self.last: Evaluation | None = None
@@ -160,7 +161,8 @@ class Detector:
         capability = self.baseline.nic_capability(nic.nodes, nic.devices, nic.ports, nic.get("nic_rate"), t)
         flaps = self.baseline.nic_flaps(nic.nodes, nic.devices, nic.ports, nic.get("nic_link_downed"), t,
                                         cfg.network.flap_hours * 3600.0)
-        nets = network.find(nic, g, cfg.network, capability, flaps, _quiet_nodes(g, cfg.straggler.busy_util))
+        quiet = _quiet_nodes(g, cfg.straggler.busy_util, self._fleet_index)
+        nets = network.find(nic, g, cfg.network, capability, flaps, quiet)
         # A link that went down within the flap horizon may go down again at any time: between its downs it
         # cannot be judged healthy, so its open findings (and the network straggler of a GPU it serves) are held.
         went_down = np.flatnonzero(flaps >= 1)
@@ -246,15 +248,20 @@ class Detector:
         return low
 
 
-def _quiet_nodes(g: GpuFrame, busy_util: float) -> set[str]:
+def _quiet_nodes(g: GpuFrame, busy_util: float, index: _EntityIndex | None = None) -> set[str]:
     """Nodes whose GPUs did not compute steadily through the window: a job-wide phase edge on any of them (a
     checkpoint, an evaluation pass, a restart), or none busy. Their ports' traffic then is no collective
     traffic (a checkpoint's burst to storage is no congestion), so they are not judged for congestion."""
     edge = g.edge if g.edge is not None else np.zeros(len(g), dtype=bool)
     busy = np.nan_to_num(g.get("util"), nan=0.0) >= busy_util
-    at_edge = {n for n, e in zip(g.nodes, edge.tolist(), strict=True) if e}
-    computing = {n for n, b in zip(g.nodes, busy.tolist(), strict=True) if b}
-    return at_edge | (set(g.nodes) - computing)
+    index = index or _EntityIndex()  # the detector keeps one while the fleet's GPUs stay the same
+    index.get(g.nodes, g.gpus)
+    code, names = index.node_code, index.node_names  # per node, not a set built from every GPU
+    computing = np.zeros(len(names), dtype=bool)
+    computing[code[busy]] = True
+    at_edge = np.zeros(len(names), dtype=bool)
+    at_edge[code[np.asarray(edge, dtype=bool)]] = True
+    return {names[j] for j in np.flatnonzero(at_edge | ~computing).tolist()}
 
 
 class _EntityIndex:
@@ -265,6 +272,8 @@ class _EntityIndex:
         self.ids: list[str] = []
         self.pos: dict[tuple[str, str], int] = {}
         self.by_node: dict[str, np.ndarray] = {}
+        self.node_names: list[str] = []  # the distinct nodes, in order of their first entity
+        self.node_code = np.zeros(0, dtype=np.int64)  # per entity: its node's position in node_names
 
     def get(self, nodes: list[str], ids: list[str]) -> tuple[dict[tuple[str, str], int], dict[str, np.ndarray]]:
         if nodes != self.nodes or ids != self.ids:
@@ -274,6 +283,10 @@ class _EntityIndex:
             for i, n in enumerate(nodes):
                 groups.setdefault(n, []).append(i)
             self.by_node = {n: np.array(ix, dtype=np.int64) for n, ix in groups.items()}
+            self.node_names = list(groups)
+            self.node_code = np.zeros(len(nodes), dtype=np.int64)
+            for j, ix in enumerate(self.by_node.values()):
+                self.node_code[ix] = j
         return self.pos, self.by_node
 
 

@@ -60,7 +60,7 @@ def fleet_labels(q: Query, g: int, nodes: list[str]) -> dict[str, str]:
 class MemorySource:
     """Answers each query with one series per GPU (or NIC) from arrays built up front."""
 
-    def __init__(self, n_gpus: int, seed: int = 0) -> None:
+    def __init__(self, n_gpus: int, seed: int = 0, mixed: bool = False) -> None:
         self.query_errors = 0
         rng = np.random.default_rng(seed)
         self.results: dict[Query, Result] = {}
@@ -83,6 +83,10 @@ class MemorySource:
                     v = 1.4e9
                 if g in stragglers and q.feature == "tensor":
                     v = 0.75
+                if mixed and (g // 8) % 20 == 7 and q.feature == "util":
+                    v = 0.0  # an idle node (one in 20): its GPUs not judged, its NICs quiet
+                if mixed and g % 512 == 3 and q.feature == "nic_symbol_errors":
+                    v = 100.0  # a NIC with symbol errors (one in 512): a network candidate on a busy node
                 res.append((labels, v))
             self.results[q] = Result.from_pairs(res, self.table)
 
@@ -90,7 +94,7 @@ class MemorySource:
         return self.results.get(query) or Result.empty(self.table)
 
 
-def bench_eval(sizes: list[int] | int, repeat: int) -> None:
+def bench_eval(sizes: list[int] | int, repeat: int, mixed: bool = False) -> None:
     """Evaluation CPU per GPU at each size, and its growth between sizes, with every size measured in one process.
 
     Each size gets a detector of its own; after one cold evaluation each (per-table caches built: reported
@@ -106,7 +110,7 @@ def bench_eval(sizes: list[int] | int, repeat: int) -> None:
     found: dict[int, int] = {}
     digest: dict[int, str] = {}
     for n in sizes:
-        dets[n] = Detector(cfg, MemorySource(n))
+        dets[n] = Detector(cfg, MemorySource(n, mixed=mixed))
         c0 = time.process_time()
         dets[n].evaluate(1_700_000_000.0)
         cold[n] = time.process_time() - c0
@@ -193,11 +197,11 @@ def _children_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def before_and_after(rev: str, sizes: list[int], repeat: int) -> None:
+def before_and_after(rev: str, sizes: list[int], repeat: int, mixed: bool = False) -> None:
     """The evaluation benchmark on revision ``rev``'s detector, then on this tree's, each in a fresh process."""
     root = Path(__file__).resolve().parent.parent.parent
     cmd = [sys.executable, str(Path(__file__).resolve()), "--gpus", *map(str, sizes), "--repeat", str(repeat),
-           "--replay-nodes", "0"]
+           "--replay-nodes", "0", *(["--mixed"] if mixed else [])]
     with tempfile.TemporaryDirectory() as d:
         pkg = Path(d) / "gpufleet"
         pkg.mkdir()
@@ -215,16 +219,18 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--replay-nodes", type=int, default=16,
                     help="nodes (8 GPUs each) of the replayed recording; 0: no replay benchmark")
+    ap.add_argument("--mixed", action="store_true", help="a fleet with idle nodes (1 in 20) and NICs with symbol "
+                    "errors (1 in 512) besides the stragglers")
     ap.add_argument("--before", metavar="REV", help="also run the evaluation benchmark on the detector of git "
                     "revision REV (its detector/ and agent/ exported to a temporary directory), before this tree's")
     args = ap.parse_args()
     if args.before:
-        before_and_after(args.before, args.gpus, args.repeat)
+        before_and_after(args.before, args.gpus, args.repeat, args.mixed)
         if args.replay_nodes > 0:
             bench_replay(args.replay_nodes, args.repeat)
         return
     print(f"cpus available: {len(os.sched_getaffinity(0))}, load average {os.getloadavg()[0]:.1f}")
-    bench_eval(args.gpus, args.repeat)
+    bench_eval(args.gpus, args.repeat, args.mixed)
     if args.replay_nodes > 0:
         bench_replay(args.replay_nodes, args.repeat)
     print(f"max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
