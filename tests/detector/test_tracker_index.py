@@ -56,8 +56,11 @@ def test_indexed_lookups_equal_passes_over_every_open_finding() -> None:
                                           float(rng.uniform(5, 10)), nic=nic)))
         before = len(ours.active)
         seen = rng.random() < 0.8
+        def observed(k: Key, s: bool = seen) -> bool:
+            return s
+
         for tr in (ours, ref):
-            tr.update(t, cands, lambda k, s=seen: s)
+            tr.update(t, cands, observed)
         opened_at_once = max(opened_at_once, len(ours.active) - before)
         assert _state(ours) == _state(ref), step
         by_node: dict[str, list[Key]] = {}
