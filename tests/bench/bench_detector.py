@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import os
 import resource
 import shutil
@@ -101,7 +102,7 @@ def bench_eval(sizes: list[int] | int, repeat: int, mixed: bool = False) -> None
     apart), the sizes are evaluated in turns, ``repeat`` rounds, a smaller size several times a round (up to 10,
     so that each size evaluates about as many GPUs in all), and each evaluation's CPU time is kept: a change of
     the machine's load falls on every size alike. Figures are medians; the growth is the per-GPU CPU at one size
-    over that at the first. Then one more evaluation per size under tracemalloc: the peak of memory allocated
+    over that at the size before it. Then one more evaluation per size under tracemalloc: the peak of memory allocated
     during an evaluation (the query answers it reads are held by the source, before and after)."""
     sizes = [sizes] if isinstance(sizes, int) else sorted(sizes)
     cfg = parse({"findings": {"open_after": 1}})
@@ -136,18 +137,23 @@ def bench_eval(sizes: list[int] | int, repeat: int, mixed: bool = False) -> None
         dets[n].evaluate(t)
         peak[n] = tracemalloc.get_traced_memory()[1] / 2**20
         tracemalloc.stop()
-    ref = sizes[0]
-    per_ref = statistics.median(cpus[ref]) / ref
+    per_gpu = {n: statistics.median(cpus[n]) / n for n in sizes}
     print(f"{'GPUs':>8} {'evals':>5} {'CPU s/eval':>10} {'CPU us/GPU':>10} {'growth':>7} {'wall s':>7} "
           f"{'cold CPU s':>10} {'eval peak MiB':>13}  stragglers (findings digest)")
     for n in sizes:
         cpu = statistics.median(cpus[n])
-        print(f"{n:>8} {len(cpus[n]):>5} {cpu:>10.3f} {cpu / n * 1e6:>10.2f} {cpu / n / per_ref:>6.2f}x "
+        growth = f"{per_gpu[n] / per_gpu[prev]:>6.2f}x" if (prev := _before(sizes, n)) else f"{'':>7}"
+        print(f"{n:>8} {len(cpus[n]):>5} {cpu:>10.3f} {cpu / n * 1e6:>10.2f} {growth} "
               f"{statistics.median(walls[n]):>7.3f} {cold[n]:>10.3f} {peak[n]:>13.0f}  {found[n]} (planted "
               f"{len(range(5, n, 256))}; {digest[n]})")
-    print(f"per-GPU CPU growth {ref:,} -> {sizes[-1]:,} GPUs: {statistics.median(cpus[sizes[-1]]) / sizes[-1] / per_ref:.2f}x"
-          f" (medians; every evaluation's CPU ms, {sizes[-1]:,} GPUs: "
-          f"{' '.join(f'{x * 1e3:.0f}' for x in cpus[sizes[-1]])})")
+    for a, b in itertools.pairwise(sizes):
+        print(f"per-GPU CPU growth {a:,} -> {b:,} GPUs: {per_gpu[b] / per_gpu[a]:.2f}x (medians)")
+    print(f"every evaluation's CPU ms at {sizes[-1]:,} GPUs: {' '.join(f'{x * 1e3:.0f}' for x in cpus[sizes[-1]])}")
+
+
+def _before(sizes: list[int], n: int) -> int | None:
+    i = sizes.index(n)
+    return sizes[i - 1] if i else None
 
 
 def bench_replay(nodes: int, repeat: int) -> None:
