@@ -156,6 +156,32 @@ def _before(sizes: list[int], n: int) -> int | None:
     return sizes[i - 1] if i else None
 
 
+def bench_storm(counts: list[int], repeat: int) -> None:
+    """Findings opening and closing by the thousand (a fleet-wide event): the tracker's CPU per finding, medians
+    (the collector paused, as during an evaluation)."""
+    from gpufleet.detector.candidate import Candidate, Evidence
+    from gpufleet.detector.engine import gc_paused
+    from gpufleet.detector.findings import Tracker
+
+    for n in counts:
+        opens, closes = [], []
+        for _ in range(repeat):
+            tr = Tracker(open_after=1, close_after=1, merge_seconds=0)
+            cands = [("straggler", Candidate(f"node-{i:06d}", "5", f"job-{i // 32}", "dc1", "clock", 8.0, Evidence()))
+                     for i in range(n)]
+            with gc_paused():
+                c0 = time.process_time()
+                tr.update(1_700_000_000.0, cands, lambda k: True)
+                opens.append(time.process_time() - c0)
+                c0 = time.process_time()
+                tr.update(1_700_000_060.0, [], lambda k: True)
+                closes.append(time.process_time() - c0)
+            assert not tr.active and len(tr.closed) == n
+        print(f"tracker: {n:>6} findings opening at once {statistics.median(opens) * 1e3:7.1f} ms "
+              f"({statistics.median(opens) / n * 1e6:.1f} us each), closing at once "
+              f"{statistics.median(closes) * 1e3:7.1f} ms ({statistics.median(closes) / n * 1e6:.1f} us each)")
+
+
 def bench_replay(nodes: int, repeat: int) -> None:
     """Replay (``gpufleet-detector replay``, a fresh process: imports, load, every evaluation) beside
     ``promtool tsdb create-blocks-from openmetrics`` on the same file, alternately, medians of ``repeat``."""
@@ -203,11 +229,12 @@ def _children_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def before_and_after(rev: str, sizes: list[int], repeat: int, mixed: bool = False) -> None:
+def before_and_after(rev: str, sizes: list[int], repeat: int, mixed: bool = False, storm: list[int] | None = None
+                     ) -> None:
     """The evaluation benchmark on revision ``rev``'s detector, then on this tree's, each in a fresh process."""
     root = Path(__file__).resolve().parent.parent.parent
     cmd = [sys.executable, str(Path(__file__).resolve()), "--gpus", *map(str, sizes), "--repeat", str(repeat),
-           "--replay-nodes", "0", *(["--mixed"] if mixed else [])]
+           "--replay-nodes", "0", *(["--mixed"] if mixed else []), *(["--storm", *map(str, storm)] if storm else [])]
     with tempfile.TemporaryDirectory() as d:
         pkg = Path(d) / "gpufleet"
         pkg.mkdir()
@@ -221,22 +248,28 @@ def before_and_after(rev: str, sizes: list[int], repeat: int, mixed: bool = Fals
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--gpus", type=int, nargs="+", default=[10_000, 30_000, 100_000])
+    ap.add_argument("--gpus", type=int, nargs="*", default=[10_000, 30_000, 100_000])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--replay-nodes", type=int, default=16,
                     help="nodes (8 GPUs each) of the replayed recording; 0: no replay benchmark")
     ap.add_argument("--mixed", action="store_true", help="a fleet with idle nodes (1 in 20) and NICs with symbol "
-                    "errors (1 in 512) besides the stragglers")
+                    "errors (1 in 512: network findings, and the GPUs they serve straggler candidates of cause network) "
+                    "besides the stragglers")
+    ap.add_argument("--storm", type=int, nargs="*", default=[], metavar="N",
+                    help="also time the tracker with N findings opening and then closing at once")
     ap.add_argument("--before", metavar="REV", help="also run the evaluation benchmark on the detector of git "
                     "revision REV (its detector/ and agent/ exported to a temporary directory), before this tree's")
     args = ap.parse_args()
     if args.before:
-        before_and_after(args.before, args.gpus, args.repeat, args.mixed)
+        before_and_after(args.before, args.gpus, args.repeat, args.mixed, args.storm)
         if args.replay_nodes > 0:
             bench_replay(args.replay_nodes, args.repeat)
         return
     print(f"cpus available: {len(os.sched_getaffinity(0))}, load average {os.getloadavg()[0]:.1f}")
-    bench_eval(args.gpus, args.repeat, args.mixed)
+    if args.gpus:
+        bench_eval(args.gpus, args.repeat, args.mixed)
+    if args.storm:
+        bench_storm(args.storm, args.repeat)
     if args.replay_nodes > 0:
         bench_replay(args.replay_nodes, args.repeat)
     print(f"max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
