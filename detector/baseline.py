@@ -128,11 +128,25 @@ class Episodes:
     def __init__(self) -> None:
         self.starts: dict[Hashable, list[float]] = {}
         self.on: set[Hashable] = set()
+        self._keys: list[Hashable] = []
+        self._index: dict[Hashable, int] = {}
 
     def update(self, keys: Sequence[Hashable], active: np.ndarray, t: float, horizon: float) -> FloatArray:
-        """Episodes that began within ``horizon`` seconds before ``t``, per key."""
+        """Episodes that began within ``horizon`` seconds before ``t``, per key.
+
+        Only the keys with the event now, or with an episode under way or remembered, can change or count; the
+        others (at 100k GPUs nearly every NIC, nearly always) are not visited one by one."""
         out = np.zeros(len(keys))
-        for i, k in enumerate(keys):
+        todo = np.flatnonzero(active).tolist()
+        if self.on or self.starts:
+            index = self._positions(keys)
+            if index is None:  # a key twice: visit every key, in order
+                todo = list(range(len(keys)))
+            else:
+                known = {i for k in (*self.on, *self.starts) if (i := index.get(k)) is not None}
+                todo = sorted(known.union(todo))
+        for i in todo:
+            k = keys[i]
             if active[i] and k not in self.on:
                 self.on.add(k)
                 self.starts.setdefault(k, []).append(t)
@@ -147,6 +161,33 @@ class Episodes:
                     del self.starts[k]
         return out
 
+    def _positions(self, keys: Sequence[Hashable]) -> dict[Hashable, int] | None:
+        """key -> position in ``keys`` (None: a key occurs twice), rebuilt only when the keys change."""
+        if len(keys) != len(self._keys) or list(keys) != self._keys:
+            self._keys = list(keys)
+            self._index = {k: i for i, k in enumerate(self._keys)}
+        return self._index if len(self._index) == len(self._keys) else None
+
+
+def _as_list(c: Sequence[str]) -> list[str]:
+    return c if isinstance(c, list) else list(c)
+
+
+class _Zipped:
+    """Tuple keys zipped from label columns, rebuilt only when a column changes: an evaluation usually brings the
+    same entities as the last one, and comparing its columns (the same string objects) costs far less than
+    building and comparing a tuple per entity."""
+
+    def __init__(self) -> None:
+        self.cols: list[list[str]] = []
+        self.keys: list[tuple[str, ...]] = []
+
+    def get(self, *cols: Sequence[str]) -> list[tuple[str, ...]]:
+        if len(cols) != len(self.cols) or any(_as_list(c) != last for c, last in zip(cols, self.cols, strict=True)):
+            self.cols = [list(c) for c in cols]
+            self.keys = list(zip(*cols, strict=True))
+        return self.keys
+
 
 class Baseline:
     """The detector's per-entity references (see the module docstring)."""
@@ -156,19 +197,20 @@ class Baseline:
         self.nic_rate = RunningMax(forget_seconds)
         self.link_downs = Episodes()
         self.job_activity = DecayingMax(activity_half_life, forget_seconds)
+        self._gpu_keys = _Zipped()
+        self._nic_keys = _Zipped()
 
     def gpu_power_limit(self, nodes: Sequence[str], gpus: Sequence[str], limit: FloatArray, t: float) -> FloatArray:
-        return self.power_limit.update(list(zip(nodes, gpus, strict=True)), limit, t)
+        return self.power_limit.update(self._gpu_keys.get(nodes, gpus), limit, t)
 
     def nic_capability(self, nodes: Sequence[str], devices: Sequence[str], ports: Sequence[str], rate: FloatArray,
                        t: float) -> FloatArray:
-        return self.nic_rate.update(list(zip(nodes, devices, ports, strict=True)), rate, t)
+        return self.nic_rate.update(self._nic_keys.get(nodes, devices, ports), rate, t)
 
     def nic_flaps(self, nodes: Sequence[str], devices: Sequence[str], ports: Sequence[str], downed: FloatArray,
                   t: float, horizon: float) -> FloatArray:
         """Per NIC: episodes of link downs that began within ``horizon`` seconds (a flapping link)."""
-        keys = list(zip(nodes, devices, ports, strict=True))
-        return self.link_downs.update(keys, np.nan_to_num(downed, nan=0.0) > 0, t, horizon)
+        return self.link_downs.update(self._nic_keys.get(nodes, devices, ports), np.nan_to_num(downed, nan=0.0) > 0, t, horizon)
 
     def job_activity_ratio(self, jobs: Sequence[tuple[str, str]], level: FloatArray, t: float) -> FloatArray:
         """Per (job, activity feature): this evaluation's level over the job's recent reference (NaN: no level

@@ -119,8 +119,10 @@ def node_causes(node: Mapping[str, Mapping[str, float]], frame: GpuFrame, p: Cau
     if len(names) < 2:
         return {}
 
+    rows = [node[n] for n in names]  # each node's values looked up once, not once per feature
+
     def col(f: str) -> FloatArray:
-        return np.array([float(v) if (v := node[n].get(f)) is not None else np.nan for n in names])
+        return np.array([float(v) if (v := r.get(f)) is not None else np.nan for r in rows])
 
     groups = _node_groups(names, frame)
     cpus, steal_s = col("host_cpus"), col("host_steal")

@@ -109,7 +109,9 @@ class Detector:
         self.edges = phases.JobEdges(cfg.straggler.min_peers)
         self.workload = WorkloadRouter(cfg.window_seconds)
         self._gpu_index = _EntityIndex()
+        self._fleet_index = _EntityIndex()  # the whole fleet's GPUs (before this replica's share is taken)
         self._nic_index = _EntityIndex()
+        self._nic_ids = _NicIds()
         self.last: Evaluation | None = None
 
     def evaluate(self, t: float) -> Evaluation:
@@ -159,7 +161,8 @@ class Detector:
         capability = self.baseline.nic_capability(nic.nodes, nic.devices, nic.ports, nic.get("nic_rate"), t)
         flaps = self.baseline.nic_flaps(nic.nodes, nic.devices, nic.ports, nic.get("nic_link_downed"), t,
                                         cfg.network.flap_hours * 3600.0)
-        nets = network.find(nic, g, cfg.network, capability, flaps, _quiet_nodes(g, cfg.straggler.busy_util))
+        quiet = _quiet_nodes(g, cfg.straggler.busy_util, self._fleet_index)
+        nets = network.find(nic, g, cfg.network, capability, flaps, quiet)
         # A link that went down within the flap horizon may go down again at any time: between its downs it
         # cannot be judged healthy, so its open findings (and the network straggler of a GPU it serves) are held.
         went_down = np.flatnonzero(flaps >= 1)
@@ -167,9 +170,10 @@ class Detector:
         gpus_flapped = {(nic.nodes[i], gg) for i in went_down for gg in nic.gpus[i]}
         nic_flags = {(c.node, c.gpu): c.score for c in nets if c.gpu is not None}
         whole = {c.node: c.score for c in nets if c.gpu is None and not c.nic}  # every fabric port of the node
-        for node, gpu in zip(g.nodes, g.gpus, strict=True):
-            if node in whole:
-                nic_flags.setdefault((node, gpu), whole[node])
+        if whole:  # (at 100k GPUs a pass over every GPU costs more than the rest of this stage)
+            for node, gpu in zip(g.nodes, g.gpus, strict=True):
+                if node in whole:
+                    nic_flags.setdefault((node, gpu), whole[node])
         return _Network(nets, nic_flags, nics_flapped, gpus_flapped)
 
     def _peers(self, g: GpuFrame, t: float) -> _Peers:
@@ -207,9 +211,8 @@ class Detector:
         valid = np.asarray(g.valid, dtype=bool)
         judged = peers.busy & np.asarray(st.scored, dtype=bool)
         gpu_pos, gpu_nodes = self._gpu_index.get(g.nodes, g.gpus)
-        nic_pos, _ = self._nic_index.get(snap.nic.nodes, [f"{d}/{p}" for d, p in
-                                                          zip(snap.nic.devices, snap.nic.ports, strict=True)])
-        gpus_low = {(n, gg) for n, gg, lo in zip(g.nodes, g.gpus, peers.low, strict=True) if lo}
+        nic_pos, _ = self._nic_index.get(snap.nic.nodes, self._nic_ids.get(snap.nic.devices, snap.nic.ports))
+        gpus_low = {(g.nodes[i], g.gpus[i]) for i in np.flatnonzero(peers.low).tolist()}
         busy_not_low = peers.busy & ~peers.low  # a node is low only when none of its busy GPUs works normally
         nodes_low = {n for n, _ in gpus_low if not bool(busy_not_low[gpu_nodes[n]].any())}
         open_causes = {k: f.cause for k, f in self.tracker.active.items()} if net.gpus_flapped else {}
@@ -245,15 +248,20 @@ class Detector:
         return low
 
 
-def _quiet_nodes(g: GpuFrame, busy_util: float) -> set[str]:
+def _quiet_nodes(g: GpuFrame, busy_util: float, index: _EntityIndex | None = None) -> set[str]:
     """Nodes whose GPUs did not compute steadily through the window: a job-wide phase edge on any of them (a
     checkpoint, an evaluation pass, a restart), or none busy. Their ports' traffic then is no collective
     traffic (a checkpoint's burst to storage is no congestion), so they are not judged for congestion."""
     edge = g.edge if g.edge is not None else np.zeros(len(g), dtype=bool)
     busy = np.nan_to_num(g.get("util"), nan=0.0) >= busy_util
-    at_edge = {n for n, e in zip(g.nodes, edge.tolist(), strict=True) if e}
-    computing = {n for n, b in zip(g.nodes, busy.tolist(), strict=True) if b}
-    return at_edge | (set(g.nodes) - computing)
+    index = index or _EntityIndex()  # the detector keeps one while the fleet's GPUs stay the same
+    index.get(g.nodes, g.gpus)
+    code, names = index.node_code, index.node_names  # per node, not a set built from every GPU
+    computing = np.zeros(len(names), dtype=bool)
+    computing[code[busy]] = True
+    at_edge = np.zeros(len(names), dtype=bool)
+    at_edge[code[np.asarray(edge, dtype=bool)]] = True
+    return {names[j] for j in np.flatnonzero(at_edge | ~computing).tolist()}
 
 
 class _EntityIndex:
@@ -264,6 +272,8 @@ class _EntityIndex:
         self.ids: list[str] = []
         self.pos: dict[tuple[str, str], int] = {}
         self.by_node: dict[str, np.ndarray] = {}
+        self.node_names: list[str] = []  # the distinct nodes, in order of their first entity
+        self.node_code = np.zeros(0, dtype=np.int64)  # per entity: its node's position in node_names
 
     def get(self, nodes: list[str], ids: list[str]) -> tuple[dict[tuple[str, str], int], dict[str, np.ndarray]]:
         if nodes != self.nodes or ids != self.ids:
@@ -273,7 +283,26 @@ class _EntityIndex:
             for i, n in enumerate(nodes):
                 groups.setdefault(n, []).append(i)
             self.by_node = {n: np.array(ix, dtype=np.int64) for n, ix in groups.items()}
+            self.node_names = list(groups)
+            self.node_code = np.zeros(len(nodes), dtype=np.int64)
+            for j, ix in enumerate(self.by_node.values()):
+                self.node_code[ix] = j
         return self.pos, self.by_node
+
+
+class _NicIds:
+    """Each NIC's "device/port", rebuilt only when the frame's devices or ports change."""
+
+    def __init__(self) -> None:
+        self.devices: list[str] = []
+        self.ports: list[str] = []
+        self.ids: list[str] = []
+
+    def get(self, devices: list[str], ports: list[str]) -> list[str]:
+        if devices != self.devices or ports != self.ports:
+            self.devices, self.ports = list(devices), list(ports)
+            self.ids = [f"{d}/{p}" for d, p in zip(devices, ports, strict=True)]
+        return self.ids
 
 
 @contextmanager

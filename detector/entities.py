@@ -7,6 +7,7 @@ evaluation then maps ids to frame positions with array indexing (:class:`EntityF
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -77,6 +78,7 @@ class Entities:
         # The last frame built from this table alone: its entity codes and each code's position.
         self.present: IntArray | None = None
         self.frame_keys: list[tuple[str, ...]] = []
+        self.frame_codes = np.zeros(0, dtype=np.int64)  # the entity code at each frame position
         self.code_pos = np.zeros(0, dtype=np.int64)
         self.memo: dict[str, Any] = {}
 
@@ -101,6 +103,39 @@ class Entities:
             self.array = np.array(self.codes, dtype=np.int64)
         return self.array
 
+    def reorder(self, present: IntArray) -> None:
+        """Make the frame the entities of ``present`` (sorted distinct codes), in key order: a new list of keys
+        (its identity tells the frame changed), each code's position. When only a few entities came or went
+        since the last frame (a node replaced, drained or added), the last order is edited (the gone removed,
+        the new inserted by bisection) rather than every key sorted again (at 100k GPUs a sort of tuples that
+        cost more than the rest of an evaluation's frame): the same order."""
+        last = self.present
+        added = removed = np.zeros(0, dtype=np.int64)
+        if last is not None:
+            added = np.setdiff1d(present, last, assume_unique=True)
+            removed = np.setdiff1d(last, present, assume_unique=True)
+        if last is None or len(added) + len(removed) > max(64, len(present) // 16):
+            order = sorted(present.tolist(), key=self.keys.__getitem__)
+            codes = np.array(order, dtype=np.int64)
+            keys = [self.keys[c] for c in order]
+        else:
+            codes = self.frame_codes
+            if len(removed):
+                keep = np.ones(len(codes), dtype=bool)
+                keep[self.code_pos[removed]] = False
+                codes = codes[keep]
+            if len(added):
+                kept = [self.keys[c] for c in codes.tolist()]
+                new = sorted(added.tolist(), key=self.keys.__getitem__)
+                at = [bisect.bisect_left(kept, self.keys[c]) for c in new]
+                codes = np.insert(codes, at, new)
+            keys = [self.keys[c] for c in codes.tolist()]
+        self.frame_keys = keys
+        self.frame_codes = codes
+        self.code_pos = np.full(len(self.keys), -1, dtype=np.int64)
+        self.code_pos[codes] = np.arange(len(codes), dtype=np.int64)
+        self.present = present
+
 
 class EntityFrame:
     """The entities of one frame (the sorted entities of the ``defining`` results) and each series' position."""
@@ -116,13 +151,10 @@ class EntityFrame:
             (table,) = tables.values()
             ents = self._entities(table)
             codes = np.concatenate([ents.get(table)[r.ids] for r in defining])
-            present = np.unique(codes[codes >= 0])
+            # the sorted distinct codes (as np.unique, counted rather than hashed or sorted)
+            present = np.flatnonzero(np.bincount(codes[codes >= 0], minlength=len(ents.keys)))
             if ents.present is None or not np.array_equal(present, ents.present):
-                ents.frame_keys = sorted(ents.keys[c] for c in present.tolist())
-                where = {k: i for i, k in enumerate(ents.frame_keys)}
-                ents.code_pos = np.full(len(ents.keys), -1, dtype=np.int64)
-                ents.code_pos[present] = [where[ents.keys[c]] for c in present.tolist()]
-                ents.present = present
+                ents.reorder(present)
             self.keys = ents.frame_keys
             self._index: dict[tuple[str, ...], int] | None = None
             self._pos_by_table[id(table)] = ents.code_pos

@@ -220,8 +220,7 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
     if cache is not None and cache.get("nic_gpus_for") == (nics.keys, gpus.keys, nicmap):
         served = cache["nic_gpus"]  # the same NICs, GPUs and map as last time
     if served is None:
-        nkeys = [(k[0], k[1], k[2]) for k in nics.keys]
-        served = _nic_gpus(nkeys, nicmap, gpu)
+        served = _nic_gpus(nics.keys, nicmap, gpu)
         if cache is not None:
             cache["nic_gpus_for"], cache["nic_gpus"] = (nics.keys, gpus.keys, nicmap), served
     n_nodes, n_devices, n_ports = nics.columns(3)
@@ -286,25 +285,37 @@ def _natural(s: str) -> tuple[tuple[int, str], ...]:
     return tuple((int(p), "") if p.isdigit() else (-1, p) for p in re.split(r"(\d+)", s))
 
 
-def _nic_gpus(nkeys: list[tuple[str, str, str]], nicmap: dict[tuple[str, str], list[str]],
+def _nic_gpus(nkeys: Sequence[tuple[str, ...]], nicmap: dict[tuple[str, str], list[str]],
               gpu: GpuFrame) -> list[list[str]]:
-    """GPUs each NIC serves: from gpufleet_nic_gpu_info, else rail order (i-th NIC of a node -> i-th GPU)."""
-    served = {k: (v if len(v) == 1 else sorted(set(v), key=_natural)) for k, v in nicmap.items() if v}
-    unmapped = {n for n, d, _ in nkeys if (n, d) not in served}
+    """GPUs each NIC ((node, device, port) keys) serves: from gpufleet_nic_gpu_info, else rail order (i-th NIC of
+    a node -> i-th GPU). One pass over the NICs where the map covers them (the lists may be the map's own: the
+    caller copies them into each frame)."""
+    unmapped_nic: list[str] = []  # (marks a NIC the map does not cover, by identity)
+    out: list[list[str]] = []
+    unmapped: set[str] = set()
+    for k in nkeys:
+        v = nicmap.get((k[0], k[1]))
+        if v:
+            out.append(v if len(v) == 1 else sorted(set(v), key=_natural))
+        else:
+            out.append(unmapped_nic)
+            unmapped.add(k[0])
+    if not unmapped:
+        return out
     rail: dict[tuple[str, str], list[str]] = {}
-    if unmapped:
-        node_gpus: dict[str, list[str]] = defaultdict(list)
-        for n, g in zip(gpu.nodes, gpu.gpus, strict=True):
-            if n in unmapped:
-                node_gpus[n].append(g)
-        node_nics: dict[str, dict[str, None]] = defaultdict(dict)
-        for n, d, _ in nkeys:
-            if n in unmapped:
-                node_nics[n][d] = None
-        for n, devs in node_nics.items():
-            gs = node_gpus.get(n, [])
-            if gs and len(devs) == len(gs):
-                for d, g in zip(sorted(devs, key=_natural), sorted(gs, key=_natural), strict=True):
-                    rail[(n, d)] = [g]
+    node_gpus: dict[str, list[str]] = defaultdict(list)
+    for n, g in zip(gpu.nodes, gpu.gpus, strict=True):
+        if n in unmapped:
+            node_gpus[n].append(g)
+    node_nics: dict[str, dict[str, None]] = defaultdict(dict)
+    for k in nkeys:
+        if k[0] in unmapped:
+            node_nics[k[0]][k[1]] = None
+    for n, devs in node_nics.items():
+        gs = node_gpus.get(n, [])
+        if gs and len(devs) == len(gs):
+            for d, g in zip(sorted(devs, key=_natural), sorted(gs, key=_natural), strict=True):
+                rail[(n, d)] = [g]
     none: list[str] = []
-    return [list(served.get((n, d)) or rail.get((n, d)) or none) for n, d, _ in nkeys]
+    return [v if v is not unmapped_nic else list(rail.get((k[0], k[1])) or none)
+            for k, v in zip(nkeys, out, strict=True)]

@@ -144,6 +144,11 @@ class Tracker:
         #: open incident -> (node, gpu, site, job) of its first finding: the labels its series keeps while open
         self.incident_meta: dict[str, tuple[str, str, str, str, str, str]] = {}
         self.closed: deque[Finding] = deque(maxlen=max(1, history))
+        # The open findings of each node (in the order they opened) and the number open of each incident: what
+        # an opening finding's incident and a closing finding's incident labels look up, instead of a pass over
+        # every open finding each time (a fleet-wide event opens and closes findings by the thousand).
+        self._open_on_node: dict[str, dict[Key, None]] = {}
+        self._open_in_incident: dict[str, int] = {}
 
     def update(self, t: float, candidates: Iterable[tuple[str, Candidate]],
                observed: Callable[[Key], bool], held: Callable[[Key], bool] | None = None) -> None:
@@ -239,7 +244,7 @@ class Tracker:
             f.cause = _top(f.causes) or f.cause
             f.evidence = c.evidence
             f.job = c.job or f.job
-            self.active[k] = f
+            self._activate(k, f)
             self.incident_meta.setdefault(f.incident, (f.node or "", f.gpu or "", f.site or "", f.job or "",
                                                        f.namespace, f.pod))
             return True
@@ -259,8 +264,9 @@ class Tracker:
                     pattern=best.pattern, owner=best.owner, group=best.group)
         f.incident = self._related_incident(f) or incident_id(k, start)  # issue 24: not the opening time
         if c.gpu is None and kinds.spec(kind).on_nodes and not c.group:
-            for ok, of in list(self.active.items()):
-                if of.kind == kind and of.node == f.node and of.gpu is not None and not of.nic:
+            for ok in list(self._open_on_node.get(f.node or "", ())):
+                of = self.active[ok]
+                if of.kind == kind and of.gpu is not None and not of.nic:
                     f.start = min(f.start, of.start)
                     f.opened = min(f.opened, of.opened)  # detected when its first GPU was
                     of.absorbed_by = f.incident
@@ -268,7 +274,7 @@ class Tracker:
             for pk in [pk for pk in self.pending if pk[0] == kind and pk[1] == c.node and pk[2]]:
                 del self.pending[pk]
         f.key = k
-        self.active[k] = f
+        self._activate(k, f)
         self.incident_meta.setdefault(f.incident, (f.node or "", f.gpu or "", f.site or "", f.job or "", f.namespace,
                                                    f.pod))
 
@@ -276,23 +282,46 @@ class Tracker:
         """The incident of an open finding on the same node and GPU (or on the whole node), if any."""
         if not kinds.spec(f.kind).on_nodes or not f.node or f.group:
             return ""
-        for of in self.active.values():
+        for ok in self._open_on_node.get(f.node, ()):
+            of = self.active[ok]
             if of.group:  # a job-level ticket (a workload pattern) is an incident of its own
                 continue
-            if of.node == f.node and kinds.spec(of.kind).on_nodes and (of.gpu == f.gpu or of.gpu is None
+            if kinds.spec(of.kind).on_nodes and (of.gpu == f.gpu or of.gpu is None
                                                                        or f.gpu is None):
                 return of.incident
         return ""
 
-    def _close(self, k: Key, end: float) -> None:
+    def _activate(self, k: Key, f: Finding) -> None:
+        if k in self.active:
+            self._deactivate(k)
+        self.active[k] = f
+        if f.node:
+            self._open_on_node.setdefault(f.node, {})[k] = None
+        self._open_in_incident[f.incident] = self._open_in_incident.get(f.incident, 0) + 1
+
+    def _deactivate(self, k: Key) -> Finding:
         f = self.active.pop(k)
+        on_node = self._open_on_node.get(f.node or "")
+        if on_node is not None:
+            on_node.pop(k, None)
+            if not on_node:
+                del self._open_on_node[f.node or ""]
+        left = self._open_in_incident.get(f.incident, 0) - 1
+        if left > 0:
+            self._open_in_incident[f.incident] = left
+        else:
+            self._open_in_incident.pop(f.incident, None)
+        return f
+
+    def _close(self, k: Key, end: float) -> None:
+        f = self._deactivate(k)
         f.end = end
         self.clear.pop(k, None)
         self.clear_since.pop(k, None)
         self.clear_seconds.pop(k, None)
         self.unseen.pop(k, None)
         self.closed.append(f)
-        if not any(a.incident == f.incident for a in self.active.values()):
+        if f.incident not in self._open_in_incident:
             self.incident_meta.pop(f.incident, None)
 
     def all_findings(self) -> list[Finding]:

@@ -175,7 +175,9 @@ def slice_frame(snap: FeatureFrame, naming: NodeNaming, coverage: float = 0.8) -
         elif (holder := _pod_of(lb)) is not None:
             pods[key][holder] = pods[key].get(holder, 0.0) + v
     keys = sorted(profile)
-    parents = {(n, g): i for i, (n, g) in enumerate(zip(snap.gpu.nodes, snap.gpu.gpus, strict=True))}
+    slice_nodes = {k[0] for k in keys}  # the parents looked up: the GPUs of these nodes, not the whole fleet's
+    parents = {(n, g): i for i, (n, g) in enumerate(zip(snap.gpu.nodes, snap.gpu.gpus, strict=True))
+               if n in slice_nodes} if keys else {}
     pos = {k: i for i, k in enumerate(keys)}
     n = len(keys)
     values = {f: np.full(n, np.nan) for f in (*OWN.values(), *PARENT, "samples")}

@@ -151,15 +151,23 @@ def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray 
     # storage/front-end ports burst and pause by design (checkpoints): only the GPU fabric is judged
     for mask, value, what in nic_fabric(nic, p.min_peers, p.pause_min):
         flag(mask & fabric & steady, value, what)
-    job_of = {(nd, g): j for nd, g, j in zip(gpu.nodes, gpu.gpus, gpu.jobs, strict=True)}
     flagged = np.flatnonzero(score >= p.threshold)
+    if not len(flagged):
+        return []
+    # The jobs and fabric port counts of the flagged NICs' nodes only (at 100k GPUs a map of the whole fleet
+    # would cost more than the rest of this function).
+    flagged_nodes = {nic.nodes[i] for i in flagged}
+    job_of = {(nd, g): j for nd, g, j in zip(gpu.nodes, gpu.gpus, gpu.jobs, strict=True) if nd in flagged_nodes}
     per_node: dict[str, list[int]] = defaultdict(list)
     for i in flagged:
         if fabric[i]:
             per_node[nic.nodes[i]].append(int(i))
     fabric_ports: dict[str, int] = defaultdict(int)
-    for i in np.flatnonzero(fabric):
-        fabric_ports[nic.nodes[i]] += 1
+    several = {nd for nd, ks in per_node.items() if len(ks) >= 2}
+    if several:
+        for i in np.flatnonzero(fabric):
+            if nic.nodes[i] in several:
+                fabric_ports[nic.nodes[i]] += 1
     whole = {nd for nd, ks in per_node.items() if len(ks) >= 2 and len(ks) >= p.node_fraction * fabric_ports[nd]}
     out: list[Candidate] = []
     for nd in sorted(whole):

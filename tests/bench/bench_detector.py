@@ -1,6 +1,6 @@
 """Detector benchmarks: one evaluation over N GPUs from in-memory features, and replay throughput.
 
-Run: ``.venv/bin/python tests/bench/bench_detector.py [--gpus 10000 30000 100000] [--repeat 3]``.
+Run: ``.venv/bin/python tests/bench/bench_detector.py [--gpus 10000 30000 100000] [--repeat 3] [--replay-nodes 0]``.
 Evaluation = the full Detector.evaluate (feature frames from query results, straggler robust z + IsolationForest,
 throttling, network, findings) over a fleet of 8-GPU nodes in 256-GPU jobs with one straggler per job; the
 source answers every query from memory, so the figure excludes Prometheus' own query time.
@@ -11,6 +11,8 @@ every evaluation), timed beside ``promtool tsdb create-blocks-from openmetrics``
 from __future__ import annotations
 
 import argparse
+import hashlib
+import itertools
 import os
 import resource
 import shutil
@@ -19,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +61,7 @@ def fleet_labels(q: Query, g: int, nodes: list[str]) -> dict[str, str]:
 class MemorySource:
     """Answers each query with one series per GPU (or NIC) from arrays built up front."""
 
-    def __init__(self, n_gpus: int, seed: int = 0) -> None:
+    def __init__(self, n_gpus: int, seed: int = 0, mixed: bool = False) -> None:
         self.query_errors = 0
         rng = np.random.default_rng(seed)
         self.results: dict[Query, Result] = {}
@@ -81,6 +84,10 @@ class MemorySource:
                     v = 1.4e9
                 if g in stragglers and q.feature == "tensor":
                     v = 0.75
+                if mixed and (g // 8) % 20 == 7 and q.feature == "util":
+                    v = 0.0  # an idle node (one in 20): its GPUs not judged, its NICs quiet
+                if mixed and g % 512 == 3 and q.feature == "nic_symbol_errors":
+                    v = 100.0  # a NIC with symbol errors (one in 512): a network candidate on a busy node
                 res.append((labels, v))
             self.results[q] = Result.from_pairs(res, self.table)
 
@@ -88,21 +95,91 @@ class MemorySource:
         return self.results.get(query) or Result.empty(self.table)
 
 
-def bench_eval(n: int, repeat: int) -> None:
-    src = MemorySource(n)
+def bench_eval(sizes: list[int] | int, repeat: int, mixed: bool = False) -> None:
+    """Evaluation CPU per GPU at each size, and its growth between sizes, with every size measured in one process.
+
+    Each size gets a detector of its own; after one cold evaluation each (per-table caches built: reported
+    apart), the sizes are evaluated in turns, ``repeat`` rounds, a smaller size several times a round (up to 10,
+    so that each size evaluates about as many GPUs in all), and each evaluation's CPU time is kept: a change of
+    the machine's load falls on every size alike. Figures are medians; the growth is the per-GPU CPU at one size
+    over that at the size before it. Then one more evaluation per size under tracemalloc: the peak of memory allocated
+    during an evaluation (the query answers it reads are held by the source, before and after)."""
+    sizes = [sizes] if isinstance(sizes, int) else sorted(sizes)
     cfg = parse({"findings": {"open_after": 1}})
-    det = Detector(cfg, src)
-    walls, cpus = [], []
-    for i in range(repeat):
-        c0, w0 = time.process_time(), time.perf_counter()
-        ev = det.evaluate(1_700_000_000.0 + 60 * i)
-        walls.append(time.perf_counter() - w0)
-        cpus.append(time.process_time() - c0)
-    found = sum(1 for kind, _ in ev.candidates if kind == "straggler")
-    wall = statistics.median(walls)
-    print(f"evaluate {n:>7} GPUs: median wall {wall:.3f} s ({wall / n * 1e6:.1f} us/GPU), "
-          f"cpu {statistics.median(cpus):.3f} s over {repeat} runs; straggler candidates {found} "
-          f"(planted {len(range(5, n, 256))})")
+    dets: dict[int, Detector] = {}
+    cold: dict[int, float] = {}
+    found: dict[int, int] = {}
+    digest: dict[int, str] = {}
+    for n in sizes:
+        dets[n] = Detector(cfg, MemorySource(n, mixed=mixed))
+        c0 = time.process_time()
+        dets[n].evaluate(1_700_000_000.0)
+        cold[n] = time.process_time() - c0
+    cpus: dict[int, list[float]] = {n: [] for n in sizes}
+    walls: dict[int, list[float]] = {n: [] for n in sizes}
+    turns = {n: min(10, max(1, max(sizes) // n)) for n in sizes}
+    t = 1_700_000_000.0
+    for _ in range(repeat):
+        for n in sizes:
+            for _ in range(turns[n]):
+                t += 60.0
+                c0, w0 = time.process_time(), time.perf_counter()
+                ev = dets[n].evaluate(t)
+                walls[n].append(time.perf_counter() - w0)
+                cpus[n].append(time.process_time() - c0)
+                found[n] = sum(1 for kind, _ in ev.candidates if kind == "straggler")
+                digest[n] = hashlib.sha256(repr((ev.candidates, sorted(
+                    dets[n].tracker.active.items(), key=repr))).encode()).hexdigest()[:12]
+    peak: dict[int, float] = {}
+    for n in sizes:
+        tracemalloc.start()
+        t += 60.0
+        dets[n].evaluate(t)
+        peak[n] = tracemalloc.get_traced_memory()[1] / 2**20
+        tracemalloc.stop()
+    per_gpu = {n: statistics.median(cpus[n]) / n for n in sizes}
+    print(f"{'GPUs':>8} {'evals':>5} {'CPU s/eval':>10} {'CPU us/GPU':>10} {'growth':>7} {'wall s':>7} "
+          f"{'cold CPU s':>10} {'eval peak MiB':>13}  stragglers (findings digest)")
+    for n in sizes:
+        cpu = statistics.median(cpus[n])
+        growth = f"{per_gpu[n] / per_gpu[prev]:>6.2f}x" if (prev := _before(sizes, n)) else f"{'':>7}"
+        print(f"{n:>8} {len(cpus[n]):>5} {cpu:>10.3f} {cpu / n * 1e6:>10.2f} {growth} "
+              f"{statistics.median(walls[n]):>7.3f} {cold[n]:>10.3f} {peak[n]:>13.0f}  {found[n]} (planted "
+              f"{len(range(5, n, 256))}; {digest[n]})")
+    for a, b in itertools.pairwise(sizes):
+        print(f"per-GPU CPU growth {a:,} -> {b:,} GPUs: {per_gpu[b] / per_gpu[a]:.2f}x (medians)")
+    print(f"every evaluation's CPU ms at {sizes[-1]:,} GPUs: {' '.join(f'{x * 1e3:.0f}' for x in cpus[sizes[-1]])}")
+
+
+def _before(sizes: list[int], n: int) -> int | None:
+    i = sizes.index(n)
+    return sizes[i - 1] if i else None
+
+
+def bench_storm(counts: list[int], repeat: int) -> None:
+    """Findings opening and closing by the thousand (a fleet-wide event): the tracker's CPU per finding, medians
+    (the collector paused, as during an evaluation)."""
+    from gpufleet.detector.candidate import Candidate, Evidence
+    from gpufleet.detector.engine import gc_paused
+    from gpufleet.detector.findings import Tracker
+
+    for n in counts:
+        opens, closes = [], []
+        for _ in range(repeat):
+            tr = Tracker(open_after=1, close_after=1, merge_seconds=0)
+            cands = [("straggler", Candidate(f"node-{i:06d}", "5", f"job-{i // 32}", "dc1", "clock", 8.0, Evidence()))
+                     for i in range(n)]
+            with gc_paused():
+                c0 = time.process_time()
+                tr.update(1_700_000_000.0, cands, lambda k: True)
+                opens.append(time.process_time() - c0)
+                c0 = time.process_time()
+                tr.update(1_700_000_060.0, [], lambda k: True)
+                closes.append(time.process_time() - c0)
+            assert not tr.active and len(tr.closed) == n
+        print(f"tracker: {n:>6} findings opening at once {statistics.median(opens) * 1e3:7.1f} ms "
+              f"({statistics.median(opens) / n * 1e6:.1f} us each), closing at once "
+              f"{statistics.median(closes) * 1e3:7.1f} ms ({statistics.median(closes) / n * 1e6:.1f} us each)")
 
 
 def bench_replay(nodes: int, repeat: int) -> None:
@@ -152,16 +229,49 @@ def _children_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+def before_and_after(rev: str, sizes: list[int], repeat: int, mixed: bool = False, storm: list[int] | None = None
+                     ) -> None:
+    """The evaluation benchmark on revision ``rev``'s detector, then on this tree's, each in a fresh process."""
+    root = Path(__file__).resolve().parent.parent.parent
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--gpus", *map(str, sizes), "--repeat", str(repeat),
+           "--replay-nodes", "0", *(["--mixed"] if mixed else []), *(["--storm", *map(str, storm)] if storm else [])]
+    with tempfile.TemporaryDirectory() as d:
+        pkg = Path(d) / "gpufleet"
+        pkg.mkdir()
+        archive = subprocess.run(["git", "-C", str(root), "archive", rev, "detector", "agent"], capture_output=True,
+                                 check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(pkg)], input=archive, check=True)
+        for label, env in ((f"before ({rev})", {**os.environ, "PYTHONPATH": d}), ("after (this tree)", None)):
+            print(f"--- {label}", flush=True)
+            subprocess.run(cmd, env=env, check=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--gpus", type=int, nargs="+", default=[10_000, 30_000, 100_000])
+    ap.add_argument("--gpus", type=int, nargs="*", default=[10_000, 30_000, 100_000])
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--replay-nodes", type=int, default=16, help="nodes (8 GPUs each) of the replayed recording")
+    ap.add_argument("--replay-nodes", type=int, default=16,
+                    help="nodes (8 GPUs each) of the replayed recording; 0: no replay benchmark")
+    ap.add_argument("--mixed", action="store_true", help="a fleet with idle nodes (1 in 20) and NICs with symbol "
+                    "errors (1 in 512: network findings, and the GPUs they serve straggler candidates of cause network) "
+                    "besides the stragglers")
+    ap.add_argument("--storm", type=int, nargs="*", default=[], metavar="N",
+                    help="also time the tracker with N findings opening and then closing at once")
+    ap.add_argument("--before", metavar="REV", help="also run the evaluation benchmark on the detector of git "
+                    "revision REV (its detector/ and agent/ exported to a temporary directory), before this tree's")
     args = ap.parse_args()
-    print(f"cpus available: {len(os.sched_getaffinity(0))}")
-    for n in args.gpus:
-        bench_eval(n, args.repeat)
-    bench_replay(args.replay_nodes, args.repeat)
+    if args.before:
+        before_and_after(args.before, args.gpus, args.repeat, args.mixed, args.storm)
+        if args.replay_nodes > 0:
+            bench_replay(args.replay_nodes, args.repeat)
+        return
+    print(f"cpus available: {len(os.sched_getaffinity(0))}, load average {os.getloadavg()[0]:.1f}")
+    if args.gpus:
+        bench_eval(args.gpus, args.repeat, args.mixed)
+    if args.storm:
+        bench_storm(args.storm, args.repeat)
+    if args.replay_nodes > 0:
+        bench_replay(args.replay_nodes, args.repeat)
     print(f"max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
 
 

@@ -176,3 +176,39 @@ def test_running_max_is_the_max_of_each_entitys_history() -> None:
                 plain[k] = (max(v, plain[k][0]) if k in plain else v, t)
             want = plain[k][0] if k in plain else np.nan
             assert (np.isnan(want) and np.isnan(g)) or g == want, (step, k)
+
+
+def test_link_down_episodes_equal_a_plain_pass_over_every_nic() -> None:
+    """Episodes visits only the NICs with a down now or an episode remembered; its counts and state equal a
+    plain per-key pass over every NIC, through NICs coming and going, downs, quiet spells and the horizon.
+    Columns are given to Baseline.nic_flaps as fresh lists each time (as collect() gives them)."""
+    rng = np.random.default_rng(11)
+    base = Baseline()
+    on: set[tuple[str, str, str]] = set()
+    starts: dict[tuple[str, str, str], list[float]] = {}
+    universe = [(f"node-{i:02d}", f"mlx5_{i % 3}", "1") for i in range(20)]
+    horizon = 1800.0
+    for step in range(200):
+        t = 60.0 * step
+        keys = [k for k in universe if rng.random() < 0.9] if step % 5 == 0 else universe
+        down = np.where(rng.random(len(keys)) < 0.04, rng.integers(1, 3, len(keys)), 0).astype(float)
+        down[rng.random(len(keys)) < 0.02] = np.nan
+        got = base.nic_flaps([k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys], down, t, horizon)
+        want = np.zeros(len(keys))
+        for i, k in enumerate(keys):  # the plain pass (the definition)
+            active = bool(np.nan_to_num(down[i], nan=0.0) > 0)
+            if active and k not in on:
+                on.add(k)
+                starts.setdefault(k, []).append(t)
+            elif not active:
+                on.discard(k)
+            ts = starts.get(k)
+            if ts:
+                while ts and ts[0] < t - horizon:
+                    ts.pop(0)
+                want[i] = len(ts)
+                if not ts:
+                    del starts[k]
+        assert got.tolist() == want.tolist(), step
+        assert base.link_downs.on == on and base.link_downs.starts == starts, step
+    assert max(len(v) for v in starts.values()) >= 2  # some NIC flapped (the test saw episodes)

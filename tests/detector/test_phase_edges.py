@@ -115,7 +115,7 @@ def test_a_storage_bond_bursting_at_a_checkpoint_is_no_congestion(monkeypatch: p
     from gpufleet.detector import engine
 
     assert not [f for f in _run(duration=1300.0) if f.kind == "network"]
-    monkeypatch.setattr(engine, "_quiet_nodes", lambda g, busy_util: set())
+    monkeypatch.setattr(engine, "_quiet_nodes", lambda g, busy_util, index=None: set())
     assert [(f.kind, f.node, f.nic) for f in _run(duration=1300.0) if f.kind == "network"] == [
         ("network", "10.0.0.5", "mlx5_bond_0/1")]
 

@@ -1,0 +1,47 @@
+"""The GPUs each NIC serves (one pass where the map covers the NICs) equal a plain reading of the rule: the map's
+GPUs (sorted, once each), else rail order on a node whose NICs and GPUs are as many, else none."""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+import numpy as np
+
+from gpufleet.detector.features import _natural, _nic_gpus
+from gpufleet.detector.frames import GpuFrame
+
+
+def _plain(nkeys: list[tuple[str, str, str]], nicmap: dict[tuple[str, str], list[str]],
+           gpu_nodes: list[str], gpu_ids: list[str]) -> list[list[str]]:
+    out = []
+    for n, d, _ in nkeys:
+        mapped = nicmap.get((n, d))
+        if mapped:
+            out.append(sorted(set(mapped), key=_natural))
+            continue
+        devs = sorted({dd for nn, dd, _ in nkeys if nn == n}, key=_natural)
+        gs = sorted((g for nn, g in zip(gpu_nodes, gpu_ids, strict=True) if nn == n), key=_natural)
+        unmapped = any(not nicmap.get((n, dd)) for dd in devs)
+        out.append([gs[devs.index(d)]] if unmapped and gs and len(devs) == len(gs) else [])
+    return out
+
+
+def test_nic_gpus_equal_the_plain_rule() -> None:
+    rng = random.Random(3)
+    for _ in range(200):
+        nodes = [f"n{i}" for i in range(rng.randrange(1, 5))]
+        nkeys = sorted({(n, f"mlx5_{rng.randrange(12)}", rng.choice(["1", "2"])) for n in nodes
+                        for _ in range(rng.randrange(0, 5))})
+        gpu_nodes, gpu_ids = [], []
+        for n in nodes:
+            for g in rng.sample(range(12), rng.randrange(0, 5)):
+                gpu_nodes.append(n)
+                gpu_ids.append(str(g))
+        nicmap: dict[tuple[str, str], list[str]] = defaultdict(list)
+        for n, d, _ in nkeys:
+            if rng.random() < 0.5:
+                nicmap[(n, d)] = [str(rng.randrange(12)) for _ in range(rng.randrange(0, 4))]
+        frame = GpuFrame(gpu_nodes, gpu_ids, [""] * len(gpu_ids), [None] * len(gpu_ids), [""] * len(gpu_ids), {},
+                         np.ones(len(gpu_ids), dtype=bool), np.zeros(len(gpu_ids), dtype=bool))
+        assert _nic_gpus(nkeys, dict(nicmap), frame) == _plain(nkeys, dict(nicmap), gpu_nodes, gpu_ids)
