@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from gpufleet.detector import cause_rules, causes
+from gpufleet.detector import cause_rules, causes, iforest
 from gpufleet.detector.candidate import DIRECT, Candidate, Evidence
 from gpufleet.detector.features import NVLINK_ERROR_FEATURES, GpuFrame
 from gpufleet.detector.robust import grouped_robust_z
@@ -189,12 +189,9 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
     undecided = (r_scored * 1.25 >= p.threshold) & (r_scored * 0.75 < p.threshold)
     if p.isolation_forest and z and scored.sum() >= 16 and undecided.any():
         mat = np.column_stack([np.clip(np.nan_to_num(z[f][scored], nan=0.0), -50, 50) for f in z])
-        # imported only when a forest is fitted: the import alone costs about a second of start-up
-        from sklearn.ensemble import IsolationForest
-
-        forest = IsolationForest(n_estimators=50, max_samples=min(256, mat.shape[0]), random_state=p.seed)
-        forest.fit(mat)
-        iso[scored] = np.clip((-forest.score_samples(mat) - 0.45) / 0.25, 0.0, 1.0)
+        # IsolationForest(n_estimators=50, max_samples=min(256, n), random_state=p.seed)'s scores, bit for bit;
+        # scikit-learn is imported only when a forest is fitted (the import alone costs most of a second)
+        iso[scored] = np.clip((iforest.scores(mat, 50, p.seed) - 0.45) / 0.25, 0.0, 1.0)
     combined = np.where(scored, robust * (0.75 + 0.5 * iso), np.nan)
     flags = nic_flags or {}
     hit = np.nan_to_num(combined, nan=0.0) >= p.threshold
