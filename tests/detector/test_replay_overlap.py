@@ -165,3 +165,23 @@ def test_a_daemonic_process_reads_the_file_itself(recording: Path) -> None:
         got = pool.map(_replay_in_pool, [str(recording)])[0]
     assert got == _plain(replay([str(recording)], _cfg(), overlap=False)[1])
     assert got
+
+
+def test_packed_series_unpack_to_the_same_series() -> None:
+    """The worker sends the series as a few large arrays; unpacked they are the same series, in the same order,
+    series that shared a timestamp array still share one, and anything not float64 is left unpacked."""
+    shared = np.array([10.0, 25.0, 40.0])
+    series = {"a": [sr.Series({"x": "1"}, shared, np.array([1.0, 2.0, 3.0])),
+                    sr.Series({"x": "2"}, np.array([11.0]), np.array([7.0]))],
+              "b": [],
+              "c": [sr.Series({"y": "z"}, shared, np.array([-1.0, 0.5, np.inf]))]}
+    packed = sr._pack(series)
+    assert packed is not None
+    got = sr._unpack(packed)
+    assert list(got) == ["a", "b", "c"]
+    assert {n: [(s.labels, s.ts.tolist(), s.values.tolist()) for s in ss] for n, ss in got.items()} == \
+        {n: [(s.labels, s.ts.tolist(), s.values.tolist()) for s in ss] for n, ss in series.items()}
+    assert np.shares_memory(got["a"][0].ts, got["c"][0].ts)
+    assert sr._unpack(sr._pack({}) or ([], [], [], np.zeros(0, np.int64), np.zeros(0, np.int64),
+                                       np.zeros(0), np.zeros(0))) == {}
+    assert sr._pack({"a": [sr.Series({}, np.array([1], dtype=np.int64), np.array([1.0]))]}) is None
