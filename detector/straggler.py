@@ -46,6 +46,8 @@ from gpufleet.detector.features import NVLINK_ERROR_FEATURES, GpuFrame
 from gpufleet.detector.robust import grouped_robust_z
 
 FloatArray = np.ndarray
+IntArray = np.ndarray
+BoolArray = np.ndarray
 
 #: feature -> (absolute floor, relative floor, direction in the robust score: +1 higher is worse, -1 lower, 0 none)
 FEATURES: dict[str, tuple[float, float, int]] = {
@@ -107,6 +109,34 @@ def peer_key(frame: GpuFrame, i: int, p: StragglerParams, limit_ref: FloatArray 
     return key
 
 
+#: The last job/model codes of :func:`_job_model_codes` and what they were computed from: in replay and between
+#: live evaluations the frame's jobs, namespaces and models are mostly the same lists (compared, not rebuilt).
+_last_codes: list[tuple[list[str | None], list[str | None], list[str], bool, IntArray, BoolArray]] = []
+
+
+def _job_model_codes(jobs: list[str | None], namespaces: list[str | None], models: list[str],
+                     compare_jobless: bool) -> tuple[IntArray, BoolArray]:
+    """Per GPU: a code per distinct (job, namespace, model), numbered in order of first appearance, and whether
+    the GPU has no peers by these alone (MIG mode; no job where jobless GPUs are not compared)."""
+    if _last_codes:
+        j, s, m, c, code, peerless = _last_codes[0]
+        if c == compare_jobless and j == jobs and s == namespaces and m == models:
+            return code, peerless
+    n = len(jobs)
+    ns = list(namespaces) + [None] * (n - len(namespaces))
+    index: dict[tuple[str, str, str], int] = {}
+    code = np.empty(n, dtype=np.int64)
+    peerless = np.zeros(n, dtype=bool)
+    for i, (job, space, model) in enumerate(zip(jobs, ns, models, strict=True)):
+        if " MIG " in model or (not job and not compare_jobless):
+            peerless[i] = True
+        code[i] = index.setdefault((job or "", (space or "") if job else "", model), len(index))
+    code.flags.writeable = False
+    peerless.flags.writeable = False
+    _last_codes[:] = [(list(jobs), list(namespaces), list(models), compare_jobless, code, peerless)]
+    return code, peerless
+
+
 def _groups(frame: GpuFrame, eligible: FloatArray, p: StragglerParams,
             limit_ref: FloatArray | None = None) -> FloatArray:
     """Peer-group id per GPU (-1: not scored): the groups of :func:`peer_key` with at least ``min_peers`` eligible
@@ -116,13 +146,8 @@ def _groups(frame: GpuFrame, eligible: FloatArray, p: StragglerParams,
     ok = np.asarray(eligible, dtype=bool).copy()
     if frame.sync is not None:
         ok &= np.asarray(frame.sync, dtype=bool)
-    ns = list(frame.namespaces) + [None] * (n - len(frame.namespaces))
-    index: dict[tuple[str, str, str], int] = {}
-    code = np.empty(n, dtype=np.int64)
-    for i, (job, space, model) in enumerate(zip(frame.jobs, ns, frame.models, strict=True)):
-        if " MIG " in model or (not job and not p.compare_jobless):
-            ok[i] = False
-        code[i] = index.setdefault((job or "", (space or "") if job else "", model), len(index))
+    code, peerless = _job_model_codes(frame.jobs, frame.namespaces, frame.models, p.compare_jobless)
+    ok &= ~peerless
     if limit_ref is not None:
         lim = np.asarray(limit_ref, dtype=float)
         with np.errstate(invalid="ignore"):

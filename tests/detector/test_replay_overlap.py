@@ -208,3 +208,26 @@ def test_packed_series_unpack_to_the_same_series() -> None:
     assert sr._unpack(sr._pack({}) or ([], [], [], np.zeros(0, np.int64), np.zeros(0, np.int64),
                                        np.zeros(0), np.zeros(0))) == {}
     assert sr._pack({"a": [sr.Series({}, np.array([1], dtype=np.int64), np.array([1.0]))]}) is None
+
+
+def test_peer_groups_follow_the_frames_jobs_when_they_change_in_place() -> None:
+    """The peer groups' job/model codes are reused while the frame's jobs, namespaces and models are the same;
+    a list changed in place (a job ends, a pod moves namespace) gives new groups."""
+    from gpufleet.detector.features import GpuFrame
+    from gpufleet.detector.straggler import StragglerParams, _groups
+
+    n = 12
+    jobs: list[str | None] = [*(["a"] * 6), *(["b"] * 6)]
+    frame = GpuFrame([f"n{i // 4}" for i in range(n)], [str(i % 4) for i in range(n)], ["s"] * n, jobs,
+                     ["H100"] * n, {}, np.ones(n, dtype=bool), np.zeros(n, dtype=bool), [None] * n,
+                     [None] * n, np.ones(n, dtype=bool))
+    p = StragglerParams(min_peers=3)
+    ok = np.ones(n, dtype=bool)
+    assert _groups(frame, ok, p).tolist() == [0] * 6 + [1] * 6
+    assert _groups(frame, ok, p).tolist() == [0] * 6 + [1] * 6
+    jobs[6:] = [None] * 6  # job b ended: its GPUs have no peers
+    assert _groups(frame, ok, p).tolist() == [0] * 6 + [-1] * 6
+    frame.namespaces[:3] = ["x"] * 3  # three of a's GPUs in another namespace: a job of its own
+    assert _groups(frame, ok, p).tolist() == [0] * 3 + [1] * 3 + [-1] * 6
+    frame.models[3] = "A100"  # GPU 3 of another model: no peers, and GPUs 4 and 5 too few
+    assert _groups(frame, ok, p).tolist() == [0] * 3 + [-1] * 9
