@@ -46,15 +46,36 @@ def robust_z(x: FloatArray, abs_floor: float = 0.0, rel_floor: float = 0.0) -> F
     return (x - med) / scale
 
 
+#: Up to this many group ids (-1 included), :func:`grouped_robust_z` takes one group at a time (fewer numpy calls).
+FEW_GROUPS = 6
+
+
 def grouped_robust_z(x: FloatArray, groups: FloatArray, abs_floor: float = 0.0, rel_floor: float = 0.0) -> FloatArray:
     """Robust z of ``x`` within each group (``groups``: integer group ids, -1 = no group -> NaN).
 
-    Each group's :func:`robust_z`, for all groups at once: the finite values sorted by (group, value) give every
-    group's median and, sorted again by deviation, its MAD, by the same arithmetic as :func:`median` (so the
-    same numbers, to the sign of a zero), with a few numpy calls per evaluation rather than a few per group."""
+    Each group's :func:`robust_z`: one group at a time where there are few (:data:`FEW_GROUPS`), else all at once
+    (:func:`_all_groups_z`, the same numbers to the last bit and the sign of a zero)."""
     out = np.full(x.shape, np.nan)
     if x.size == 0:
         return out
+    order = np.argsort(groups, kind="stable")
+    g_sorted = groups[order]
+    bounds = np.flatnonzero(np.diff(g_sorted)) + 1
+    if len(bounds) >= FEW_GROUPS:
+        return _all_groups_z(x, groups, abs_floor, rel_floor, out)
+    for idx in np.split(order, bounds):
+        if groups[idx[0]] < 0:
+            continue
+        out[idx] = robust_z(x[idx], abs_floor, rel_floor)
+    return out
+
+
+def _all_groups_z(x: FloatArray, groups: FloatArray, abs_floor: float, rel_floor: float,
+                  out: FloatArray) -> FloatArray:
+    """:func:`grouped_robust_z` for all groups at once, into ``out`` (all NaN): the finite values sorted by
+    (group, value) give every group's median and, sorted again by deviation, its MAD, by the arithmetic of
+    :func:`median` (so the same numbers), with a few numpy calls in all rather than a few per group (at 8
+    groups of 192 GPUs about half the time, and less the more groups)."""
     grouped = groups >= 0
     fin = grouped & np.isfinite(x)
     if not fin.any():

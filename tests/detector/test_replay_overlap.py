@@ -72,8 +72,8 @@ def test_medians_equal_numpys(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_grouped_robust_z_is_each_groups_robust_z(seed: int) -> None:
-    """All groups at once give each group's robust_z to the last bit and the sign of a zero (NaN, inf, ties,
-    signed zeros, groups without a finite value, no group)."""
+    """Grouped robust z (one group at a time where few, else all groups at once) is each group's robust_z to the
+    last bit and the sign of a zero (NaN, inf, ties, signed zeros, groups without a finite value, no group)."""
     rng = np.random.default_rng(seed)
     for case in range(1500):
         n = int(rng.integers(0, 40))
@@ -82,15 +82,16 @@ def test_grouped_robust_z_is_each_groups_robust_z(seed: int) -> None:
             x = np.round(x) * rng.choice([-1.0, 1.0], size=n)  # ties and signed zeros
         x[rng.random(n) < 0.2] = np.nan
         x[rng.random(n) < 0.05] = np.inf * rng.choice([-1, 1])
-        groups = rng.integers(-1, 5, size=n)
+        groups = rng.integers(-1, int(rng.choice([3, 12])), size=n)
         floors = float(rng.choice([0.0, 0.02, 5.0])), float(rng.choice([0.0, 0.05, 0.25]))
         expected = np.full(n, np.nan)
         for gid in set(groups.tolist()) - {-1}:
             idx = np.flatnonzero(groups == gid)
             expected[idx] = robust.robust_z(x[idx], *floors)
-        got = robust.grouped_robust_z(x, groups, *floors)
-        assert np.array_equal(got, expected, equal_nan=True), (x, groups, floors)
-        assert (np.signbit(got) == np.signbit(expected)).all(), (x, groups, floors)
+        for got in (robust.grouped_robust_z(x, groups, *floors),  # few groups: one at a time
+                    robust._all_groups_z(x, groups, *floors, np.full(n, np.nan))):  # all at once
+            assert np.array_equal(got, expected, equal_nan=True), (x, groups, floors)
+            assert (np.signbit(got) == np.signbit(expected)).all(), (x, groups, floors)
 
 
 def _series(src: sr.RecordingSource) -> dict[str, list[tuple[dict[str, str], list[float], list[float]]]]:
