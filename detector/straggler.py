@@ -43,7 +43,7 @@ import numpy as np
 from gpufleet.detector import cause_rules, causes, iforest
 from gpufleet.detector.candidate import DIRECT, Candidate, Evidence
 from gpufleet.detector.features import NVLINK_ERROR_FEATURES, GpuFrame
-from gpufleet.detector.robust import grouped_robust_z
+from gpufleet.detector.robust import grouped_robust_z, nanmedian
 
 FloatArray = np.ndarray
 IntArray = np.ndarray
@@ -251,9 +251,10 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
     width, width_max = frame.get("pcie_width"), frame.get("pcie_width_max")
     # Without the maximum link generation/width, the fleet's usual (median) link of busy GPUs is the reference.
     busy = np.asarray(idx, dtype=bool) | np.isfinite(frame.get("util"))
-    gen_max = np.where(np.isfinite(gen_max), gen_max, np.nanmedian(gen[busy]) if np.isfinite(gen[busy]).any() else np.nan)
+    # (robust.nanmedian: np.nanmedian's value without its per-call overhead)
+    gen_max = np.where(np.isfinite(gen_max), gen_max, nanmedian(gen[busy]) if np.isfinite(gen[busy]).any() else np.nan)
     width_max = np.where(np.isfinite(width_max), width_max,
-                         np.nanmedian(width[busy]) if np.isfinite(width[busy]).any() else np.nan)
+                         nanmedian(width[busy]) if np.isfinite(width[busy]).any() else np.nan)
     # Only GPUs with some link evidence can qualify: select them with array operations first (at 100k GPUs
     # the per-GPU checks below would dominate the evaluation).
     with np.errstate(invalid="ignore"):
@@ -286,8 +287,10 @@ def _nvlink_errors(frame: GpuFrame, idx: np.ndarray) -> FloatArray:
     """Per GPU: NVLink errors of the window in excess of its job's median rank (NaN without error counters)."""
     errs = np.column_stack([frame.get(f) for f in NVLINK_ERROR_FEATURES])
     seen = np.isfinite(errs).any(axis=1)
+    out = np.full(len(seen), np.nan)
+    if not seen.any():  # no NVLink error counters (or none with a value): nothing to compare
+        return out
     total = np.where(seen, np.nansum(errs, axis=1), np.nan)
-    out = np.full(len(total), np.nan)
     by_job: dict[str, list[int]] = {}
     for i in np.flatnonzero(idx & seen):
         job = frame.jobs[i]
