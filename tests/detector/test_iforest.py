@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import sklearn
 
 from gpufleet.detector import iforest
 
@@ -26,7 +27,10 @@ def _cases() -> list[tuple[np.ndarray, int]]:
 
 @pytest.mark.parametrize(("x", "seed"), _cases())
 def test_fast_scores_are_isolation_forest_scores(x: np.ndarray, seed: int) -> None:
-    # against the IsolationForest itself (not the version guard): a scikit-learn whose bagging changed fails here
+    # against the IsolationForest itself; a release not checked yet uses the IsolationForest in production (next
+    # test): to add it to iforest.VERIFIED, run these cases on it with the skip removed
+    if ".".join(sklearn.__version__.split(".")[:2]) not in iforest.VERIFIED:
+        pytest.skip(f"scikit-learn {sklearn.__version__} not verified for iforest.fast_scores")
     fast = iforest.fast_scores(x, 50, seed)
     assert fast.dtype == np.float64
     assert np.array_equal(fast, iforest.sklearn_scores(x, 50, seed))
