@@ -140,7 +140,7 @@ def _service_name(kind: str, name: str) -> str:
 
 def resolve(frame: GpuFrame, meta: Mapping[str, Result], rules: JobRules | None = None) -> Resolver:
     """Set each pod-held GPU's job (training job name) and ``sync`` flag in ``frame``, in place."""
-    res = Resolver(meta, rules)
+    res = _resolver(meta, rules)
     n = len(frame)
     sync = np.ones(n, dtype=bool) if frame.sync is None else np.asarray(frame.sync, dtype=bool).copy()
     for i in range(n):
@@ -159,6 +159,36 @@ def resolve(frame: GpuFrame, meta: Mapping[str, Result], rules: JobRules | None 
         sync[i] = pj.sync
     frame.sync = sync
     return res
+
+
+#: The last Resolver built and what it was built from (its rules; per kube-state-metrics input, the series table
+#: and the series ids in order): evaluations whose pods, owners and labels are the same series reuse it (its
+#: tables depend only on those label sets, and its pod -> job memo on them and the rules).
+_last: list[tuple[tuple[object, ...], Resolver]] = []
+
+
+def _resolver(meta: Mapping[str, Result], rules: JobRules | None) -> Resolver:
+    key: tuple[object, ...] = (rules or JobRules(),
+                               *((r.table, r.ids.tobytes()) if r is not None else None
+                                 for r in (meta.get(POD_OWNER), meta.get(JOB_OWNER), meta.get(POD_LABELS))))
+    if _last and _same(_last[0][0], key):
+        return _last[0][1]
+    res = Resolver(meta, rules)
+    _last[:] = [(key, res)]
+    return res
+
+
+def _same(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
+    """The same rules, and per input the same table (the object itself) and ids."""
+    if a[0] != b[0]:
+        return False
+    for x, y in zip(a[1:], b[1:], strict=True):
+        if x is None or y is None:
+            if x is not y:
+                return False
+        elif x[0] is not y[0] or x[1] != y[1]:  # type: ignore[index]
+            return False
+    return True
 
 
 def attribute(cands: Sequence[tuple[str, Candidate]], frame: GpuFrame) -> None:

@@ -108,26 +108,31 @@ def load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
         if _SAMPLE_SUFFIX.get(ftype) is None or name != family + _SAMPLE_SUFFIX[ftype]:
             return None  # unusual labels, or a sample outside its family: the strict reader decides
         block = text[p:q]
-        lines = block.count("\n")
         if block.find("#", len(line)) >= 0:
             return None  # exemplars
         # Each line is the series' text, a value and a timestamp, single-spaced. Where the series' text holds no
         # space, a line is three tokens, the first the text itself; otherwise every line is checked to start with
         # it and only what follows it is split.
         spaces = prefix.count(" ")
-        if block.count(" ") != (spaces + 2) * lines:
-            return None
         if spaces == 0 and _SPACE.search(prefix) is None:
+            lines = block.count("\n")
+            if block.count(" ") != 2 * lines:
+                return None
             parts = block.split()
             if len(parts) != 3 * lines or parts[0::3] != [prefix] * lines:
                 return None
             values, stamps = parts[1::3], parts[2::3]
         else:
+            block_lines = block.split("\n")  # the last one empty (the block ends with a newline)
+            lines = len(block_lines) - 1
             if not line.startswith(lead) or block.count("\n" + lead) != lines - 1:
                 return None  # another line within the block: the series is not contiguous
             cut = len(lead)
-            parts = " ".join([ln[cut:] for ln in block.split("\n")]).split()
-            if len(parts) != 2 * lines:
+            # one space within each line's value and timestamp (the block's spaces, counted in what is left of
+            # it: the lines are joined by one space each)
+            joined = " ".join([ln[cut:] for ln in block_lines])
+            parts = joined.split()
+            if len(parts) != 2 * lines or joined.count(" ") != 2 * lines:
                 return None
             values, stamps = parts[0::2], parts[1::2]
         try:

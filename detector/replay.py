@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from gpufleet.detector import shard_source, warmstart
+from gpufleet.detector import iforest, shard_source, warmstart
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.engine import Detector, gc_paused
 from gpufleet.detector.features import OPTIONAL_METRICS
@@ -90,7 +90,8 @@ def replay(files: Sequence[str], cfg: DetectorConfig, step: float | None = None,
 def _import_forest() -> None:
     """Import what the straggler's IsolationForest needs (it imports it lazily; this only makes it loaded)."""
     with contextlib.suppress(ImportError):  # the straggler says so itself if it ever fits a forest
-        importlib.import_module("sklearn.ensemble")
+        for name in iforest.IMPORTS:
+            importlib.import_module(name)
 
 
 def _cpus() -> int:

@@ -46,16 +46,66 @@ def robust_z(x: FloatArray, abs_floor: float = 0.0, rel_floor: float = 0.0) -> F
     return (x - med) / scale
 
 
+#: Up to this many group ids (-1 included), :func:`grouped_robust_z` takes one group at a time (fewer numpy calls).
+FEW_GROUPS = 6
+
+
 def grouped_robust_z(x: FloatArray, groups: FloatArray, abs_floor: float = 0.0, rel_floor: float = 0.0) -> FloatArray:
-    """Robust z of ``x`` within each group (``groups``: integer group ids, -1 = no group -> NaN)."""
+    """Robust z of ``x`` within each group (``groups``: integer group ids, -1 = no group -> NaN).
+
+    Each group's :func:`robust_z`: one group at a time where there are few (:data:`FEW_GROUPS`), else all at once
+    (:func:`_all_groups_z`, the same numbers to the last bit and the sign of a zero)."""
     out = np.full(x.shape, np.nan)
     if x.size == 0:
         return out
     order = np.argsort(groups, kind="stable")
     g_sorted = groups[order]
     bounds = np.flatnonzero(np.diff(g_sorted)) + 1
+    if len(bounds) >= FEW_GROUPS:
+        return _all_groups_z(x, groups, abs_floor, rel_floor, out)
     for idx in np.split(order, bounds):
         if groups[idx[0]] < 0:
             continue
         out[idx] = robust_z(x[idx], abs_floor, rel_floor)
+    return out
+
+
+def _all_groups_z(x: FloatArray, groups: FloatArray, abs_floor: float, rel_floor: float,
+                  out: FloatArray) -> FloatArray:
+    """:func:`grouped_robust_z` for all groups at once, into ``out`` (all NaN): the finite values sorted by
+    (group, value) give every group's median and, sorted again by deviation, its MAD, by the arithmetic of
+    :func:`median` (so the same numbers), with a few numpy calls in all rather than a few per group (at 8
+    groups of 192 GPUs about half the time, and less the more groups)."""
+    grouped = groups >= 0
+    fin = grouped & np.isfinite(x)
+    if not fin.any():
+        return out
+    g, v = groups[fin], x[fin]
+    order = np.lexsort((v, g))
+    g, v = g[order], v[order]
+    start = np.flatnonzero(np.concatenate(([True], g[1:] != g[:-1])))
+    count = np.diff(np.append(start, len(g)))
+    med = _sorted_medians(v, start, count)
+    dev = np.abs(v - np.repeat(med, count))
+    mad = _sorted_medians(dev[np.lexsort((dev, g))], start, count)
+    scale = np.maximum(np.maximum(MAD_SCALE * mad, abs_floor), np.maximum(rel_floor * np.abs(med), 1e-12))
+    ids = g[start]  # the groups with a finite value, ascending; the others stay NaN
+    k = np.minimum(np.searchsorted(ids, groups), len(ids) - 1)
+    member = grouped & (ids[k] == groups)
+    k = k[member]
+    out[member] = (x[member] - med[k]) / scale[k]
+    # A median of zero may be -0.0 or 0.0 depending on how np.sort placed the signed zeros, which gives a z of
+    # -0.0 or 0.0 for a value of -0.0: such groups (rare) are computed as robust_z computes them.
+    for gid in ids[med == 0].tolist():
+        idx = np.flatnonzero(groups == gid)
+        out[idx] = robust_z(x[idx], abs_floor, rel_floor)
+    return out
+
+
+def _sorted_medians(v: FloatArray, start: np.ndarray, count: np.ndarray) -> FloatArray:
+    """The median of each run ``v[start:start + count]`` of an array sorted within runs, as :func:`median`."""
+    mid = start + count // 2
+    with np.errstate(over="ignore"):  # the sum of a run of one (not used) may overflow
+        pair = (v[np.maximum(mid - 1, start)] + v[mid]) / 2
+    out: FloatArray = np.where(count % 2 == 1, v[mid], pair)
     return out

@@ -40,12 +40,14 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from gpufleet.detector import cause_rules, causes
+from gpufleet.detector import cause_rules, causes, iforest
 from gpufleet.detector.candidate import DIRECT, Candidate, Evidence
 from gpufleet.detector.features import NVLINK_ERROR_FEATURES, GpuFrame
-from gpufleet.detector.robust import grouped_robust_z
+from gpufleet.detector.robust import grouped_robust_z, nanmedian
 
 FloatArray = np.ndarray
+IntArray = np.ndarray
+BoolArray = np.ndarray
 
 #: feature -> (absolute floor, relative floor, direction in the robust score: +1 higher is worse, -1 lower, 0 none)
 FEATURES: dict[str, tuple[float, float, int]] = {
@@ -107,6 +109,34 @@ def peer_key(frame: GpuFrame, i: int, p: StragglerParams, limit_ref: FloatArray 
     return key
 
 
+#: The last job/model codes of :func:`_job_model_codes` and what they were computed from: in replay and between
+#: live evaluations the frame's jobs, namespaces and models are mostly the same lists (compared, not rebuilt).
+_last_codes: list[tuple[list[str | None], list[str | None], list[str], bool, IntArray, BoolArray]] = []
+
+
+def _job_model_codes(jobs: list[str | None], namespaces: list[str | None], models: list[str],
+                     compare_jobless: bool) -> tuple[IntArray, BoolArray]:
+    """Per GPU: a code per distinct (job, namespace, model), numbered in order of first appearance, and whether
+    the GPU has no peers by these alone (MIG mode; no job where jobless GPUs are not compared)."""
+    if _last_codes:
+        j, s, m, c, code, peerless = _last_codes[0]
+        if c == compare_jobless and j == jobs and s == namespaces and m == models:
+            return code, peerless
+    n = len(jobs)
+    ns = list(namespaces) + [None] * (n - len(namespaces))
+    index: dict[tuple[str, str, str], int] = {}
+    code = np.empty(n, dtype=np.int64)
+    peerless = np.zeros(n, dtype=bool)
+    for i, (job, space, model) in enumerate(zip(jobs, ns, models, strict=True)):
+        if " MIG " in model or (not job and not compare_jobless):
+            peerless[i] = True
+        code[i] = index.setdefault((job or "", (space or "") if job else "", model), len(index))
+    code.flags.writeable = False
+    peerless.flags.writeable = False
+    _last_codes[:] = [(list(jobs), list(namespaces), list(models), compare_jobless, code, peerless)]
+    return code, peerless
+
+
 def _groups(frame: GpuFrame, eligible: FloatArray, p: StragglerParams,
             limit_ref: FloatArray | None = None) -> FloatArray:
     """Peer-group id per GPU (-1: not scored): the groups of :func:`peer_key` with at least ``min_peers`` eligible
@@ -116,13 +146,8 @@ def _groups(frame: GpuFrame, eligible: FloatArray, p: StragglerParams,
     ok = np.asarray(eligible, dtype=bool).copy()
     if frame.sync is not None:
         ok &= np.asarray(frame.sync, dtype=bool)
-    ns = list(frame.namespaces) + [None] * (n - len(frame.namespaces))
-    index: dict[tuple[str, str, str], int] = {}
-    code = np.empty(n, dtype=np.int64)
-    for i, (job, space, model) in enumerate(zip(frame.jobs, ns, frame.models, strict=True)):
-        if " MIG " in model or (not job and not p.compare_jobless):
-            ok[i] = False
-        code[i] = index.setdefault((job or "", (space or "") if job else "", model), len(index))
+    code, peerless = _job_model_codes(frame.jobs, frame.namespaces, frame.models, p.compare_jobless)
+    ok &= ~peerless
     if limit_ref is not None:
         lim = np.asarray(limit_ref, dtype=float)
         with np.errstate(invalid="ignore"):
@@ -189,12 +214,9 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
     undecided = (r_scored * 1.25 >= p.threshold) & (r_scored * 0.75 < p.threshold)
     if p.isolation_forest and z and scored.sum() >= 16 and undecided.any():
         mat = np.column_stack([np.clip(np.nan_to_num(z[f][scored], nan=0.0), -50, 50) for f in z])
-        # imported only when a forest is fitted: the import alone costs about a second of start-up
-        from sklearn.ensemble import IsolationForest
-
-        forest = IsolationForest(n_estimators=50, max_samples=min(256, mat.shape[0]), random_state=p.seed)
-        forest.fit(mat)
-        iso[scored] = np.clip((-forest.score_samples(mat) - 0.45) / 0.25, 0.0, 1.0)
+        # IsolationForest(n_estimators=50, max_samples=min(256, n), random_state=p.seed)'s scores, bit for bit;
+        # scikit-learn is imported only when a forest is fitted (the import alone costs most of a second)
+        iso[scored] = np.clip((iforest.scores(mat, 50, p.seed) - 0.45) / 0.25, 0.0, 1.0)
     combined = np.where(scored, robust * (0.75 + 0.5 * iso), np.nan)
     flags = nic_flags or {}
     hit = np.nan_to_num(combined, nan=0.0) >= p.threshold
@@ -229,9 +251,10 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
     width, width_max = frame.get("pcie_width"), frame.get("pcie_width_max")
     # Without the maximum link generation/width, the fleet's usual (median) link of busy GPUs is the reference.
     busy = np.asarray(idx, dtype=bool) | np.isfinite(frame.get("util"))
-    gen_max = np.where(np.isfinite(gen_max), gen_max, np.nanmedian(gen[busy]) if np.isfinite(gen[busy]).any() else np.nan)
+    # (robust.nanmedian: np.nanmedian's value without its per-call overhead)
+    gen_max = np.where(np.isfinite(gen_max), gen_max, nanmedian(gen[busy]) if np.isfinite(gen[busy]).any() else np.nan)
     width_max = np.where(np.isfinite(width_max), width_max,
-                         np.nanmedian(width[busy]) if np.isfinite(width[busy]).any() else np.nan)
+                         nanmedian(width[busy]) if np.isfinite(width[busy]).any() else np.nan)
     # Only GPUs with some link evidence can qualify: select them with array operations first (at 100k GPUs
     # the per-GPU checks below would dominate the evaluation).
     with np.errstate(invalid="ignore"):
@@ -264,8 +287,10 @@ def _nvlink_errors(frame: GpuFrame, idx: np.ndarray) -> FloatArray:
     """Per GPU: NVLink errors of the window in excess of its job's median rank (NaN without error counters)."""
     errs = np.column_stack([frame.get(f) for f in NVLINK_ERROR_FEATURES])
     seen = np.isfinite(errs).any(axis=1)
+    out = np.full(len(seen), np.nan)
+    if not seen.any():  # no NVLink error counters (or none with a value): nothing to compare
+        return out
     total = np.where(seen, np.nansum(errs, axis=1), np.nan)
-    out = np.full(len(total), np.nan)
     by_job: dict[str, list[int]] = {}
     for i in np.flatnonzero(idx & seen):
         job = frame.jobs[i]

@@ -11,6 +11,7 @@ problem: its cooling or power delivery), the node gets one node-wide candidate
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,14 +42,17 @@ def find(frame: GpuFrame, p: ThrottleParams) -> list[Candidate]:
     held = np.zeros(len(valid), dtype=bool)
     for feat, _ in REASONS:
         held |= np.nan_to_num(frame.get(feat), nan=0.0) >= p.min_fraction
+    peers: _Peers | None = None
     for ii in np.flatnonzero(valid & held):
         i = int(ii)
         best: tuple[float, str, str] | None = None
         for feat, cause in REASONS:
             v = frame.get(feat)[i]
             if np.isfinite(v) and v >= p.min_fraction and (best is None or v > best[0]):
-                if feat == "thr_power" and not _clock_low(frame, i, clock, p):
-                    continue
+                if feat == "thr_power":
+                    peers = peers or _Peers(frame, clock, p)
+                    if not _clock_low(frame, i, clock, p, peers):
+                        continue
                 best = (float(v), cause, feat)
         if best is not None:
             frac, cause, feat = best
@@ -71,18 +75,35 @@ def find(frame: GpuFrame, p: ThrottleParams) -> list[Candidate]:
     return out
 
 
-def _clock_low(frame: GpuFrame, i: int, clock: np.ndarray, p: ThrottleParams) -> bool:
+class _Peers:
+    """What :func:`_clock_low` compares a GPU with, built once per :func:`find`: the GPUs that may be a
+    reference (finite clock, not capping, busy) and the frame's models, nodes and jobs as arrays."""
+
+    def __init__(self, frame: GpuFrame, clock: np.ndarray, p: ThrottleParams) -> None:
+        capping = np.nan_to_num(frame.get("thr_power"), nan=0.0) >= p.min_fraction
+        busy = np.nan_to_num(frame.get("util"), nan=0.0) >= 0.5
+        self.ok = np.isfinite(clock) & ~capping & busy
+        self.models = _objects(frame.models)
+        self.nodes = _objects(frame.nodes)
+        self.jobs = _objects(frame.jobs)
+
+
+def _objects(values: Sequence[object]) -> np.ndarray:
+    """``values`` as a 1-D object array (compared element by element with ``==``, as the list's items are)."""
+    out = np.empty(len(values), dtype=object)
+    out[:] = list(values)
+    return out
+
+
+def _clock_low(frame: GpuFrame, i: int, clock: np.ndarray, p: ThrottleParams, peers: _Peers) -> bool:
     """Is a power-capping GPU clocked clearly below alike GPUs that do not cap (busy: same node, else same job,
     else same known model)? GPUs of another model are never the reference."""
     if not np.isfinite(clock[i]):
         return False
-    capping = np.nan_to_num(frame.get("thr_power"), nan=0.0) >= p.min_fraction
-    busy = np.nan_to_num(frame.get("util"), nan=0.0) >= 0.5
-    model = np.array([m == frame.models[i] for m in frame.models])
-    ok = np.isfinite(clock) & ~capping & busy & model
-    ref = clock[np.array([n == frame.nodes[i] for n in frame.nodes]) & ok]
+    ok = peers.ok & (peers.models == frame.models[i])
+    ref = clock[(peers.nodes == frame.nodes[i]) & ok]
     if ref.size == 0 and frame.jobs[i]:
-        ref = clock[np.array([j == frame.jobs[i] for j in frame.jobs]) & ok]
+        ref = clock[(peers.jobs == frame.jobs[i]) & ok]
     if ref.size == 0 and frame.models[i]:
         ref = clock[ok]
     if ref.size == 0:

@@ -1,6 +1,7 @@
 """Replay beside promtool on two recording shapes: cost per sample and cost per evaluation.
 
-Run: ``.venv/bin/python tests/bench/bench_replay.py [--shape dcgm192 fleet512] [--repeat 3] [--gz]``.
+Run: ``.venv/bin/python tests/bench/bench_replay.py [--shape dcgm192 fleet512] [--repeat 3] [--gz]
+[--file REC.om[.gz] [--profile dcgm]] [--before CHECKOUT]``.
 
 - ``dcgm192``: many evaluations over few GPUs. The simulator (``gpufleet-sim generate``, seed 23, the dcgm profile,
   ``--series core``) writes 24 nodes x 8 GPUs, 2 h of 30 s scrapes with job churn and one fault; replay evaluates it
@@ -13,7 +14,10 @@ Run: ``.venv/bin/python tests/bench/bench_replay.py [--shape dcgm192 fleet512] [
 Each round runs ``gpufleet-detector replay FILE`` (a fresh process: imports, read, every evaluation) and
 ``promtool tsdb create-blocks-from openmetrics FILE DIR`` on the same file, alternately; the medians of wall and CPU
 seconds (user + system of the process and its children: replay's reader process, promtool's threads) are
-reported with every run. Samples are the file's sample lines (what promtool ingests); replay keeps only the
+reported with every run. ``--file`` times a recording of your own instead of the shapes (a compressed one is
+decompressed to a temporary file for promtool, and timed as it is for replay). ``--before CHECKOUT`` also times
+the replay of another checkout of this project (e.g. ``git worktree add /tmp/before HEAD~3``) in the same rounds,
+so before and after are measured side by side, and says whether its findings (JSON) are byte-identical. Samples are the file's sample lines (what promtool ingests); replay keeps only the
 profile's metrics, so its rate is over the same count. ``--gz`` also times the gzip-compressed file.
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import os
 import resource
 import shutil
 import statistics
@@ -105,9 +110,20 @@ def _inputs_only(rec: Path, out: Path) -> Path:
     return out
 
 
-def timed(argv: list[str]) -> tuple[float, float, str]:
+def _checkout_path(checkout: Path, d: Path) -> str:
+    """A directory that makes ``import gpufleet...`` load ``checkout``'s packages (for PYTHONPATH)."""
+    pkg = d / "before-path" / "gpufleet"
+    pkg.mkdir(parents=True, exist_ok=True)
+    for sub in ("agent", "detector", "dashboards", "alerts"):
+        link = pkg / sub
+        if not link.exists():
+            link.symlink_to(checkout.resolve() / sub)
+    return str(pkg.parent)
+
+
+def timed(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, float, str]:
     w0, c0 = time.perf_counter(), _children_cpu()
-    out = subprocess.run(argv, capture_output=True, text=True, check=True)
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, env=env)
     return time.perf_counter() - w0, _children_cpu() - c0, out.stdout
 
 
@@ -115,31 +131,52 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", nargs="+", choices=("dcgm192", "dcgm192-inputs", "fleet512"),
                     default=["dcgm192", "dcgm192-inputs", "fleet512"])
+    ap.add_argument("--file", type=Path, help="time this recording (plain or .gz) instead of the shapes")
+    ap.add_argument("--profile", default="dcgm", help="the metric profile of --file (default dcgm)")
+    ap.add_argument("--before", type=Path, help="a checkout of this project whose replay is timed beside this one")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--gz", action="store_true", help="also replay the gzip-compressed file")
     args = ap.parse_args()
     promtool = shutil.which("promtool")
     if promtool is None:
         raise SystemExit("promtool not installed (Debian package prometheus; tests/run.sh installs it)")
-    for shape in args.shape:
+    for shape in ([str(args.file)] if args.file else args.shape):
         with tempfile.TemporaryDirectory() as tmp:
             d = Path(tmp)
-            rec, extra = make(shape, d)
+            if args.file:
+                given, extra = args.file, ["--profile", args.profile]
+                rec = given
+                if _head(given) == b"\x1f\x8b":  # gzip
+                    rec = d / "plain.om"  # promtool reads plain text only
+                    with gzip.open(given, "rb") as src, open(rec, "wb") as dst:
+                        shutil.copyfileobj(src, dst, 1 << 24)
+            else:
+                given = None
+                rec, extra = make(shape, d)
             samples = 0
             with open(rec, "rb") as f:
                 for line in f:
                     if line[:1] != b"#":
                         samples += 1
             files = {"plain": rec}
+            if given is not None and given != rec:
+                files["as given"] = given
             if args.gz:
                 gz = d / (rec.name + ".gz")
                 gz.write_bytes(gzip.compress(rec.read_bytes(), compresslevel=6))
                 files["gz"] = gz
-            runs: dict[str, list[tuple[float, float]]] = {k: [] for k in [*files, "promtool"]}
+            before_env = None
+            if args.before:
+                before_env = {**os.environ, "PYTHONPATH": _checkout_path(args.before, d)}
+            kinds = [*files, *([f"before {k}" for k in files] if before_env else [])]
+            runs: dict[str, list[tuple[float, float]]] = {k: [] for k in [*kinds, "promtool"]}
             outputs: dict[str, str] = {}
             for i in range(args.repeat):
-                for kind, path in files.items():
-                    wall, cpu, out = timed([sys.executable, "-m", "gpufleet.detector.cli", "replay", str(path), *extra])
+                for kind in kinds:
+                    path = files[kind.removeprefix("before ")]
+                    env = before_env if kind.startswith("before ") else None
+                    wall, cpu, out = timed([sys.executable, "-m", "gpufleet.detector.cli", "replay", str(path), *extra,
+                                            "--format", "json"], env)
                     runs[kind].append((wall, cpu))
                     outputs[kind] = out
                 wall, cpu, _ = timed([promtool, "tsdb", "create-blocks-from", "openmetrics", str(rec),
@@ -151,10 +188,10 @@ def main() -> None:
             pw, pc = med["promtool"]
             print(f"{shape}: {rec.stat().st_size / 1e6:.0f} MB, {samples:,} samples, {evals} evaluations "
                   f"({len(outputs['plain'].splitlines())} findings)")
-            for kind in files:
+            for kind in kinds:
                 w, c = med[kind]
-                same = "" if kind == "plain" else (", same findings as the plain file" if outputs[kind] == outputs["plain"]
-                                                   else ", FINDINGS DIFFER from the plain file")
+                same = "" if kind == "plain" else (", same findings as this plain file" if outputs[kind] == outputs["plain"]
+                                                   else ", FINDINGS DIFFER from this plain file")
                 print(f"  replay ({kind}): median wall {w:.2f} s, cpu {c:.2f} s = {samples / w:,.0f} samples/s; "
                       f"{w / evals * 1e3:.2f} ms wall and {c / evals * 1e3:.2f} ms cpu per evaluation, "
                       f"{w / samples * 1e6:.2f} us wall per sample; {pw / w:.2f}x promtool by wall, {pc / c:.2f}x by cpu"
@@ -162,6 +199,11 @@ def main() -> None:
             print(f"  promtool create-blocks-from openmetrics: median wall {pw:.2f} s, cpu {pc:.2f} s = "
                   f"{samples / pw:,.0f} samples/s (runs: {' '.join(f'{x:.2f}/{y:.2f}' for x, y in runs['promtool'])})",
                   flush=True)
+
+
+def _head(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(2)
 
 
 def _evaluations(rec: Path, extra: list[str]) -> int:

@@ -14,7 +14,7 @@ from gpufleet.detector.engine import Detector
 from gpufleet.detector.features import GpuFrame, collect
 from gpufleet.detector.jobs import JOB_OWNER, POD_LABELS, POD_OWNER, JobRules, Resolver, attribute, resolve
 from gpufleet.detector.profiles import queries
-from gpufleet.detector.source import Result
+from gpufleet.detector.source import Result, SeriesTable
 from gpufleet.detector.source_memory import MemorySource
 
 NS = "ml"
@@ -258,3 +258,30 @@ def test_without_kube_state_metrics_inference_pods_would_be_compared() -> None:
     assert {"node-4", "node-5"} <= scored  # the inference pods are compared as peers
     assert at_edge == {"node-4", "node-5"}  # but their swings never let a deviation alone raise a finding
     assert not [f for f in det.tracker.all_findings() if f.kind == "straggler"]
+
+
+def test_the_pod_table_is_reused_only_while_its_series_are_the_same() -> None:
+    """Consecutive evaluations with the same kube-state-metrics series (the same table, the same series ids)
+    reuse one Resolver; another pod, another order or other rules build a new one, with the new answer."""
+    table = SeriesTable()
+    first = {POD_OWNER: Result.from_pairs([owner("p-worker-0", "PyTorchJob", "p")], table)}
+    again = {POD_OWNER: Result.from_pairs([owner("p-worker-0", "PyTorchJob", "p")], table)}  # same ids, new Result
+    changed = {POD_OWNER: Result.from_pairs([owner("p-worker-0", "PyTorchJob", "p"),
+                                             owner("p-worker-0", "StatefulSet", "q", controller="false")], table)}
+    a = resolve(_frame(), first)
+    assert resolve(_frame(), again) is a
+    frame = _frame()
+    b = resolve(frame, changed)
+    assert b is not a and frame.jobs == ["p"]  # the controller still wins
+    moved = {POD_OWNER: Result.from_pairs([owner("p-worker-0", "Deployment", "d")], table)}
+    frame = _frame()
+    assert resolve(frame, moved) is not b and frame.jobs == ["d"]
+    frame = _frame()
+    other_rules = JobRules(worker_pattern=r"^(?P<job>.+?)-worker-\d+$")
+    assert resolve(frame, moved, other_rules).rules == other_rules
+    assert resolve(_frame(), moved) is not resolve(_frame(), {**moved, POD_LABELS: Result.empty(table)})
+
+
+def _frame() -> GpuFrame:
+    return GpuFrame(["a"], ["0"], [""], [None], ["m"], {}, np.ones(1, bool), np.zeros(1, bool), ["p-worker-0"],
+                    [NS])

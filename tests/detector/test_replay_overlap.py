@@ -70,6 +70,30 @@ def test_medians_equal_numpys(seed: int) -> None:
         assert robust.nanmedian(v) == expected or (np.isnan(expected) and np.isnan(robust.nanmedian(v)))
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_grouped_robust_z_is_each_groups_robust_z(seed: int) -> None:
+    """Grouped robust z (one group at a time where few, else all groups at once) is each group's robust_z to the
+    last bit and the sign of a zero (NaN, inf, ties, signed zeros, groups without a finite value, no group)."""
+    rng = np.random.default_rng(seed)
+    for case in range(1500):
+        n = int(rng.integers(0, 40))
+        x = rng.normal(size=n) * 10.0 ** rng.integers(-3, 6)
+        if case % 3 == 0:
+            x = np.round(x) * rng.choice([-1.0, 1.0], size=n)  # ties and signed zeros
+        x[rng.random(n) < 0.2] = np.nan
+        x[rng.random(n) < 0.05] = np.inf * rng.choice([-1, 1])
+        groups = rng.integers(-1, int(rng.choice([3, 12])), size=n)
+        floors = float(rng.choice([0.0, 0.02, 5.0])), float(rng.choice([0.0, 0.05, 0.25]))
+        expected = np.full(n, np.nan)
+        for gid in set(groups.tolist()) - {-1}:
+            idx = np.flatnonzero(groups == gid)
+            expected[idx] = robust.robust_z(x[idx], *floors)
+        for got in (robust.grouped_robust_z(x, groups, *floors),  # few groups: one at a time
+                    robust._all_groups_z(x, groups, *floors, np.full(n, np.nan))):  # all at once
+            assert np.array_equal(got, expected, equal_nan=True), (x, groups, floors)
+            assert (np.signbit(got) == np.signbit(expected)).all(), (x, groups, floors)
+
+
 def _series(src: sr.RecordingSource) -> dict[str, list[tuple[dict[str, str], list[float], list[float]]]]:
     return {name: [(s.labels, s.ts.tolist(), s.values.tolist()) for s in ss] for name, ss in src.series.items()}
 
@@ -165,3 +189,46 @@ def test_a_daemonic_process_reads_the_file_itself(recording: Path) -> None:
         got = pool.map(_replay_in_pool, [str(recording)])[0]
     assert got == _plain(replay([str(recording)], _cfg(), overlap=False)[1])
     assert got
+
+
+def test_packed_series_unpack_to_the_same_series() -> None:
+    """The worker sends the series as a few large arrays; unpacked they are the same series, in the same order,
+    series that shared a timestamp array still share one, and anything not float64 is left unpacked."""
+    shared = np.array([10.0, 25.0, 40.0])
+    series = {"a": [sr.Series({"x": "1"}, shared, np.array([1.0, 2.0, 3.0])),
+                    sr.Series({"x": "2"}, np.array([11.0]), np.array([7.0]))],
+              "b": [],
+              "c": [sr.Series({"y": "z"}, shared, np.array([-1.0, 0.5, np.inf]))]}
+    packed = sr._pack(series)
+    assert packed is not None
+    got = sr._unpack(packed)
+    assert list(got) == ["a", "b", "c"]
+    assert {n: [(s.labels, s.ts.tolist(), s.values.tolist()) for s in ss] for n, ss in got.items()} == \
+        {n: [(s.labels, s.ts.tolist(), s.values.tolist()) for s in ss] for n, ss in series.items()}
+    assert np.shares_memory(got["a"][0].ts, got["c"][0].ts)
+    assert sr._unpack(sr._pack({}) or ([], [], [], np.zeros(0, np.int64), np.zeros(0, np.int64),
+                                       np.zeros(0), np.zeros(0))) == {}
+    assert sr._pack({"a": [sr.Series({}, np.array([1], dtype=np.int64), np.array([1.0]))]}) is None
+
+
+def test_peer_groups_follow_the_frames_jobs_when_they_change_in_place() -> None:
+    """The peer groups' job/model codes are reused while the frame's jobs, namespaces and models are the same;
+    a list changed in place (a job ends, a pod moves namespace) gives new groups."""
+    from gpufleet.detector.features import GpuFrame
+    from gpufleet.detector.straggler import StragglerParams, _groups
+
+    n = 12
+    jobs: list[str | None] = [*(["a"] * 6), *(["b"] * 6)]
+    frame = GpuFrame([f"n{i // 4}" for i in range(n)], [str(i % 4) for i in range(n)], ["s"] * n, jobs,
+                     ["H100"] * n, {}, np.ones(n, dtype=bool), np.zeros(n, dtype=bool), [None] * n,
+                     [None] * n, np.ones(n, dtype=bool))
+    p = StragglerParams(min_peers=3)
+    ok = np.ones(n, dtype=bool)
+    assert _groups(frame, ok, p).tolist() == [0] * 6 + [1] * 6
+    assert _groups(frame, ok, p).tolist() == [0] * 6 + [1] * 6
+    jobs[6:] = [None] * 6  # job b ended: its GPUs have no peers
+    assert _groups(frame, ok, p).tolist() == [0] * 6 + [-1] * 6
+    frame.namespaces[:3] = ["x"] * 3  # three of a's GPUs in another namespace: a job of its own
+    assert _groups(frame, ok, p).tolist() == [0] * 3 + [1] * 3 + [-1] * 6
+    frame.models[3] = "A100"  # GPU 3 of another model: no peers, and GPUs 4 and 5 too few
+    assert _groups(frame, ok, p).tolist() == [0] * 3 + [-1] * 9
