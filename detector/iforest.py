@@ -14,6 +14,8 @@ checked (:data:`VERIFIED`) gets the IsolationForest itself.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 FloatArray = np.ndarray
@@ -27,13 +29,27 @@ IMPORTS = ("sklearn.tree._criterion", "sklearn.tree._splitter", "sklearn.tree._t
 _INT32_MAX = np.iinfo(np.int32).max
 
 
+_broken: list[str] = []  # why the fast path was given up in this process (a private interface changed)
+
+
 def scores(x: FloatArray, n_estimators: int, seed: int) -> FloatArray:
-    """``-IsolationForest(n_estimators, max_samples=min(256, n), random_state=seed).fit(x).score_samples(x)``."""
+    """``-IsolationForest(n_estimators, max_samples=min(256, n), random_state=seed).fit(x).score_samples(x)``.
+
+    The fast path uses scikit-learn's private tree classes: a patch release that changes one of them (a
+    constructor's arguments, a module moved) makes it raise, and this process then uses the IsolationForest
+    itself from there on (logged once) rather than failing the evaluation."""
     import sklearn
 
-    if ".".join(sklearn.__version__.split(".")[:2]) not in VERIFIED:
+    if _broken or ".".join(sklearn.__version__.split(".")[:2]) not in VERIFIED:
         return sklearn_scores(x, n_estimators, seed)
-    return fast_scores(x, n_estimators, seed)
+    try:
+        return fast_scores(x, n_estimators, seed)
+    except (TypeError, AttributeError, ImportError, ValueError) as e:
+        _broken.append(f"{type(e).__name__}: {e}")
+        logging.getLogger(__name__).warning(
+            "scikit-learn %s: its private tree interface differs from what gpufleet builds forests with (%s); "
+            "using IsolationForest itself (the same scores, slower)", sklearn.__version__, _broken[0])
+        return sklearn_scores(x, n_estimators, seed)
 
 
 def sklearn_scores(x: FloatArray, n_estimators: int, seed: int) -> FloatArray:

@@ -121,6 +121,11 @@ def load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
             parts = block.split()
             if len(parts) != 3 * lines or parts[0::3] != [prefix] * lines:
                 return None
+            # ... and the whitespace between them where it belongs: one character per gap (so only the counted
+            # spaces and newlines), and every newline but the last before the series' text (so each line holds
+            # exactly its three tokens: a space turned newline and a newline turned space keep every count)
+            if len(block) != sum(map(len, parts)) + 3 * lines or block.count("\n" + prefix) != lines - 1:
+                return None
             values, stamps = parts[1::3], parts[2::3]
         else:
             block_lines = block.split("\n")  # the last one empty (the block ends with a newline)
@@ -130,9 +135,13 @@ def load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
             cut = len(lead)
             # one space within each line's value and timestamp (the block's spaces, counted in what is left of
             # it: the lines are joined by one space each)
-            joined = " ".join([ln[cut:] for ln in block_lines])
+            rest = [ln[cut:] for ln in block_lines]
+            joined = " ".join(rest)
             parts = joined.split()
             if len(parts) != 2 * lines or joined.count(" ") != 2 * lines:
+                return None
+            # ... one in each line (a line with two and one with none keep the counts)
+            if not all(r.count(" ") == 1 for r in rest[:-1]):
                 return None
             values, stamps = parts[0::2], parts[1::2]
         try:

@@ -49,3 +49,22 @@ def test_unverified_release_uses_the_forest(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(iforest, "fast_scores", lambda *a: called.append(a))
     assert np.array_equal(iforest.scores(x, 50, seed), iforest.sklearn_scores(x, 50, seed))
     assert not called
+
+
+def test_a_changed_private_interface_falls_back_to_the_forest(monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    x, seed = _cases()[3]
+    monkeypatch.setattr(iforest, "_broken", [])
+    monkeypatch.setattr(iforest, "VERIFIED", (".".join(__import__("sklearn").__version__.split(".")[:2]),))
+    calls = []
+
+    def changed(*a: object) -> np.ndarray:  # what a patch release with another constructor signature raises
+        calls.append(a)
+        raise TypeError("__init__() takes 5 positional arguments but 6 were given")
+
+    monkeypatch.setattr(iforest, "fast_scores", changed)
+    want = iforest.sklearn_scores(x, 50, seed)
+    assert np.array_equal(iforest.scores(x, 50, seed), want)
+    assert np.array_equal(iforest.scores(x, 50, seed), want)
+    assert len(calls) == 1, "given up once, not tried on every evaluation"
+    assert caplog.text.count("private tree interface differs") == 1
