@@ -135,6 +135,22 @@ def running(
 
 
 @contextlib.contextmanager
+def imported_victoria_metrics(body: bytes, tmp: Path) -> Iterator[str]:
+    """A real single-node VictoriaMetrics on a free 127.0.0.1 port, storing under ``tmp``, with ``body``
+    (Prometheus text format, millisecond timestamps) imported and flushed; yields its URL and stops it afterwards."""
+    port = free_port()
+    argv = [need_binary("victoria-metrics"), f"-storageDataPath={tmp / 'data'}", f"-httpListenAddr=127.0.0.1:{port}",
+            "-retentionPeriod=100y", "-search.disableCache", "-loggerLevel=ERROR"]
+    with running(argv, log=tmp / "victoria-metrics.log"):
+        url = f"http://127.0.0.1:{port}"
+        wait_http(f"{url}/health", timeout=60)
+        r = requests.post(f"{url}/api/v1/import/prometheus", data=body, timeout=60)
+        assert r.status_code == 204, r.text
+        requests.get(f"{url}/internal/force_flush", timeout=30).raise_for_status()
+        yield url
+
+
+@contextlib.contextmanager
 def backfilled_prometheus(recording: Path, tmp: Path, backfill_timeout: float = 120.0) -> Iterator[str]:
     """The OpenMetrics ``recording`` backfilled with ``promtool tsdb create-blocks-from openmetrics`` into a TSDB
     under ``tmp`` and served by a real Prometheus on a free 127.0.0.1 port (no scrapes, a retention that keeps any

@@ -11,21 +11,14 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from typing import Any
 
+from gpufleet.agent.fake.smi_text import text as _text
 from gpufleet.agent.nvml.fabric_model import FabricSample, PlatformInfo
 from gpufleet.agent.vocab import fabric as fb
 
-_NA = ("", "N/A", "[N/A]", "Unknown Error", "Not Supported")
 _STATES = {"not started": 1, "in progress": 2, "completed": 3}
 _SUMMARIES = {w.replace("_", " "): v for v, _, w in fb.HEALTH_SUMMARIES if v}
 _UNKNOWN_STATUS = 999  # NVML_ERROR_UNKNOWN: a registration status nvidia-smi words but we cannot map
 
-
-def _text(el: ET.Element, path: str) -> str | None:
-    node = el.find(path)
-    if node is None or node.text is None:
-        return None
-    t = node.text.strip()
-    return None if t in _NA else t
 
 
 def _int(el: ET.Element, path: str) -> int | None:

@@ -26,20 +26,14 @@ from __future__ import annotations
 import re
 import xml.etree.ElementTree as ET
 
+from gpufleet.agent.fake.smi_text import NA
+from gpufleet.agent.fake.smi_text import text as _text
 from gpufleet.agent.nvml import hardware
 from gpufleet.agent.nvml.model import ProcessSample
 
-_NA = ("", "N/A", "[N/A]", "Unknown Error", "Not Supported")
 _MODES = {"enabled": 1, "disabled": 0}
 _MIB = re.compile(r"^\s*(\d+)\s*MiB\s*$")
 
-
-def _text(el: ET.Element, path: str) -> str | None:
-    node = el.find(path)
-    if node is None or node.text is None:
-        return None
-    t = node.text.strip()
-    return None if t in _NA else t
 
 
 def mig_mode(gpu: ET.Element) -> tuple[int | None, int | None]:
@@ -59,7 +53,7 @@ def _id(el: ET.Element, name: str) -> int | None:
 def processes(gpu: ET.Element) -> list[ProcessSample] | None:
     """The captured compute processes; None when the capture has no process list."""
     el = gpu.find("processes")
-    if el is None or (el.text or "").strip() in _NA[1:]:
+    if el is None or (el.text or "").strip() in NA[1:]:
         return None
     out: list[ProcessSample] = []
     for p in el.findall("process_info"):

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpufleet.agent.fake import smi_fabric, smi_state
+from gpufleet.agent.fake.smi_text import text as _text
 from gpufleet.agent.nvml import hardware
 from gpufleet.agent.nvml.model import DriverInfo, GpuInventory, GpuSample
 from gpufleet.agent.vocab.nvml import CLOCK_EVENT_BITS
@@ -69,13 +70,6 @@ class SmiHost:
     #: the readings at capture time (one per GPU, same order); timestamp 0
     samples: list[GpuSample]
 
-
-def _text(el: ET.Element, path: str) -> str | None:
-    node = el.find(path)
-    if node is None or node.text is None:
-        return None
-    t = node.text.strip()
-    return None if t in ("", "N/A", "[N/A]", "Unknown Error", "Not Supported") else t
 
 
 def _number(el: ET.Element, path: str) -> tuple[float, str] | None:

@@ -13,8 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import requests
-from support import backfilled_prometheus, free_port, need_binary, running, wait_http
+from support import backfilled_prometheus, imported_victoria_metrics
 from test_detector_core import T0, Fault, Synth, fast_cfg, synth
 
 from gpufleet.detector import shard, shard_source
@@ -60,16 +59,7 @@ def prometheus_text(recording: Path) -> bytes:
 
 @pytest.fixture(scope="module")
 def victoria(recording: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    tmp = tmp_path_factory.mktemp("vm")
-    port = free_port()
-    argv = [need_binary("victoria-metrics"), f"-storageDataPath={tmp / 'data'}", f"-httpListenAddr=127.0.0.1:{port}",
-            "-retentionPeriod=100y", "-search.disableCache", "-loggerLevel=ERROR"]
-    with running(argv, log=tmp / "victoria-metrics.log"):
-        url = f"http://127.0.0.1:{port}"
-        wait_http(f"{url}/health", timeout=60)
-        r = requests.post(f"{url}/api/v1/import/prometheus", data=prometheus_text(recording), timeout=60)
-        assert r.status_code == 204, r.text
-        requests.get(f"{url}/internal/force_flush", timeout=30).raise_for_status()
+    with imported_victoria_metrics(prometheus_text(recording), tmp_path_factory.mktemp("vm")) as url:
         yield url
 
 

@@ -398,8 +398,7 @@ def _probe_values() -> list[str]:
 def test_long_node_batches_select_exactly_their_nodes_on_prometheus_and_victoriametrics(tmp_path: Path) -> None:
     # batches of up to MAX_SELECTOR_VALUES (past Prometheus' 256-literal set lookup and VictoriaMetrics' short
     # alternations, which both backends then match otherwise): each batch selects exactly its own values
-    import requests
-    from support import backfilled_prometheus, free_port, need_binary, running, wait_http
+    from support import backfilled_prometheus, imported_victoria_metrics
 
     values = _probe_values()
     lines = [f'shard_probe{{instance="{v}"}} 1 {T0 + k}' for k in (0.0, 15.0) for v in values]
@@ -422,15 +421,8 @@ def test_long_node_batches_select_exactly_their_nodes_on_prometheus_and_victoria
 
     with backfilled_prometheus(tmp / "p.om", tmp) as url:
         check(url)
-    port = free_port()
-    argv = [need_binary("victoria-metrics"), f"-storageDataPath={tmp / 'vm'}", f"-httpListenAddr=127.0.0.1:{port}",
-            "-retentionPeriod=100y", "-search.disableCache", "-loggerLevel=ERROR"]
-    with running(argv, log=tmp / "victoria-metrics.log"):
-        url = f"http://127.0.0.1:{port}"
-        wait_http(f"{url}/health", timeout=60)
-        r = requests.post(f"{url}/api/v1/import/prometheus", data=text.encode() + b"\n", timeout=60)
-        assert r.status_code == 204, r.text
-        requests.get(f"{url}/internal/force_flush", timeout=30).raise_for_status()
+    (tmp / "vm").mkdir()
+    with imported_victoria_metrics(text.encode() + b"\n", tmp / "vm") as url:
         check(url)
 
 
