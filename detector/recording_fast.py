@@ -116,7 +116,9 @@ def load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
         spaces = prefix.count(" ")
         if spaces == 0 and _SPACE.search(prefix) is None:
             lines = block.count("\n")
-            if block.count(" ") != 2 * lines:
+            # every line starts with the series' text (a newline moved within the block keeps its line and space
+            # counts and its tokens in order, but is not valid: the strict reader names the line)
+            if block.count(" ") != 2 * lines or block.count("\n" + lead) != lines - 1:
                 return None
             parts = block.split()
             if len(parts) != 3 * lines or parts[0::3] != [prefix] * lines:
