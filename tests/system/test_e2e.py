@@ -229,6 +229,16 @@ def start_prometheus(es: contextlib.ExitStack, tmp_path: Path, config: dict[str,
     return url
 
 
+def scrape_agents(es: contextlib.ExitStack, tmp_path: Path, ports: list[int]) -> str:
+    """A real Prometheus scraping the agents on these 127.0.0.1 ports every second (site ``dc1``), stopped with
+    ``es``; its URL once it is ready."""
+    return start_prometheus(es, tmp_path, {
+        "global": {"scrape_interval": "1s", "scrape_timeout": "900ms"},
+        "scrape_configs": [{"job_name": "gpufleet-agent", "static_configs": [
+            {"targets": [f"127.0.0.1:{p}" for p in ports], "labels": {"site": "dc1"}}]}],
+    })
+
+
 def panels_without_data(prometheus: str, queries: list[tuple[str, str, str]], timeout: float = 60.0) -> list[str]:
     """The panels ("uid / title: expr") whose query still returns nothing after up to ``timeout`` seconds."""
     def empty() -> list[str]:

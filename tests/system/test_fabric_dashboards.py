@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from support import BIN, free_port, running, wait_http
-from test_e2e import dashboard_queries, panels_without_data, start_prometheus
+from test_e2e import dashboard_queries, panels_without_data, scrape_agents
 
 #: The families of these panels (the same pattern test_e2e exempts).
 FABRIC = re.compile(r"gpufleet_(nic_(pause|discards|phy_errors|ethtool|netdev)|nccl_)")
@@ -35,11 +35,7 @@ def test_fabric_panels_have_data(tmp_path: Path) -> None:
                                   "--collector.ethtool.all-stats=true", f"--collector.nccl.directory={traces}",
                                   f"--web.listen-address=127.0.0.1:{port}"], log=tmp_path / "agent.log"))
         wait_http(f"http://127.0.0.1:{port}/metrics", timeout=30)
-        prometheus = start_prometheus(es, tmp_path, {
-            "global": {"scrape_interval": "1s", "scrape_timeout": "900ms"},
-            "scrape_configs": [{"job_name": "gpufleet-agent", "static_configs": [
-                {"targets": [f"127.0.0.1:{port}"], "labels": {"site": "dc1"}}]}],
-        })
+        prometheus = scrape_agents(es, tmp_path, [port])
         queries = [(uid, title, expr) for uid, title, expr in dashboard_queries(__rate_interval="10s")
                    if FABRIC.search(expr)]
         assert len(queries) >= 10, queries  # the network dashboard's PFC/discard panels and the node drill-down's

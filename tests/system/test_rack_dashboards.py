@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from support import BIN, FIXTURES, free_port, running, wait_http
-from test_e2e import dashboard_queries, panels_without_data, start_prometheus
+from test_e2e import dashboard_queries, panels_without_data, scrape_agents
 
 from gpufleet.dashboards.panels import UIDS
 
@@ -27,11 +27,7 @@ def test_rack_panels_have_data(tmp_path: Path) -> None:
         es.enter_context(running([str(BIN / "gpufleet-agent"), f"--nvml.fake=sim:{capture}", "--no-collector.pods",
                                   f"--web.listen-address=127.0.0.1:{port}"], log=tmp_path / "agent.log"))
         wait_http(f"http://127.0.0.1:{port}/metrics", timeout=30)
-        prometheus = start_prometheus(es, tmp_path, {
-            "global": {"scrape_interval": "1s", "scrape_timeout": "900ms"},
-            "scrape_configs": [{"job_name": "gpufleet-agent", "static_configs": [
-                {"targets": [f"127.0.0.1:{port}"], "labels": {"site": "dc1"}}]}],
-        })
+        prometheus = scrape_agents(es, tmp_path, [port])
         queries = [(uid, title, expr) for uid, title, expr in dashboard_queries(__rate_interval="10s")
                    if RACK.search(expr)]
         assert len(queries) >= 6 and {uid for uid, _, _ in queries} == {UIDS["rack"]}, queries

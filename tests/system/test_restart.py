@@ -31,6 +31,7 @@ from prometheus_client.exposition import make_wsgi_app
 from support import BIN, free_port, need_binary, running, wait_http
 from test_e2e import (
     AM_CONFIG,
+    DETECTOR_CONFIG,
     FAULT,
     RULES,
     SCENARIO,
@@ -44,21 +45,7 @@ from test_e2e import (
 
 pytestmark = pytest.mark.slow
 
-DETECTOR = """
-[detector]
-profile = "gpufleet"
-interval_seconds = 2
-window_seconds = 12
-listen = "127.0.0.1:{port}"
-
-[prometheus]
-url = "{prometheus}"
-timeout_seconds = 5
-
-[findings]
-open_after = 2
-close_after = 3
-
+DETECTOR = DETECTOR_CONFIG + """
 # The PUE model scaled down to this test's minutes (the defaults need 12 hours of history): fitted after
 # 30 s, a drift of 0.01 PUE flagged within about a minute.
 [pue]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 from support import BIN, free_port, running, wait_http
-from test_e2e import dashboard_queries, panels_without_data, start_prometheus
+from test_e2e import dashboard_queries, panels_without_data, scrape_agents
 
 #: The families of these panels (the same pattern test_e2e exempts).
 SHARED = re.compile(r"gpufleet_(mig_|gpu_mig_|gpu_owner_|gpu_processes\b|gpu_process_)")
@@ -33,11 +33,7 @@ def test_shared_gpu_panels_have_data(tmp_path: Path) -> None:
                                      log=tmp_path / f"agent{i}.log"))
         for port in ports:
             wait_http(f"http://127.0.0.1:{port}/metrics", timeout=30)
-        prometheus = start_prometheus(es, tmp_path, {
-            "global": {"scrape_interval": "1s", "scrape_timeout": "900ms"},
-            "scrape_configs": [{"job_name": "gpufleet-agent", "static_configs": [
-                {"targets": [f"127.0.0.1:{p}" for p in ports], "labels": {"site": "dc1"}}]}],
-        })
+        prometheus = scrape_agents(es, tmp_path, ports)
         queries = [(uid, title, expr) for uid, title, expr in dashboard_queries(__rate_interval="10s")
                    if SHARED.search(expr)]
         assert len(queries) >= 12, queries  # the job dashboard's five panels and the node drill-down's groups
