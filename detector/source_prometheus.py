@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -20,6 +20,27 @@ import requests
 from gpufleet.detector.profiles import Query
 from gpufleet.detector.source import Result, SeriesTable, SourceError
 
+
+def api_data(session: requests.Session, url: str, form: Mapping[str, str] | list[tuple[str, str]], timeout: float,
+             what: str, method: str = "POST") -> object:
+    """The ``data`` of one Prometheus HTTP API answer; SourceError naming ``what`` when the request fails or the
+    answer is not JSON with status success (the HTTP status and the backend's error in the message)."""
+    try:
+        if method == "GET":
+            r = session.get(url, params=form, timeout=timeout)
+        else:
+            r = session.post(url, data=form, timeout=timeout)
+    except requests.RequestException as e:
+        raise SourceError(f"{what}: {type(e).__name__}: {e}") from e
+    try:
+        body: Any = r.json()
+    except ValueError:
+        body = None
+    if r.status_code != 200 or not isinstance(body, dict) or body.get("status") != "success":
+        detail = body.get("error") if isinstance(body, dict) else r.text[:200]
+        raise SourceError(f"{what}: HTTP {r.status_code}: {detail}")
+    data: object = body.get("data")
+    return data
 
 class PrometheusSource:
     def __init__(self, url: str, *, timeout: float = 10.0, session: requests.Session | None = None,
@@ -101,19 +122,11 @@ class PrometheusSource:
 
     def _api(self, method: str, path: str, params: list[tuple[str, str]]) -> object:
         """The ``data`` of one metadata API call; None on any failure (not counted as a query error)."""
-        url = f"{self.url.removesuffix('/query')}/{path}"
         try:
-            if method == "GET":
-                r = self.session.get(url, params=params, timeout=self.timeout)
-            else:
-                r = self.session.post(url, data=params, timeout=self.timeout)
-            body: Any = r.json()
-        except (requests.RequestException, ValueError):
+            return api_data(self.session, f"{self.url.removesuffix('/query')}/{path}", params, self.timeout, path,
+                            method)
+        except SourceError:
             return None
-        if r.status_code != 200 or not isinstance(body, dict) or body.get("status") != "success":
-            return None
-        data: object = body.get("data")
-        return data
 
     def instant(self, expr: str, t: float, scale: float = 1.0) -> Result:
         return self._build(expr, self._fetch(expr, t), scale)
@@ -125,19 +138,10 @@ class PrometheusSource:
     def _fetch(self, expr: str, t: float) -> list[Any]:
         """The result items of one instant query (thread-safe: touches no shared state but the error count)."""
         try:
-            r = self.session.post(self.url, data={"query": expr, "time": f"{t:.3f}"}, timeout=self.timeout)
-        except requests.RequestException as e:
+            data = api_data(self.session, self.url, {"query": expr, "time": f"{t:.3f}"}, self.timeout, expr) or {}
+        except SourceError:
             self._error()
-            raise SourceError(f"{expr}: {type(e).__name__}: {e}") from e
-        try:
-            body: Any = r.json()
-        except ValueError:
-            body = None
-        if r.status_code != 200 or not isinstance(body, dict) or body.get("status") != "success":
-            self._error()
-            detail = body.get("error") if isinstance(body, dict) else r.text[:200]
-            raise SourceError(f"{expr}: HTTP {r.status_code}: {detail}")
-        data = body.get("data") or {}
+            raise
         if not isinstance(data, dict) or data.get("resultType") != "vector":
             self._error()
             kind = data.get("resultType") if isinstance(data, dict) else None

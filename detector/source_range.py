@@ -14,11 +14,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-import requests
 
 from gpufleet.detector.profiles import Query
 from gpufleet.detector.source import Result, SourceError
-from gpufleet.detector.source_prometheus import PrometheusSource
+from gpufleet.detector.source_prometheus import PrometheusSource, api_data
 
 #: Points per range query: Prometheus refuses more than 11,000 (start and end included) per query.
 MAX_POINTS = 10_000
@@ -145,24 +144,16 @@ class RangeSource:
 
     def _fetch_once(self, expr: str, start: float, end: float, step: float) -> list[tuple[Any, list[Any]]]:
         self.requests += 1
-        data = {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:g}"}
+        form = {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:g}"}
         try:
-            r = self.prom.session.post(self.url, data=data, timeout=self.prom.timeout)
-        except requests.RequestException as e:
+            data = api_data(self.prom.session, self.url, form, self.prom.timeout, f"{expr} (range)")
+        except SourceError:
             self.prom.query_errors += 1
-            raise SourceError(f"{expr} (range): {type(e).__name__}: {e}") from e
-        try:
-            body: Any = r.json()
-        except ValueError:
-            body = None
-        if r.status_code != 200 or not isinstance(body, dict) or body.get("status") != "success":
-            self.prom.query_errors += 1
-            detail = body.get("error") if isinstance(body, dict) else r.text[:200]
-            raise SourceError(f"{expr} (range): HTTP {r.status_code}: {detail}")
-        result = (body.get("data") or {}).get("result") if isinstance(body.get("data"), dict) else None
+            raise
+        result = data.get("result") if isinstance(data, dict) else None
         if not isinstance(result, list):
             self.prom.query_errors += 1
-            raise SourceError(f"{expr} (range): expected a matrix, got {body.get('data')!r:.200}")
+            raise SourceError(f"{expr} (range): expected a matrix, got {data!r:.200}")
         out: list[tuple[Any, list[Any]]] = []
         for item in result:
             try:
