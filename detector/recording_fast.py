@@ -123,10 +123,9 @@ def load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
             parts = block.split()
             if len(parts) != 3 * lines or parts[0::3] != [prefix] * lines:
                 return None
-            # ... and the whitespace between them where it belongs: one character per gap (so only the counted
-            # spaces and newlines), and every newline but the last before the series' text (so each line holds
-            # exactly its three tokens: a space turned newline and a newline turned space keep every count)
-            if len(block) != sum(map(len, parts)) + 3 * lines or block.count("\n" + prefix) != lines - 1:
+            # ... and one whitespace character per gap between them (so only the counted spaces and newlines: with
+            # every line starting with the series' text, each line holds exactly its three tokens)
+            if len(block) != sum(map(len, parts)) + 3 * lines:
                 return None
             values, stamps = parts[1::3], parts[2::3]
         else:
