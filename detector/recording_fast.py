@@ -7,7 +7,9 @@ its family, a missing ``# EOF``) makes :func:`load_fast` return None, and the st
 
 from __future__ import annotations
 
+import mmap
 import re
+from collections.abc import Sequence
 
 import numpy as np
 from prometheus_client.openmetrics.parser import text_fd_to_metric_families
@@ -16,6 +18,10 @@ FloatArray = np.ndarray
 
 #: Per sample name and label set: chunks of timestamps and of values (lists or arrays), in file order.
 RawSeries = dict[str, dict[tuple[tuple[str, str], ...], tuple[list[FloatArray], list[FloatArray]]]]
+
+
+#: A file's bytes: in memory, or a memory map of it.
+Buffer = bytes | bytearray | mmap.mmap
 
 
 def load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
@@ -27,6 +33,53 @@ def load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
     are contiguous and repeat that text, so a series is one block: its end is found by binary search, and its
     ``value timestamp`` pairs are converted by numpy at once.
     """
+    part = parse_part(text, wanted, final=True)
+    return join([part]) if part is not None else None
+
+
+#: What :func:`parse_part` reads from one part of a file: its series and its metadata lines.
+Part = tuple[RawSeries, list[str]]
+
+
+def join(parts: Sequence[Part]) -> RawSeries | None:
+    """One file's series from its consecutive parts (cut by :func:`family_cut`); None when it is not well-formed
+    as a whole: a series in two parts (not contiguous), or metadata the OpenMetrics parser rejects."""
+    raw: RawSeries = {}
+    for series, _ in parts:
+        for name, by_labels in series.items():
+            into = raw.setdefault(name, {})
+            if not into:
+                into.update(by_labels)
+                continue
+            if not by_labels.keys().isdisjoint(into):
+                return None
+            into.update(by_labels)
+    try:
+        for _ in text_fd_to_metric_families(line for _, meta in parts for line in meta):  # type: ignore[no-untyped-call]
+            pass
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+    return raw
+
+
+def family_cut(data: Buffer, near: int) -> int:
+    """The offset of the first metadata line at or after ``near`` that follows a sample line: where a family
+    starts, so the parts before and after it parse on their own (:func:`parse_part`); 0 when there is none (a
+    line whose start is not in ``data`` is not looked at)."""
+    p = near
+    while True:
+        p = data.find(b"\n#", p)
+        if p < 0:
+            return 0
+        before = data.rfind(b"\n", 0, p)  # the newline before the line that ends at p
+        if before >= 0 and data[before + 1:before + 2] not in (b"#", b"\n"):
+            return p + 1
+        p += 1
+
+
+def parse_part(text: str, wanted: set[str] | None, final: bool) -> Part | None:
+    """The series and metadata lines of one part of a recording (the whole file, or a piece cut where a family
+    starts); None when anything is unusual. ``final``: the part ends the file (with ``# EOF``)."""
     meta: list[str] = []
     raw: RawSeries = {}
     seen: set[str] = set()
@@ -83,8 +136,8 @@ def load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
                 lo = mid + 1
             else:
                 hi = mid
-        if lo >= n:
-            return None
+        if lo >= n and final:
+            return None  # the file's last series with no '# EOF' after it
         q = text.rfind("\n", 0, lo) + 1
         last_block = q - p
         brace_at = prefix.find("{")
@@ -166,14 +219,9 @@ def load_fast(text: str, wanted: set[str] | None) -> RawSeries | None:
         have[0].append(ts)
         have[1].append(vs)
         p = q
-    if not eof:
-        return None
-    try:
-        for _ in text_fd_to_metric_families(iter(meta)):  # type: ignore[no-untyped-call]
-            pass
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-        return None
-    return raw
+    if eof != final:
+        return None  # no '# EOF' at the end, or one before the file's next part
+    return raw, meta
 
 
 #: The sample name of a series, per family type, that the fast reader accepts (others go to the strict one).

@@ -7,6 +7,7 @@ from a memory map. A corrupt or truncated compressed file is a :class:`Recording
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import mmap
@@ -35,27 +36,22 @@ def compression(path: str | Path) -> str:
     return ""
 
 
-def read_text(path: str | Path) -> str:
-    """The file's text, decompressed; "" when it is not UTF-8 (the strict reader then says where)."""
+@contextlib.contextmanager
+def file_bytes(path: str | Path) -> Iterator[bytes | mmap.mmap]:
+    """The file's bytes, decompressed: a compressed file's in memory, a plain one's as a read-only memory map
+    (read where it cannot be mapped: empty, a pipe). Decode them as UTF-8 where they are needed."""
     kind = compression(path)
     if kind:
-        data = decompressed(path, kind)
-        try:
-            return data.decode("utf-8")
-        except UnicodeDecodeError:
-            return ""
+        yield decompressed(path, kind)
+        return
     with open(path, "rb") as f:
         try:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                return str(mm, "utf-8")
-        except UnicodeDecodeError:
-            return ""
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except (ValueError, OSError):  # an empty file, or one that cannot be mapped (a pipe)
-            raw = f.read()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return ""
+            yield f.read()
+            return
+        with mm:
+            yield mm
 
 
 def decompressed(path: str | Path, kind: str) -> bytes:

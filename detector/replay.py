@@ -5,13 +5,11 @@ Shared by ``gpufleet-detector replay``/``report`` and the simulator's quality ha
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import os
 import sys
 from collections.abc import Sequence
 
-from gpufleet.detector import iforest, shard_source, warmstart
+from gpufleet.detector import shard_source, warmstart
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.engine import Detector, gc_paused
 from gpufleet.detector.features import OPTIONAL_METRICS
@@ -21,7 +19,7 @@ from gpufleet.detector.source_recording import RecordingSource
 
 
 def replay(files: Sequence[str], cfg: DetectorConfig, step: float | None = None,
-           progress: bool = False, overlap: bool | None = None, t_from: float | None = None,
+           progress: bool = False, parallel: bool | None = None, t_from: float | None = None,
            t_until: float | None = None) -> tuple[Detector, list[Finding]]:
     """Evaluate recordings as if live; returns the detector and every finding (open ones with end None).
 
@@ -31,18 +29,14 @@ def replay(files: Sequence[str], cfg: DetectorConfig, step: float | None = None,
     uses (``step`` apart from the first full window), so the findings open at ``t_from`` are those of a replay
     from the start (same start and incident id).
 
-    ``overlap``: read the files in a worker process while this one imports scikit-learn (for the straggler's
-    IsolationForest, about a second of start-up); None = when it can pay off: the forest is enabled,
-    scikit-learn is not imported yet, and a second CPU is available. Findings are the same either way.
+    ``parallel``: read each large file in two processes (a forked worker parses its second half); None = where
+    a second CPU is available. Findings are the same either way.
     """
     metrics = sample_names(cfg.profile) | _site_metrics(cfg)
-    if overlap is None:
-        overlap = cfg.straggler.isolation_forest and "sklearn" not in sys.modules and _cpus() >= 2
-    with gc_paused():  # the import and the series are long-lived objects: no garbage cycles to look for
-        if overlap:
-            src = RecordingSource.load_beside(files, metrics, _import_forest)
-        else:
-            src = RecordingSource.load(files, metrics)
+    if parallel is None:
+        parallel = _cpus() >= 2
+    with gc_paused():  # the series are long-lived objects: no garbage cycles to look for
+        src = RecordingSource.load(files, metrics, parallel=parallel)
     det = Detector(cfg, shard_source.view(src, cfg))  # --shard i/N: only the nodes of this shard's GPUs
     lo, hi = src.time_range()
     step = step or cfg.interval_seconds
@@ -85,13 +79,6 @@ def replay(files: Sequence[str], cfg: DetectorConfig, step: float | None = None,
     if t_from is not None:  # what closed in the history before t_from is not this range's
         found = [f for f in found if f.end is None or f.end >= t_from]
     return det, found
-
-
-def _import_forest() -> None:
-    """Import what the straggler's IsolationForest needs (it imports it lazily; this only makes it loaded)."""
-    with contextlib.suppress(ImportError):  # the straggler says so itself if it ever fits a forest
-        for name in iforest.IMPORTS:
-            importlib.import_module(name)
 
 
 def _cpus() -> int:

@@ -34,7 +34,7 @@ def recording(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _findings(path: Path) -> list[dict[str, object]]:
-    _, found = replay([str(path)], _cfg(), overlap=False)
+    _, found = replay([str(path)], _cfg(), parallel=False)
     return [f.to_json() for f in found]
 
 

@@ -1,10 +1,10 @@
-"""Replay's faster paths give the same findings: the file read in a worker process beside the scikit-learn
-import, the fast block reader (shared timestamp columns), series evaluated as one matrix, sort-based medians."""
+"""Replay's faster paths give the same findings: the file read in two processes (a forked worker parses its
+second half), the fast block reader (shared timestamp columns), series evaluated as one matrix, sort-based
+medians."""
 
 from __future__ import annotations
 
 import multiprocessing
-import os
 import warnings
 from pathlib import Path
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from test_detector_core import Fault, Synth, synth
 
-from gpufleet.detector import recording_fast, recording_strict, robust
+from gpufleet.detector import recording_fast, recording_split, recording_strict, robust
 from gpufleet.detector import source_recording as sr
 from gpufleet.detector.config import DetectorConfig, parse
 from gpufleet.detector.findings import Finding
@@ -41,12 +41,13 @@ def recording(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_findings_are_the_same_with_every_shortcut_off(recording: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fast paths (worker process, block reader, series evaluated as one matrix, sort-based medians) change
     no finding: a replay with all of them gives exactly what one with none of them gives."""
-    _, inline = replay([str(recording)], _cfg(), overlap=False)
-    _, beside = replay([str(recording)], _cfg(), overlap=True)
-    monkeypatch.setattr(sr, "_load_fast", lambda text, wanted: None)  # every file through the strict reader
+    _, inline = replay([str(recording)], _cfg(), parallel=False)
+    monkeypatch.setattr(recording_split, "SPLIT_BYTES", 0)  # the test's small file read in two processes
+    _, beside = replay([str(recording)], _cfg(), parallel=True)
+    monkeypatch.setattr(recording_split, "parse_part", lambda text, wanted, final: None)  # every file through the strict reader
     monkeypatch.setattr(sr, "_CHUNK", 1)  # one series at a time
     monkeypatch.setattr(robust, "median", lambda v: float(np.median(v)))  # numpy's own median
-    _, plain = replay([str(recording)], _cfg(), overlap=False)
+    _, plain = replay([str(recording)], _cfg(), parallel=False)
     got = _plain(beside)
     assert {(k, n, g) for k, n, g, *_ in got} >= {("straggler", "node-001", "3"), ("straggler", "node-002", "6")}
     assert _plain(inline) == got
@@ -96,34 +97,6 @@ def test_grouped_robust_z_is_each_groups_robust_z(seed: int) -> None:
 
 def _series(src: sr.RecordingSource) -> dict[str, list[tuple[dict[str, str], list[float], list[float]]]]:
     return {name: [(s.labels, s.ts.tolist(), s.values.tolist()) for s in ss] for name, ss in src.series.items()}
-
-
-def test_load_beside_reads_what_load_reads_and_runs_the_work(recording: Path) -> None:
-    ran: list[int] = []
-    wanted = sample_names("gpufleet")
-    beside = sr.RecordingSource.load_beside([recording], wanted, lambda: ran.append(os.getpid()))
-    assert ran == [os.getpid()]  # the work runs in this process, the file is read in the worker
-    assert _series(beside) == _series(sr.RecordingSource.load([recording], wanted))
-    assert beside.samples > 0
-
-
-def test_load_beside_raises_the_readers_message_for_a_bad_file(tmp_path: Path) -> None:
-    bad = tmp_path / "bad.om"
-    bad.write_text("# TYPE m gauge\nm 1 10\nm 2 oops\n# EOF\n")
-    with pytest.raises(sr.RecordingError) as inline:
-        sr.RecordingSource.load([bad], None)
-    with pytest.raises(sr.RecordingError) as beside:
-        sr.RecordingSource.load_beside([bad], None, lambda: None)
-    assert str(beside.value) == str(inline.value)
-    assert "bad.om:3" in str(beside.value)
-    with pytest.raises(sr.RecordingError, match="cannot read"):
-        sr.RecordingSource.load_beside([tmp_path / "absent.om"], None, lambda: None)
-
-
-def test_a_worker_that_dies_leaves_the_file_to_this_process(recording: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sr, "_load_worker", lambda *args: os._exit(3))
-    src = sr.RecordingSource.load_beside([recording], None, lambda: None)
-    assert _series(src) == _series(sr.RecordingSource.load([recording], None))
 
 
 def test_series_with_their_own_timestamps_keep_them(tmp_path: Path) -> None:
@@ -180,35 +153,15 @@ def test_blocks_much_shorter_or_longer_than_the_last_are_found(tmp_path: Path) -
 
 
 def _replay_in_pool(path: str) -> list[tuple[object, ...]]:
-    return _plain(replay([path], _cfg(), overlap=True)[1])
+    return _plain(replay([path], _cfg(), parallel=True)[1])
 
 
 def test_a_daemonic_process_reads_the_file_itself(recording: Path) -> None:
     """A multiprocessing pool's workers are daemons, which may not start a process: replay still works there."""
     with multiprocessing.get_context("fork").Pool(1) as pool:
         got = pool.map(_replay_in_pool, [str(recording)])[0]
-    assert got == _plain(replay([str(recording)], _cfg(), overlap=False)[1])
+    assert got == _plain(replay([str(recording)], _cfg(), parallel=False)[1])
     assert got
-
-
-def test_packed_series_unpack_to_the_same_series() -> None:
-    """The worker sends the series as a few large arrays; unpacked they are the same series, in the same order,
-    series that shared a timestamp array still share one, and anything not float64 is left unpacked."""
-    shared = np.array([10.0, 25.0, 40.0])
-    series = {"a": [sr.Series({"x": "1"}, shared, np.array([1.0, 2.0, 3.0])),
-                    sr.Series({"x": "2"}, np.array([11.0]), np.array([7.0]))],
-              "b": [],
-              "c": [sr.Series({"y": "z"}, shared, np.array([-1.0, 0.5, np.inf]))]}
-    packed = sr._pack(series)
-    assert packed is not None
-    got = sr._unpack(packed)
-    assert list(got) == ["a", "b", "c"]
-    assert {n: [(s.labels, s.ts.tolist(), s.values.tolist()) for s in ss] for n, ss in got.items()} == \
-        {n: [(s.labels, s.ts.tolist(), s.values.tolist()) for s in ss] for n, ss in series.items()}
-    assert np.shares_memory(got["a"][0].ts, got["c"][0].ts)
-    assert sr._unpack(sr._pack({}) or ([], [], [], np.zeros(0, np.int64), np.zeros(0, np.int64),
-                                       np.zeros(0), np.zeros(0))) == {}
-    assert sr._pack({"a": [sr.Series({}, np.array([1], dtype=np.int64), np.array([1.0]))]}) is None
 
 
 def test_peer_groups_follow_the_frames_jobs_when_they_change_in_place() -> None:
