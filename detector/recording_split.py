@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import multiprocessing
 import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import cast
@@ -30,9 +32,10 @@ IntArray = np.ndarray
 #: Files from this size on are read in two processes when asked (below it, the fork costs more than it saves).
 SPLIT_BYTES = 16 << 20
 
-#: The share of a gzip file's text this process decompresses and parses: with decompressing about 1.1 ns and
-#: parsing about 2.9 ns a byte, (1.1 + 2.9) / (1.1 + 2 * 2.9) leaves both processes the same work.
-GZIP_SHARE = 0.58
+#: What reading costs a byte of text (measured on the bench recordings; only their ratio matters): decompressing
+#: gzip, and decoding and parsing. The part each process reads is chosen so that both finish together.
+INFLATE_NS = 1.1
+PARSE_NS = 3.2
 
 #: Compressed bytes decompressed at a time.
 _STEP = 1 << 20
@@ -40,18 +43,34 @@ _STEP = 1 << 20
 _LINE = 1 << 16
 
 
-def read_fast(path: str | Path, wanted: set[str] | None, parallel: bool) -> RawSeries | None:
+@dataclass(frozen=True)
+class Beside:
+    """Work for this process while the worker parses (replay imports scikit-learn), and what it costs, as the
+    bytes of text parsing costs as much: this process's part of the file is that much smaller."""
+
+    work: Callable[[], object]
+    cost_bytes: int
+
+
+def read_fast(path: str | Path, wanted: set[str] | None, parallel: bool,
+              beside: Beside | None = None) -> RawSeries | None:
     """The file's series by the fast reader (None: anything unusual, for the strict reader); in two processes
-    when ``parallel``, the file is large and a worker can be forked."""
+    when ``parallel``, a worker can be forked and the file is large (or there is work to do beside). ``beside``
+    runs once in this process, whichever way the file is read."""
     parallel = parallel and _can_fork()
     if parallel and compression(path) == "gzip":
-        streamed = _read_gzip_split(path, wanted)
+        streamed = _read_gzip_split(path, wanted, beside)
         if streamed is not _NOT_STREAMED:
             return cast("RawSeries | None", streamed)
     with file_bytes(path) as data:
-        cut = family_cut(data, len(data) // 2) if parallel and len(data) >= SPLIT_BYTES else 0
-        if cut:
-            return _read_split(data, cut, b"", None, wanted)
+        if parallel and (beside is not None or len(data) >= SPLIT_BYTES):
+            # this process's part: half of what is left after the work beside
+            near = (len(data) - (beside.cost_bytes if beside else 0)) // 2
+            cut = family_cut(data, near) if near > 0 else 0
+            if cut or beside is not None:
+                return _read_split(data, cut, b"", None, wanted, beside)
+        if beside is not None:
+            beside.work()
         return _whole(data, wanted)
 
 
@@ -101,14 +120,20 @@ class _Gzip:
 _NOT_STREAMED = object()
 
 
-def _read_gzip_split(path: str | Path, wanted: set[str] | None) -> RawSeries | object | None:
+def _read_gzip_split(path: str | Path, wanted: set[str] | None, beside: Beside | None) -> RawSeries | object | None:
     """:func:`read_fast` for a gzip file in two processes; _NOT_STREAMED when it is small or not one clean
     member (then it is read whole, and a damaged file's error raised there)."""
     with open(path, "rb") as f:
         gz = _Gzip(f.read())
-    target = int(gz.size() * GZIP_SHARE)
-    if gz.size() < SPLIT_BYTES:
+    size = gz.size()
+    if size < SPLIT_BYTES and beside is None:
         return _NOT_STREAMED
+    # Decompressing this process's part delays the worker's start, so both finish together when this part is
+    # (size * (inflate + parse) - beside) / (inflate + 2 * parse) long.
+    cost = beside.cost_bytes * PARSE_NS if beside else 0.0
+    target = int((size * (INFLATE_NS + PARSE_NS) - cost) / (INFLATE_NS + 2 * PARSE_NS))
+    if target <= 0:  # the worker decompresses and parses it all
+        return _read_split(b"", 0, b"", gz, wanted, beside)
     pieces: list[bytes] = []  # (inflating piece by piece into a list is faster than into one growing buffer)
     produced = 0
     cut = 0
@@ -116,8 +141,10 @@ def _read_gzip_split(path: str | Path, wanted: set[str] | None) -> RawSeries | o
         piece = gz.more(_STEP)
         if piece is None:
             return _NOT_STREAMED
-        if not piece and gz.pos >= len(gz.data):
-            return _whole(b"".join(pieces), wanted)  # no family starts past the target: the whole text is here
+        if not piece and gz.pos >= len(gz.data):  # no family starts past the target: the whole text is here
+            if beside is not None:
+                beside.work()
+            return _whole(b"".join(pieces), wanted)
         if produced + len(piece) > target:  # look in this piece and the end of the last one (a line's start)
             before = pieces[-1][-_LINE:] if pieces else b""
             at = family_cut(before + piece, max(0, target - produced + len(before)))
@@ -126,13 +153,14 @@ def _read_gzip_split(path: str | Path, wanted: set[str] | None) -> RawSeries | o
         pieces.append(piece)
         produced += len(piece)
     head = b"".join(pieces)
-    return _read_split(head, cut, head[cut:], gz, wanted)
+    return _read_split(head, cut, head[cut:], gz, wanted, beside)
 
 
-def _read_split(data: Buffer, cut: int, tail: bytes, gz: _Gzip | None, wanted: set[str] | None) -> RawSeries | None:
-    """Parse ``data[:cut]`` here and the rest in a forked worker: ``data[cut:]``, or for a gzip file ``tail``
-    (decompressed past the cut) and what ``gz`` has not decompressed yet. The worker's part comes back packed;
-    if the worker fails, its part is read here."""
+def _read_split(data: Buffer, cut: int, tail: bytes, gz: _Gzip | None, wanted: set[str] | None,
+                beside: Beside | None = None) -> RawSeries | None:
+    """Parse ``data[:cut]`` here (after the work beside, if any) and the rest in a forked worker: ``data[cut:]``,
+    or for a gzip file ``tail`` (decompressed past the cut) and what ``gz`` has not decompressed yet. The
+    worker's part comes back packed; if the worker fails, its part is read here."""
     ctx = multiprocessing.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)
     worker = ctx.Process(target=_part_worker, args=(send, data, cut, tail, gz, wanted), daemon=True)
@@ -144,9 +172,13 @@ def _read_split(data: Buffer, cut: int, tail: bytes, gz: _Gzip | None, wanted: s
         started = False
     send.close()
     try:
-        text = _decoded(data, 0, cut)
-        first = parse_part(text, wanted, final=False) if text else None
-        del text
+        if beside is not None:
+            beside.work()
+        first: Part | None = ({}, [])  # nothing before the cut: the worker reads it all
+        if cut:
+            text = _decoded(data, 0, cut)
+            first = parse_part(text, wanted, final=False) if text else None
+            del text
         if first is None:  # the strict reader reads the whole file: the worker's part is not needed
             if started:
                 worker.kill()

@@ -20,7 +20,7 @@ import numpy as np
 from gpufleet.detector.profiles import Query
 from gpufleet.detector.recording_fast import RawSeries
 from gpufleet.detector.recording_io import RecordingError, text_lines
-from gpufleet.detector.recording_split import read_fast
+from gpufleet.detector.recording_split import Beside, read_fast
 from gpufleet.detector.recording_strict import load_file as _load_file
 from gpufleet.detector.source import Result, SeriesTable
 from gpufleet.detector.window_ops import window_op, window_ops
@@ -53,10 +53,11 @@ class RecordingSource:
 
     @classmethod
     def load(cls, paths: Sequence[str | Path], metrics: Iterable[str] | None = None,
-             parallel: bool = False) -> RecordingSource:
-        """``parallel``: read each large file in two processes (a forked worker parses its second half, cut where
-        a family starts); the same series either way."""
-        return cls(_load_series(paths, set(metrics) if metrics is not None else None, parallel))
+             parallel: bool = False, beside: Beside | None = None) -> RecordingSource:
+        """``parallel``: read each large file in two processes (a forked worker parses the part after a family's
+        start near the middle); the same series either way. ``beside``: work for this process while the worker
+        parses the first file (it runs once in any case)."""
+        return cls(_load_series(paths, set(metrics) if metrics is not None else None, parallel, beside))
 
     def time_range(self) -> tuple[float, float]:
         lo, hi = np.inf, -np.inf
@@ -134,13 +135,15 @@ class RecordingSource:
 
 
 
-def _load_series(paths: Sequence[str | Path], wanted: set[str] | None,
-                 parallel: bool = False) -> dict[str, list[Series]]:
+def _load_series(paths: Sequence[str | Path], wanted: set[str] | None, parallel: bool = False,
+                 beside: Beside | None = None) -> dict[str, list[Series]]:
     """Every series of the ``wanted`` sample names (all when None) in ``paths``, each sorted by time."""
     raw: RawSeries = {}
-    for path in paths:
+    if not paths and beside is not None:
+        beside.work()
+    for k, path in enumerate(paths):
         try:
-            fast = read_fast(path, wanted, parallel)
+            fast = read_fast(path, wanted, parallel, beside if k == 0 else None)
             if fast is not None and not raw:
                 raw = fast
                 continue
