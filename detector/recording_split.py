@@ -3,12 +3,13 @@
 A well-formed recording can be cut where a family's metadata starts (:func:`~.recording_fast.family_cut`): each
 part then parses on its own (:func:`~.recording_fast.parse_part`) and the parts join into the file's series
 (:func:`~.recording_fast.join`), which also checks what only the whole file shows (a series in both parts, the
-metadata as a whole). A plain file is cut near its middle; a gzip file is decompressed here up to a point
-(about 58 % of it, where decompressing and parsing the rest costs the worker what parsing the start costs this
-process), and the worker, forked with the decompressor's state, decompresses and parses the rest. The worker
-sends its part back as a few large arrays. Anything unusual returns None (the strict reader then reads the
-whole file and names the line); a worker that fails leaves its part to this process; a gzip file that cannot
-be streamed (several members, a damaged one) is read as :func:`~.recording_io.file_bytes` reads it.
+metadata as a whole). Where to cut comes from what reading costs a byte (:data:`PARSE_NS`, :data:`INFLATE_NS`),
+so that both processes finish together: a plain file near its middle, less the work this process does beside
+(replay imports scikit-learn meanwhile: :class:`Beside`); a gzip file is decompressed here up to the cut, and the
+worker, forked with the decompressor's state, decompresses and parses the rest. The worker sends its part back as
+a few large arrays. Anything unusual returns None (the strict reader then reads the whole file and names the
+line); a worker that fails leaves its part to this process; a gzip file that cannot be streamed (several
+members, a damaged one) is read as :func:`~.recording_io.file_bytes` reads it.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ Run: ``.venv/bin/python tests/bench/bench_replay.py [--shape dcgm192 fleet512] [
 Each round runs ``gpufleet-detector replay FILE`` (a fresh process: imports, read, every evaluation) and
 ``promtool tsdb create-blocks-from openmetrics FILE DIR`` on the same file, alternately; the medians of wall and CPU
 seconds (user + system of the process and its children: replay's reader process, promtool's threads) are
-reported with every run. ``--file`` times a recording of your own instead of the shapes (a compressed one is
+reported with every run. Both run as installed, their bytecode compiled beforehand (``PYTHONPYCACHEPREFIX`` in the
+temporary directory). ``--file`` times a recording of your own instead of the shapes (a compressed one is
 decompressed to a temporary file for promtool, and timed as it is for replay). ``--before CHECKOUT`` also times
 the replay of another checkout of this project (e.g. ``git worktree add /tmp/before HEAD~3``) in the same rounds,
 so before and after are measured side by side, and says whether its findings (JSON) are byte-identical. Samples are the file's sample lines (what promtool ingests); replay keeps only the
@@ -165,18 +166,24 @@ def main() -> None:
                 gz = d / (rec.name + ".gz")
                 gz.write_bytes(gzip.compress(rec.read_bytes(), compresslevel=6))
                 files["gz"] = gz
+            # As installed: the modules' bytecode compiled once (pip compiles it at install; without it, a machine
+            # that sets PYTHONDONTWRITEBYTECODE would time compiling the project's modules on every run).
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+            env["PYTHONPYCACHEPREFIX"] = str(d / "pycache")
             before_env = None
             if args.before:
-                before_env = {**os.environ, "PYTHONPATH": _checkout_path(args.before, d)}
+                before_env = {**env, "PYTHONPATH": _checkout_path(args.before, d)}
+            for e in (env, before_env):
+                if e is not None:
+                    subprocess.run([sys.executable, "-c", _IMPORTS], check=True, env=e)
             kinds = [*files, *([f"before {k}" for k in files] if before_env else [])]
             runs: dict[str, list[tuple[float, float]]] = {k: [] for k in [*kinds, "promtool"]}
             outputs: dict[str, str] = {}
             for i in range(args.repeat):
                 for kind in kinds:
                     path = files[kind.removeprefix("before ")]
-                    env = before_env if kind.startswith("before ") else None
                     wall, cpu, out = timed([sys.executable, "-m", "gpufleet.detector.cli", "replay", str(path), *extra,
-                                            "--format", "json"], env)
+                                            "--format", "json"], before_env if kind.startswith("before ") else env)
                     runs[kind].append((wall, cpu))
                     outputs[kind] = out
                 wall, cpu, _ = timed([promtool, "tsdb", "create-blocks-from", "openmetrics", str(rec),
@@ -199,6 +206,11 @@ def main() -> None:
             print(f"  promtool create-blocks-from openmetrics: median wall {pw:.2f} s, cpu {pc:.2f} s = "
                   f"{samples / pw:,.0f} samples/s (runs: {' '.join(f'{x:.2f}/{y:.2f}' for x, y in runs['promtool'])})",
                   flush=True)
+
+
+#: What a replay imports (its bytecode is compiled before the timed runs).
+_IMPORTS = ("import gpufleet.detector.cli, gpufleet.detector.replay, gpufleet.detector.report; "
+            "import sklearn.tree._criterion, sklearn.tree._splitter, sklearn.tree._tree, sklearn.utils.random")
 
 
 def _head(path: Path) -> bytes:
