@@ -43,7 +43,7 @@ import numpy as np
 from gpufleet.detector import cause_rules, causes, iforest
 from gpufleet.detector.candidate import DIRECT, Candidate, Evidence
 from gpufleet.detector.features import NVLINK_ERROR_FEATURES, GpuFrame
-from gpufleet.detector.robust import grouped_robust_z, nanmedian
+from gpufleet.detector.robust import PeerGroups, nanmedian
 
 FloatArray = np.ndarray
 IntArray = np.ndarray
@@ -186,11 +186,12 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
     scored = groups >= 0
     z: dict[str, FloatArray] = {}
     robust = np.zeros(n)
+    peers = PeerGroups(groups)  # the groups' layout, once for every feature
     for f, (af, rf, direction) in FEATURES.items():
         x = frame.get(f)
         if not np.isfinite(x[scored]).any():
             continue
-        zf = grouped_robust_z(np.where(scored, x, np.nan), groups, af, rf)
+        zf = peers.robust_z(x, af, rf)  # (only the scored GPUs are in a group)
         z[f] = zf
         if direction:
             robust = np.fmax(robust, np.nan_to_num(direction * zf, nan=0.0))
