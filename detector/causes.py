@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpufleet.detector.features import GpuFrame, NicFrame
+from gpufleet.detector.numeric import median, nan_to_zero
 
 FloatArray = np.ndarray
 #: Node features this module reads (queries in profiles.py).
@@ -77,7 +78,7 @@ def _loo_median(x: FloatArray) -> FloatArray:
     if m == 0:
         return out
     s = np.sort(x[fin])
-    out[~fin] = float(np.median(s))  # a member without a value leaves every finite value to the others
+    out[~fin] = median(s)  # a member without a value leaves every finite value to the others
     if m == 1:
         return out
     order = np.argsort(x[fin], kind="stable")
@@ -203,7 +204,7 @@ def nic_fabric(nic: NicFrame, min_peers: int, pause_min: float, ratio: float = 3
                 if np.isfinite(xv).sum() >= min_peers and np.isfinite(x[i]) and x[i] >= 1:
                     mask[i] = float(np.nanmedian(xv)) == 0
     with np.errstate(invalid="ignore", divide="ignore"):
-        out.append((flag_pause, 8.0 + 10.0 * np.nan_to_num(pause, nan=0.0), "pfc_pause"))
+        out.append((flag_pause, 8.0 + 10.0 * nan_to_zero(pause), "pfc_pause"))
         out.append((flag_disc, 8.0 + np.log10(np.maximum(np.nan_to_num(discards, nan=1.0), 1.0)), "nic_discards"))
         out.append((flag_storm, 8.0 + np.log10(np.maximum(np.nan_to_num(storm, nan=1.0), 1.0)), "pause_storm"))
     return out

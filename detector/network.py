@@ -40,6 +40,7 @@ import numpy as np
 from gpufleet.detector.candidate import DIRECT, Candidate, Evidence
 from gpufleet.detector.causes import nic_fabric
 from gpufleet.detector.features import GpuFrame, NicFrame
+from gpufleet.detector.numeric import nan_to_zero
 from gpufleet.detector.robust import nanmedian, robust_z
 
 FloatArray = np.ndarray
@@ -104,13 +105,13 @@ def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray 
             score[i] = max(score[i], float(value[i]))
             cause_detail[i].append(what)
 
-    down = np.nan_to_num(nic.get("nic_link_downed"), nan=0.0)
+    down = nan_to_zero(nic.get("nic_link_downed"))
     flag(down > 0, 10.0 + down, "link_downed")
     if flaps is not None:
         flag((flaps >= p.flap_episodes) & (down == 0), np.full(n, 10.0), "link_flapping")
-    rec = np.nan_to_num(nic.get("nic_link_recovery"), nan=0.0)
+    rec = nan_to_zero(nic.get("nic_link_recovery"))
     flag(rec > 0, 8.0 + rec, "link_error_recovery")
-    sym = np.nan_to_num(nic.get("nic_symbol_errors"), nan=0.0)
+    sym = nan_to_zero(nic.get("nic_symbol_errors"))
     flag(sym >= p.symbol_errors, 6.0 + np.log10(np.maximum(sym, 1.0)), "symbol_errors")
     low = np.isfinite(rate) & np.isfinite(cap) & (rate < (1.0 - p.rate_drop) * cap)
     flag(low, np.full(n, 10.0), "reduced_rate")
@@ -118,7 +119,7 @@ def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray 
     mapped = {nd for nd, g in zip(nic.nodes, nic.gpus, strict=True) if g}
     roles = [nic_role(nic, i, p, mapped) for i in range(n)]
     fabric = np.array([r == "fabric" for r in roles])
-    tx = np.nan_to_num(nic.get("nic_tx"), nan=0.0)
+    tx = nan_to_zero(nic.get("nic_tx"))
     steady = np.array([nd not in quiet for nd in nic.nodes], dtype=bool) if quiet else np.ones(n, dtype=bool)
     busy = fabric & steady & (tx >= p.busy_bytes_per_second)
     # Peer groups of nic_peer_key (role, link layer, capability to 2 digits), each capability formatted once.
@@ -142,10 +143,9 @@ def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray 
             per_mb = x / np.maximum(tx[idx], 1.0) * 1e6  # per MB sent
             med = nanmedian(per_mb)
             z = np.zeros(n)
-            z[idx] = np.nan_to_num(robust_z(per_mb, abs_floor=max(0.1 * floor, 0.05 * abs(med)), rel_floor=0.25),
-                                   nan=0.0)
+            z[idx] = nan_to_zero(robust_z(per_mb, abs_floor=max(0.1 * floor, 0.05 * abs(med)), rel_floor=0.25))
             above = np.zeros(n, dtype=bool)
-            above[idx] = np.nan_to_num(per_mb, nan=0.0) >= floor
+            above[idx] = nan_to_zero(per_mb) >= floor
             flag((z >= p.threshold) & above, z, feat.removeprefix("nic_"))
     # RoCE: PFC pause, discards and pause storms of the NIC's netdev against its rail (detector/causes.py);
     # storage/front-end ports burst and pause by design (checkpoints): only the GPU fabric is judged

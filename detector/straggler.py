@@ -43,6 +43,7 @@ import numpy as np
 from gpufleet.detector import cause_rules, causes, iforest
 from gpufleet.detector.candidate import DIRECT, Candidate, Evidence
 from gpufleet.detector.features import NVLINK_ERROR_FEATURES, GpuFrame
+from gpufleet.detector.numeric import median, nan_to_zero
 from gpufleet.detector.robust import PeerGroups, nanmedian
 
 FloatArray = np.ndarray
@@ -176,7 +177,7 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
     candidate (deviations alone cannot tell a fault from the edge)."""
     n = len(frame)
     util = frame.get("util")
-    active = np.nan_to_num(util, nan=0.0) >= p.busy_util
+    active = nan_to_zero(util) >= p.busy_util
     # A GPU whose latest reading is idle stopped working (its rank crashed, its job ended): no straggler.
     last = frame.get("util_last")
     with np.errstate(invalid="ignore"):
@@ -194,33 +195,33 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
         zf = peers.robust_z(x, af, rf)  # (only the scored GPUs are in a group)
         z[f] = zf
         if direction:
-            robust = np.fmax(robust, np.nan_to_num(direction * zf, nan=0.0))
+            robust = np.fmax(robust, nan_to_zero(direction * zf))
     # iso = 0.5 is neutral (factor 1). The forest moves a score by at most 25 %, so it can only change a
     # decision when some GPU's robust score is in [threshold / 1.25, threshold / 0.75): only then is it fitted.
     # Throttle evidence: a GPU held down by a clock-event reason for most of the window whose clock is also
     # below its peers' slows its job even when the deviation alone is modest. Software power capping is left
     # out: at full load (and more so in hot weather) it is normal and comes and goes.
     if "sm_clock" in z:
-        thr = np.fmax.reduce([np.nan_to_num(frame.get(f), nan=0.0) for f in ("thr_thermal", "thr_brake",
+        thr = np.fmax.reduce([nan_to_zero(frame.get(f)) for f in ("thr_thermal", "thr_brake",
                                                                                 "thr_hw")])
-        boost = (thr >= 0.5) & (np.nan_to_num(z["sm_clock"], nan=0.0) <= -p.cause_z / 2)
-        robust = np.where(boost, np.fmax(robust, -np.nan_to_num(z["sm_clock"], nan=0.0) + p.threshold / 2), robust)
+        boost = (thr >= 0.5) & (nan_to_zero(z["sm_clock"]) <= -p.cause_z / 2)
+        robust = np.where(boost, np.fmax(robust, -nan_to_zero(z["sm_clock"]) + p.threshold / 2), robust)
     # Collective timing (NCCL profiler traces), where present: the rank its peers wait for in the collectives.
     coll = causes.collective_z(frame, groups)
     if np.isfinite(coll).any():
         z["coll_wait"] = coll
-        robust = np.fmax(robust, np.nan_to_num(coll, nan=0.0))
+        robust = np.fmax(robust, nan_to_zero(coll))
     iso = np.full(n, 0.5)
     r_scored = robust[scored]
     undecided = (r_scored * 1.25 >= p.threshold) & (r_scored * 0.75 < p.threshold)
     if p.isolation_forest and z and scored.sum() >= 16 and undecided.any():
-        mat = np.column_stack([np.clip(np.nan_to_num(z[f][scored], nan=0.0), -50, 50) for f in z])
+        mat = np.column_stack([np.clip(nan_to_zero(z[f][scored]), -50, 50) for f in z])
         # IsolationForest(n_estimators=50, max_samples=min(256, n), random_state=p.seed)'s scores, bit for bit;
         # scikit-learn is imported only when a forest is fitted (the import alone costs most of a second)
         iso[scored] = np.clip((iforest.scores(mat, 50, p.seed) - 0.45) / 0.25, 0.0, 1.0)
     combined = np.where(scored, robust * (0.75 + 0.5 * iso), np.nan)
     flags = nic_flags or {}
-    hit = np.nan_to_num(combined, nan=0.0) >= p.threshold
+    hit = nan_to_zero(combined) >= p.threshold
     cands = [_candidate(frame, int(i), combined[i], z, p, flags, node_causes or {}) for i in np.flatnonzero(hit)]
     if edge is not None and edge.any():  # at a job-wide edge: the GPU's own direct evidence only
         at_edge = {(frame.nodes[i], frame.gpus[i]) for i in np.flatnonzero(edge)}
@@ -298,7 +299,7 @@ def _nvlink_errors(frame: GpuFrame, idx: np.ndarray) -> FloatArray:
         if job:
             by_job.setdefault(job, []).append(int(i))
     for members in by_job.values():
-        out[members] = total[members] - float(np.median(total[members]))
+        out[members] = total[members] - median(total[members])
     return out
 
 
