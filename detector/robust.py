@@ -143,36 +143,47 @@ class PeerGroups:
             self.matrix[self.row, np.arange(m) - np.repeat(self.start, count)] = self.members
 
     def robust_z(self, x: FloatArray, abs_floor: float = 0.0, rel_floor: float = 0.0) -> FloatArray:
-        if not self.dense:
-            return grouped_robust_z(x, self.groups, abs_floor, rel_floor)
-        out = np.full(self.n, np.nan)
-        if not len(self.members):
-            return out
-        fin = np.isfinite(x)
-        padded = np.full(self.n + 1, np.nan)
-        np.copyto(padded[:self.n], x, where=fin)
-        v = padded[self.matrix]
-        v.sort(axis=1)
-        count = np.add.reduceat(fin[self.members].astype(np.int64), self.start)  # finite values per group
-        with np.errstate(over="ignore", invalid="ignore"):  # (a pair's sum of an odd group, not used, may overflow)
-            med = self._medians(v, count)
-            dev = np.abs(v - med[:, None])
-            dev.sort(axis=1)
-            mad = self._medians(dev, count)
+        return self.robust_zs([(x, abs_floor, rel_floor)])[0]
+
+    def robust_zs(self, features: list[tuple[FloatArray, float, float]]) -> list[FloatArray]:
+        """:meth:`robust_z` of several features ``(x, abs_floor, rel_floor)`` at once (one stack of padded
+        matrices: the same numpy calls for all of them)."""
+        if not self.dense or not len(self.members) or not features:
+            return [grouped_robust_z(x, self.groups, a, r) for x, a, r in features]
+        n, members, r = self.n, self.members, self.row
+        xs = np.stack([x for x, _, _ in features])
+        fin = np.isfinite(xs)
+        padded = np.full((len(features), n + 1), np.nan)
+        np.copyto(padded[:, :n], xs, where=fin)
+        v = padded[:, self.matrix]  # feature x group x member
+        v.sort(axis=2)
+        count = np.add.reduceat(fin[:, members].astype(np.int64), self.start, axis=1)  # finite values per group
+        med = self._medians(v, count)
+        dev = np.abs(v - med[:, :, None])
+        dev.sort(axis=2)
+        mad = self._medians(dev, count)
+        abs_floor = np.array([[a] for _, a, _ in features])
+        rel_floor = np.array([[f] for _, _, f in features])
         scale = np.maximum(np.maximum(MAD_SCALE * mad, abs_floor), np.maximum(rel_floor * np.abs(med), 1e-12))
-        r = self.row
-        out[self.members] = (x[self.members] - med[r]) / scale[r]
+        z = np.full((len(features), n), np.nan)
+        z[:, members] = (xs[:, members] - med[:, r]) / scale[:, r]
+        out = list(z)
         # A median of zero may be -0.0 or 0.0 depending on how the sort placed the signed zeros (see
         # _all_groups_z): such groups (rare) are computed as robust_z computes them.
-        for j in np.flatnonzero(med == 0).tolist():
-            idx = self.members[self.start[j]:self.start[j] + self.count[j]]
-            out[idx] = robust_z(x[idx], abs_floor, rel_floor)
+        for f, j in zip(*np.nonzero(med == 0), strict=True):
+            idx = members[self.start[j]:self.start[j] + self.count[j]]
+            x, a, rf = features[f]
+            out[f][idx] = robust_z(x[idx], a, rf)
         return out
 
     def _medians(self, v: FloatArray, count: np.ndarray) -> FloatArray:
         """Each row's median of its first ``count`` values (sorted), as :func:`median`; NaN for a count of 0."""
         mid = count // 2
-        hi = v[self.rows, mid]
-        pair = (v[self.rows, np.maximum(mid - 1, 0)] + hi) / 2
-        out: FloatArray = np.where(count % 2 == 1, hi, pair)
+        f = np.arange(len(v))[:, None]
+        hi = v[f, self.rows, mid]
+        lo = v[f, self.rows, np.maximum(mid - 1, 0)]
+        even = count % 2 == 0
+        out: FloatArray = hi.copy()
+        np.add(lo, hi, out=out, where=even)  # (only the pairs of even counts: an odd group's may overflow)
+        np.divide(out, 2, out=out, where=even)
         return out

@@ -187,12 +187,12 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
     scored = groups >= 0
     z: dict[str, FloatArray] = {}
     robust = np.zeros(n)
-    peers = PeerGroups(groups)  # the groups' layout, once for every feature
-    for f, (af, rf, direction) in FEATURES.items():
-        x = frame.get(f)
-        if not np.isfinite(x[scored]).any():
-            continue
-        zf = peers.robust_z(x, af, rf)  # (only the scored GPUs are in a group)
+    # every feature with a value at a scored GPU, at once (only the scored GPUs are in a group)
+    feats = [(f, frame.get(f)) for f in FEATURES]
+    feats = [(f, x) for f, x in feats if np.isfinite(x[scored]).any()]
+    zs = PeerGroups(groups).robust_zs([(x, FEATURES[f][0], FEATURES[f][1]) for f, x in feats])
+    for (f, _), zf in zip(feats, zs, strict=True):
+        direction = FEATURES[f][2]
         z[f] = zf
         if direction:
             robust = np.fmax(robust, nan_to_zero(direction * zf))

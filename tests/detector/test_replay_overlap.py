@@ -91,7 +91,8 @@ def test_grouped_robust_z_is_each_groups_robust_z(seed: int) -> None:
             expected[idx] = robust.robust_z(x[idx], *floors)
         for got in (robust.grouped_robust_z(x, groups, *floors),  # few groups: one at a time
                     robust._all_groups_z(x, groups, *floors, np.full(n, np.nan)),  # all at once
-                    robust.PeerGroups(groups).robust_z(x, *floors)):  # rows of a padded matrix
+                    robust.PeerGroups(groups).robust_z(x, *floors),  # rows of a padded matrix
+                    robust.PeerGroups(groups).robust_zs([(-x, 1.0, 0.0), (x, *floors)])[1]):  # several features
             assert np.array_equal(got, expected, equal_nan=True), (x, groups, floors)
             assert (np.signbit(got) == np.signbit(expected)).all(), (x, groups, floors)
 
