@@ -79,6 +79,18 @@ def nic_role(nic: NicFrame, i: int, p: NetworkParams, node_mapped: set[str] | No
     return "fabric"
 
 
+def _fabric(nic: NicFrame, p: NetworkParams) -> np.ndarray:
+    """Per NIC: its :func:`nic_role` is "fabric", with a few list passes rather than a call per NIC."""
+    serves = [bool(g) for g in nic.gpus]
+    mapped = {nd for nd, g in zip(nic.nodes, serves, strict=True) if g}
+    layers = nic.link_layers or [""] * len(serves)
+    out = np.array([g or not (layer == "Ethernet" or nd in mapped)
+                    for g, layer, nd in zip(serves, layers, nic.nodes, strict=True)], dtype=bool)
+    if p.storage_devices:
+        out &= np.array([re.fullmatch(p.storage_devices, d) is None for d in nic.devices], dtype=bool)
+    return out
+
+
 def nic_peer_key(nic: NicFrame, i: int, role: str, capability: FloatArray) -> str:
     """Peers for congestion: same role, link layer and capability (rounded to 1 %)."""
     layer = nic.link_layers[i] if nic.link_layers else ""
@@ -116,9 +128,7 @@ def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray 
     low = np.isfinite(rate) & np.isfinite(cap) & (rate < (1.0 - p.rate_drop) * cap)
     flag(low, np.full(n, 10.0), "reduced_rate")
 
-    mapped = {nd for nd, g in zip(nic.nodes, nic.gpus, strict=True) if g}
-    roles = [nic_role(nic, i, p, mapped) for i in range(n)]
-    fabric = np.array([r == "fabric" for r in roles])
+    fabric = _fabric(nic, p)
     tx = nan_to_zero(nic.get("nic_tx"))
     steady = np.array([nd not in quiet for nd in nic.nodes], dtype=bool) if quiet else np.ones(n, dtype=bool)
     busy = fabric & steady & (tx >= p.busy_bytes_per_second)
@@ -131,7 +141,7 @@ def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray 
         cap_s = [f"{float(c):.2g}" if c >= 0 else "?" for c in uniq]
         layers = nic.link_layers
         for j, k in zip(busy_idx.tolist(), inv.tolist(), strict=True):
-            groups[(roles[j], layers[j] if layers else "", cap_s[k])].append(j)
+            groups[("fabric", layers[j] if layers else "", cap_s[k])].append(j)  # (busy: a fabric port)
     for members in groups.values():
         if len(members) < p.min_peers:
             continue

@@ -87,6 +87,9 @@ class _Peers:
         self.models = _objects(frame.models)
         self.nodes = _objects(frame.nodes)
         self.jobs = _objects(frame.jobs)
+        #: (model, node, job) -> the median clock of the reference GPUs (None: no reference): GPUs of one node
+        #: (a node capped as a whole) share it
+        self.reference: dict[tuple[str, str, str | None], float | None] = {}
 
 
 def _objects(values: Sequence[object]) -> np.ndarray:
@@ -101,12 +104,16 @@ def _clock_low(frame: GpuFrame, i: int, clock: np.ndarray, p: ThrottleParams, pe
     else same known model)? GPUs of another model are never the reference."""
     if not np.isfinite(clock[i]):
         return False
-    ok = peers.ok & (peers.models == frame.models[i])
-    ref = clock[(peers.nodes == frame.nodes[i]) & ok]
-    if ref.size == 0 and frame.jobs[i]:
-        ref = clock[(peers.jobs == frame.jobs[i]) & ok]
-    if ref.size == 0 and frame.models[i]:
-        ref = clock[ok]
-    if ref.size == 0:
+    key = (frame.models[i], frame.nodes[i], frame.jobs[i])
+    if key not in peers.reference:
+        ok = peers.ok & (peers.models == frame.models[i])
+        ref = clock[(peers.nodes == frame.nodes[i]) & ok]
+        if ref.size == 0 and frame.jobs[i]:
+            ref = clock[(peers.jobs == frame.jobs[i]) & ok]
+        if ref.size == 0 and frame.models[i]:
+            ref = clock[ok]
+        peers.reference[key] = median(ref) if ref.size else None
+    med = peers.reference[key]
+    if med is None:
         return False  # everyone caps: the fleet runs at its power limit, which is not a fault
-    return bool(clock[i] < (1.0 - p.power_cap_clock_drop) * median(ref))
+    return bool(clock[i] < (1.0 - p.power_cap_clock_drop) * med)

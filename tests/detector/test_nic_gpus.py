@@ -45,3 +45,22 @@ def test_nic_gpus_equal_the_plain_rule() -> None:
         frame = GpuFrame(gpu_nodes, gpu_ids, [""] * len(gpu_ids), [None] * len(gpu_ids), [""] * len(gpu_ids), {},
                          np.ones(len(gpu_ids), dtype=bool), np.zeros(len(gpu_ids), dtype=bool))
         assert _nic_gpus(nkeys, dict(nicmap), frame) == _plain(nkeys, dict(nicmap), gpu_nodes, gpu_ids)
+
+
+def test_fabric_ports_are_those_nic_role_calls_fabric() -> None:
+    """network.find's fabric mask (a few list passes) is nic_role's answer for every NIC."""
+    from gpufleet.detector.frames import NicFrame
+    from gpufleet.detector.network import NetworkParams, _fabric, nic_role
+
+    rng = random.Random(5)
+    for case in range(300):
+        n = rng.randint(0, 12)
+        nodes = [rng.choice(["a", "b", "c"]) for _ in range(n)]
+        devices = [rng.choice(["mlx5_0", "mlx5_1", "eth0", "bond0"]) for _ in range(n)]
+        gpus = [rng.choice([[], ["0"], ["0", "1"]]) for _ in range(n)]
+        layers = [rng.choice(["InfiniBand", "Ethernet", ""]) for _ in range(n)] if case % 2 else []
+        nic = NicFrame(nodes, devices, ["1"] * n, [""] * n, {}, gpus, layers)
+        p = NetworkParams(storage_devices=rng.choice(["", "eth.*|bond.*", "mlx5_1"]))
+        mapped = {nd for nd, g in zip(nodes, gpus, strict=True) if g}
+        expected = [nic_role(nic, i, p, mapped) == "fabric" for i in range(n)]
+        assert _fabric(nic, p).tolist() == expected, (nic, p)
