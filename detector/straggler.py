@@ -35,6 +35,7 @@ a decision, i.e. some GPU's robust score is within 25 % of the threshold
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
@@ -310,7 +311,7 @@ def _thresholds(p: StragglerParams) -> cause_rules.Thresholds:
 def _candidate(frame: GpuFrame, i: int, s: float, z: dict[str, FloatArray], p: StragglerParams,
                nic_flags: dict[tuple[str, str], float],
                node_causes: cause_rules.NodeCauses | None = None) -> Candidate:
-    dev = {f: float(z[f][i]) for f in z if np.isfinite(z[f][i])}
+    dev = {f: v for f in z if math.isfinite(v := float(z[f][i]))}
     view = cause_rules.GpuView(frame, i, dev, _thresholds(p), nic_flags, node_causes or {})
     strengths, values, applied = cause_rules.evaluate(view)
     ev = Evidence(deviations=dev, causes=strengths, values=values, rules=applied)
