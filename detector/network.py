@@ -91,6 +91,23 @@ def _fabric(nic: NicFrame, p: NetworkParams) -> np.ndarray:
     return out
 
 
+def _peer_groups(nic: NicFrame, busy_idx: np.ndarray, cap: FloatArray) -> list[np.ndarray]:
+    """The busy fabric ports (``busy_idx``) by :func:`nic_peer_key` (role "fabric", link layer, capability to 2
+    digits), each group's positions ascending; each capability formatted once, the ports grouped by a sort."""
+    if not len(busy_idx):
+        return []
+    caps = np.asarray(cap, dtype=float)[busy_idx]
+    uniq, inv = np.unique(np.where(np.isfinite(caps), caps, -1.0), return_inverse=True)
+    names: dict[str, int] = {}  # (capabilities apart by less than 2 digits are one group)
+    code = np.array([names.setdefault(f"{float(c):.2g}" if c >= 0 else "?", len(names)) for c in uniq])[inv]
+    if nic.link_layers:
+        layer_codes: dict[str, int] = {}
+        layers = np.array([layer_codes.setdefault(nic.link_layers[j], len(layer_codes)) for j in busy_idx.tolist()])
+        code = layers * len(names) + code
+    order = np.argsort(code, kind="stable")
+    return np.split(busy_idx[order], np.flatnonzero(np.diff(code[order])) + 1)
+
+
 def nic_peer_key(nic: NicFrame, i: int, role: str, capability: FloatArray) -> str:
     """Peers for congestion: same role, link layer and capability (rounded to 1 %)."""
     layer = nic.link_layers[i] if nic.link_layers else ""
@@ -132,20 +149,9 @@ def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray 
     tx = nan_to_zero(nic.get("nic_tx"))
     steady = np.array([nd not in quiet for nd in nic.nodes], dtype=bool) if quiet else np.ones(n, dtype=bool)
     busy = fabric & steady & (tx >= p.busy_bytes_per_second)
-    # Peer groups of nic_peer_key (role, link layer, capability to 2 digits), each capability formatted once.
-    groups: dict[tuple[str, str, str], list[int]] = defaultdict(list)
-    busy_idx = np.flatnonzero(busy)
-    if len(busy_idx):
-        caps = np.asarray(cap, dtype=float)[busy_idx]
-        uniq, inv = np.unique(np.where(np.isfinite(caps), caps, -1.0), return_inverse=True)
-        cap_s = [f"{float(c):.2g}" if c >= 0 else "?" for c in uniq]
-        layers = nic.link_layers
-        for j, k in zip(busy_idx.tolist(), inv.tolist(), strict=True):
-            groups[("fabric", layers[j] if layers else "", cap_s[k])].append(j)  # (busy: a fabric port)
-    for members in groups.values():
-        if len(members) < p.min_peers:
+    for idx in _peer_groups(nic, np.flatnonzero(busy), cap):
+        if len(idx) < p.min_peers:
             continue
-        idx = np.array(members)
         for feat, floor in (("nic_xmit_wait", p.xmit_wait_floor), ("nic_ecn", p.ecn_floor)):
             x = nic.get(feat)[idx]
             if np.isfinite(x).sum() < p.min_peers:
