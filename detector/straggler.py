@@ -144,24 +144,52 @@ def _groups(frame: GpuFrame, eligible: FloatArray, p: StragglerParams,
     """Peer-group id per GPU (-1: not scored): the groups of :func:`peer_key` with at least ``min_peers`` eligible
     members, in order of first appearance. Computed with one dict pass and array operations (the same partition
     as calling :func:`peer_key` per GPU, which at 100k GPUs would dominate the evaluation)."""
-    n = len(frame)
     ok = np.asarray(eligible, dtype=bool).copy()
     if frame.sync is not None:
         ok &= np.asarray(frame.sync, dtype=bool)
     code, peerless = _job_model_codes(frame.jobs, frame.namespaces, frame.models, p.compare_jobless)
     ok &= ~peerless
     if limit_ref is not None:
-        lim = np.asarray(limit_ref, dtype=float)
-        with np.errstate(invalid="ignore"):
-            bucket = np.where(np.isfinite(lim), np.round(lim / 10.0) * 10.0, -1.0)
-        _, bucket_code = np.unique(bucket, return_inverse=True)
+        bucket_code = _limit_codes(limit_ref)
         code = code * (int(bucket_code.max(initial=0)) + 1) + bucket_code
+    key = (ok.tobytes(), code.tobytes(), p.min_peers)
+    if _last_groups and _last_groups[0][0] == key:  # the same eligible GPUs and peer codes as last time
+        return _last_groups[0][1].copy()
+    out = _group_ids(ok, code, p.min_peers)
+    _last_groups[:] = [(key, out.copy())]
+    return out
+
+
+#: The last peer-group ids of :func:`_groups` and the eligible GPUs, codes and minimum group size they are of
+#: (mostly the same from one evaluation to the next); the last limit buckets of :func:`_limit_codes`.
+_last_groups: list[tuple[tuple[bytes, bytes, int], IntArray]] = []
+_last_limits: list[tuple[bytes, IntArray]] = []
+
+
+def _limit_codes(limit_ref: FloatArray) -> IntArray:
+    """Per GPU: a code per configured power limit rounded to 10 W (unknown: one code of its own)."""
+    lim = np.asarray(limit_ref, dtype=float)
+    raw = lim.tobytes()
+    if _last_limits and _last_limits[0][0] == raw:
+        return _last_limits[0][1]
+    with np.errstate(invalid="ignore"):
+        bucket = np.where(np.isfinite(lim), np.round(lim / 10.0) * 10.0, -1.0)
+    _, bucket_code = np.unique(bucket, return_inverse=True)
+    bucket_code.flags.writeable = False
+    _last_limits[:] = [(raw, bucket_code)]
+    return bucket_code
+
+
+def _group_ids(ok: BoolArray, code: IntArray, min_peers: int) -> IntArray:
+    """Per GPU: its group's id among the groups of ``code`` with ``min_peers`` GPUs where ``ok``, in order of each
+    group's first such GPU (-1: not ``ok``, or a smaller group)."""
+    n = len(ok)
     out = np.full(n, -1, dtype=np.int64)
     if not ok.any():
         return out
     sel = np.flatnonzero(ok)
     uniq, first, inverse, counts = np.unique(code[sel], return_index=True, return_inverse=True, return_counts=True)
-    big = counts >= p.min_peers
+    big = counts >= min_peers
     rank = np.full(len(uniq), -1, dtype=np.int64)  # ids in order of each group's first member
     kept = np.flatnonzero(big)
     rank[kept[np.argsort(first[kept], kind="stable")]] = np.arange(len(kept))
