@@ -225,21 +225,22 @@ class Detector:
         """Per GPU: its job (two or more busy GPUs) is in a low-activity phase (see :data:`JOB_ACTIVITY_DROP`)."""
         low = np.zeros(len(g.nodes), dtype=bool)
         ok = busy & g.valid.astype(bool)
-        members: dict[str, list[int]] = {}
-        for i in np.flatnonzero(ok):
-            job = g.jobs[int(i)]
+        by_job: dict[str, list[int]] = {}
+        jobs = g.jobs
+        for i in np.flatnonzero(ok).tolist():
+            job = jobs[i]
             if job:
-                members.setdefault(job, []).append(int(i))
-        members = {j: ix for j, ix in members.items() if len(ix) >= 2}
+                by_job.setdefault(job, []).append(i)
+        members = {j: np.array(ix, dtype=np.int64) for j, ix in by_job.items() if len(ix) >= 2}
         if not members:
             return low
         keys: list[tuple[str, str]] = []
         levels: list[float] = []
         for feat in ACTIVITY:
             vals = g.get(feat)
+            fin = np.isfinite(vals)
             for job, ix in members.items():
-                v = vals[ix]
-                v = v[np.isfinite(v)]
+                v = vals[ix][fin[ix]]
                 keys.append((job, feat))
                 levels.append(median(v) if v.size else float("nan"))
         ratio = self.baseline.job_activity_ratio(keys, np.asarray(levels), t)
