@@ -146,6 +146,8 @@ class EntityFrame:
         self.ident = ident
         self.defaults = defaults
         self._pos_by_table: dict[int, IntArray] = {}
+        self._ents_by_table: dict[int, Entities] = {}
+        self._tables: list[SeriesTable] = []
         tables = {id(r.table): r.table for r in defining}
         if len(tables) == 1:  # the usual case: one table, and the frame often the same as last time
             (table,) = tables.values()
@@ -173,11 +175,16 @@ class EntityFrame:
         self.unsited = len(self.keys)
 
     def _entities(self, table: SeriesTable) -> Entities:
+        ents = self._ents_by_table.get(id(table))  # (per frame: the key's hash not computed per query)
+        if ents is not None:
+            return ents
         key = ("entities", self.naming, self.ident, self.defaults)
-        ents = table.derived.get(key)
-        if not isinstance(ents, Entities):
-            ents = table.derived[key] = Entities(self.naming, self.ident, self.defaults)
-        return ents
+        found = table.derived.get(key)
+        if not isinstance(found, Entities):
+            found = table.derived[key] = Entities(self.naming, self.ident, self.defaults)
+        self._ents_by_table[id(table)] = found
+        self._tables.append(table)  # (alive while the frame is: its id stays its own)
+        return found
 
     def positions(self, res: Result) -> IntArray:
         """Position of each series of ``res`` among the entities (-1: none); records sites on the way."""

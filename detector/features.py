@@ -135,7 +135,7 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
     # GPUs: the entities with a sample count, in (node, gpu) order.
     gpus = EntityFrame(naming, ("gpu",), None, [res for feat, _, res in gpu_rs if feat == "samples"])
     n = len(gpus.keys)
-    values = {f: np.full(n, np.nan) for f in GPU_FEATURES}
+    values = dict(zip(GPU_FEATURES, np.full((len(GPU_FEATURES), n), np.nan), strict=True))  # (rows of one block)
     job_pos: list[IntArray] = []
     job_code: list[IntArray] = []
     job_count: list[FloatArray] = []
