@@ -322,14 +322,30 @@ def _nvlink_errors(frame: GpuFrame, idx: np.ndarray) -> FloatArray:
     if not seen.any():  # no NVLink error counters (or none with a value): nothing to compare
         return out
     total = np.where(seen, np.nansum(errs, axis=1), np.nan)
-    by_job: dict[str, list[int]] = {}
-    for i in np.flatnonzero(idx & seen):
-        job = frame.jobs[i]
-        if job:
-            by_job.setdefault(job, []).append(int(i))
-    for members in by_job.values():
-        out[members] = total[members] - median(total[members])
+    sel = np.flatnonzero(idx & seen)
+    code = _job_codes(frame.jobs)[sel]
+    sel, code = sel[code >= 0], code[code >= 0]  # (a GPU without a job has no ranks to compare with)
+    order = np.argsort(code, kind="stable")
+    for members in np.split(sel[order], np.flatnonzero(np.diff(code[order])) + 1):  # each job's GPUs, ascending
+        if len(members):
+            t = total[members]
+            out[members] = t - median(t)
     return out
+
+
+#: The last job codes of :func:`_job_codes` and the jobs they are of.
+_last_jobs: list[tuple[list[str | None], IntArray]] = []
+
+
+def _job_codes(jobs: list[str | None]) -> IntArray:
+    """Per GPU: a code per distinct job (-1: none), kept while the frame's jobs are the same."""
+    if _last_jobs and _last_jobs[0][0] == jobs:
+        return _last_jobs[0][1]
+    index: dict[str, int] = {}
+    code = np.array([index.setdefault(j, len(index)) if j else -1 for j in jobs], dtype=np.int64)
+    code.flags.writeable = False
+    _last_jobs[:] = [(list(jobs), code)]
+    return code
 
 
 def _thresholds(p: StragglerParams) -> cause_rules.Thresholds:
