@@ -367,9 +367,12 @@ def _collapse_nodes(frame: GpuFrame, groups: FloatArray, cands: list[Candidate],
     """A node whose GPUs of one job mostly straggle (whatever each GPU's own cause), or two or more of them for
     one cause, is one node-level candidate (gpu None): the cause with the most evidence summed over them (the
     others stay in the evidence)."""
+    if not cands:
+        return []
     per_node_job: dict[tuple[str, str | None], int] = defaultdict(int)
-    for i in np.flatnonzero(groups >= 0):
-        per_node_job[(frame.nodes[i], frame.jobs[i])] += 1
+    nodes, jobs = frame.nodes, frame.jobs
+    for i in np.flatnonzero(groups >= 0).tolist():
+        per_node_job[(nodes[i], jobs[i])] += 1
     by: dict[tuple[str, str | None], list[Candidate]] = defaultdict(list)
     for c in cands:
         by[(c.node, c.job)].append(c)

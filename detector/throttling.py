@@ -35,9 +35,6 @@ class ThrottleParams:
 def find(frame: GpuFrame, p: ThrottleParams) -> list[Candidate]:
     valid = frame.valid.astype(bool)
     clock = frame.get("sm_clock")
-    node_gpus: dict[str, int] = defaultdict(int)
-    for j in np.flatnonzero(valid):
-        node_gpus[frame.nodes[j]] += 1
     cands: list[Candidate] = []
     # Only GPUs held by some reason long enough can qualify: select them with array operations first.
     held = np.zeros(len(valid), dtype=bool)
