@@ -111,6 +111,11 @@ def _sorted_medians(v: FloatArray, start: np.ndarray, count: np.ndarray) -> Floa
     return out
 
 
+#: Values (features x GPUs) :meth:`PeerGroups.robust_zs` stacks at once: all features of a small fleet, a few of a
+#: large one (its temporaries stay a few MiB; the per-call overhead it saves is small beside a large sort).
+BATCH = 1 << 18
+
+
 class PeerGroups:
     """A grouping (integer group ids, -1 = no group) prepared once for the robust z of several features.
 
@@ -150,6 +155,9 @@ class PeerGroups:
         matrices: the same numpy calls for all of them)."""
         if not self.dense or not len(self.members) or not features:
             return [grouped_robust_z(x, self.groups, a, r) for x, a, r in features]
+        per = max(1, BATCH // (self.n + 1))  # features per stack (a large fleet's: a few at a time)
+        if len(features) > per:
+            return [z for k in range(0, len(features), per) for z in self.robust_zs(features[k:k + per])]
         n, members, r = self.n, self.members, self.row
         xs = np.stack([x for x, _, _ in features])
         fin = np.isfinite(xs)
@@ -159,7 +167,8 @@ class PeerGroups:
         v.sort(axis=2)
         count = np.add.reduceat(fin[:, members].astype(np.int64), self.start, axis=1)  # finite values per group
         med = self._medians(v, count)
-        dev = np.abs(v - med[:, :, None])
+        dev = np.subtract(v, med[:, :, None], out=v)  # (the values are not needed any more)
+        np.abs(dev, out=dev)
         dev.sort(axis=2)
         mad = self._medians(dev, count)
         abs_floor = np.array([[a] for _, a, _ in features])

@@ -114,6 +114,19 @@ def test_peer_groups_of_very_unequal_sizes_are_each_groups_robust_z() -> None:
     assert (np.signbit(got) == np.signbit(expected)).all()
 
 
+def test_peer_groups_stack_features_in_batches_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Features stacked a few at a time (a large fleet's) give what all at once gives."""
+    rng = np.random.default_rng(11)
+    groups = rng.integers(-1, 6, size=50)
+    feats = [(np.round(rng.normal(size=50) * 10.0), float(a), 0.01) for a in range(5)]
+    whole = robust.PeerGroups(groups).robust_zs(feats)
+    monkeypatch.setattr(robust, "BATCH", 102)  # two features per stack
+    parts = robust.PeerGroups(groups).robust_zs(feats)
+    assert len(parts) == 5
+    for a, b in zip(whole, parts, strict=True):
+        assert a.tobytes() == b.tobytes()
+
+
 def _series(src: sr.RecordingSource) -> dict[str, list[tuple[dict[str, str], list[float], list[float]]]]:
     return {name: [(s.labels, s.ts.tolist(), s.values.tolist()) for s in ss] for name, ss in src.series.items()}
 
