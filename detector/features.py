@@ -146,6 +146,9 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
     model_labels = MODEL_LABELS.get(profile, ("name",))
     for feat, q, res in gpu_rs:
         pos = gpus.positions(res)
+        if feat in values:  # (most results: a feature folded in, positions < 0 skipped there)
+            accumulate(values[feat], pos, res.values, q.agg)
+            continue
         sel = pos >= 0
         if feat == "@job":
             job_pos.append(pos[sel])
@@ -177,8 +180,6 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
                 arr = values[f]
                 arr[hit] = 1.0
                 arr[seen & ~hit & np.isnan(arr)] = 0.0
-        elif feat in values:
-            accumulate(values[feat], pos, res.values, q.agg)
 
     for i, by_instance in migs.items():
         layout = "+".join(f"{p}*{k}" if k > 1 else p for p, k in sorted(Counter(by_instance.values()).items()))
