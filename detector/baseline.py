@@ -26,6 +26,8 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
+from gpufleet.detector.numeric import nan_to_zero
+
 FloatArray = np.ndarray
 
 
@@ -210,7 +212,7 @@ class Baseline:
     def nic_flaps(self, nodes: Sequence[str], devices: Sequence[str], ports: Sequence[str], downed: FloatArray,
                   t: float, horizon: float) -> FloatArray:
         """Per NIC: episodes of link downs that began within ``horizon`` seconds (a flapping link)."""
-        return self.link_downs.update(self._nic_keys.get(nodes, devices, ports), np.nan_to_num(downed, nan=0.0) > 0, t, horizon)
+        return self.link_downs.update(self._nic_keys.get(nodes, devices, ports), nan_to_zero(downed) > 0, t, horizon)
 
     def job_activity_ratio(self, jobs: Sequence[tuple[str, str]], level: FloatArray, t: float) -> FloatArray:
         """Per (job, activity feature): this evaluation's level over the job's recent reference (NaN: no level

@@ -16,6 +16,7 @@ and node evidence of this evaluation) and returns a strength, 0 when it does not
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -55,11 +56,13 @@ class GpuView:
     pcie_width_ref: FloatArray | None = None
 
     def val(self, f: str) -> float:
-        v = self.frame.get(f)[self.i]
-        return float(v) if np.isfinite(v) else 0.0
+        arr = self.frame.values.get(f)  # (a feature the frame lacks is NaN everywhere)
+        v = float(arr[self.i]) if arr is not None else math.nan
+        return v if math.isfinite(v) else 0.0
 
     def has(self, f: str) -> bool:
-        return bool(np.isfinite(self.frame.get(f)[self.i]))
+        arr = self.frame.values.get(f)
+        return arr is not None and math.isfinite(float(arr[self.i]))
 
     def zf(self, f: str) -> float:
         return self.z.get(f, 0.0)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpufleet.detector.features import GpuFrame, NicFrame
+from gpufleet.detector.numeric import median, nan_to_zero
 
 FloatArray = np.ndarray
 #: Node features this module reads (queries in profiles.py).
@@ -49,8 +50,23 @@ class CauseParams:
     collective_z: float = 4.0  # robust z (lower time in collectives than the job's ranks) for the waited-for rank
 
 
+#: The last :func:`_node_groups` and the nodes, GPU nodes and jobs it is of (mostly the same between evaluations).
+_last_groups: list[tuple[list[str], list[str], list[str | None], np.ndarray]] = []
+
+
 def _node_groups(names: list[str], frame: GpuFrame) -> np.ndarray:
     """Per node of ``names``: a code for the job most of its GPUs run (-1: none), so nodes of one job are peers."""
+    if _last_groups:
+        n, g, j, out = _last_groups[0]
+        if n == names and g == frame.nodes and j == frame.jobs:
+            return out
+    out = _count_node_groups(names, frame)
+    out.flags.writeable = False
+    _last_groups[:] = [(list(names), list(frame.nodes), list(frame.jobs), out)]
+    return out
+
+
+def _count_node_groups(names: list[str], frame: GpuFrame) -> np.ndarray:
     counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for nd, job in zip(frame.nodes, frame.jobs, strict=True):
         if job:
@@ -77,7 +93,7 @@ def _loo_median(x: FloatArray) -> FloatArray:
     if m == 0:
         return out
     s = np.sort(x[fin])
-    out[~fin] = float(np.median(s))  # a member without a value leaves every finite value to the others
+    out[~fin] = median(s)  # a member without a value leaves every finite value to the others
     if m == 1:
         return out
     order = np.argsort(x[fin], kind="stable")
@@ -203,7 +219,7 @@ def nic_fabric(nic: NicFrame, min_peers: int, pause_min: float, ratio: float = 3
                 if np.isfinite(xv).sum() >= min_peers and np.isfinite(x[i]) and x[i] >= 1:
                     mask[i] = float(np.nanmedian(xv)) == 0
     with np.errstate(invalid="ignore", divide="ignore"):
-        out.append((flag_pause, 8.0 + 10.0 * np.nan_to_num(pause, nan=0.0), "pfc_pause"))
+        out.append((flag_pause, 8.0 + 10.0 * nan_to_zero(pause), "pfc_pause"))
         out.append((flag_disc, 8.0 + np.log10(np.maximum(np.nan_to_num(discards, nan=1.0), 1.0)), "nic_discards"))
         out.append((flag_storm, 8.0 + np.log10(np.maximum(np.nan_to_num(storm, nan=1.0), 1.0)), "pause_storm"))
     return out

@@ -43,6 +43,7 @@ from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.features import FeatureFrame, GpuFrame, NodeNaming, collect
 from gpufleet.detector.findings import Tracker
 from gpufleet.detector.judgement import Judgement
+from gpufleet.detector.numeric import median, nan_to_zero
 from gpufleet.detector.profiles import Query, queries, site_queries
 from gpufleet.detector.pue import PueMonitor, PueState
 from gpufleet.detector.source import Source
@@ -180,7 +181,7 @@ class Detector:
         limit_ref = self.baseline.gpu_power_limit(g.nodes, g.gpus, g.get("power_limit"), t)
         edge = g.edge if g.edge is not None else np.zeros(len(g), dtype=bool)
         valid = np.asarray(g.valid, dtype=bool)
-        busy = valid & (np.nan_to_num(g.get("util"), nan=0.0) >= JUDGE_UTIL)
+        busy = valid & (nan_to_zero(g.get("util")) >= JUDGE_UTIL)
         low = self._job_phase_low(g, busy, t) | (edge & valid)  # a lighter phase, or a job-wide edge
         return _Peers(limit_ref, edge, low, busy)
 
@@ -224,23 +225,24 @@ class Detector:
         """Per GPU: its job (two or more busy GPUs) is in a low-activity phase (see :data:`JOB_ACTIVITY_DROP`)."""
         low = np.zeros(len(g.nodes), dtype=bool)
         ok = busy & g.valid.astype(bool)
-        members: dict[str, list[int]] = {}
-        for i in np.flatnonzero(ok):
-            job = g.jobs[int(i)]
+        by_job: dict[str, list[int]] = {}
+        jobs = g.jobs
+        for i in np.flatnonzero(ok).tolist():
+            job = jobs[i]
             if job:
-                members.setdefault(job, []).append(int(i))
-        members = {j: ix for j, ix in members.items() if len(ix) >= 2}
+                by_job.setdefault(job, []).append(i)
+        members = {j: np.array(ix, dtype=np.int64) for j, ix in by_job.items() if len(ix) >= 2}
         if not members:
             return low
         keys: list[tuple[str, str]] = []
         levels: list[float] = []
         for feat in ACTIVITY:
             vals = g.get(feat)
+            fin = np.isfinite(vals)
             for job, ix in members.items():
-                v = vals[ix]
-                v = v[np.isfinite(v)]
+                v = vals[ix][fin[ix]]
                 keys.append((job, feat))
-                levels.append(float(np.median(v)) if v.size else float("nan"))
+                levels.append(median(v) if v.size else float("nan"))
         ratio = self.baseline.job_activity_ratio(keys, np.asarray(levels), t)
         lowjobs = {job for (job, _), r in zip(keys, ratio, strict=True) if r < 1.0 - JOB_ACTIVITY_DROP}
         for job in lowjobs:
@@ -253,7 +255,7 @@ def _quiet_nodes(g: GpuFrame, busy_util: float, index: _EntityIndex | None = Non
     checkpoint, an evaluation pass, a restart), or none busy. Their ports' traffic then is no collective
     traffic (a checkpoint's burst to storage is no congestion), so they are not judged for congestion."""
     edge = g.edge if g.edge is not None else np.zeros(len(g), dtype=bool)
-    busy = np.nan_to_num(g.get("util"), nan=0.0) >= busy_util
+    busy = nan_to_zero(g.get("util")) >= busy_util
     index = index or _EntityIndex()  # the detector keeps one while the fleet's GPUs stay the same
     index.get(g.nodes, g.gpus)
     code, names = index.node_code, index.node_names  # per node, not a set built from every GPU

@@ -146,6 +146,8 @@ class EntityFrame:
         self.ident = ident
         self.defaults = defaults
         self._pos_by_table: dict[int, IntArray] = {}
+        self._ents_by_table: dict[int, Entities] = {}
+        self._tables: list[SeriesTable] = []
         tables = {id(r.table): r.table for r in defining}
         if len(tables) == 1:  # the usual case: one table, and the frame often the same as last time
             (table,) = tables.values()
@@ -173,25 +175,28 @@ class EntityFrame:
         self.unsited = len(self.keys)
 
     def _entities(self, table: SeriesTable) -> Entities:
+        ents = self._ents_by_table.get(id(table))  # (per frame: the key's hash not computed per query)
+        if ents is not None:
+            return ents
         key = ("entities", self.naming, self.ident, self.defaults)
-        ents = table.derived.get(key)
-        if not isinstance(ents, Entities):
-            ents = table.derived[key] = Entities(self.naming, self.ident, self.defaults)
-        return ents
+        found = table.derived.get(key)
+        if not isinstance(found, Entities):
+            found = table.derived[key] = Entities(self.naming, self.ident, self.defaults)
+        self._ents_by_table[id(table)] = found
+        self._tables.append(table)  # (alive while the frame is: its id stays its own)
+        return found
 
     def positions(self, res: Result) -> IntArray:
         """Position of each series of ``res`` among the entities (-1: none); records sites on the way."""
         ents = self._entities(res.table)
-        codes = ents.get(res.table)[res.ids]
+        ents.get(res.table)  # (the table's entities so far, before a code_pos is built from them)
         code_pos = self._pos_by_table.get(id(res.table))
         if code_pos is None:
             index = self._index if self._index is not None else {k: i for i, k in enumerate(self.keys)}
             self._index = index
             code_pos = np.array([index.get(k, -1) for k in ents.keys], dtype=np.int64)
             self._pos_by_table[id(res.table)] = code_pos
-        pos = np.full(len(codes), -1, dtype=np.int64)
-        ok = (codes >= 0) & (codes < len(code_pos))
-        pos[ok] = code_pos[codes[ok]]
+        pos: IntArray = _id_positions(ents, res.table, code_pos)[res.ids]
         if self.unsited:
             sel = pos >= 0
             p, ids = pos[sel], res.ids[sel]
@@ -214,6 +219,23 @@ class EntityFrame:
             if self.cache is not None:
                 self.cache["columns"] = cols
         return [list(c) for c in cols[1]]
+
+
+def _id_positions(ents: Entities, table: SeriesTable, code_pos: IntArray) -> IntArray:
+    """Per series id of ``table``: its position in the frame whose entity code -> position is ``code_pos`` (-1:
+    none). Kept in the entities' memo while the frame's order is the same array, extended as the table grows,
+    so a query's positions are one lookup of its ids."""
+    codes = ents.get(table)
+    memo = ents.memo.get("id_pos")
+    have: IntArray = memo[1] if memo is not None and memo[0] is code_pos else np.zeros(0, dtype=np.int64)
+    if len(have) < len(codes):
+        new = codes[len(have):]
+        more = np.full(len(new), -1, dtype=np.int64)
+        ok = (new >= 0) & (new < len(code_pos))
+        more[ok] = code_pos[new[ok]]
+        have = np.concatenate((have, more)) if len(have) else more
+        ents.memo["id_pos"] = (code_pos, have)  # (holds code_pos: its identity stays its own)
+    return have
 
 
 def concat(a: Result, b: Result) -> Result:

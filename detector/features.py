@@ -135,7 +135,7 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
     # GPUs: the entities with a sample count, in (node, gpu) order.
     gpus = EntityFrame(naming, ("gpu",), None, [res for feat, _, res in gpu_rs if feat == "samples"])
     n = len(gpus.keys)
-    values = {f: np.full(n, np.nan) for f in GPU_FEATURES}
+    values = dict(zip(GPU_FEATURES, np.full((len(GPU_FEATURES), n), np.nan), strict=True))  # (rows of one block)
     job_pos: list[IntArray] = []
     job_code: list[IntArray] = []
     job_count: list[FloatArray] = []
@@ -146,6 +146,9 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
     model_labels = MODEL_LABELS.get(profile, ("name",))
     for feat, q, res in gpu_rs:
         pos = gpus.positions(res)
+        if feat in values:  # (most results: a feature folded in, positions < 0 skipped there)
+            accumulate(values[feat], pos, res.values, q.agg)
+            continue
         sel = pos >= 0
         if feat == "@job":
             job_pos.append(pos[sel])
@@ -177,8 +180,6 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
                 arr = values[f]
                 arr[hit] = 1.0
                 arr[seen & ~hit & np.isnan(arr)] = 0.0
-        elif feat in values:
-            accumulate(values[feat], pos, res.values, q.agg)
 
     for i, by_instance in migs.items():
         layout = "+".join(f"{p}*{k}" if k > 1 else p for p, k in sorted(Counter(by_instance.values()).items()))

@@ -229,6 +229,8 @@ def score(snap: FeatureFrame, cfg: DetectorConfig, naming: NodeNaming) -> SliceR
 
     Pods become training jobs as a GPU's do (:func:`gpufleet.detector.jobs.resolve`, ``[kubernetes]``); with
     ``--shard``, this replica scores the slices of the jobs it owns (as :mod:`gpufleet.detector.shard`)."""
+    if not snap.meta.get("@mig_info"):  # no MIG device in the fleet (the slices are those of its series): none
+        return SliceResult()
     sf = slice_frame(snap, naming, cfg.coverage)
     jobs.resolve(sf.frame, snap.meta, cfg.kubernetes)
     if cfg.shard is not None and cfg.shard.count > 1:

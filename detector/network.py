@@ -40,6 +40,7 @@ import numpy as np
 from gpufleet.detector.candidate import DIRECT, Candidate, Evidence
 from gpufleet.detector.causes import nic_fabric
 from gpufleet.detector.features import GpuFrame, NicFrame
+from gpufleet.detector.numeric import nan_to_zero
 from gpufleet.detector.robust import nanmedian, robust_z
 
 FloatArray = np.ndarray
@@ -78,6 +79,35 @@ def nic_role(nic: NicFrame, i: int, p: NetworkParams, node_mapped: set[str] | No
     return "fabric"
 
 
+def _fabric(nic: NicFrame, p: NetworkParams) -> np.ndarray:
+    """Per NIC: its :func:`nic_role` is "fabric", with a few list passes rather than a call per NIC."""
+    serves = [bool(g) for g in nic.gpus]
+    mapped = {nd for nd, g in zip(nic.nodes, serves, strict=True) if g}
+    layers = nic.link_layers or [""] * len(serves)
+    out = np.array([g or not (layer == "Ethernet" or nd in mapped)
+                    for g, layer, nd in zip(serves, layers, nic.nodes, strict=True)], dtype=bool)
+    if p.storage_devices:
+        out &= np.array([re.fullmatch(p.storage_devices, d) is None for d in nic.devices], dtype=bool)
+    return out
+
+
+def _peer_groups(nic: NicFrame, busy_idx: np.ndarray, cap: FloatArray) -> list[np.ndarray]:
+    """The busy fabric ports (``busy_idx``) by :func:`nic_peer_key` (role "fabric", link layer, capability to 2
+    digits), each group's positions ascending; each capability formatted once, the ports grouped by a sort."""
+    if not len(busy_idx):
+        return []
+    caps = np.asarray(cap, dtype=float)[busy_idx]
+    uniq, inv = np.unique(np.where(np.isfinite(caps), caps, -1.0), return_inverse=True)
+    names: dict[str, int] = {}  # (capabilities apart by less than 2 digits are one group)
+    code = np.array([names.setdefault(f"{float(c):.2g}" if c >= 0 else "?", len(names)) for c in uniq])[inv]
+    if nic.link_layers:
+        layer_codes: dict[str, int] = {}
+        layers = np.array([layer_codes.setdefault(nic.link_layers[j], len(layer_codes)) for j in busy_idx.tolist()])
+        code = layers * len(names) + code
+    order = np.argsort(code, kind="stable")
+    return np.split(busy_idx[order], np.flatnonzero(np.diff(code[order])) + 1)
+
+
 def nic_peer_key(nic: NicFrame, i: int, role: str, capability: FloatArray) -> str:
     """Peers for congestion: same role, link layer and capability (rounded to 1 %)."""
     layer = nic.link_layers[i] if nic.link_layers else ""
@@ -104,37 +134,24 @@ def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray 
             score[i] = max(score[i], float(value[i]))
             cause_detail[i].append(what)
 
-    down = np.nan_to_num(nic.get("nic_link_downed"), nan=0.0)
+    down = nan_to_zero(nic.get("nic_link_downed"))
     flag(down > 0, 10.0 + down, "link_downed")
     if flaps is not None:
         flag((flaps >= p.flap_episodes) & (down == 0), np.full(n, 10.0), "link_flapping")
-    rec = np.nan_to_num(nic.get("nic_link_recovery"), nan=0.0)
+    rec = nan_to_zero(nic.get("nic_link_recovery"))
     flag(rec > 0, 8.0 + rec, "link_error_recovery")
-    sym = np.nan_to_num(nic.get("nic_symbol_errors"), nan=0.0)
+    sym = nan_to_zero(nic.get("nic_symbol_errors"))
     flag(sym >= p.symbol_errors, 6.0 + np.log10(np.maximum(sym, 1.0)), "symbol_errors")
     low = np.isfinite(rate) & np.isfinite(cap) & (rate < (1.0 - p.rate_drop) * cap)
     flag(low, np.full(n, 10.0), "reduced_rate")
 
-    mapped = {nd for nd, g in zip(nic.nodes, nic.gpus, strict=True) if g}
-    roles = [nic_role(nic, i, p, mapped) for i in range(n)]
-    fabric = np.array([r == "fabric" for r in roles])
-    tx = np.nan_to_num(nic.get("nic_tx"), nan=0.0)
+    fabric = _fabric(nic, p)
+    tx = nan_to_zero(nic.get("nic_tx"))
     steady = np.array([nd not in quiet for nd in nic.nodes], dtype=bool) if quiet else np.ones(n, dtype=bool)
     busy = fabric & steady & (tx >= p.busy_bytes_per_second)
-    # Peer groups of nic_peer_key (role, link layer, capability to 2 digits), each capability formatted once.
-    groups: dict[tuple[str, str, str], list[int]] = defaultdict(list)
-    busy_idx = np.flatnonzero(busy)
-    if len(busy_idx):
-        caps = np.asarray(cap, dtype=float)[busy_idx]
-        uniq, inv = np.unique(np.where(np.isfinite(caps), caps, -1.0), return_inverse=True)
-        cap_s = [f"{float(c):.2g}" if c >= 0 else "?" for c in uniq]
-        layers = nic.link_layers
-        for j, k in zip(busy_idx.tolist(), inv.tolist(), strict=True):
-            groups[(roles[j], layers[j] if layers else "", cap_s[k])].append(j)
-    for members in groups.values():
-        if len(members) < p.min_peers:
+    for idx in _peer_groups(nic, np.flatnonzero(busy), cap):
+        if len(idx) < p.min_peers:
             continue
-        idx = np.array(members)
         for feat, floor in (("nic_xmit_wait", p.xmit_wait_floor), ("nic_ecn", p.ecn_floor)):
             x = nic.get(feat)[idx]
             if np.isfinite(x).sum() < p.min_peers:
@@ -142,10 +159,9 @@ def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray 
             per_mb = x / np.maximum(tx[idx], 1.0) * 1e6  # per MB sent
             med = nanmedian(per_mb)
             z = np.zeros(n)
-            z[idx] = np.nan_to_num(robust_z(per_mb, abs_floor=max(0.1 * floor, 0.05 * abs(med)), rel_floor=0.25),
-                                   nan=0.0)
+            z[idx] = nan_to_zero(robust_z(per_mb, abs_floor=max(0.1 * floor, 0.05 * abs(med)), rel_floor=0.25))
             above = np.zeros(n, dtype=bool)
-            above[idx] = np.nan_to_num(per_mb, nan=0.0) >= floor
+            above[idx] = nan_to_zero(per_mb) >= floor
             flag((z >= p.threshold) & above, z, feat.removeprefix("nic_"))
     # RoCE: PFC pause, discards and pause storms of the NIC's netdev against its rail (detector/causes.py);
     # storage/front-end ports burst and pause by design (checkpoints): only the GPU fabric is judged

@@ -70,15 +70,17 @@ class JobEdges:
             if job:
                 members[job].append(i)
         now: set[str] = set()
+        swung_gpu: list[bool] = swing.tolist()  # (read per GPU below: as Python bools)
+        gpu_node = frame.nodes
         for job, ix in members.items():
             nodes: dict[str, bool] = {}
             for i in ix:
-                nodes[frame.nodes[i]] = nodes.get(frame.nodes[i], False) or bool(swing[i])
+                nodes[gpu_node[i]] = nodes.get(gpu_node[i], False) or swung_gpu[i]
             swung = sum(nodes.values())
             if len(nodes) >= 2:
                 reached = 2 * swung > len(nodes)
             else:
-                reached = len(ix) >= self.min_gpus and 2 * int(swing[ix].sum()) > len(ix)
+                reached = len(ix) >= self.min_gpus and 2 * sum(swung_gpu[i] for i in ix) > len(ix)
             if reached or (job in self.at_edge and swung > 0):
                 now.add(job)
                 out[ix] = True

@@ -109,3 +109,90 @@ def _sorted_medians(v: FloatArray, start: np.ndarray, count: np.ndarray) -> Floa
         pair = (v[np.maximum(mid - 1, start)] + v[mid]) / 2
     out: FloatArray = np.where(count % 2 == 1, v[mid], pair)
     return out
+
+
+#: Values (features x GPUs) :meth:`PeerGroups.robust_zs` stacks at once: all features of a small fleet, a few of a
+#: large one (its temporaries stay a few MiB; the per-call overhead it saves is small beside a large sort).
+BATCH = 1 << 18
+
+
+class PeerGroups:
+    """A grouping (integer group ids, -1 = no group) prepared once for the robust z of several features.
+
+    :meth:`robust_z` is :func:`grouped_robust_z` with this grouping, to the last bit and the sign of a zero: each
+    group's members (ascending) as one row of a padded matrix, so a feature's medians and MADs are two row sorts
+    (non-finite values as NaN, sorted last) and a few lookups, rather than a dozen numpy calls per group or two
+    lexsorts. Where the groups' sizes differ so much that padding would cost more than the members (one job of
+    thousands of GPUs beside jobs of eight), :func:`grouped_robust_z` is used instead."""
+
+    def __init__(self, groups: np.ndarray) -> None:
+        self.groups = groups
+        self.n = n = len(groups)
+        order = np.argsort(groups, kind="stable")
+        g = groups[order]
+        grouped = g >= 0
+        self.members = order[grouped]
+        g = g[grouped]
+        m = len(g)
+        self.start = np.flatnonzero(np.concatenate(([True], g[1:] != g[:-1]))) if m else np.zeros(0, dtype=np.int64)
+        count = np.diff(np.append(self.start, m))
+        k = len(count)
+        width = int(count.max(initial=0))
+        self.dense = k * width <= max(4 * m, 256)
+        self.row = np.repeat(np.arange(k), count)  # each member's group row
+        self.count = count
+        self.rows = np.arange(k)
+        if self.dense:
+            # member j of group r at [r, j]; padding points at index n (NaN in the padded values)
+            self.matrix = np.full((k, width), n, dtype=np.int64)
+            self.matrix[self.row, np.arange(m) - np.repeat(self.start, count)] = self.members
+
+    def robust_z(self, x: FloatArray, abs_floor: float = 0.0, rel_floor: float = 0.0) -> FloatArray:
+        return self.robust_zs([(x, abs_floor, rel_floor)])[0]
+
+    def robust_zs(self, features: list[tuple[FloatArray, float, float]]) -> list[FloatArray]:
+        """:meth:`robust_z` of several features ``(x, abs_floor, rel_floor)`` at once (one stack of padded
+        matrices: the same numpy calls for all of them)."""
+        if not self.dense or not len(self.members) or not features:
+            return [grouped_robust_z(x, self.groups, a, r) for x, a, r in features]
+        per = max(1, BATCH // (self.n + 1))  # features per stack (a large fleet's: a few at a time)
+        if len(features) > per:
+            return [z for k in range(0, len(features), per) for z in self.robust_zs(features[k:k + per])]
+        n, members, r = self.n, self.members, self.row
+        xs = np.stack([x for x, _, _ in features])
+        fin = np.isfinite(xs)
+        padded = np.full((len(features), n + 1), np.nan)
+        np.copyto(padded[:, :n], xs, where=fin)
+        v = padded[:, self.matrix]  # feature x group x member
+        v.sort(axis=2)
+        count = np.add.reduceat(fin[:, members].astype(np.int64), self.start, axis=1)  # finite values per group
+        med = self._medians(v, count)
+        dev = np.subtract(v, med[:, :, None], out=v)  # (the values are not needed any more)
+        np.abs(dev, out=dev)
+        dev.sort(axis=2)
+        mad = self._medians(dev, count)
+        abs_floor = np.array([[a] for _, a, _ in features])
+        rel_floor = np.array([[f] for _, _, f in features])
+        scale = np.maximum(np.maximum(MAD_SCALE * mad, abs_floor), np.maximum(rel_floor * np.abs(med), 1e-12))
+        z = np.full((len(features), n), np.nan)
+        z[:, members] = (xs[:, members] - med[:, r]) / scale[:, r]
+        out = list(z)
+        # A median of zero may be -0.0 or 0.0 depending on how the sort placed the signed zeros (see
+        # _all_groups_z): such groups (rare) are computed as robust_z computes them.
+        for f, j in zip(*np.nonzero(med == 0), strict=True):
+            idx = members[self.start[j]:self.start[j] + self.count[j]]
+            x, a, rf = features[f]
+            out[f][idx] = robust_z(x[idx], a, rf)
+        return out
+
+    def _medians(self, v: FloatArray, count: np.ndarray) -> FloatArray:
+        """Each row's median of its first ``count`` values (sorted), as :func:`median`; NaN for a count of 0."""
+        mid = count // 2
+        f = np.arange(len(v))[:, None]
+        hi = v[f, self.rows, mid]
+        lo = v[f, self.rows, np.maximum(mid - 1, 0)]
+        even = count % 2 == 0
+        out: FloatArray = hi.copy()
+        np.add(lo, hi, out=out, where=even)  # (only the pairs of even counts: an odd group's may overflow)
+        np.divide(out, 2, out=out, where=even)
+        return out

@@ -35,6 +35,7 @@ a decision, i.e. some GPU's robust score is within 25 % of the threshold
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
@@ -43,7 +44,8 @@ import numpy as np
 from gpufleet.detector import cause_rules, causes, iforest
 from gpufleet.detector.candidate import DIRECT, Candidate, Evidence
 from gpufleet.detector.features import NVLINK_ERROR_FEATURES, GpuFrame
-from gpufleet.detector.robust import grouped_robust_z, nanmedian
+from gpufleet.detector.numeric import median, nan_to_zero
+from gpufleet.detector.robust import PeerGroups, nanmedian
 
 FloatArray = np.ndarray
 IntArray = np.ndarray
@@ -142,24 +144,52 @@ def _groups(frame: GpuFrame, eligible: FloatArray, p: StragglerParams,
     """Peer-group id per GPU (-1: not scored): the groups of :func:`peer_key` with at least ``min_peers`` eligible
     members, in order of first appearance. Computed with one dict pass and array operations (the same partition
     as calling :func:`peer_key` per GPU, which at 100k GPUs would dominate the evaluation)."""
-    n = len(frame)
     ok = np.asarray(eligible, dtype=bool).copy()
     if frame.sync is not None:
         ok &= np.asarray(frame.sync, dtype=bool)
     code, peerless = _job_model_codes(frame.jobs, frame.namespaces, frame.models, p.compare_jobless)
     ok &= ~peerless
     if limit_ref is not None:
-        lim = np.asarray(limit_ref, dtype=float)
-        with np.errstate(invalid="ignore"):
-            bucket = np.where(np.isfinite(lim), np.round(lim / 10.0) * 10.0, -1.0)
-        _, bucket_code = np.unique(bucket, return_inverse=True)
+        bucket_code = _limit_codes(limit_ref)
         code = code * (int(bucket_code.max(initial=0)) + 1) + bucket_code
+    key = (ok.tobytes(), code.tobytes(), p.min_peers)
+    if _last_groups and _last_groups[0][0] == key:  # the same eligible GPUs and peer codes as last time
+        return _last_groups[0][1].copy()
+    out = _group_ids(ok, code, p.min_peers)
+    _last_groups[:] = [(key, out.copy())]
+    return out
+
+
+#: The last peer-group ids of :func:`_groups` and the eligible GPUs, codes and minimum group size they are of
+#: (mostly the same from one evaluation to the next); the last limit buckets of :func:`_limit_codes`.
+_last_groups: list[tuple[tuple[bytes, bytes, int], IntArray]] = []
+_last_limits: list[tuple[bytes, IntArray]] = []
+
+
+def _limit_codes(limit_ref: FloatArray) -> IntArray:
+    """Per GPU: a code per configured power limit rounded to 10 W (unknown: one code of its own)."""
+    lim = np.asarray(limit_ref, dtype=float)
+    raw = lim.tobytes()
+    if _last_limits and _last_limits[0][0] == raw:
+        return _last_limits[0][1]
+    with np.errstate(invalid="ignore"):
+        bucket = np.where(np.isfinite(lim), np.round(lim / 10.0) * 10.0, -1.0)
+    _, bucket_code = np.unique(bucket, return_inverse=True)
+    bucket_code.flags.writeable = False
+    _last_limits[:] = [(raw, bucket_code)]
+    return bucket_code
+
+
+def _group_ids(ok: BoolArray, code: IntArray, min_peers: int) -> IntArray:
+    """Per GPU: its group's id among the groups of ``code`` with ``min_peers`` GPUs where ``ok``, in order of each
+    group's first such GPU (-1: not ``ok``, or a smaller group)."""
+    n = len(ok)
     out = np.full(n, -1, dtype=np.int64)
     if not ok.any():
         return out
     sel = np.flatnonzero(ok)
     uniq, first, inverse, counts = np.unique(code[sel], return_index=True, return_inverse=True, return_counts=True)
-    big = counts >= p.min_peers
+    big = counts >= min_peers
     rank = np.full(len(uniq), -1, dtype=np.int64)  # ids in order of each group's first member
     kept = np.flatnonzero(big)
     rank[kept[np.argsort(first[kept], kind="stable")]] = np.arange(len(kept))
@@ -176,7 +206,7 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
     candidate (deviations alone cannot tell a fault from the edge)."""
     n = len(frame)
     util = frame.get("util")
-    active = np.nan_to_num(util, nan=0.0) >= p.busy_util
+    active = nan_to_zero(util) >= p.busy_util
     # A GPU whose latest reading is idle stopped working (its rank crashed, its job ended): no straggler.
     last = frame.get("util_last")
     with np.errstate(invalid="ignore"):
@@ -186,40 +216,41 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
     scored = groups >= 0
     z: dict[str, FloatArray] = {}
     robust = np.zeros(n)
-    for f, (af, rf, direction) in FEATURES.items():
-        x = frame.get(f)
-        if not np.isfinite(x[scored]).any():
-            continue
-        zf = grouped_robust_z(np.where(scored, x, np.nan), groups, af, rf)
+    # every feature with a value at a scored GPU, at once (only the scored GPUs are in a group)
+    feats = [(f, frame.get(f)) for f in FEATURES]
+    feats = [(f, x) for f, x in feats if np.isfinite(x[scored]).any()]
+    zs = PeerGroups(groups).robust_zs([(x, FEATURES[f][0], FEATURES[f][1]) for f, x in feats])
+    for (f, _), zf in zip(feats, zs, strict=True):
+        direction = FEATURES[f][2]
         z[f] = zf
         if direction:
-            robust = np.fmax(robust, np.nan_to_num(direction * zf, nan=0.0))
+            robust = np.fmax(robust, nan_to_zero(direction * zf))
     # iso = 0.5 is neutral (factor 1). The forest moves a score by at most 25 %, so it can only change a
     # decision when some GPU's robust score is in [threshold / 1.25, threshold / 0.75): only then is it fitted.
     # Throttle evidence: a GPU held down by a clock-event reason for most of the window whose clock is also
     # below its peers' slows its job even when the deviation alone is modest. Software power capping is left
     # out: at full load (and more so in hot weather) it is normal and comes and goes.
     if "sm_clock" in z:
-        thr = np.fmax.reduce([np.nan_to_num(frame.get(f), nan=0.0) for f in ("thr_thermal", "thr_brake",
+        thr = np.fmax.reduce([nan_to_zero(frame.get(f)) for f in ("thr_thermal", "thr_brake",
                                                                                 "thr_hw")])
-        boost = (thr >= 0.5) & (np.nan_to_num(z["sm_clock"], nan=0.0) <= -p.cause_z / 2)
-        robust = np.where(boost, np.fmax(robust, -np.nan_to_num(z["sm_clock"], nan=0.0) + p.threshold / 2), robust)
+        boost = (thr >= 0.5) & (nan_to_zero(z["sm_clock"]) <= -p.cause_z / 2)
+        robust = np.where(boost, np.fmax(robust, -nan_to_zero(z["sm_clock"]) + p.threshold / 2), robust)
     # Collective timing (NCCL profiler traces), where present: the rank its peers wait for in the collectives.
     coll = causes.collective_z(frame, groups)
     if np.isfinite(coll).any():
         z["coll_wait"] = coll
-        robust = np.fmax(robust, np.nan_to_num(coll, nan=0.0))
+        robust = np.fmax(robust, nan_to_zero(coll))
     iso = np.full(n, 0.5)
     r_scored = robust[scored]
     undecided = (r_scored * 1.25 >= p.threshold) & (r_scored * 0.75 < p.threshold)
     if p.isolation_forest and z and scored.sum() >= 16 and undecided.any():
-        mat = np.column_stack([np.clip(np.nan_to_num(z[f][scored], nan=0.0), -50, 50) for f in z])
+        mat = np.column_stack([np.clip(nan_to_zero(z[f][scored]), -50, 50) for f in z])
         # IsolationForest(n_estimators=50, max_samples=min(256, n), random_state=p.seed)'s scores, bit for bit;
         # scikit-learn is imported only when a forest is fitted (the import alone costs most of a second)
         iso[scored] = np.clip((iforest.scores(mat, 50, p.seed) - 0.45) / 0.25, 0.0, 1.0)
     combined = np.where(scored, robust * (0.75 + 0.5 * iso), np.nan)
     flags = nic_flags or {}
-    hit = np.nan_to_num(combined, nan=0.0) >= p.threshold
+    hit = nan_to_zero(combined) >= p.threshold
     cands = [_candidate(frame, int(i), combined[i], z, p, flags, node_causes or {}) for i in np.flatnonzero(hit)]
     if edge is not None and edge.any():  # at a job-wide edge: the GPU's own direct evidence only
         at_edge = {(frame.nodes[i], frame.gpus[i]) for i in np.flatnonzero(edge)}
@@ -291,14 +322,30 @@ def _nvlink_errors(frame: GpuFrame, idx: np.ndarray) -> FloatArray:
     if not seen.any():  # no NVLink error counters (or none with a value): nothing to compare
         return out
     total = np.where(seen, np.nansum(errs, axis=1), np.nan)
-    by_job: dict[str, list[int]] = {}
-    for i in np.flatnonzero(idx & seen):
-        job = frame.jobs[i]
-        if job:
-            by_job.setdefault(job, []).append(int(i))
-    for members in by_job.values():
-        out[members] = total[members] - float(np.median(total[members]))
+    sel = np.flatnonzero(idx & seen)
+    code = _job_codes(frame.jobs)[sel]
+    sel, code = sel[code >= 0], code[code >= 0]  # (a GPU without a job has no ranks to compare with)
+    order = np.argsort(code, kind="stable")
+    for members in np.split(sel[order], np.flatnonzero(np.diff(code[order])) + 1):  # each job's GPUs, ascending
+        if len(members):
+            t = total[members]
+            out[members] = t - median(t)
     return out
+
+
+#: The last job codes of :func:`_job_codes` and the jobs they are of.
+_last_jobs: list[tuple[list[str | None], IntArray]] = []
+
+
+def _job_codes(jobs: list[str | None]) -> IntArray:
+    """Per GPU: a code per distinct job (-1: none), kept while the frame's jobs are the same."""
+    if _last_jobs and _last_jobs[0][0] == jobs:
+        return _last_jobs[0][1]
+    index: dict[str, int] = {}
+    code = np.array([index.setdefault(j, len(index)) if j else -1 for j in jobs], dtype=np.int64)
+    code.flags.writeable = False
+    _last_jobs[:] = [(list(jobs), code)]
+    return code
 
 
 def _thresholds(p: StragglerParams) -> cause_rules.Thresholds:
@@ -308,7 +355,7 @@ def _thresholds(p: StragglerParams) -> cause_rules.Thresholds:
 def _candidate(frame: GpuFrame, i: int, s: float, z: dict[str, FloatArray], p: StragglerParams,
                nic_flags: dict[tuple[str, str], float],
                node_causes: cause_rules.NodeCauses | None = None) -> Candidate:
-    dev = {f: float(z[f][i]) for f in z if np.isfinite(z[f][i])}
+    dev = {f: v for f in z if math.isfinite(v := float(z[f][i]))}
     view = cause_rules.GpuView(frame, i, dev, _thresholds(p), nic_flags, node_causes or {})
     strengths, values, applied = cause_rules.evaluate(view)
     ev = Evidence(deviations=dev, causes=strengths, values=values, rules=applied)
@@ -320,9 +367,12 @@ def _collapse_nodes(frame: GpuFrame, groups: FloatArray, cands: list[Candidate],
     """A node whose GPUs of one job mostly straggle (whatever each GPU's own cause), or two or more of them for
     one cause, is one node-level candidate (gpu None): the cause with the most evidence summed over them (the
     others stay in the evidence)."""
+    if not cands:
+        return []
     per_node_job: dict[tuple[str, str | None], int] = defaultdict(int)
-    for i in np.flatnonzero(groups >= 0):
-        per_node_job[(frame.nodes[i], frame.jobs[i])] += 1
+    nodes, jobs = frame.nodes, frame.jobs
+    for i in np.flatnonzero(groups >= 0).tolist():
+        per_node_job[(nodes[i], jobs[i])] += 1
     by: dict[tuple[str, str | None], list[Candidate]] = defaultdict(list)
     for c in cands:
         by[(c.node, c.job)].append(c)

@@ -18,6 +18,7 @@ import numpy as np
 
 from gpufleet.detector.candidate import DIRECT, Candidate, Evidence
 from gpufleet.detector.features import GpuFrame
+from gpufleet.detector.numeric import median, nan_to_zero
 
 REASONS = (("thr_thermal", "thermal"), ("thr_brake", "power"), ("thr_power", "power"), ("thr_hw", "clock"))
 
@@ -34,14 +35,11 @@ class ThrottleParams:
 def find(frame: GpuFrame, p: ThrottleParams) -> list[Candidate]:
     valid = frame.valid.astype(bool)
     clock = frame.get("sm_clock")
-    node_gpus: dict[str, int] = defaultdict(int)
-    for j in np.flatnonzero(valid):
-        node_gpus[frame.nodes[j]] += 1
     cands: list[Candidate] = []
     # Only GPUs held by some reason long enough can qualify: select them with array operations first.
     held = np.zeros(len(valid), dtype=bool)
     for feat, _ in REASONS:
-        held |= np.nan_to_num(frame.get(feat), nan=0.0) >= p.min_fraction
+        held |= nan_to_zero(frame.get(feat)) >= p.min_fraction
     peers: _Peers | None = None
     for ii in np.flatnonzero(valid & held):
         i = int(ii)
@@ -80,12 +78,15 @@ class _Peers:
     reference (finite clock, not capping, busy) and the frame's models, nodes and jobs as arrays."""
 
     def __init__(self, frame: GpuFrame, clock: np.ndarray, p: ThrottleParams) -> None:
-        capping = np.nan_to_num(frame.get("thr_power"), nan=0.0) >= p.min_fraction
-        busy = np.nan_to_num(frame.get("util"), nan=0.0) >= 0.5
+        capping = nan_to_zero(frame.get("thr_power")) >= p.min_fraction
+        busy = nan_to_zero(frame.get("util")) >= 0.5
         self.ok = np.isfinite(clock) & ~capping & busy
         self.models = _objects(frame.models)
         self.nodes = _objects(frame.nodes)
         self.jobs = _objects(frame.jobs)
+        #: (model, node, job) -> the median clock of the reference GPUs (None: no reference): GPUs of one node
+        #: (a node capped as a whole) share it
+        self.reference: dict[tuple[str, str, str | None], float | None] = {}
 
 
 def _objects(values: Sequence[object]) -> np.ndarray:
@@ -100,12 +101,16 @@ def _clock_low(frame: GpuFrame, i: int, clock: np.ndarray, p: ThrottleParams, pe
     else same known model)? GPUs of another model are never the reference."""
     if not np.isfinite(clock[i]):
         return False
-    ok = peers.ok & (peers.models == frame.models[i])
-    ref = clock[(peers.nodes == frame.nodes[i]) & ok]
-    if ref.size == 0 and frame.jobs[i]:
-        ref = clock[(peers.jobs == frame.jobs[i]) & ok]
-    if ref.size == 0 and frame.models[i]:
-        ref = clock[ok]
-    if ref.size == 0:
+    key = (frame.models[i], frame.nodes[i], frame.jobs[i])
+    if key not in peers.reference:
+        ok = peers.ok & (peers.models == frame.models[i])
+        ref = clock[(peers.nodes == frame.nodes[i]) & ok]
+        if ref.size == 0 and frame.jobs[i]:
+            ref = clock[(peers.jobs == frame.jobs[i]) & ok]
+        if ref.size == 0 and frame.models[i]:
+            ref = clock[ok]
+        peers.reference[key] = median(ref) if ref.size else None
+    med = peers.reference[key]
+    if med is None:
         return False  # everyone caps: the fleet runs at its power limit, which is not a fault
-    return bool(clock[i] < (1.0 - p.power_cap_clock_drop) * float(np.median(ref)))
+    return bool(clock[i] < (1.0 - p.power_cap_clock_drop) * med)

@@ -148,3 +148,9 @@ def test_results_intern_label_sets_and_frames_stay_right_as_the_table_grows() ->
 
     third = collect(Two(), [Q_SAMPLES, Q_UTIL], 120.0, 60.0)
     np.testing.assert_array_equal(third.gpu.get("util"), [np.nan, 0.7])
+    # the same GPUs, and a new series of one of them (the table grows while the frame stays): its position too
+    src.answers = {Q_SAMPLES: [(lab("a", "2"), 20.0), (lab("a", "1"), 20.0)],
+                   Q_UTIL: [({**lab("a", "2"), "pod": "new"}, 0.3), (lab("a", "1"), 0.6)]}
+    fourth = collect(src, [Q_SAMPLES, Q_UTIL], 180.0, 60.0)
+    assert fourth.gpu.gpus == ["1", "2"]
+    np.testing.assert_array_equal(fourth.gpu.get("util"), [0.6, 0.3])

@@ -45,3 +45,41 @@ def test_nic_gpus_equal_the_plain_rule() -> None:
         frame = GpuFrame(gpu_nodes, gpu_ids, [""] * len(gpu_ids), [None] * len(gpu_ids), [""] * len(gpu_ids), {},
                          np.ones(len(gpu_ids), dtype=bool), np.zeros(len(gpu_ids), dtype=bool))
         assert _nic_gpus(nkeys, dict(nicmap), frame) == _plain(nkeys, dict(nicmap), gpu_nodes, gpu_ids)
+
+
+def test_fabric_ports_are_those_nic_role_calls_fabric() -> None:
+    """network.find's fabric mask (a few list passes) is nic_role's answer for every NIC."""
+    from gpufleet.detector.frames import NicFrame
+    from gpufleet.detector.network import NetworkParams, _fabric, nic_role
+
+    rng = random.Random(5)
+    for case in range(300):
+        n = rng.randint(0, 12)
+        nodes = [rng.choice(["a", "b", "c"]) for _ in range(n)]
+        devices = [rng.choice(["mlx5_0", "mlx5_1", "eth0", "bond0"]) for _ in range(n)]
+        gpus = [rng.choice([[], ["0"], ["0", "1"]]) for _ in range(n)]
+        layers = [rng.choice(["InfiniBand", "Ethernet", ""]) for _ in range(n)] if case % 2 else []
+        nic = NicFrame(nodes, devices, ["1"] * n, [""] * n, {}, gpus, layers)
+        p = NetworkParams(storage_devices=rng.choice(["", "eth.*|bond.*", "mlx5_1"]))
+        mapped = {nd for nd, g in zip(nodes, gpus, strict=True) if g}
+        expected = [nic_role(nic, i, p, mapped) == "fabric" for i in range(n)]
+        assert _fabric(nic, p).tolist() == expected, (nic, p)
+
+
+def test_busy_ports_group_as_nic_peer_key_says() -> None:
+    """network.find's congestion peer groups (a sort) are the ports of one nic_peer_key, ascending."""
+    from gpufleet.detector.frames import NicFrame
+    from gpufleet.detector.network import _peer_groups, nic_peer_key
+
+    rng = np.random.default_rng(3)
+    for case in range(200):
+        n = int(rng.integers(0, 30))
+        cap = rng.choice([1.0e11, 1.01e11, 1.06e11, 2.5e10, np.nan, 4e11], size=n)
+        layers = [str(x) for x in rng.choice(["InfiniBand", "Ethernet", ""], size=n)] if case % 2 else []
+        nic = NicFrame(["a"] * n, ["mlx5_0"] * n, ["1"] * n, [""] * n, {}, [["0"]] * n, layers)
+        busy = np.flatnonzero(rng.random(n) < 0.7)
+        expected: dict[str, list[int]] = defaultdict(list)
+        for i in busy.tolist():
+            expected[nic_peer_key(nic, i, "fabric", cap)].append(i)
+        got = _peer_groups(nic, busy, cap)
+        assert sorted(g.tolist() for g in got) == sorted(expected.values()), (cap, layers, busy)

@@ -73,8 +73,8 @@ def test_medians_equal_numpys(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_grouped_robust_z_is_each_groups_robust_z(seed: int) -> None:
-    """Grouped robust z (one group at a time where few, else all groups at once) is each group's robust_z to the
-    last bit and the sign of a zero (NaN, inf, ties, signed zeros, groups without a finite value, no group)."""
+    """Grouped robust z (one group at a time where few, else all groups at once, or prepared once as
+    PeerGroups) is each group's robust_z to the last bit and the sign of a zero (NaN, inf, ties, signed zeros, groups without a finite value, no group)."""
     rng = np.random.default_rng(seed)
     for case in range(1500):
         n = int(rng.integers(0, 40))
@@ -90,9 +90,41 @@ def test_grouped_robust_z_is_each_groups_robust_z(seed: int) -> None:
             idx = np.flatnonzero(groups == gid)
             expected[idx] = robust.robust_z(x[idx], *floors)
         for got in (robust.grouped_robust_z(x, groups, *floors),  # few groups: one at a time
-                    robust._all_groups_z(x, groups, *floors, np.full(n, np.nan))):  # all at once
+                    robust._all_groups_z(x, groups, *floors, np.full(n, np.nan)),  # all at once
+                    robust.PeerGroups(groups).robust_z(x, *floors),  # rows of a padded matrix
+                    robust.PeerGroups(groups).robust_zs([(-x, 1.0, 0.0), (x, *floors)])[1]):  # several features
             assert np.array_equal(got, expected, equal_nan=True), (x, groups, floors)
             assert (np.signbit(got) == np.signbit(expected)).all(), (x, groups, floors)
+
+
+def test_peer_groups_of_very_unequal_sizes_are_each_groups_robust_z() -> None:
+    """One large group beside many small ones (padding would cost more than the members): the same numbers."""
+    rng = np.random.default_rng(7)
+    groups = np.concatenate((np.zeros(600, dtype=np.int64), np.repeat(np.arange(1, 41), 3), [-1] * 5))
+    x = np.round(rng.normal(size=len(groups)) * 100.0)
+    x[rng.random(len(x)) < 0.1] = np.nan
+    peers = robust.PeerGroups(groups)
+    assert not peers.dense
+    got = peers.robust_z(x, 0.5, 0.01)
+    expected = np.full(len(x), np.nan)
+    for gid in range(41):
+        idx = np.flatnonzero(groups == gid)
+        expected[idx] = robust.robust_z(x[idx], 0.5, 0.01)
+    assert np.array_equal(got, expected, equal_nan=True)
+    assert (np.signbit(got) == np.signbit(expected)).all()
+
+
+def test_peer_groups_stack_features_in_batches_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Features stacked a few at a time (a large fleet's) give what all at once gives."""
+    rng = np.random.default_rng(11)
+    groups = rng.integers(-1, 6, size=50)
+    feats = [(np.round(rng.normal(size=50) * 10.0), float(a), 0.01) for a in range(5)]
+    whole = robust.PeerGroups(groups).robust_zs(feats)
+    monkeypatch.setattr(robust, "BATCH", 102)  # two features per stack
+    parts = robust.PeerGroups(groups).robust_zs(feats)
+    assert len(parts) == 5
+    for a, b in zip(whole, parts, strict=True):
+        assert a.tobytes() == b.tobytes()
 
 
 def _series(src: sr.RecordingSource) -> dict[str, list[tuple[dict[str, str], list[float], list[float]]]]:

@@ -1,0 +1,52 @@
+"""detector.numeric gives numpy's values to the last bit (signed zeros, ties, NaN, infinities)."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from gpufleet.detector import numeric
+
+
+def _cases(seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in range(1, 60):
+        for _ in range(6):
+            v = rng.normal(size=n) * 10.0 ** rng.integers(-320, 300)
+            kind = rng.integers(0, 6)
+            if kind == 0:
+                v = np.round(v) * rng.choice([-1.0, 1.0], size=n)  # ties, signed zeros
+            elif kind == 1:
+                v = rng.choice([0.0, -0.0, 5e-324, -5e-324, 1.0], size=n)  # zeros and the smallest subnormals
+            elif kind == 2:
+                v[rng.random(n) < 0.3] = np.inf * rng.choice([-1.0, 1.0])
+            elif kind == 3:
+                v[rng.integers(0, n)] = np.nan
+            elif kind == 4:
+                v = rng.choice([np.finfo(np.float64).max, -np.finfo(np.float64).max, 1.0], size=n)  # overflowing pairs
+            out.append(v)
+    return out
+
+
+def _same(a: float, b: float) -> bool:
+    return (np.isnan(a) and np.isnan(b)) or (a == b and np.signbit(a) == np.signbit(b))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_median_is_numpys(seed: int) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # numpy warns on overflowing pairs
+        for v in _cases(seed):
+            assert _same(numeric.median(v), float(np.median(v))), v
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_nan_to_zero_is_numpys(seed: int) -> None:
+    for v in _cases(seed):
+        got, expected = numeric.nan_to_zero(v), np.nan_to_num(v, nan=0.0)
+        assert got.tobytes() == expected.tobytes() and got is not v
+    ints = np.arange(5)
+    assert numeric.nan_to_zero(ints).tolist() == ints.tolist()
