@@ -31,10 +31,8 @@ def _series(src: sr.RecordingSource) -> dict[str, list[tuple[dict[str, str], lis
     return {name: [(s.labels, s.ts.tolist(), s.values.tolist()) for s in ss] for name, ss in src.series.items()}
 
 
-def test_a_file_read_in_two_processes_is_the_file_read_in_one(recording: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    wanted = sample_names("gpufleet")
-    one = sr.RecordingSource.load([recording], wanted)
+def _parsed_here(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """The ``final`` flag of each part this process parses (the worker's, forked, are not seen)."""
     parts: list[bool] = []
     real = recording_fast.parse_part
 
@@ -43,6 +41,14 @@ def test_a_file_read_in_two_processes_is_the_file_read_in_one(recording: Path,
         return real(text, w, final)
 
     monkeypatch.setattr(recording_split, "parse_part", parse_part)
+    return parts
+
+
+def test_a_file_read_in_two_processes_is_the_file_read_in_one(recording: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    wanted = sample_names("gpufleet")
+    one = sr.RecordingSource.load([recording], wanted)
+    parts = _parsed_here(monkeypatch)
     two = sr.RecordingSource.load([recording], wanted, parallel=True)
     assert parts == [False]  # this process parsed the first part; the worker (forked: not seen here) the rest
     assert _series(two) == _series(one)
@@ -129,21 +135,6 @@ def test_a_packed_part_unpacks_to_the_same_part() -> None:
         {n: {k: (ts[0].tolist(), vs[0].tolist()) for k, (ts, vs) in d.items()} for n, d in raw.items()}
     assert np.shares_memory(got["a"][(("x", "1"),)][0][0], got["c"][(("y", "z"),)][0][0])
     assert recording_split._unpack_part(recording_split._pack_part(({}, []))) == ({}, [])
-
-
-
-
-def _parsed_here(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """The ``final`` flag of each part this process parses (the worker's, forked, are not seen)."""
-    parts: list[bool] = []
-    real = recording_fast.parse_part
-
-    def parse_part(text: str, w: set[str] | None, final: bool) -> recording_fast.Part | None:
-        parts.append(final)
-        return real(text, w, final)
-
-    monkeypatch.setattr(recording_split, "parse_part", parse_part)
-    return parts
 
 
 def test_a_gzip_file_is_decompressed_and_parsed_in_two_processes(recording: Path, tmp_path: Path,
