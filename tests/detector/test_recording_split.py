@@ -55,6 +55,16 @@ def test_a_file_read_in_two_processes_is_the_file_read_in_one(recording: Path,
     assert two.samples == one.samples > 0
 
 
+def _same_error(bad: Path) -> str:
+    """The message of reading ``bad`` in two processes, which must be that of reading it in one."""
+    with pytest.raises(sr.RecordingError) as one:
+        sr.RecordingSource.load([bad], None)
+    with pytest.raises(sr.RecordingError) as two:
+        sr.RecordingSource.load([bad], None, parallel=True)
+    assert str(two.value) == str(one.value)
+    return str(two.value)
+
+
 def _two_families(first: str, second: str) -> str:
     return f"# TYPE a gauge\n{first}# TYPE b gauge\n{second}# EOF\n"
 
@@ -69,12 +79,7 @@ def test_a_bad_file_read_in_two_processes_gets_the_readers_message(text: str, tm
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     bad = tmp_path / "bad.om"
     bad.write_text(text)
-    with pytest.raises(sr.RecordingError) as one:
-        sr.RecordingSource.load([bad], None)
-    with pytest.raises(sr.RecordingError) as two:
-        sr.RecordingSource.load([bad], None, parallel=True)
-    assert str(two.value) == str(one.value)
-    assert "bad.om:" in str(two.value)
+    assert "bad.om:" in _same_error(bad)
     with pytest.raises(sr.RecordingError, match="cannot read"):
         sr.RecordingSource.load([tmp_path / "absent.om"], None, parallel=True)
 
@@ -173,9 +178,4 @@ def test_a_damaged_gzip_file_gets_the_readers_message(cut_at: float, recording: 
     data = gzip.compress(recording.read_bytes())
     bad = tmp_path / "bad.om.gz"
     bad.write_bytes(data[: int(len(data) * cut_at)])  # truncated before or after the cut
-    with pytest.raises(sr.RecordingError) as one:
-        sr.RecordingSource.load([bad], None)
-    with pytest.raises(sr.RecordingError) as two:
-        sr.RecordingSource.load([bad], None, parallel=True)
-    assert str(two.value) == str(one.value)
-    assert "corrupt or truncated gzip" in str(two.value)
+    assert "corrupt or truncated gzip" in _same_error(bad)
