@@ -77,8 +77,7 @@ def read_fast(path: str | Path, wanted: set[str] | None, parallel: bool,
 
 def _whole(data: Buffer, wanted: set[str] | None) -> RawSeries | None:
     """A whole file's text parsed in this process."""
-    text = _decoded(data, 0, len(data))
-    part = parse_part(text, wanted, final=True) if text else None
+    part = _parsed(data, 0, len(data), wanted, final=True)
     return join([part]) if part is not None else None
 
 
@@ -175,11 +174,8 @@ def _read_split(data: Buffer, cut: int, tail: bytes, gz: _Gzip | None, wanted: s
     try:
         if beside is not None:
             beside.work()
-        first: Part | None = ({}, [])  # nothing before the cut: the worker reads it all
-        if cut:
-            text = _decoded(data, 0, cut)
-            first = parse_part(text, wanted, final=False) if text else None
-            del text
+        # (nothing before the cut: the worker reads it all)
+        first = _parsed(data, 0, cut, wanted, final=False) if cut else ({}, [])
         if first is None:  # the strict reader reads the whole file: the worker's part is not needed
             if started:
                 worker.kill()
@@ -206,14 +202,12 @@ def _read_split(data: Buffer, cut: int, tail: bytes, gz: _Gzip | None, wanted: s
 def _second_part(data: Buffer, cut: int, tail: bytes, gz: _Gzip | None, wanted: set[str] | None) -> Part | None:
     """The part after the cut (in the worker, or here when the worker failed)."""
     if gz is None:
-        text = _decoded(data, cut, len(data))
-    else:
-        rest = gz.rest()
-        if rest is None:
-            return None  # a damaged end: the strict reader reads the file and raises its error
-        whole = b"".join([tail, *rest])
-        text = _decoded(whole, 0, len(whole))
-    return parse_part(text, wanted, final=True) if text else None
+        return _parsed(data, cut, len(data), wanted, final=True)
+    rest = gz.rest()
+    if rest is None:
+        return None  # a damaged end: the strict reader reads the file and raises its error
+    whole = b"".join([tail, *rest])
+    return _parsed(whole, 0, len(whole), wanted, final=True)
 
 
 def _part_worker(send: Connection, data: Buffer, cut: int, tail: bytes, gz: _Gzip | None,
@@ -231,14 +225,15 @@ def _part_worker(send: Connection, data: Buffer, cut: int, tail: bytes, gz: _Gzi
         send.close()
 
 
-def _decoded(data: Buffer, start: int, end: int) -> str:
-    """``data[start:end]`` as text (decoded in place, not copied first); "" when it is not UTF-8 (the strict
-    reader then says where)."""
+def _parsed(data: Buffer, start: int, end: int, wanted: set[str] | None, final: bool) -> Part | None:
+    """``data[start:end]`` decoded in place (not copied first) and parsed (:func:`parse_part`); None when it is not
+    UTF-8 or anything is unusual (the strict reader then says where)."""
     try:
-        with memoryview(data) as whole, whole[start:end] as part:
-            return str(part, "utf-8")
+        with memoryview(data) as whole, whole[start:end] as piece:
+            text = str(piece, "utf-8")
     except UnicodeDecodeError:
-        return ""
+        return None
+    return parse_part(text, wanted, final) if text else None
 
 
 def _can_fork() -> bool:

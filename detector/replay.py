@@ -88,8 +88,8 @@ def replay(files: Sequence[str], cfg: DetectorConfig, step: float | None = None,
     return det, found
 
 
-#: Importing what the forest needs costs about what parsing this much of a recording costs (0.69 s against
-#: 3.6 ns a byte on the bench recordings): the part of the file this process parses is that much smaller.
+#: Importing what the forest needs costs about what parsing this much of a recording costs (0.6-0.7 s, at
+#: recording_split.PARSE_NS a byte): the part of the file this process parses is that much smaller.
 FOREST_IMPORT_BYTES = 190_000_000
 
 
