@@ -13,12 +13,12 @@ through the window: during a job-wide phase edge (a checkpoint, an evaluation pa
 its GPUs idle, what it carries is no collective traffic, and a checkpoint's burst is never congestion,
 whatever the port is called and whether or not topology says it serves a GPU.
 
-Roles (:func:`nic_role`): a port that serves no GPU by PCI topology while
+Roles (:func:`_fabric`): a port that serves no GPU by PCI topology while
 other ports of its node do, an Ethernet port that serves no GPU, or a device
 named in ``storage_devices`` is a storage/front-end port: heavy bursts
 (checkpoints) are its job, so it is judged on errors and its own rate only,
 never on congestion. GPU-fabric ports are compared for congestion only with
-alike peers (:func:`nic_peer_key`: role, link layer, capability) that are busy
+alike peers (:func:`_peer_groups`: link layer, capability) that are busy
 (at least ``busy_bytes_per_second`` sent, at least ``min_peers`` of them), and
 a congestion score counts only above an absolute floor
 (``xmit_wait_floor``/``ecn_floor`` per MB sent): when most of the fleet idles
@@ -67,20 +67,10 @@ class NetworkParams:
     pause_min: float = 0.05  # fraction of the window a NIC's port was paused by PFC that can be trouble
 
 
-def nic_role(nic: NicFrame, i: int, p: NetworkParams, node_mapped: set[str] | None = None) -> str:
-    """"fabric" (a GPU's path to its peers) or "storage" (storage/front-end: serves no GPU)."""
-    if p.storage_devices and re.fullmatch(p.storage_devices, nic.devices[i]):
-        return "storage"
-    if nic.gpus[i]:
-        return "fabric"
-    layer = nic.link_layers[i] if nic.link_layers else ""
-    if layer == "Ethernet" or (node_mapped is not None and nic.nodes[i] in node_mapped):
-        return "storage"
-    return "fabric"
-
-
 def _fabric(nic: NicFrame, p: NetworkParams) -> np.ndarray:
-    """Per NIC: its :func:`nic_role` is "fabric", with a few list passes rather than a call per NIC."""
+    """Per NIC: it is a GPU-fabric port (a GPU's path to its peers), not a storage/front-end one (see Roles in
+    the module's docstring): it serves a GPU, or it is no Ethernet port and no port of its node serves one; and
+    its device is not named in ``storage_devices``."""
     serves = [bool(g) for g in nic.gpus]
     mapped = {nd for nd, g in zip(nic.nodes, serves, strict=True) if g}
     layers = nic.link_layers or [""] * len(serves)
@@ -92,8 +82,9 @@ def _fabric(nic: NicFrame, p: NetworkParams) -> np.ndarray:
 
 
 def _peer_groups(nic: NicFrame, busy_idx: np.ndarray, cap: FloatArray) -> list[np.ndarray]:
-    """The busy fabric ports (``busy_idx``) by :func:`nic_peer_key` (role "fabric", link layer, capability to 2
-    digits), each group's positions ascending; each capability formatted once, the ports grouped by a sort."""
+    """The busy fabric ports (``busy_idx``) by peers for congestion (link layer, and capability to 2 significant
+    digits: rounded to 1 %), each group's positions ascending; each capability formatted once, the ports grouped
+    by a sort."""
     if not len(busy_idx):
         return []
     caps = np.asarray(cap, dtype=float)[busy_idx]
@@ -106,14 +97,6 @@ def _peer_groups(nic: NicFrame, busy_idx: np.ndarray, cap: FloatArray) -> list[n
         code = layers * len(names) + code
     order = np.argsort(code, kind="stable")
     return np.split(busy_idx[order], np.flatnonzero(np.diff(code[order])) + 1)
-
-
-def nic_peer_key(nic: NicFrame, i: int, role: str, capability: FloatArray) -> str:
-    """Peers for congestion: same role, link layer and capability (rounded to 1 %)."""
-    layer = nic.link_layers[i] if nic.link_layers else ""
-    cap = capability[i]
-    cap_s = f"{float(cap):.2g}" if np.isfinite(cap) else "?"
-    return f"{role}|{layer}|{cap_s}"
 
 
 def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray | None = None,

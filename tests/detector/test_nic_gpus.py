@@ -4,12 +4,14 @@ GPUs (sorted, once each), else rail order on a node whose NICs and GPUs are as m
 from __future__ import annotations
 
 import random
+import re
 from collections import defaultdict
 
 import numpy as np
 
 from gpufleet.detector.features import _natural, _nic_gpus
-from gpufleet.detector.frames import GpuFrame
+from gpufleet.detector.frames import GpuFrame, NicFrame
+from gpufleet.detector.network import NetworkParams
 
 
 def _plain(nkeys: list[tuple[str, str, str]], nicmap: dict[tuple[str, str], list[str]],
@@ -47,10 +49,28 @@ def test_nic_gpus_equal_the_plain_rule() -> None:
         assert _nic_gpus(nkeys, dict(nicmap), frame) == _plain(nkeys, dict(nicmap), gpu_nodes, gpu_ids)
 
 
-def test_fabric_ports_are_those_nic_role_calls_fabric() -> None:
-    """network.find's fabric mask (a few list passes) is nic_role's answer for every NIC."""
-    from gpufleet.detector.frames import NicFrame
-    from gpufleet.detector.network import NetworkParams, _fabric, nic_role
+def _nic_role(nic: NicFrame, i: int, p: NetworkParams, node_mapped: set[str]) -> str:
+    """The role rule of network's docstring, one NIC at a time: "fabric" or "storage"."""
+    if p.storage_devices and re.fullmatch(p.storage_devices, nic.devices[i]):
+        return "storage"
+    if nic.gpus[i]:
+        return "fabric"
+    layer = nic.link_layers[i] if nic.link_layers else ""
+    if layer == "Ethernet" or nic.nodes[i] in node_mapped:
+        return "storage"
+    return "fabric"
+
+
+def _nic_peer_key(nic: NicFrame, i: int, capability: np.ndarray) -> str:
+    """Congestion peers, one NIC at a time: same link layer and capability to 2 significant digits."""
+    layer = nic.link_layers[i] if nic.link_layers else ""
+    cap = capability[i]
+    return f"{layer}|{float(cap):.2g}" if np.isfinite(cap) else f"{layer}|?"
+
+
+def test_fabric_ports_are_those_the_role_rule_calls_fabric() -> None:
+    """network.find's fabric mask (a few list passes) is the per-NIC role rule's answer for every NIC."""
+    from gpufleet.detector.network import _fabric
 
     rng = random.Random(5)
     for case in range(300):
@@ -62,14 +82,13 @@ def test_fabric_ports_are_those_nic_role_calls_fabric() -> None:
         nic = NicFrame(nodes, devices, ["1"] * n, [""] * n, {}, gpus, layers)
         p = NetworkParams(storage_devices=rng.choice(["", "eth.*|bond.*", "mlx5_1"]))
         mapped = {nd for nd, g in zip(nodes, gpus, strict=True) if g}
-        expected = [nic_role(nic, i, p, mapped) == "fabric" for i in range(n)]
+        expected = [_nic_role(nic, i, p, mapped) == "fabric" for i in range(n)]
         assert _fabric(nic, p).tolist() == expected, (nic, p)
 
 
-def test_busy_ports_group_as_nic_peer_key_says() -> None:
-    """network.find's congestion peer groups (a sort) are the ports of one nic_peer_key, ascending."""
-    from gpufleet.detector.frames import NicFrame
-    from gpufleet.detector.network import _peer_groups, nic_peer_key
+def test_busy_ports_group_as_the_peer_key_says() -> None:
+    """network.find's congestion peer groups (a sort) are the ports of one per-NIC peer key, ascending."""
+    from gpufleet.detector.network import _peer_groups
 
     rng = np.random.default_rng(3)
     for case in range(200):
@@ -80,6 +99,6 @@ def test_busy_ports_group_as_nic_peer_key_says() -> None:
         busy = np.flatnonzero(rng.random(n) < 0.7)
         expected: dict[str, list[int]] = defaultdict(list)
         for i in busy.tolist():
-            expected[nic_peer_key(nic, i, "fabric", cap)].append(i)
+            expected[_nic_peer_key(nic, i, cap)].append(i)
         got = _peer_groups(nic, busy, cap)
         assert sorted(g.tolist() for g in got) == sorted(expected.values()), (cap, layers, busy)
