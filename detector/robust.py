@@ -146,6 +146,10 @@ class PeerGroups:
             # member j of group r at [r, j]; padding points at index n (NaN in the padded values)
             self.matrix = np.full((k, width), n, dtype=np.int64)
             self.matrix[self.row, np.arange(m) - np.repeat(self.start, count)] = self.members
+            # each GPU's place among the members (member order), m for a GPU of no group (a NaN appended there):
+            # the z values are computed in member order and put back in GPU order by one gather
+            self.place = np.full(n, m, dtype=np.int64)
+            self.place[self.members] = np.arange(m)
 
     def robust_z(self, x: FloatArray, abs_floor: float = 0.0, rel_floor: float = 0.0) -> FloatArray:
         return self.robust_zs([(x, abs_floor, rel_floor)])[0]
@@ -158,25 +162,31 @@ class PeerGroups:
         per = max(1, BATCH // (self.n + 1))  # features per stack (a large fleet's: a few at a time)
         if len(features) > per:
             return [z for k in range(0, len(features), per) for z in self.robust_zs(features[k:k + per])]
-        n, members, r = self.n, self.members, self.row
-        xs = np.stack([x for x, _, _ in features])
-        fin = np.isfinite(xs)
-        padded = np.full((len(features), n + 1), np.nan)
-        np.copyto(padded[:, :n], xs, where=fin)
-        v = padded[:, self.matrix]  # feature x group x member
+        n, members, count = self.n, self.members, self.count
+        padded = np.empty((len(features), n + 1))  # each feature's values, non-finite ones as NaN, NaN at [n]
+        for i, (x, _, _) in enumerate(features):
+            padded[i, :n] = x
+        padded[:, n] = np.nan
+        fin = np.isfinite(padded)
+        np.copyto(padded, np.nan, where=~fin)
+        v = np.take(padded, self.matrix, axis=1)  # feature x group x member
         v.sort(axis=2)
-        count = np.add.reduceat(fin[:, members].astype(np.int64), self.start, axis=1)  # finite values per group
-        med = self._medians(v, count)
+        finite = np.count_nonzero(fin.take(self.matrix, axis=1), axis=2)  # finite values per group
+        med = self._medians(v, finite)
         dev = np.subtract(v, med[:, :, None], out=v)  # (the values are not needed any more)
         np.abs(dev, out=dev)
         dev.sort(axis=2)
-        mad = self._medians(dev, count)
+        mad = self._medians(dev, finite)
         abs_floor = np.array([[a] for _, a, _ in features])
         rel_floor = np.array([[f] for _, _, f in features])
         scale = np.maximum(np.maximum(MAD_SCALE * mad, abs_floor), np.maximum(rel_floor * np.abs(med), 1e-12))
-        z = np.full((len(features), n), np.nan)
-        z[:, members] = (xs[:, members] - med[:, r]) / scale[:, r]
-        out = list(z)
+        zm = np.empty((len(features), len(members) + 1))  # member order, NaN last (for the GPUs of no group)
+        for i, (x, _, _) in enumerate(features):
+            zm[i, :-1] = x.take(members)
+        zm[:, :-1] -= np.repeat(med, count, axis=1)
+        zm[:, :-1] /= np.repeat(scale, count, axis=1)
+        zm[:, -1] = np.nan
+        out = list(zm.take(self.place, axis=1))
         # A median of zero may be -0.0 or 0.0 depending on how the sort placed the signed zeros (see
         # _all_groups_z): such groups (rare) are computed as robust_z computes them.
         for f, j in zip(*np.nonzero(med == 0), strict=True):
