@@ -135,7 +135,9 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
     # GPUs: the entities with a sample count, in (node, gpu) order.
     gpus = EntityFrame(naming, ("gpu",), None, [res for feat, _, res in gpu_rs if feat == "samples"])
     n = len(gpus.keys)
-    values = dict(zip(GPU_FEATURES, np.full((len(GPU_FEATURES), n), np.nan), strict=True))  # (rows of one block)
+    # (an array each: one block of every feature is tens of MiB at 100k GPUs, mapped afresh and faulted in page by
+    # page each evaluation, where arrays of a feature's size are reused from the heap)
+    values = {f: np.full(n, np.nan) for f in GPU_FEATURES}
     job_pos: list[IntArray] = []
     job_code: list[IntArray] = []
     job_count: list[FloatArray] = []
@@ -152,7 +154,7 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
         sel = pos >= 0
         if feat == "@job":
             job_pos.append(pos[sel])
-            job_code.append(jobs_of.codes(res.table)[res.ids[sel]])
+            job_code.append(jobs_of.codes(res.table, res.ids[sel]))
             job_count.append(res.values[sel])
             has_pod = cached(res.table, "has_pod", lambda: Growing(lambda lb: pod_key(lb) is not None, bool))
             hit = np.flatnonzero(has_pod[res.ids[sel]])
@@ -217,7 +219,7 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
         _interface_features(nicif_rs, nics.keys, nvalues, naming)
     nicmap = _nicmap(nicmap_rs, naming)
     cache = nics.cache
-    served: list[list[str]] | None = None
+    served: list[tuple[str, ...]] | None = None
     if cache is not None and cache.get("nic_gpus_for") == (nics.keys, gpus.keys, nicmap):
         served = cache["nic_gpus"]  # the same NICs, GPUs and map as last time
     if served is None:
@@ -225,7 +227,7 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
         if cache is not None:
             cache["nic_gpus_for"], cache["nic_gpus"] = (nics.keys, gpus.keys, nicmap), served
     n_nodes, n_devices, n_ports = nics.columns(3)
-    nic = NicFrame(n_nodes, n_devices, n_ports, nics.site_list(), nvalues, [list(g) for g in served], layers)
+    nic = NicFrame(n_nodes, n_devices, n_ports, nics.site_list(), nvalues, list(served), layers)
     return FeatureFrame(t, gpu, nic, dict(node_vals), dict(site_vals), missing, errors, meta)
 
 
@@ -287,23 +289,23 @@ def _natural(s: str) -> tuple[tuple[int, str], ...]:
 
 
 def _nic_gpus(nkeys: Sequence[tuple[str, ...]], nicmap: dict[tuple[str, str], list[str]],
-              gpu: GpuFrame) -> list[list[str]]:
+              gpu: GpuFrame) -> list[tuple[str, ...]]:
     """GPUs each NIC ((node, device, port) keys) serves: from gpufleet_nic_gpu_info, else rail order (i-th NIC of
-    a node -> i-th GPU). One pass over the NICs where the map covers them (the lists may be the map's own: the
-    caller copies them into each frame)."""
-    unmapped_nic: list[str] = []  # (marks a NIC the map does not cover, by identity)
-    out: list[list[str]] = []
+    a node -> i-th GPU). One pass over the NICs where the map covers them. Tuples: the frames of later evaluations
+    share them while the NICs, GPUs and map are the same."""
+    unmapped_nic: tuple[str, ...] = ("",)  # (marks a NIC the map does not cover, by identity)
+    out: list[tuple[str, ...]] = []
     unmapped: set[str] = set()
     for k in nkeys:
         v = nicmap.get((k[0], k[1]))
         if v:
-            out.append(v if len(v) == 1 else sorted(set(v), key=_natural))
+            out.append(tuple(v) if len(v) == 1 else tuple(sorted(set(v), key=_natural)))
         else:
             out.append(unmapped_nic)
             unmapped.add(k[0])
     if not unmapped:
         return out
-    rail: dict[tuple[str, str], list[str]] = {}
+    rail: dict[tuple[str, str], tuple[str, ...]] = {}
     node_gpus: dict[str, list[str]] = defaultdict(list)
     for n, g in zip(gpu.nodes, gpu.gpus, strict=True):
         if n in unmapped:
@@ -316,7 +318,5 @@ def _nic_gpus(nkeys: Sequence[tuple[str, ...]], nicmap: dict[tuple[str, str], li
         gs = node_gpus.get(n, [])
         if gs and len(devs) == len(gs):
             for d, g in zip(sorted(devs, key=_natural), sorted(gs, key=_natural), strict=True):
-                rail[(n, d)] = [g]
-    none: list[str] = []
-    return [v if v is not unmapped_nic else list(rail.get((k[0], k[1])) or none)
-            for k, v in zip(nkeys, out, strict=True)]
+                rail[(n, d)] = (g,)
+    return [v if v is not unmapped_nic else rail.get((k[0], k[1]), ()) for k, v in zip(nkeys, out, strict=True)]

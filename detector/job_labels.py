@@ -29,13 +29,13 @@ class Jobs:
         self.names: list[str] = [""]
         self._code = {"": 0}
 
-    def codes(self, table: SeriesTable) -> IntArray:
-        """Job code of every series id of ``table`` (0: no job label)."""
+    def codes(self, table: SeriesTable, ids: IntArray) -> IntArray:
+        """Job code of the series ``ids`` of ``table`` (0: no job label)."""
         key = ("jobs", self.labels)
         local = table.derived.get(key)
         if not isinstance(local, JobCodes):
             local = table.derived[key] = JobCodes(self.labels)
-        codes = local.get(table)
+        codes = local.get(table)[ids]  # (these series only: a table holds every query's series)
         trans = np.array([self._code.setdefault(j, len(self._code)) for j in local.names], dtype=np.int64)
         out: IntArray = trans[codes]
         return out
@@ -50,21 +50,26 @@ class Jobs:
         for name, k in self._code.items():
             self.names[k] = name
         p, c, v = np.concatenate(pos), np.concatenate(code), np.concatenate(count)
-        width = len(self.names)
-        pair, inv = np.unique(p * width + c, return_inverse=True)
-        total = np.bincount(inv, weights=v)
-        gpu, job = pair // width, pair % width
+        # Most GPUs have one job series over the window: its job and count are the GPU's as they are; only the
+        # GPUs with several (jobs that changed, pods that restarted) need the per-(GPU, job) totals and a sort.
+        single = np.bincount(p, minlength=n)[p] == 1
+        gpu, job, total = self._totals(p[~single], c[~single], v[~single])
+        gpu, job, total = np.concatenate((p[single], gpu)), np.concatenate((c[single], job)), np.concatenate((
+            v[single], total))
         named = job != 0
         n_named = np.bincount(gpu[named], minlength=n)
         # The job with the most samples per GPU: sort by GPU, then count descending (stable: the first job wins ties).
-        order = np.lexsort((-total[named], gpu[named]))
-        g_sorted, j_sorted, t_sorted = gpu[named][order], job[named][order], total[named][order]
+        several = named & (n_named[gpu] > 1)
+        order = np.lexsort((-total[several], gpu[several]))
+        g_sorted = gpu[several][order]
         head = np.ones(len(g_sorted), dtype=bool)
         head[1:] = g_sorted[1:] != g_sorted[:-1]
+        first = np.flatnonzero(several)[order][head]
+        pick = np.concatenate((np.flatnonzero(named & ~several), first))  # each named GPU's row of its job
         best = np.zeros(n, dtype=np.int64)
         best_count = np.zeros(n)
-        best[g_sorted[head]] = j_sorted[head]
-        best_count[g_sorted[head]] = t_sorted[head]
+        best[gpu[pick]] = job[pick]
+        best_count[gpu[pick]] = total[pick]
         has = n_named > 0
         with np.errstate(invalid="ignore"):
             churn |= (n_named > 1) | (has & (best_count < coverage * samples))
@@ -75,6 +80,13 @@ class Jobs:
         names = np.array([None, *self.names[1:]], dtype=object)
         out: list[str | None] = names[np.where(has, best, 0)].tolist()
         return out, churn
+
+    def _totals(self, p: IntArray, c: IntArray, v: FloatArray) -> tuple[IntArray, IntArray, FloatArray]:
+        """Each distinct (GPU, job) of the rows ``p``, ``c`` and the sum of its counts ``v``."""
+        width = len(self.names)
+        pair, inv = np.unique(p * width + c, return_inverse=True)
+        total: FloatArray = np.bincount(inv, weights=v, minlength=len(pair))
+        return pair // width, pair % width, total
 
 
 class JobCodes:
