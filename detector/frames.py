@@ -91,7 +91,7 @@ class NicFrame:
     ports: list[str]
     sites: list[str]
     values: dict[str, FloatArray]
-    gpus: list[list[str]]  # GPUs each NIC serves (topology or rail order)
+    gpus: list[tuple[str, ...]]  # GPUs each NIC serves (topology or rail order)
     link_layers: list[str] = field(default_factory=list)  # "InfiniBand", "Ethernet", "" unknown (empty: none)
 
     def get(self, feature: str) -> FloatArray:

@@ -86,7 +86,7 @@ def test_collect_names_entities_and_combines_series() -> None:
     np.testing.assert_array_equal(n.get("nic_tx"), [7.0, 5.0, 1.0])
     np.testing.assert_array_equal(n.get("nic_xmit_wait"), [2.0, np.nan, np.nan])
     assert n.sites == ["dc1", "dc1", "dc9"]
-    assert n.gpus[:2] == [["0"], ["1"]]  # rail order: i-th NIC of a node serves its i-th GPU
+    assert n.gpus[:2] == [("0",), ("1",)]  # rail order: i-th NIC of a node serves its i-th GPU
 
 
 def test_collect_node_label_is_configurable() -> None:

@@ -14,13 +14,14 @@ GB = 1e9 / 8
 
 def _fleet(nodes: int = 8, rails: int = 4, rate: list[float] | None = None, tx: float = 20 * GB,
            wait_per_mb: float = 30.0, storage: bool = True) -> NicFrame:
-    names, devs, gpus, layers, rates = [], [], [], [], []
+    names, devs, layers, rates = [], [], [], []
+    gpus: list[tuple[str, ...]] = []
     for n in range(nodes):
         for k in range(rails + (1 if storage else 0)):
             names.append(f"node-{n:03d}")
             devs.append(f"mlx5_{k}")
             host = k == rails
-            gpus.append([] if host else [str(k)])
+            gpus.append(() if host else (str(k),))
             layers.append("Ethernet" if host else "InfiniBand")
             rates.append(25 * GB if host else (rate[n] if rate else 50 * GB))
     m = len(names)
@@ -74,7 +75,7 @@ def test_storage_ports_are_judged_on_errors_not_on_checkpoint_bursts() -> None:
     nic.values["nic_link_downed"][storage[5]] = 1
     assert _run(nic) == ["node-005/mlx5_4/1:link_downed"]
     nameless = _fleet()  # no topology nor link layer: named as storage in the configuration
-    nameless.gpus = [[] for _ in nameless.devices]
+    nameless.gpus = [() for _ in nameless.devices]
     nameless.link_layers = []
     nameless.values["nic_xmit_wait"][[i for i, d in enumerate(nameless.devices) if d == "mlx5_4"][:4]] *= 200
     assert _run(nameless, NetworkParams(storage_devices="mlx5_4")) == []

@@ -15,17 +15,17 @@ from gpufleet.detector.network import NetworkParams
 
 
 def _plain(nkeys: list[tuple[str, str, str]], nicmap: dict[tuple[str, str], list[str]],
-           gpu_nodes: list[str], gpu_ids: list[str]) -> list[list[str]]:
-    out = []
+           gpu_nodes: list[str], gpu_ids: list[str]) -> list[tuple[str, ...]]:
+    out: list[tuple[str, ...]] = []
     for n, d, _ in nkeys:
         mapped = nicmap.get((n, d))
         if mapped:
-            out.append(sorted(set(mapped), key=_natural))
+            out.append(tuple(sorted(set(mapped), key=_natural)))
             continue
         devs = sorted({dd for nn, dd, _ in nkeys if nn == n}, key=_natural)
         gs = sorted((g for nn, g in zip(gpu_nodes, gpu_ids, strict=True) if nn == n), key=_natural)
         unmapped = any(not nicmap.get((n, dd)) for dd in devs)
-        out.append([gs[devs.index(d)]] if unmapped and gs and len(devs) == len(gs) else [])
+        out.append((gs[devs.index(d)],) if unmapped and gs and len(devs) == len(gs) else ())
     return out
 
 
@@ -77,7 +77,7 @@ def test_fabric_ports_are_those_the_role_rule_calls_fabric() -> None:
         n = rng.randint(0, 12)
         nodes = [rng.choice(["a", "b", "c"]) for _ in range(n)]
         devices = [rng.choice(["mlx5_0", "mlx5_1", "eth0", "bond0"]) for _ in range(n)]
-        gpus = [rng.choice([[], ["0"], ["0", "1"]]) for _ in range(n)]
+        gpus: list[tuple[str, ...]] = [rng.choice([(), ("0",), ("0", "1")]) for _ in range(n)]
         layers = [rng.choice(["InfiniBand", "Ethernet", ""]) for _ in range(n)] if case % 2 else []
         nic = NicFrame(nodes, devices, ["1"] * n, [""] * n, {}, gpus, layers)
         p = NetworkParams(storage_devices=rng.choice(["", "eth.*|bond.*", "mlx5_1"]))
@@ -95,7 +95,7 @@ def test_busy_ports_group_as_the_peer_key_says() -> None:
         n = int(rng.integers(0, 30))
         cap = rng.choice([1.0e11, 1.01e11, 1.06e11, 2.5e10, np.nan, 4e11], size=n)
         layers = [str(x) for x in rng.choice(["InfiniBand", "Ethernet", ""], size=n)] if case % 2 else []
-        nic = NicFrame(["a"] * n, ["mlx5_0"] * n, ["1"] * n, [""] * n, {}, [["0"]] * n, layers)
+        nic = NicFrame(["a"] * n, ["mlx5_0"] * n, ["1"] * n, [""] * n, {}, [("0",)] * n, layers)
         busy = np.flatnonzero(rng.random(n) < 0.7)
         expected: dict[str, list[int]] = defaultdict(list)
         for i in busy.tolist():

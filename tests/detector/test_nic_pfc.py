@@ -32,7 +32,7 @@ def nic_frame(pause: list[float], discards: list[float] | None = None) -> NicFra
     if discards is not None:
         vals["nic_discards"] = np.array(discards)
     return NicFrame(nodes, [f"mlx5_{i % 2}" for i in range(8)], ["1"] * 8, ["dc1"] * 8, vals,
-                    [[str(i % 2)] for i in range(8)])
+                    [(str(i % 2),) for i in range(8)])
 
 
 def gpus() -> GpuFrame:
