@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gpufleet.detector import memo
 from gpufleet.detector.features import GpuFrame, NicFrame
 from gpufleet.detector.numeric import median, nan_to_zero
 
@@ -50,20 +51,16 @@ class CauseParams:
     collective_z: float = 4.0  # robust z (lower time in collectives than the job's ranks) for the waited-for rank
 
 
-#: The last :func:`_node_groups` and the nodes, GPU nodes and jobs it is of (mostly the same between evaluations).
-_last_groups: list[tuple[list[str], list[str], list[str | None], np.ndarray]] = []
-
-
 def _node_groups(names: list[str], frame: GpuFrame) -> np.ndarray:
-    """Per node of ``names``: a code for the job most of its GPUs run (-1: none), so nodes of one job are peers."""
-    if _last_groups:
-        n, g, j, out = _last_groups[0]
-        if n == names and g == frame.nodes and j == frame.jobs:
-            return out
-    out = _count_node_groups(names, frame)
-    out.flags.writeable = False
-    _last_groups[:] = [(list(names), list(frame.nodes), list(frame.jobs), out)]
-    return out
+    """Per node of ``names``: a code for the job most of its GPUs run (-1: none), so nodes of one job are peers
+    (kept while the nodes, GPU nodes and jobs are the same lists, as between most evaluations)."""
+    def derive() -> np.ndarray:
+        out = _count_node_groups(names, frame)
+        out.flags.writeable = False
+        return out
+
+    return memo.last("causes.node_groups", (names, frame.nodes, frame.jobs), derive,
+                     keep=lambda k: (list(k[0]), list(k[1]), list(k[2])))
 
 
 def _count_node_groups(names: list[str], frame: GpuFrame) -> np.ndarray:

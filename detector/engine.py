@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpufleet.detector import causes, fabric, jobs, mig, network, phases, shard, straggler, throttling
+from gpufleet.detector import causes, fabric, jobs, memo, mig, network, phases, shard, straggler, throttling
 from gpufleet.detector.baseline import Baseline
 from gpufleet.detector.candidate import Candidate, Evidence
 from gpufleet.detector.config import DetectorConfig
@@ -114,9 +114,10 @@ class Detector:
         self._nic_index = _EntityIndex()
         self._nic_ids = _NicIds()
         self.last: Evaluation | None = None
+        self._memos: memo.Store = {}  # derived tables kept between evaluations (this detector's own)
 
     def evaluate(self, t: float) -> Evaluation:
-        with gc_paused():
+        with gc_paused(), memo.scope(self._memos):
             return self._evaluate(t)
 
     def _evaluate(self, t: float) -> Evaluation:

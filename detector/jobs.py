@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpufleet.agent.vocab import exporters
+from gpufleet.detector import memo
 from gpufleet.detector.candidate import Candidate
 from gpufleet.detector.features import GpuFrame
 from gpufleet.detector.source import Result
@@ -161,21 +162,14 @@ def resolve(frame: GpuFrame, meta: Mapping[str, Result], rules: JobRules | None 
     return res
 
 
-#: The last Resolver built and what it was built from (its rules; per kube-state-metrics input, the series table
-#: and the series ids in order): evaluations whose pods, owners and labels are the same series reuse it (its
-#: tables depend only on those label sets, and its pod -> job memo on them and the rules).
-_last: list[tuple[tuple[object, ...], Resolver]] = []
-
-
 def _resolver(meta: Mapping[str, Result], rules: JobRules | None) -> Resolver:
+    """The Resolver of these inputs: the last one built where its rules and, per kube-state-metrics input, the
+    series table and ids in order are the same (its tables depend only on those label sets, and its pod -> job
+    memo on them and the rules)."""
     key: tuple[object, ...] = (rules or JobRules(),
                                *((r.table, r.ids.tobytes()) if r is not None else None
                                  for r in (meta.get(POD_OWNER), meta.get(JOB_OWNER), meta.get(POD_LABELS))))
-    if _last and _same(_last[0][0], key):
-        return _last[0][1]
-    res = Resolver(meta, rules)
-    _last[:] = [(key, res)]
-    return res
+    return memo.last("jobs.resolver", key, lambda: Resolver(meta, rules), same=_same)
 
 
 def _same(a: tuple[object, ...], b: tuple[object, ...]) -> bool:

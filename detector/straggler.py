@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from gpufleet.detector import cause_rules, causes, iforest
+from gpufleet.detector import cause_rules, causes, iforest, memo
 from gpufleet.detector.candidate import DIRECT, Candidate, Evidence
 from gpufleet.detector.features import NVLINK_ERROR_FEATURES, GpuFrame
 from gpufleet.detector.numeric import median, nan_to_zero
@@ -111,19 +111,19 @@ def peer_key(frame: GpuFrame, i: int, p: StragglerParams, limit_ref: FloatArray 
     return key
 
 
-#: The last job/model codes of :func:`_job_model_codes` and what they were computed from: in replay and between
-#: live evaluations the frame's jobs, namespaces and models are mostly the same lists (compared, not rebuilt).
-_last_codes: list[tuple[list[str | None], list[str | None], list[str], bool, IntArray, BoolArray]] = []
-
-
 def _job_model_codes(jobs: list[str | None], namespaces: list[str | None], models: list[str],
                      compare_jobless: bool) -> tuple[IntArray, BoolArray]:
     """Per GPU: a code per distinct (job, namespace, model), numbered in order of first appearance, and whether
-    the GPU has no peers by these alone (MIG mode; no job where jobless GPUs are not compared)."""
-    if _last_codes:
-        j, s, m, c, code, peerless = _last_codes[0]
-        if c == compare_jobless and j == jobs and s == namespaces and m == models:
-            return code, peerless
+    the GPU has no peers by these alone (MIG mode; no job where jobless GPUs are not compared). In replay and
+    between live evaluations the frame's jobs, namespaces and models are mostly the same lists: compared, not
+    rebuilt."""
+    return memo.last("straggler.job_model_codes", (jobs, namespaces, models, compare_jobless),
+                     lambda: _count_job_model_codes(jobs, namespaces, models, compare_jobless),
+                     keep=lambda k: (list(k[0]), list(k[1]), list(k[2]), k[3]))
+
+
+def _count_job_model_codes(jobs: list[str | None], namespaces: list[str | None], models: list[str],
+                           compare_jobless: bool) -> tuple[IntArray, BoolArray]:
     n = len(jobs)
     ns = list(namespaces) + [None] * (n - len(namespaces))
     index: dict[tuple[str, str, str], int] = {}
@@ -135,7 +135,6 @@ def _job_model_codes(jobs: list[str | None], namespaces: list[str | None], model
         code[i] = index.setdefault((job or "", (space or "") if job else "", model), len(index))
     code.flags.writeable = False
     peerless.flags.writeable = False
-    _last_codes[:] = [(list(jobs), list(namespaces), list(models), compare_jobless, code, peerless)]
     return code, peerless
 
 
@@ -152,32 +151,27 @@ def _groups(frame: GpuFrame, eligible: FloatArray, p: StragglerParams,
     if limit_ref is not None:
         bucket_code = _limit_codes(limit_ref)
         code = code * (int(bucket_code.max(initial=0)) + 1) + bucket_code
+    # the same eligible GPUs and peer codes as last time (mostly): the same groups (a copy: the caller's to change)
     key = (ok.tobytes(), code.tobytes(), p.min_peers)
-    if _last_groups and _last_groups[0][0] == key:  # the same eligible GPUs and peer codes as last time
-        return _last_groups[0][1].copy()
-    out = _group_ids(ok, code, p.min_peers)
-    _last_groups[:] = [(key, out.copy())]
+    out: FloatArray = memo.last("straggler.groups", key, lambda: _frozen(_group_ids(ok, code, p.min_peers))).copy()
     return out
 
 
-#: The last peer-group ids of :func:`_groups` and the eligible GPUs, codes and minimum group size they are of
-#: (mostly the same from one evaluation to the next); the last limit buckets of :func:`_limit_codes`.
-_last_groups: list[tuple[tuple[bytes, bytes, int], IntArray]] = []
-_last_limits: list[tuple[bytes, IntArray]] = []
+def _frozen(a: IntArray) -> IntArray:
+    a.flags.writeable = False
+    return a
 
 
 def _limit_codes(limit_ref: FloatArray) -> IntArray:
     """Per GPU: a code per configured power limit rounded to 10 W (unknown: one code of its own)."""
     lim = np.asarray(limit_ref, dtype=float)
-    raw = lim.tobytes()
-    if _last_limits and _last_limits[0][0] == raw:
-        return _last_limits[0][1]
-    with np.errstate(invalid="ignore"):
-        bucket = np.where(np.isfinite(lim), np.round(lim / 10.0) * 10.0, -1.0)
-    _, bucket_code = np.unique(bucket, return_inverse=True)
-    bucket_code.flags.writeable = False
-    _last_limits[:] = [(raw, bucket_code)]
-    return bucket_code
+
+    def derive() -> IntArray:
+        with np.errstate(invalid="ignore"):
+            bucket = np.where(np.isfinite(lim), np.round(lim / 10.0) * 10.0, -1.0)
+        return _frozen(np.unique(bucket, return_inverse=True)[1])
+
+    return memo.last("straggler.limit_codes", lim.tobytes(), derive)
 
 
 def _group_ids(ok: BoolArray, code: IntArray, min_peers: int) -> IntArray:
@@ -333,19 +327,13 @@ def _nvlink_errors(frame: GpuFrame, idx: np.ndarray) -> FloatArray:
     return out
 
 
-#: The last job codes of :func:`_job_codes` and the jobs they are of.
-_last_jobs: list[tuple[list[str | None], IntArray]] = []
-
-
 def _job_codes(jobs: list[str | None]) -> IntArray:
     """Per GPU: a code per distinct job (-1: none), kept while the frame's jobs are the same."""
-    if _last_jobs and _last_jobs[0][0] == jobs:
-        return _last_jobs[0][1]
-    index: dict[str, int] = {}
-    code = np.array([index.setdefault(j, len(index)) if j else -1 for j in jobs], dtype=np.int64)
-    code.flags.writeable = False
-    _last_jobs[:] = [(list(jobs), code)]
-    return code
+    def derive() -> IntArray:
+        index: dict[str, int] = {}
+        return _frozen(np.array([index.setdefault(j, len(index)) if j else -1 for j in jobs], dtype=np.int64))
+
+    return memo.last("straggler.job_codes", jobs, derive, keep=list)
 
 
 def _thresholds(p: StragglerParams) -> cause_rules.Thresholds:

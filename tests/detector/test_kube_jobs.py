@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from gpufleet.agent.vocab import exporters
+from gpufleet.detector import memo
 from gpufleet.detector.candidate import Candidate
 from gpufleet.detector.config import ConfigError, parse
 from gpufleet.detector.engine import Detector
@@ -263,23 +264,24 @@ def test_without_kube_state_metrics_inference_pods_would_be_compared() -> None:
 def test_the_pod_table_is_reused_only_while_its_series_are_the_same() -> None:
     """Consecutive evaluations with the same kube-state-metrics series (the same table, the same series ids)
     reuse one Resolver; another pod, another order or other rules build a new one, with the new answer."""
-    table = SeriesTable()
-    first = {POD_OWNER: Result.from_pairs([owner("p-worker-0", "PyTorchJob", "p")], table)}
-    again = {POD_OWNER: Result.from_pairs([owner("p-worker-0", "PyTorchJob", "p")], table)}  # same ids, new Result
-    changed = {POD_OWNER: Result.from_pairs([owner("p-worker-0", "PyTorchJob", "p"),
-                                             owner("p-worker-0", "StatefulSet", "q", controller="false")], table)}
-    a = resolve(_frame(), first)
-    assert resolve(_frame(), again) is a
-    frame = _frame()
-    b = resolve(frame, changed)
-    assert b is not a and frame.jobs == ["p"]  # the controller still wins
-    moved = {POD_OWNER: Result.from_pairs([owner("p-worker-0", "Deployment", "d")], table)}
-    frame = _frame()
-    assert resolve(frame, moved) is not b and frame.jobs == ["d"]
-    frame = _frame()
-    other_rules = JobRules(worker_pattern=r"^(?P<job>.+?)-worker-\d+$")
-    assert resolve(frame, moved, other_rules).rules == other_rules
-    assert resolve(_frame(), moved) is not resolve(_frame(), {**moved, POD_LABELS: Result.empty(table)})
+    with memo.scope({}):  # (as in an evaluation: the detector's memos kept)
+        table = SeriesTable()
+        first = {POD_OWNER: Result.from_pairs([owner("p-worker-0", "PyTorchJob", "p")], table)}
+        again = {POD_OWNER: Result.from_pairs([owner("p-worker-0", "PyTorchJob", "p")], table)}  # same ids, new Result
+        changed = {POD_OWNER: Result.from_pairs([owner("p-worker-0", "PyTorchJob", "p"),
+                                                 owner("p-worker-0", "StatefulSet", "q", controller="false")], table)}
+        a = resolve(_frame(), first)
+        assert resolve(_frame(), again) is a
+        frame = _frame()
+        b = resolve(frame, changed)
+        assert b is not a and frame.jobs == ["p"]  # the controller still wins
+        moved = {POD_OWNER: Result.from_pairs([owner("p-worker-0", "Deployment", "d")], table)}
+        frame = _frame()
+        assert resolve(frame, moved) is not b and frame.jobs == ["d"]
+        frame = _frame()
+        other_rules = JobRules(worker_pattern=r"^(?P<job>.+?)-worker-\d+$")
+        assert resolve(frame, moved, other_rules).rules == other_rules
+        assert resolve(_frame(), moved) is not resolve(_frame(), {**moved, POD_LABELS: Result.empty(table)})
 
 
 def _frame() -> GpuFrame:

@@ -199,6 +199,7 @@ def test_a_daemonic_process_reads_the_file_itself(recording: Path) -> None:
 def test_peer_groups_follow_the_frames_jobs_when_they_change_in_place() -> None:
     """The peer groups' job/model codes are reused while the frame's jobs, namespaces and models are the same;
     a list changed in place (a job ends, a pod moves namespace) gives new groups."""
+    from gpufleet.detector import memo
     from gpufleet.detector.features import GpuFrame
     from gpufleet.detector.straggler import StragglerParams, _groups
 
@@ -209,11 +210,14 @@ def test_peer_groups_follow_the_frames_jobs_when_they_change_in_place() -> None:
                      [None] * n, np.ones(n, dtype=bool))
     p = StragglerParams(min_peers=3)
     ok = np.ones(n, dtype=bool)
-    assert _groups(frame, ok, p).tolist() == [0] * 6 + [1] * 6
-    assert _groups(frame, ok, p).tolist() == [0] * 6 + [1] * 6
-    jobs[6:] = [None] * 6  # job b ended: its GPUs have no peers
-    assert _groups(frame, ok, p).tolist() == [0] * 6 + [-1] * 6
-    frame.namespaces[:3] = ["x"] * 3  # three of a's GPUs in another namespace: a job of its own
-    assert _groups(frame, ok, p).tolist() == [0] * 3 + [1] * 3 + [-1] * 6
-    frame.models[3] = "A100"  # GPU 3 of another model: no peers, and GPUs 4 and 5 too few
-    assert _groups(frame, ok, p).tolist() == [0] * 3 + [-1] * 9
+    store: memo.Store = {}
+    with memo.scope(store):  # (as in an evaluation: the detector's memos kept)
+        assert _groups(frame, ok, p).tolist() == [0] * 6 + [1] * 6
+        assert _groups(frame, ok, p).tolist() == [0] * 6 + [1] * 6
+        assert "straggler.job_model_codes" in store
+        jobs[6:] = [None] * 6  # job b ended: its GPUs have no peers
+        assert _groups(frame, ok, p).tolist() == [0] * 6 + [-1] * 6
+        frame.namespaces[:3] = ["x"] * 3  # three of a's GPUs in another namespace: a job of its own
+        assert _groups(frame, ok, p).tolist() == [0] * 3 + [1] * 3 + [-1] * 6
+        frame.models[3] = "A100"  # GPU 3 of another model: no peers, and GPUs 4 and 5 too few
+        assert _groups(frame, ok, p).tolist() == [0] * 3 + [-1] * 9
