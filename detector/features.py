@@ -137,7 +137,8 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
     n = len(gpus.keys)
     # (an array each: one block of every feature is tens of MiB at 100k GPUs, mapped afresh and faulted in page by
     # page each evaluation, where arrays of a feature's size are reused from the heap)
-    values = {f: np.full(n, np.nan) for f in GPU_FEATURES}
+    empty = np.full(n, np.nan)
+    values = {f: empty.copy() for f in GPU_FEATURES}
     job_pos: list[IntArray] = []
     job_code: list[IntArray] = []
     job_count: list[FloatArray] = []
