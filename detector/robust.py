@@ -139,13 +139,13 @@ class PeerGroups:
         k = len(count)
         width = int(count.max(initial=0))
         self.dense = k * width <= max(4 * m, 256)
-        self.row = np.repeat(np.arange(k), count)  # each member's group row
         self.count = count
         self.rows = np.arange(k)
         if self.dense:
             # member j of group r at [r, j]; padding points at index n (NaN in the padded values)
             self.matrix = np.full((k, width), n, dtype=np.int64)
-            self.matrix[self.row, np.arange(m) - np.repeat(self.start, count)] = self.members
+            row = np.repeat(self.rows, count)  # each member's group row
+            self.matrix[row, np.arange(m) - np.repeat(self.start, count)] = self.members
             # each GPU's place among the members (member order), m for a GPU of no group (a NaN appended there):
             # the z values are computed in member order and put back in GPU order by one gather
             self.place = np.full(n, m, dtype=np.int64)
