@@ -88,13 +88,20 @@ class Rule:
     explains: tuple[str, ...] = ()
 
 
-def _reason(feat: str, need_low_clock: bool = False) -> Callable[[GpuView], float]:
+def _drawing_more(v: GpuView) -> bool:
+    """The GPU draws clearly more power than its peers: whatever its reasons say, power is not what holds it
+    back (a busier rank of a job whose peers wait for it; one GPU, one answer)."""
+    return v.zf("power") >= v.t.cause_z
+
+
+def _reason(feat: str, need_low_clock: bool = False, power: bool = False) -> Callable[[GpuView], float]:
     def strength(v: GpuView) -> float:
         frac = v.val(feat)
-        if frac < v.t.throttle_fraction:
+        if frac < v.t.throttle_fraction or (power and _drawing_more(v)):
             return 0.0
-        # Software power capping is normal at full load (leaky GPUs touch the cap): evidence only while the
-        # GPU's clock is also held below its peers'.
+        # Software power capping is normal at full load (leaky GPUs touch the cap), and applications clocks or a
+        # cap set alike on a whole job are policy: evidence only while the GPU's clock is also held below its
+        # peers'.
         if need_low_clock and v.zf("sm_clock") > -v.t.cause_z / 2:
             return 0.0
         return DIRECT + 10.0 * frac
@@ -158,12 +165,17 @@ def _cz(v: GpuView) -> float:
 RULES: tuple[Rule, ...] = (
     # --- direct: evidence that names a cause by itself
     Rule("thermal", "direct", "thr_thermal", _reason("thr_thermal"), lambda v: {"thr_thermal": v.val("thr_thermal")}),
-    Rule("power", "direct", "thr_brake", _reason("thr_brake"), lambda v: {"thr_brake": v.val("thr_brake")}),
-    Rule("power", "direct", "thr_power", _reason("thr_power", need_low_clock=True),
+    Rule("power", "direct", "thr_brake", _reason("thr_brake", power=True), lambda v: {"thr_brake": v.val("thr_brake")}),
+    Rule("power", "direct", "thr_power", _reason("thr_power", need_low_clock=True, power=True),
          lambda v: {"thr_power": v.val("thr_power")}),
     Rule("clock", "direct", "thr_hw", _reason("thr_hw"), lambda v: {"thr_hw": v.val("thr_hw")}),
+    # Applications clocks set on this GPU below its peers' (set alike on a whole job, they are its peers' too:
+    # policy, no deviation).
+    Rule("clock", "direct", "thr_app", _reason("thr_app", need_low_clock=True),
+         lambda v: {"thr_app": v.val("thr_app")}),
     Rule("power", "direct", "power_limit",
-         lambda v: DIRECT + min(-v.zf("power_limit"), 10.0) / 2 if v.zf("power_limit") <= -_cz(v) else 0.0,
+         lambda v: DIRECT + min(-v.zf("power_limit"), 10.0) / 2
+         if v.zf("power_limit") <= -_cz(v) and not _drawing_more(v) else 0.0,
          lambda v: {"power_limit": v.val("power_limit")}),
     Rule("memory", "direct", "memory_errors",
          lambda v: DIRECT + 2.0 if v.val("remap_pending") > 0 or v.val("ecc") > 0 else 0.0,

@@ -81,6 +81,7 @@ class _Network:
 
     candidates: list[Candidate]
     nic_flags: dict[tuple[str, str], float]  # (node, GPU) -> score of the flagged NIC serving it
+    nic_links: dict[tuple[str, str], str]  # (node, GPU) -> what that NIC was flagged for ("NIC mlx5_0/1: xmit_wait")
     nics_flapped: set[tuple[str, str]]
     gpus_flapped: set[tuple[str, str]]
 
@@ -131,7 +132,7 @@ class Detector:
         snap = shard.select(snap, cfg.shard)                        # 2. ... this replica's jobs
         peers = self._peers(snap.gpu, t)                            # 3. peers and phases
         st = straggler.score(snap.gpu, cfg.straggler, net.nic_flags, peers.limit_ref,  # 4. + 5. causes
-                             causes.node_causes(snap.node, snap.gpu, cfg.causes), peers.edge)
+                             causes.node_causes(snap.node, snap.gpu, cfg.causes), peers.edge, net.nic_links)
         slices = mig.score(snap, cfg, self.naming)
         cands: Candidates = [("straggler", c) for c in st.candidates]
         cands += [("throttling", c) for c in throttling.find(snap.gpu, cfg.throttling)]
@@ -171,12 +172,14 @@ class Detector:
         nics_flapped = {(nic.nodes[i], f"{nic.devices[i]}/{nic.ports[i]}") for i in went_down}
         gpus_flapped = {(nic.nodes[i], gg) for i in went_down for gg in nic.gpus[i]}
         nic_flags = {(c.node, c.gpu): c.score for c in nets if c.gpu is not None}
-        whole = {c.node: c.score for c in nets if c.gpu is None and not c.nic}  # every fabric port of the node
+        nic_links = {(c.node, c.gpu): network.link_text(c) for c in nets if c.gpu is not None}
+        whole = {c.node: c for c in nets if c.gpu is None and not c.nic}  # every fabric port of the node
         if whole:  # (at 100k GPUs a pass over every GPU costs more than the rest of this stage)
             for node, gpu in zip(g.nodes, g.gpus, strict=True):
                 if node in whole:
-                    nic_flags.setdefault((node, gpu), whole[node])
-        return _Network(nets, nic_flags, nics_flapped, gpus_flapped)
+                    nic_flags.setdefault((node, gpu), whole[node].score)
+                    nic_links.setdefault((node, gpu), network.link_text(whole[node]))
+        return _Network(nets, nic_flags, nic_links, nics_flapped, gpus_flapped)
 
     def _peers(self, g: GpuFrame, t: float) -> _Peers:
         limit_ref = self.baseline.gpu_power_limit(g.nodes, g.gpus, g.get("power_limit"), t)
