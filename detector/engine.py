@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpufleet.detector import causes, fabric, jobs, memo, mig, network, phases, shard, straggler, throttling
+from gpufleet.detector import cadence, causes, fabric, jobs, memo, mig, network, phases, shard, straggler, throttling
 from gpufleet.detector.baseline import Baseline
 from gpufleet.detector.candidate import Candidate, Evidence
 from gpufleet.detector.config import DetectorConfig
@@ -126,7 +126,7 @@ class Detector:
         cfg = self.cfg
         snap = self._frame(t)                                       # 1. frame
         jobs.resolve(snap.gpu, snap.meta, cfg.kubernetes)           # 2. jobs (the whole fleet: NIC peers span it)
-        snap.gpu.edge = self.edges.update(snap.gpu)                 # ... and which are at a job-wide phase edge
+        snap.gpu.edge = self.edges.update(snap.gpu, t, cadence.interval(snap.gpu, cfg.window_seconds))  # ... edges
         net = self._network(snap, t)                                # 4. network candidates (fleet-wide peers)
         nic_owner = shard.nic_owners(snap.gpu, cfg.shard)           # ... one shard reports each node's NICs
         snap = shard.select(snap, cfg.shard)                        # 2. ... this replica's jobs
