@@ -41,10 +41,10 @@ from gpufleet.agent.sim.fleet import GPU_MODELS, Fleet, Job, Node, Site, schedul
 from gpufleet.agent.sim.mig import fault_labels, layout_of, mig_snapshot
 from gpufleet.agent.sim.physics import (
     ECC_KEYS,
-    Effects,
     NIC_ERRORS,
     NIC_HW,
     REBOOT_DOWNTIME_S,
+    Effects,
     Heatwave,
     Physics,
 )

@@ -93,7 +93,9 @@ def _n(i: int) -> str:
 
 def scenario_doc(seed: int, step: float) -> dict[str, Any]:
     """The scenario as a parsed TOML document (the jobs a scenario file can say; the rest: :func:`simulator`)."""
-    nodes = lambda *ix: [_n(i) for i in ix]  # noqa: E731
+    def nodes(*ix: int) -> list[str]:
+        return [_n(i) for i in ix]
+
     return {
         "name": "slurm", "seed": seed, "duration": DURATION_S, "step": step,
         "description": "bare-metal Slurm training cluster: H200 and B200 HGX nodes (issue 31)",
@@ -108,7 +110,7 @@ def scenario_doc(seed: int, step: float) -> dict[str, Any]:
             {"id": "40004", "nodes": nodes(9, 10), "compute_s": 1.1, "end": PREEMPT_AT},
             {"id": "40010", "nodes": nodes(10), "compute_s": 0.8, "start": PREEMPT_AT + 30.0, "end": 40 * MIN},
             {"id": "40005", "nodes": nodes(12), "compute_s": 1.3, "intensity": 0.7, "end": DRAIN_AT},
-            {"id": CAPPED_JOB, "nodes": nodes(14, 15, 16), "compute_s": 1.2, "intensity": 0.9, "grad_gb": 16.0},
+            {"id": CAPPED_JOB, "nodes": nodes(14, 15, 16), "compute_s": 1.2, "intensity": 1.0, "grad_gb": 8.0},
         ]},
         "workloads": [{"job": "40001", "pattern": "stage_imbalance", "owner": "llm-pretrain", "extra": 0.2,
                        "stages": 4, "stage": -1}],
@@ -181,11 +183,14 @@ class Control:
     every GPU, start, end) in unix seconds."""
 
     name: str
-    windows: list[tuple[str, int | None, float, float]] = field(default_factory=list)
+    windows: list[tuple[str, int | None, float, float]] = field(default_factory=list)  # Window
 
     def covers(self, node: str, gpu: int | None, t: float, slack: float) -> bool:
         return any(n == node and (g is None or gpu is None or g == gpu) and a - slack <= t <= b + slack
                    for n, g, a, b in self.windows)
+
+
+Window = tuple[str, int | None, float, float]
 
 
 def controls(sim: Simulator) -> list[Control]:
@@ -194,22 +199,22 @@ def controls(sim: Simulator) -> list[Control]:
     jobs = sim.fleet.jobs
     names = sim.nodes
 
-    def whole(job_id: str) -> list[tuple[str, int | None, float, float]]:
+    def whole(job_id: str) -> list[Window]:
         return [(names[n], g, t0 + max(j.start, 0.0), t0 + min(j.end, sim.scenario.duration))
                 for j in jobs if j.id == job_id for n in j.nodes for g in (j.gpus or (None,))]
 
-    def edges(node_ix: list[int], *at: float) -> list[tuple[str, int | None, float, float]]:
+    def edges(node_ix: list[int], *at: float) -> list[Window]:
         return [(names[n], None, t0 + a - 60.0, t0 + a + 180.0) for n in node_ix for a in at]
 
-    ckpt = [(names[n], None, t0 + a, t0 + b) for j in jobs for a, b, what in j.phases if what == "checkpoint"
+    ckpt: list[Window] = [(names[n], None, t0 + a, t0 + b) for j in jobs for a, b, what in j.phases if what == "checkpoint"
             for n in j.nodes]
-    evals = [(names[n], None, t0 + a, t0 + b) for j in jobs for a, b, what in j.phases if what == "eval"
+    evals: list[Window] = [(names[n], None, t0 + a, t0 + b) for j in jobs for a, b, what in j.phases if what == "eval"
              for n in j.nodes]
-    restart = [(RESTART_NODE, None, t0 + RESTART_AT, t0 + RESTART_AT + RESTART_S)]
+    restart: list[Window] = [(RESTART_NODE, None, t0 + RESTART_AT, t0 + RESTART_AT + RESTART_S)]
     array = [w for j in jobs if j.id.isdigit() and int(j.id) >= ARRAY_FIRST_ID and j.id != INTERACTIVE_ID
              for w in whole(j.id)]
     idle_node = names[H200_NODES + 5]
-    idle = [(idle_node, None, t0, end), (names[H200_NODES + 4], 4, t0, end), (names[H200_NODES + 4], 5, t0, end),
+    idle: list[Window] = [(idle_node, None, t0, end), (names[H200_NODES + 4], 4, t0, end), (names[H200_NODES + 4], 5, t0, end),
             (names[H200_NODES + 4], 6, t0, end), (names[H200_NODES + 4], 7, t0, end),
             (names[11], None, t0, t0 + REQUEUE_AT), (names[12], None, t0 + DRAIN_AT, end)]
     return [
