@@ -31,7 +31,8 @@ Faults (:data:`FAULTS`, truth in ``labels.json``'s ``faults``): ``pcie_retrain``
 fine-tune, 20-38 min: a burst of replays under load for a minute, then x8 of x16; the job about 10 % slower),
 ``app_clocks_locked`` (``node-004`` GPU 6, from 48 min: 1200 MHz), ``slow_host`` (a stray process starving
 ``node-002``'s CPU, 30-50 min: pressure evidence), ``power_cap`` (``node-015`` GPU 4 capped at 600 W, below its
-job peers' 800 W, from 30 min: cause power).
+job peers' 800 W, from 30 min: cause power), ``network_congestion`` on one rail port of the all-to-all job
+(``node-008`` ``mlx5_3``, 40-55 min: that port worse than the rest of its job, whose every port waits).
 
 Controls (:func:`controls`, the ``slurm.controls`` section of ``labels.json``): entities and windows where a
 healthy thing looks odd and where every finding is false: the all-to-all job's ports and nodes, the
@@ -84,6 +85,9 @@ FAULTS: tuple[dict[str, Any], ...] = (
     {"kind": "app_clocks_locked", "node": "node-004", "gpu": 6, "onset": 48 * MIN},
     {"kind": "slow_host", "node": "node-002", "onset": 30 * MIN, "end": 50 * MIN, "severity": "moderate"},
     {"kind": "power_cap", "node": "node-015", "gpu": 4, "onset": 30 * MIN, "severity": "moderate"},
+    # congestion on one port of the all-to-all job: that port worse than the rest of its job
+    {"kind": "network_congestion", "node": "node-008", "nic": 3, "onset": 40 * MIN, "end": 55 * MIN,
+     "severity": "moderate"},
 )
 
 

@@ -92,6 +92,16 @@ def test_all_to_all_job_ports_wait_alike_and_the_job_runs_at_its_own_pace(trace:
                                                                         rel=0.05)
 
 
+def test_congestion_on_one_port_of_the_all_to_all_job_stands_out_from_the_job(trace: Trace) -> None:
+    f = trace.sim.fleet
+    per_byte = _wait_per_byte(trace, 42, 54)
+    a2a = ~f.nic_is_host & np.isin(f.nic_node, [7, 8])
+    hot = 8 * f.nics_per_node + 3
+    rest = per_byte[a2a & (np.arange(f.n_nics) != hot)]
+    assert per_byte[hot] > 5 * rest.max()
+    assert rest.max() / rest.min() < 1.05
+
+
 def test_site_power_cap_on_every_gpu_of_the_job_enforced_below_the_default(trace: Trace) -> None:
     k = trace.at(20)
     capped = [trace.gpu(n, g) for n in (14, 15, 16) for g in range(8)]
@@ -209,8 +219,8 @@ def test_recording_carries_slurm_job_ids_limits_and_the_controls(tmp_path: Path)
     res = slurm_world.record(tmp_path, seed=1, step=60.0, start=START)
     labels = json.loads(res.labels.read_text())
     assert {c["name"] for c in labels["slurm"]["controls"]} == set(quality_slurm.CONTROL_NAMES) - {"other"}
-    assert sorted(f["type"] for f in labels["faults"]) == ["app_clocks_locked", "pcie_retrain", "power_cap",
-                                                           "slow_host"]
+    assert sorted(f["type"] for f in labels["faults"]) == ["app_clocks_locked", "network_congestion",
+                                                           "pcie_retrain", "power_cap", "slow_host"]
     assert all(f["expected_findings"] and f["job_id"] for f in labels["faults"])
     assert [e for e in labels["confounders"] if e["type"] == "exporter_restart"]
     dcgm = res.files["dcgm"].read_text()
