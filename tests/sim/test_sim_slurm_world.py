@@ -267,3 +267,21 @@ def test_harness_config_evaluates_every_scrape_with_a_window_of_four() -> None:
     cfg = quality_slurm.config("dcgm", 60.0)
     assert (cfg.profile, cfg.interval_seconds, cfg.window_seconds) == ("dcgm", 60.0, 240.0)
     assert quality_slurm.config("gpufleet", 15.0).window_seconds == 120.0
+
+
+@pytest.mark.slow
+def test_the_section_scores_every_finding_and_attributes_each_false_one(tmp_path: Path) -> None:
+    [run] = quality_slurm.plan(1, (60.0,))
+    outs = quality_slurm.execute(run, str(tmp_path))
+    assert [o.hw.profile for o in outs] == ["gpufleet", "dcgm"]
+    for o in outs:
+        assert o.step == 60.0 and len(o.hw.detected) == len(o.faults) == len(slurm_world.FAULTS)
+        assert sum(o.false_by_control.values()) == len(o.hw.false_findings)
+        assert o.hw.true_findings + len(o.hw.false_findings) == len(o.hw.findings)
+        for fa in o.faults:  # a detected fault has a finding of an expected kind on its entity
+            assert fa["latency"] is None or fa["found"]
+    summary = quality_slurm.summarize(outs)
+    assert set(summary) == {"60s/gpufleet", "60s/dcgm"}
+    text = quality_slurm.slurm_markdown(summary)
+    assert all(c in text for c in quality_slurm.CONTROL_NAMES) and "pcie_retrain (node-005, 2)" in text
+    assert not list(tmp_path.rglob("*.om"))  # the recordings are removed once replayed
