@@ -258,7 +258,12 @@ def test_false_findings_are_attributed_to_the_control_that_covers_them() -> None
 
 def test_quality_fleet_slurm_hands_over_to_the_section(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[Sequence[str]] = []
-    monkeypatch.setattr(quality_slurm, "main", lambda argv: seen.append(list(argv)) or 0)
+
+    def main(argv: Sequence[str]) -> int:
+        seen.append(list(argv))
+        return 0
+
+    monkeypatch.setattr(quality_slurm, "main", main)
     assert quality.main(["--fleet", "slurm", "--quick", "--out", "x", "--jobs", "2"]) == 0
     assert seen == [["--out", "x", "--jobs", "2", "--scrape", "prometheus", "--quick"]]
 
