@@ -5,7 +5,7 @@
 hour. Slurm job ids are numbers, so the agents' ``gpufleet_gpu_job_info{job_id}`` (from the job cgroups,
 :mod:`gpufleet.agent.sim.slurm`) and dcgm-exporter's ``hpc_job`` carry them. Recordings are scraped as Prometheus
 scrapes them (:mod:`gpufleet.agent.sim.scraping`: each target at its own offset, dcgm-exporter collecting on its
-own clock behind the scrape, failed scrapes) with one exporter restart (``node-007``'s GPU exporter at 25 min).
+own 30 s clock behind the scrape, failed scrapes at 0.2 % per target) with one exporter restart (``node-007``'s GPU exporter at 25 min).
 
 Jobs (:data:`JOBS`, times in minutes):
 
@@ -78,6 +78,8 @@ EVALS = ((12 * MIN, 16 * MIN), (42 * MIN, 46 * MIN))
 PREEMPT_AT, REQUEUE_AT = 20 * MIN, 22 * MIN
 DRAIN_AT, DRAIN_REQUEUE_AT = 32 * MIN, 41 * MIN
 RESTART_NODE, RESTART_AT, RESTART_S = "node-007", 25 * MIN, 45.0
+#: dcgm-exporter's collect interval (its ``-c`` default, 30000 ms).
+DCGM_COLLECT_S = 30.0
 #: Faults: FaultSpec fields (times in seconds from the start).
 FAULTS: tuple[dict[str, Any], ...] = (
     {"kind": "pcie_retrain", "node": "node-005", "gpu": 2, "onset": 20 * MIN, "end": 38 * MIN,
@@ -102,6 +104,8 @@ def scenario_doc(seed: int, step: float) -> dict[str, Any]:
 
     return {
         "name": "slurm", "seed": seed, "duration": DURATION_S, "step": step,
+        # dcgm-exporter collects on its own 30 s clock (its default -c 30000) behind the scrapes; failed scrapes
+        "scrape": {"model": "prometheus", "exporter_collect_interval": DCGM_COLLECT_S}, "scrape_miss_rate": 0.002,
         "description": "bare-metal Slurm training cluster: H200 and B200 HGX nodes (issue 31)",
         "sites": [{"name": "hall-h200", "nodes": H200_NODES, "gpus_per_node": GPUS, "gpu_model": "H200-SXM"},
                   {"name": "hall-b200", "nodes": B200_NODES, "gpus_per_node": GPUS, "gpu_model": "B200"}],
