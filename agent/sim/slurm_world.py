@@ -43,7 +43,10 @@ exporter restart.
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +57,7 @@ from gpufleet.agent.sim.fleet import Job
 from gpufleet.agent.sim.physics import Physics
 from gpufleet.agent.sim.recording import FILES, RecordingResult, write_profile
 from gpufleet.agent.sim.recording.capture import run
-from gpufleet.agent.sim.scenario import Scenario, parse_scenario
+from gpufleet.agent.sim.scenario import Scenario, parse_scenario, parse_time
 from gpufleet.agent.sim.simulator import Simulator
 
 MIN = 60.0
@@ -276,3 +279,24 @@ def record(out_dir: str | Path, *, seed: int = 1, step: float = 15.0, start: flo
     path = out / "labels.json"
     path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     return RecordingResult(files, path, samples, len(fr.times), sim.fleet.n_gpus)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m gpufleet.agent.sim.slurm_world --out DIR [--seed N] [--step S]``: record the world."""
+    ap = argparse.ArgumentParser(prog="python -m gpufleet.agent.sim.slurm_world", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="directory for the recordings (both profiles) and labels.json")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--step", type=float, default=15.0, help="scrape interval in seconds (default 15)")
+    ap.add_argument("--start", default="2026-07-01T00:00:00Z", help="the recordings' first time (ISO 8601)")
+    ap.add_argument("--series", choices=("core", "full"), default="core")
+    args = ap.parse_args(argv)
+    if not 0 < args.step <= 300:
+        ap.error("--step must be in (0, 300] seconds")
+    res = record(args.out, seed=args.seed, step=args.step, start=parse_time(args.start), series=args.series)
+    sys.stdout.write("".join(f"{p}: {f} ({res.samples[p]} samples)\n" for p, f in res.files.items())
+                     + f"labels: {res.labels}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

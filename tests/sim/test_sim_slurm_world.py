@@ -290,3 +290,11 @@ def test_the_section_scores_every_finding_and_attributes_each_false_one(tmp_path
     text = quality_slurm.slurm_markdown(summary)
     assert all(c in text for c in quality_slurm.CONTROL_NAMES) and "pcie_retrain (node-005, 2)" in text
     assert not list(tmp_path.rglob("*.om"))  # the recordings are removed once replayed
+
+
+def test_the_world_records_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert slurm_world.main(["--out", str(tmp_path), "--step", "300"]) == 0
+    out = capsys.readouterr().out
+    assert "gpufleet:" in out and "dcgm:" in out and (tmp_path / "labels.json").exists()
+    with pytest.raises(SystemExit):
+        slurm_world.main(["--out", str(tmp_path), "--step", "0"])
