@@ -338,7 +338,9 @@ class Simulator:
         p = self.physics
         out: list[dict[str, Any]] = []
         for k, job_id in enumerate(p._jobs.ids):
-            job = next(j for j in self.fleet.jobs if j.id == job_id)
+            # a requeued job keeps its id on other nodes: the instance running now
+            job = next((j for j in self.fleet.jobs if j.id == job_id and j.active(p.t)),
+                       next(j for j in self.fleet.jobs if j.id == job_id))
             gpus = np.flatnonzero(p.gpu_job == k)
             if gpus.size == 0:
                 continue

@@ -298,3 +298,18 @@ def test_the_world_records_from_the_command_line(tmp_path: Path, capsys: pytest.
     assert "gpufleet:" in out and "dcgm:" in out and (tmp_path / "labels.json").exists()
     with pytest.raises(SystemExit):
         slurm_world.main(["--out", str(tmp_path), "--step", "0"])
+
+
+def test_job_status_and_processes_follow_the_requeued_instance() -> None:
+    from gpufleet.agent.sim.slurm import SlurmNodes
+
+    sim = slurm_world.simulator(seed=1, step=60.0, start=START)
+    for _ in range(25):  # 25 minutes: 40004 requeued on node-009 and node-011
+        sim.step()
+    status = {s["job_id"]: s for s in sim.job_status()}
+    assert status["40004"]["nodes"] == ["node-009", "node-011"] and status["40004"]["gpus"] == 16
+    nodes = SlurmNodes(sim)
+    ranks = [p.rank for i in (9, 11) for p in nodes.processes(i) if p is not None]
+    assert sorted(ranks) == list(range(16))  # ranks of the running instance, none lost
+    array = [p for p in nodes.processes(17) if p is not None]
+    assert array and len({p.slurm_job for p in array}) == len(array)  # each task its own Slurm job
