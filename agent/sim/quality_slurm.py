@@ -6,8 +6,9 @@ Run ``.venv/bin/python -m gpufleet.agent.sim.quality_slurm [--quick] [--seeds N]
 The fleet is :mod:`gpufleet.agent.sim.slurm_world` (20 H200/B200 nodes, one hour, its jobs, faults and
 controls), recorded at each scrape interval of ``--steps`` (15 and 60 s) and replayed in both profiles with the
 bare-metal harness's settings (:data:`gpufleet.agent.sim.quality.QUALITY_CONFIG`), evaluated once per scrape and
-with a feature window of at least four scrapes (120 s at 15 s scrapes, 240 s at 60 s). Seeds change the physics'
-draws and the job array's tasks, not where the world's jobs and faults are.
+with a feature window of at least four scrapes (120 s at 15 s scrapes, 240 s at 60 s). Seed 1 is the world as
+written; every other seed draws its job ids, site cap and the faults' places and times anew
+(:func:`gpufleet.agent.sim.slurm_world.variant`), and the physics' draws and the job array's tasks.
 
 Scored as the bare-metal harness scores (:func:`gpufleet.agent.sim.quality.score_run`: every finding counts;
 one attributed to a fault when its kind is the fault's, its entity the fault's and it opened in the fault's

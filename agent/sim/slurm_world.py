@@ -34,6 +34,9 @@ fine-tune, 20-38 min: a burst of replays under load for a minute, then x8 of x16
 job peers' 800 W, from 30 min: cause power), ``network_congestion`` on one rail port of the all-to-all job
 (``node-008`` ``mlx5_3``, 40-55 min: that port worse than the rest of its job, whose every port waits).
 
+Seed 1 is the world as written here; every other seed draws its own job ids, site cap (700-800 W) and the
+faults' nodes, GPUs, NICs and times (:func:`variant`), so what fits one recording does not fit the next.
+
 Controls (:func:`controls`, the ``slurm.controls`` section of ``labels.json``): entities and windows where a
 healthy thing looks odd and where every finding is false: the all-to-all job's ports and nodes, the
 power-capped job, the pipeline stages, the job array, the interactive session, the preemption/requeue and the
@@ -65,7 +68,8 @@ H200_NODES = 14
 B200_NODES = 6
 GPUS = 8
 DURATION_S = 3600.0
-#: The site power cap on every GPU of job 40007 (B200, 1000 W default).
+#: Seed 1's values (every other seed draws its own: :func:`variant`). The site power cap on every GPU of the
+#: capped job (B200, 1000 W default).
 SITE_CAP_W = 800.0
 CAPPED_JOB = "40007"
 #: The job whose collective is all-to-all, and the transmit wait its ports see per byte (Mods.incast).
@@ -75,6 +79,9 @@ INCAST = 0.06
 IDLE_PCIE_GEN = 1
 ARRAY_FIRST_ID = 40100
 INTERACTIVE_ID = "40200"
+#: Job ids relative to the world's first: pretraining, fine-tune, all-to-all, preempted, drained, capped,
+#: the preempting job, the job array's first task, the interactive session.
+PRETRAIN, FINETUNE, A2A, PREEMPTED, DRAINED, CAPPED, PREEMPTOR, ARRAY, INTERACTIVE = 1, 2, 3, 4, 5, 7, 10, 100, 200
 CHECKPOINT_EVERY_S = 15 * MIN
 CHECKPOINT_S = 60.0
 EVALS = ((12 * MIN, 16 * MIN), (42 * MIN, 46 * MIN))
@@ -100,8 +107,51 @@ def _n(i: int) -> str:
     return f"node-{i:03d}"
 
 
+@dataclass(frozen=True)
+class Variant:
+    """What a seed draws: the Slurm job ids (from ``base``), the site's power cap and the faults' places and
+    times. Seed 1 is the world as :data:`FAULTS` and the constants write it; every other seed draws its own, so a
+    detector is also measured on worlds it was not tuned on (no job id, wattage, GPU or time to fit)."""
+
+    base: int
+    cap_w: float
+    faults: tuple[dict[str, Any], ...]
+
+    def id(self, k: int) -> str:
+        return str(self.base + k)
+
+
+def variant(seed: int) -> Variant:
+    if seed == 1:
+        return Variant(40000, SITE_CAP_W, FAULTS)
+    rng = np.random.default_rng([seed, 3100])
+
+    def minute(a: float, b: float) -> float:
+        return round(float(rng.uniform(a, b)) * 4) / 4 * MIN  # on a 15 s grid
+
+    def gpu() -> int:
+        return int(rng.integers(0, GPUS))
+
+    pcie = minute(17, 24)
+    slow, cong = minute(25, 33), minute(38, 42)
+    faults = (
+        {"kind": "pcie_retrain", "node": _n(int(rng.integers(4, 7))), "gpu": gpu(), "onset": pcie,
+         "end": min(pcie + minute(14, 18), 41 * MIN), "severity": "moderate"},
+        {"kind": "app_clocks_locked", "node": _n(int(rng.integers(4, 7))), "gpu": gpu(), "onset": minute(47, 52)},
+        {"kind": "slow_host", "node": _n(int(rng.integers(0, 4))), "onset": slow, "end": slow + minute(15, 20),
+         "severity": "moderate"},
+        {"kind": "power_cap", "node": _n(H200_NODES + int(rng.integers(0, 3))), "gpu": gpu(),
+         "onset": minute(25, 35), "severity": "moderate"},
+        {"kind": "network_congestion", "node": _n(int(rng.integers(7, 9))), "nic": gpu(), "onset": cong,
+         "end": cong + minute(12, 15), "severity": "moderate"},
+    )
+    return Variant(int(rng.integers(1000, 9000)) * 10, float(rng.choice([700.0, 750.0, 800.0])), faults)
+
+
 def scenario_doc(seed: int, step: float) -> dict[str, Any]:
     """The scenario as a parsed TOML document (the jobs a scenario file can say; the rest: :func:`simulator`)."""
+    v = variant(seed)
+
     def nodes(*ix: int) -> list[str]:
         return [_n(i) for i in ix]
 
@@ -113,19 +163,19 @@ def scenario_doc(seed: int, step: float) -> dict[str, Any]:
         "sites": [{"name": "hall-h200", "nodes": H200_NODES, "gpus_per_node": GPUS, "gpu_model": "H200-SXM"},
                   {"name": "hall-b200", "nodes": B200_NODES, "gpus_per_node": GPUS, "gpu_model": "B200"}],
         "jobs": {"fixed": [
-            {"id": "40001", "nodes": nodes(0, 1, 2, 3), "parallel": "hybrid", "compute_s": 1.6, "intensity": 0.8,
+            {"id": v.id(PRETRAIN), "nodes": nodes(0, 1, 2, 3), "parallel": "hybrid", "compute_s": 1.6, "intensity": 0.8,
              "grad_gb": 12.0, "checkpoint_every": CHECKPOINT_EVERY_S, "checkpoint_seconds": CHECKPOINT_S},
-            {"id": "40002", "nodes": nodes(4, 5, 6), "compute_s": 0.7, "intensity": 0.75, "grad_gb": 32.0,
+            {"id": v.id(FINETUNE), "nodes": nodes(4, 5, 6), "compute_s": 0.7, "intensity": 0.75, "grad_gb": 32.0,
              "evals": [list(e) for e in EVALS]},
-            {"id": ALL_TO_ALL_JOB, "nodes": nodes(7, 8), "compute_s": 0.9, "intensity": 0.7, "grad_gb": 24.0},
-            {"id": "40004", "nodes": nodes(9, 10), "compute_s": 1.1, "end": PREEMPT_AT},
-            {"id": "40010", "nodes": nodes(10), "compute_s": 0.8, "start": PREEMPT_AT + 30.0, "end": 40 * MIN},
-            {"id": "40005", "nodes": nodes(12), "compute_s": 1.3, "intensity": 0.7, "end": DRAIN_AT},
-            {"id": CAPPED_JOB, "nodes": nodes(14, 15, 16), "compute_s": 1.2, "intensity": 1.0, "grad_gb": 8.0},
+            {"id": v.id(A2A), "nodes": nodes(7, 8), "compute_s": 0.9, "intensity": 0.7, "grad_gb": 24.0},
+            {"id": v.id(PREEMPTED), "nodes": nodes(9, 10), "compute_s": 1.1, "end": PREEMPT_AT},
+            {"id": v.id(PREEMPTOR), "nodes": nodes(10), "compute_s": 0.8, "start": PREEMPT_AT + 30.0, "end": 40 * MIN},
+            {"id": v.id(DRAINED), "nodes": nodes(12), "compute_s": 1.3, "intensity": 0.7, "end": DRAIN_AT},
+            {"id": v.id(CAPPED), "nodes": nodes(14, 15, 16), "compute_s": 1.2, "intensity": 1.0, "grad_gb": 8.0},
         ]},
-        "workloads": [{"job": "40001", "pattern": "stage_imbalance", "owner": "llm-pretrain", "extra": 0.2,
+        "workloads": [{"job": v.id(PRETRAIN), "pattern": "stage_imbalance", "owner": "llm-pretrain", "extra": 0.2,
                        "stages": 4, "stage": -1}],
-        "faults": [dict(f) for f in FAULTS],
+        "faults": [dict(f) for f in v.faults],
         "exporter_restarts": [{"node": RESTART_NODE, "at": RESTART_AT, "seconds": RESTART_S, "component": "gpu"}],
     }
 
@@ -134,10 +184,11 @@ def extra_jobs(seed: int) -> list[Job]:
     """What a scenario file cannot say: the requeued instances (same job id, other nodes), the job array's
     one-GPU tasks and the interactive session."""
     rng = np.random.default_rng([seed, 31])
-    jobs = [Job("40004", [9, 11], REQUEUE_AT, np.inf, compute_s=1.1),
-            Job("40005", [10], DRAIN_REQUEUE_AT, np.inf, compute_s=1.3, intensity=0.7)]
+    v = variant(seed)
+    jobs = [Job(v.id(PREEMPTED), [9, 11], REQUEUE_AT, np.inf, compute_s=1.1),
+            Job(v.id(DRAINED), [10], DRAIN_REQUEUE_AT, np.inf, compute_s=1.3, intensity=0.7)]
     array_node = H200_NODES + 3
-    task = ARRAY_FIRST_ID
+    task = v.base + ARRAY
     for gpu in range(GPUS):
         t = float(rng.uniform(0.0, 3.0)) * MIN
         while t < DURATION_S:
@@ -147,7 +198,7 @@ def extra_jobs(seed: int) -> list[Job]:
                             memory_fraction=float(rng.uniform(0.3, 0.8)), gpus=(gpu,)))
             task += 1
             t += length + float(rng.uniform(0.5, 2.0)) * MIN
-    jobs.append(Job(INTERACTIVE_ID, [H200_NODES + 4], 10 * MIN, 50 * MIN, gpus=(0, 1, 2, 3), bursty=True,
+    jobs.append(Job(v.id(INTERACTIVE), [H200_NODES + 4], 10 * MIN, 50 * MIN, gpus=(0, 1, 2, 3), bursty=True,
                     grad_bytes=0.0, memory_fraction=0.4))
     return jobs
 
@@ -159,6 +210,8 @@ class SitePolicies:
 
     def __init__(self, sim: Simulator) -> None:
         self.fleet = sim.fleet
+        v = variant(sim.seed)
+        self.capped, self.cap_w, self.a2a = v.id(CAPPED), v.cap_w, v.id(A2A)
 
     def __call__(self, p: Physics, t: float, dt: float) -> None:
         f = self.fleet
@@ -170,9 +223,9 @@ class SitePolicies:
             gpus = np.concatenate([f.node_gpus(n)[list(job.gpus)] if job.gpus else f.node_gpus(n)
                                    for n in job.nodes])
             busy[gpus] = True
-            if job.id == CAPPED_JOB:
-                m.limit_w[gpus] = np.minimum(m.limit_w[gpus], SITE_CAP_W)
-            if job.id == ALL_TO_ALL_JOB and job.phase(t) != "checkpoint":
+            if job.id == self.capped:
+                m.limit_w[gpus] = np.minimum(m.limit_w[gpus], self.cap_w)
+            if job.id == self.a2a and job.phase(t) != "checkpoint":
                 m.incast[f.gpu_nic[gpus]] = np.maximum(m.incast[f.gpu_nic[gpus]], INCAST)
         m.pcie_gen[~busy] = np.minimum(m.pcie_gen[~busy], IDLE_PCIE_GEN)
 
@@ -209,6 +262,7 @@ def controls(sim: Simulator) -> list[Control]:
     t0, end = sim.start, sim.start + sim.scenario.duration
     jobs = sim.fleet.jobs
     names = sim.nodes
+    v = variant(sim.seed)
 
     def whole(job_id: str) -> list[Window]:
         return [(names[n], g, t0 + max(j.start, 0.0), t0 + min(j.end, sim.scenario.duration))
@@ -222,8 +276,7 @@ def controls(sim: Simulator) -> list[Control]:
     evals: list[Window] = [(names[n], None, t0 + a, t0 + b) for j in jobs for a, b, what in j.phases if what == "eval"
              for n in j.nodes]
     restart: list[Window] = [(RESTART_NODE, None, t0 + RESTART_AT, t0 + RESTART_AT + RESTART_S)]
-    array = [w for j in jobs if j.id.isdigit() and int(j.id) >= ARRAY_FIRST_ID and j.id != INTERACTIVE_ID
-             for w in whole(j.id)]
+    array = [w for j in jobs if j.gpus and not j.bursty for w in whole(j.id)]
     idle_node = names[H200_NODES + 5]
     idle: list[Window] = [(idle_node, None, t0, end), (names[H200_NODES + 4], 4, t0, end), (names[H200_NODES + 4], 5, t0, end),
             (names[H200_NODES + 4], 6, t0, end), (names[H200_NODES + 4], 7, t0, end),
@@ -234,28 +287,29 @@ def controls(sim: Simulator) -> list[Control]:
         Control("drain_requeue", edges([10, 12], DRAIN_AT, DRAIN_REQUEUE_AT)),
         Control("checkpoints", ckpt),
         Control("eval_passes", evals),
-        Control("all_to_all", whole(ALL_TO_ALL_JOB)),
-        Control("site_power_cap", whole(CAPPED_JOB)),
-        Control("pipeline_stages", whole("40001")),
+        Control("all_to_all", whole(v.id(A2A))),
+        Control("site_power_cap", whole(v.id(CAPPED))),
+        Control("pipeline_stages", whole(v.id(PRETRAIN))),
         Control("job_array", array),
-        Control("interactive", whole(INTERACTIVE_ID)),
+        Control("interactive", whole(v.id(INTERACTIVE))),
         Control("idle_pcie_gen", idle),
-        Control("requeued_jobs", whole("40004") + whole("40005") + whole("40010")),
-        Control("fine_tune", whole("40002")),
+        Control("requeued_jobs", whole(v.id(PREEMPTED)) + whole(v.id(DRAINED)) + whole(v.id(PREEMPTOR))),
+        Control("fine_tune", whole(v.id(FINETUNE))),
     ]
 
 
 def labels(sim: Simulator) -> dict[str, Any]:
     """The simulator's ground truth plus a ``slurm`` section: the controls and the special jobs."""
     doc = sim.labels()
+    v = variant(sim.seed)
     doc["slurm"] = {
         "controls": [{"name": c.name, "windows": [{"node": n, "gpu": None if g is None else str(g), "start": a,
                                                     "end": b} for n, g, a, b in c.windows]}
                      for c in controls(sim)],
-        "site_power_cap": {"job_id": CAPPED_JOB, "limit_watts": SITE_CAP_W},
-        "all_to_all": {"job_id": ALL_TO_ALL_JOB},
+        "site_power_cap": {"job_id": v.id(CAPPED), "limit_watts": v.cap_w},
+        "all_to_all": {"job_id": v.id(A2A)},
         "array_tasks": sorted({j.id for j in sim.fleet.jobs if j.gpus and not j.bursty}),
-        "interactive": INTERACTIVE_ID,
+        "interactive": v.id(INTERACTIVE),
     }
     return doc
 

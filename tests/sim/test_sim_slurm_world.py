@@ -313,3 +313,22 @@ def test_job_status_and_processes_follow_the_requeued_instance() -> None:
     assert sorted(ranks) == list(range(16))  # ranks of the running instance, none lost
     array = [p for p in nodes.processes(17) if p is not None]
     assert array and len({p.slurm_job for p in array}) == len(array)  # each task its own Slurm job
+
+
+def test_other_seeds_draw_their_own_ids_cap_and_fault_places() -> None:
+    one, two = slurm_world.variant(1), slurm_world.variant(2)
+    assert one.faults == slurm_world.FAULTS and one.id(slurm_world.CAPPED) == slurm_world.CAPPED_JOB
+    assert two.base != one.base and [f["kind"] for f in two.faults] == [f["kind"] for f in one.faults]
+    assert two.faults != one.faults and two == slurm_world.variant(2)  # drawn, reproducibly
+    sim = slurm_world.simulator(seed=2, step=60.0, start=START)
+    for _ in range(24):
+        sim.step()
+    p = sim.physics
+    capped = np.concatenate([sim.fleet.node_gpus(n) for n in (14, 15, 16)])
+    limit = p.limit[capped]
+    assert set(limit) <= {two.cap_w, 600.0} and (limit == two.cap_w).sum() >= 23
+    assert ((p.reasons[capped] & CLOCK_EVENT_BITS["sw_power_cap"]) > 0).all()
+    assert set(sim.gpu_jobs(14)) == {two.id(slurm_world.CAPPED)}
+    labels = slurm_world.labels(sim)
+    assert labels["slurm"]["site_power_cap"] == {"job_id": two.id(slurm_world.CAPPED), "limit_watts": two.cap_w}
+    assert [(f["node"], f["onset"] - START) for f in labels["faults"]] == [(f["node"], f["onset"]) for f in two.faults]
