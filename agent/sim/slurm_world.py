@@ -134,10 +134,11 @@ def variant(seed: int) -> Variant:
 
     pcie = minute(17, 24)
     slow, cong = minute(25, 33), minute(38, 42)
+    pcie_node, app_node = (int(x) for x in rng.choice([4, 5, 6], size=2, replace=False))  # one fault per GPU
     faults = (
-        {"kind": "pcie_retrain", "node": _n(int(rng.integers(4, 7))), "gpu": gpu(), "onset": pcie,
+        {"kind": "pcie_retrain", "node": _n(pcie_node), "gpu": gpu(), "onset": pcie,
          "end": min(pcie + minute(14, 18), 41 * MIN), "severity": "moderate"},
-        {"kind": "app_clocks_locked", "node": _n(int(rng.integers(4, 7))), "gpu": gpu(), "onset": minute(47, 52)},
+        {"kind": "app_clocks_locked", "node": _n(app_node), "gpu": gpu(), "onset": minute(47, 52)},
         {"kind": "slow_host", "node": _n(int(rng.integers(0, 4))), "onset": slow, "end": slow + minute(15, 20),
          "severity": "moderate"},
         {"kind": "power_cap", "node": _n(H200_NODES + int(rng.integers(0, 3))), "gpu": gpu(),

@@ -332,3 +332,11 @@ def test_other_seeds_draw_their_own_ids_cap_and_fault_places() -> None:
     labels = slurm_world.labels(sim)
     assert labels["slurm"]["site_power_cap"] == {"job_id": two.id(slurm_world.CAPPED), "limit_watts": two.cap_w}
     assert [(f["node"], f["onset"] - START) for f in labels["faults"]] == [(f["node"], f["onset"]) for f in two.faults]
+
+
+def test_no_two_faults_of_a_variant_share_a_gpu() -> None:
+    for seed in range(1, 30):
+        places = [(f["node"], f.get("gpu")) for f in slurm_world.variant(seed).faults if f.get("gpu") is not None]
+        assert len(places) == len(set(places)), seed
+        nodes = [f["node"] for f in slurm_world.variant(seed).faults]
+        assert nodes[0] != nodes[1]  # the fine-tune's two faults on different nodes: one answer each
