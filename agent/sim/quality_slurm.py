@@ -190,20 +190,19 @@ def slurm_markdown(summary: dict[str, Any]) -> str:
               "| --- |" + " --- |" * len(summary)]
     for c in names:
         lines.append(f"| {c} | " + " | ".join(str(r["false_by_control"][c]) for r in summary.values()) + " |")
-    lines += ["", "| fault (node, gpu): detected/runs, median latency (its findings of the expected kinds) | "
+    lines += ["", "| fault: detected/runs, median latency (its findings of the expected kinds) | "
               + " | ".join(summary) + " |", "| --- |" + " --- |" * len(summary)]
-    keys = sorted({(fa["type"], fa["node"], fa["gpu"]) for r in summary.values() for fa in r["faults"]})
-    for t, node, gpu in keys:
+    for t in sorted({fa["type"] for r in summary.values() for fa in r["faults"]}):
         cells = []
         for r in summary.values():
-            mine = [fa for fa in r["faults"] if (fa["type"], fa["node"], fa["gpu"]) == (t, node, gpu)]
+            mine = [fa for fa in r["faults"] if fa["type"] == t]
             lats = [fa["latency"] for fa in mine if fa["latency"] is not None]
             kinds: Counter[str] = Counter()
             for fa in mine:
                 kinds.update(fa["found"])
             cell = f"{len(lats)}/{len(mine)}" + (f", {statistics.median(lats):.1f} scrapes" if lats else "")
             cells.append(cell + (f" ({', '.join(f'{k} x{n}' for k, n in sorted(kinds.items()))})" if kinds else ""))
-        lines.append(f"| {t} ({node}, {gpu if gpu is not None else 'node'}) | " + " | ".join(cells) + " |")
+        lines.append(f"| {t} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
