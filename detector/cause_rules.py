@@ -94,10 +94,18 @@ def _drawing_more(v: GpuView) -> bool:
     return v.zf("power") >= v.t.cause_z
 
 
+def _policy(v: GpuView) -> bool:
+    """The GPU's power limit is a cap set alike on its whole job (detector.policy): its cap is no fault."""
+    pc = v.frame.policy_cap
+    return pc is not None and bool(pc[v.i])
+
+
 def _reason(feat: str, need_low_clock: bool = False, power: bool = False) -> Callable[[GpuView], float]:
     def strength(v: GpuView) -> float:
         frac = v.val(feat)
         if frac < v.t.throttle_fraction or (power and _drawing_more(v)):
+            return 0.0
+        if feat == "thr_power" and _policy(v):
             return 0.0
         # Software power capping is normal at full load (leaky GPUs touch the cap), and applications clocks or a
         # cap set alike on a whole job are policy: evidence only while the GPU's clock is also held below its
@@ -182,7 +190,13 @@ RULES: tuple[Rule, ...] = (
          lambda v: {"ecc": v.val("ecc"), "remap_pending": v.val("remap_pending")}),
     Rule("host", "direct", "host_pressure", _node("host"), _node_values, "node", ("util", "tensor")),
     Rule("pcie", "direct", "aer_rate", _node("pcie"), _node_values, "node"),
-    # --- link: direct evidence that makes a straggler of a rank that does not deviate itself
+    # --- link: direct evidence that makes a straggler of a rank that does not deviate itself (yet): its
+    # collectives wait on a degraded link, or a power limit set below its job's peers holds it (it caps now)
+    Rule("power", "link", "power_limit_below_peers",
+         lambda v: DIRECT + min(-v.zf("power_limit"), 10.0) / 2
+         if v.zf("power_limit") <= -_cz(v) and v.val("thr_power") >= v.t.throttle_fraction
+         and not _drawing_more(v) else 0.0,
+         lambda v: {"power_limit": v.val("power_limit")}),
     Rule("network", "link", "nic_flagged",
          lambda v: DIRECT + 5.0 if (v.frame.nodes[v.i], v.frame.gpus[v.i]) in v.nic_flags else 0.0),
     Rule("network", "link", "fabric_pressure", _node("network"), _node_values, "node"),

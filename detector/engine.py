@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpufleet.detector import cadence, causes, fabric, jobs, memo, mig, network, phases, shard, straggler, throttling
+from gpufleet.detector import cadence, causes, fabric, policy, jobs, memo, mig, network, phases, shard, straggler, throttling
 from gpufleet.detector.baseline import Baseline
 from gpufleet.detector.candidate import Candidate, Evidence
 from gpufleet.detector.config import DetectorConfig
@@ -183,6 +183,7 @@ class Detector:
 
     def _peers(self, g: GpuFrame, t: float) -> _Peers:
         limit_ref = self.baseline.gpu_power_limit(g.nodes, g.gpus, g.get("power_limit"), t)
+        g.policy_cap = policy.capped_by_policy(g, limit_ref)  # a site's cap on a whole job: context, not a fault
         edge = g.edge if g.edge is not None else np.zeros(len(g), dtype=bool)
         valid = np.asarray(g.valid, dtype=bool)
         busy = valid & (nan_to_zero(g.get("util")) >= JUDGE_UTIL)

@@ -218,6 +218,8 @@ DCGM: tuple[Query, ...] = (
     _x("thr_power", "DCGM_FI_DEV_POWER_VIOLATION", "rate", scale=1e-6),
     _x("@mask", "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "last"),
     _x("@mask", "DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "last"),
+    # The enforced limit where the counters CSV exports it: a site's cap on a job is context (detector.policy).
+    _x("power_limit", "DCGM_FI_DEV_POWER_MGMT_LIMIT", "last", optional=True),
     _x("pcie_replay", "DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "increase"),
     _x("xid", "DCGM_FI_DEV_XID_ERRORS", "max"),
     _x("nvlink_bw", "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "avg"),

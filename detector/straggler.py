@@ -217,10 +217,13 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
     zs = PeerGroups(groups).robust_zs([(x, FEATURES[f][0], FEATURES[f][1]) for f, x in feats])
     for (f, _), zf in zip(feats, zs, strict=True):
         z[f] = zf
+    policy = _policy_held(frame, p)
     for f, zf in z.items():
         direction = FEATURES[f][2]
         if f == "util":  # lower utilization is a lag only where the GPU also does less (see _starved)
             zf = np.where(_starved(frame, z, p, node_causes or {}), zf, 0.0)
+        elif f in POLICY_EXPLAINS and policy is not None:  # the site's cap holds its clock (busier for it)
+            zf = np.where(policy, 0.0, zf)
         if direction:
             robust = np.fmax(robust, nan_to_zero(direction * zf))
     # iso = 0.5 is neutral (factor 1). The forest moves a score by at most 25 %, so it can only change a
@@ -257,6 +260,22 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
                  or cause_rules.vouched(c.evidence.rules, c.evidence.deviations, t)]
     cands += _link_stragglers(frame, scored & ~hit, p, flags, z, node_causes or {}, nic_links or {})
     return StragglerResult(scored, combined, z, _collapse_nodes(frame, groups, cands, p))
+
+
+#: The deviations a cap set alike on a whole job explains on a GPU it holds: a lower clock, and the higher
+#: activity of a rank that computes slower for it.
+POLICY_EXPLAINS = ("sm_clock", "mem_clock", "tensor", "sm_active")
+
+
+def _policy_held(frame: GpuFrame, p: StragglerParams) -> BoolArray | None:
+    """Per GPU: capped by its job's policy (detector.policy) and held by that cap now: a lower clock under a cap
+    set alike on the whole job is the job's operating point (the leakier parts clock lower), no lag (None: no
+    GPU is)."""
+    pc = frame.policy_cap
+    if pc is None or not pc.any():
+        return None
+    out: BoolArray = np.asarray(pc, dtype=bool) & (nan_to_zero(frame.get("thr_power")) >= p.throttle_fraction)
+    return out
 
 
 #: What a GPU starved of input does less of besides being busy less of the time (its z, against its peers').
@@ -313,6 +332,8 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
     with np.errstate(invalid="ignore"):
         maybe = ((nvl < 1) | (~np.isfinite(nvl) & (nvl_err >= 1)) | (gen < gen_max) | (width < width_max)
                  | ((replays >= 1) & ~np.isfinite(gen)))
+    if "power_limit" in z:  # a limit set below its peers' (cause_rules: power_limit_below_peers)
+        maybe |= nan_to_zero(z["power_limit"]) <= -p.cause_z
     if nic_flags:
         flagged_nodes = {node for node, _ in nic_flags}
         maybe |= np.array([node in flagged_nodes for node in frame.nodes], dtype=bool)
@@ -323,7 +344,8 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
     for i in np.flatnonzero(np.asarray(idx, dtype=bool) & maybe):
         if not frame.jobs[i]:
             continue
-        view = cause_rules.GpuView(frame, int(i), {}, _thresholds(p), nic_flags, node_causes or {}, **refs)
+        own_z = {f: v for f in ("power_limit", "power") if f in z and math.isfinite(v := float(z[f][i]))}
+        view = cause_rules.GpuView(frame, int(i), own_z, _thresholds(p), nic_flags, node_causes or {}, **refs)
         hit = cause_rules.link(view)
         if hit is None:
             continue
@@ -331,7 +353,8 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
         key = (frame.nodes[i], frame.gpus[i])
         sc = nic_flags[key] if rule.what == "nic_flagged" else p.threshold + min(strength - DIRECT, 2.0)
         link = (nic_links or {}).get(key) if rule.what == "nic_flagged" else None
-        ev = Evidence(causes={rule.cause: strength}, values=rule.values(view), rules=(rule.what,),
+        own = {f: float(z[f][i]) for f in ("power_limit",) if rule.what == "power_limit_below_peers"}
+        ev = Evidence(deviations=own, causes={rule.cause: strength}, values=rule.values(view), rules=(rule.what,),
                       flags=(link,) if link else ())
         out.append(Candidate(frame.nodes[i], frame.gpus[i], frame.jobs[i], frame.sites[i], rule.cause, float(sc),
                              ev))

@@ -44,6 +44,7 @@ def find(frame: GpuFrame, p: ThrottleParams) -> list[Candidate]:
     held = np.zeros(len(valid), dtype=bool)
     for feat, _ in REASONS:
         held |= nan_to_zero(frame.get(feat)) >= p.min_fraction
+    policy = frame.policy_cap if frame.policy_cap is not None else np.zeros(len(valid), dtype=bool)
     peers: dict[str, _Peers] = {}
     for ii in np.flatnonzero(valid & held):
         i = int(ii)
@@ -51,6 +52,8 @@ def find(frame: GpuFrame, p: ThrottleParams) -> list[Candidate]:
         for feat, cause in REASONS:
             v = frame.get(feat)[i]
             if np.isfinite(v) and v >= p.min_fraction and (best is None or v > best[0]):
+                if feat == "thr_power" and policy[i]:
+                    continue  # capped by the site's policy for its whole job (detector.policy): not a fault
                 if feat in SETTINGS:
                     ref = peers.get(feat) or peers.setdefault(feat, _Peers(frame, clock, p, feat))
                     if not _clock_low(frame, i, clock, p, ref):
