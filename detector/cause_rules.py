@@ -200,8 +200,9 @@ RULES: tuple[Rule, ...] = (
     Rule("network", "link", "nic_flagged",
          lambda v: DIRECT + 5.0 if (v.frame.nodes[v.i], v.frame.gpus[v.i]) in v.nic_flags else 0.0),
     Rule("network", "link", "fabric_pressure", _node("network"), _node_values, "node"),
-    Rule("network", "link", "nvlink_down", _nvlink_down, lambda v: {"nvlink_up_min": v.val("nvlink_down")}),
-    Rule("network", "link", "nvlink_errors", _nvlink_errors,
+    # The GPU's own NVLink: cause nvlink (its scale-up link), not network (the NICs' scale-out fabric).
+    Rule("nvlink", "link", "nvlink_down", _nvlink_down, lambda v: {"nvlink_up_min": v.val("nvlink_down")}),
+    Rule("nvlink", "link", "nvlink_errors", _nvlink_errors,
          lambda v: {"nvlink_errors": float(v.nvlink_excess[v.i]) if v.nvlink_excess is not None else 0.0}),
     Rule("pcie", "link", "pcie_link_below_max", lambda v: DIRECT + 5.0 if _pcie_below(v) else 0.0,
          lambda v: {"pcie_gen": v.val("pcie_gen"), "pcie_width": v.val("pcie_width")}),

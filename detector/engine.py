@@ -138,6 +138,7 @@ class Detector:
         cands += [("throttling", c) for c in throttling.find(snap.gpu, cfg.throttling)]
         cands += [("network", c) for c in net.candidates]
         fab = fabric.find(snap.meta, self.naming, self.places)  # NVL72: one NVLink domain's GPUs as peers
+        cands = fabric.absorb(cands, fab, self.places)  # one physical problem, one finding: the domain's
         cands += fab.candidates
         pue_states = self._pue(snap, t, cands)
         cands = [(k, c) for k, c in cands if shard.owns_finding(cfg.shard, k, c.node, c.site, nic_owner)]

@@ -345,7 +345,7 @@ class AppClocksLocked(Fault):
 
 class NvlinkDown(Fault):
     kind = "nvlink_down"
-    findings = (("straggler", "network"),)
+    findings = (("straggler", "nvlink"),)
     signals = ("gpufleet_gpu_nvlink_up", "gpufleet_gpu_nvlink_throughput_bytes_per_second")
 
     def links(self) -> int:
