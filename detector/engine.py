@@ -36,7 +36,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpufleet.detector import cadence, causes, fabric, policy, jobs, memo, mig, network, phases, shard, straggler, throttling
+from gpufleet.detector import (
+    cadence,
+    causes,
+    fabric,
+    jobs,
+    memo,
+    mig,
+    network,
+    phases,
+    policy,
+    shard,
+    straggler,
+    throttling,
+)
 from gpufleet.detector.baseline import Baseline
 from gpufleet.detector.candidate import Candidate, Evidence
 from gpufleet.detector.config import DetectorConfig

@@ -344,7 +344,8 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
     for i in np.flatnonzero(np.asarray(idx, dtype=bool) & maybe):
         if not frame.jobs[i]:
             continue
-        own_z = {f: v for f in ("power_limit", "power") if f in z and math.isfinite(v := float(z[f][i]))}
+        own_z: dict[str, float] = {f: v for f in ("power_limit", "power") if f in z
+                                   and math.isfinite(v := float(z[f][i]))}
         view = cause_rules.GpuView(frame, int(i), own_z, _thresholds(p), nic_flags, node_causes or {}, **refs)
         hit = cause_rules.link(view)
         if hit is None:
