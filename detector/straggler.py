@@ -202,10 +202,15 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
     n = len(frame)
     util = frame.get("util")
     active = nan_to_zero(util) >= p.busy_util
-    # A GPU whose latest reading is idle stopped working (its rank crashed, its job ended): no straggler.
+    # A GPU whose latest reading is idle stopped working (its rank crashed, its job ended): no straggler, unless
+    # its host is under pressure (a starved GPU idles between the batches its host is late with).
     last = frame.get("util_last")
     with np.errstate(invalid="ignore"):
-        active &= ~(np.isfinite(last) & (last < p.busy_util))
+        stopped = np.isfinite(last) & (last < p.busy_util)
+    host = {node for node, (cause, _) in (node_causes or {}).items() if cause == "host"}
+    if host and stopped.any():
+        stopped &= ~np.array([nd in host for nd in frame.nodes], dtype=bool)
+    active &= ~stopped
     eligible = frame.valid.astype(bool) & ~frame.churn.astype(bool) & active
     groups = _groups(frame, eligible, p, limit_ref)
     scored = groups >= 0
