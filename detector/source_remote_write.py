@@ -1,0 +1,203 @@
+"""The window of a remote-write stream, held in memory: a metrics source fed by Prometheus or vmagent.
+
+:class:`StreamStore` takes decoded ``prometheus.WriteRequest`` messages (:mod:`~gpufleet.detector.remote_write_proto`)
+and keeps, per series of the profile's sample names, the samples of the last ``retention`` seconds (from the newest
+sample received). It answers the detector's queries with the recording source's PromQL semantics
+(:mod:`~gpufleet.detector.window_ops`: the same evaluation the query path gets from the backend), from a
+:class:`~gpufleet.detector.source_recording.RecordingSource` view rebuilt only after new samples arrived; the
+series table is shared by every view, so a series keeps its id (and its resolved entity) for the life of the store.
+
+Samples are kept in time order per series: a sample older than its series' newest is *out of order* and
+rejected (counted; the rest of the request is kept), one at the same time with the same value is a resend
+(Prometheus retries a batch after a timeout) and ignored, one at the same time with another value is rejected
+as out of order too. Prometheus' staleness markers (a NaN of one bit pattern, written when a series
+vanishes) are not samples to a range function and are dropped, as PromQL does.
+
+:class:`StreamingSource` answers from the stream once it holds a whole window before the evaluation instant,
+and from the query API (``fallback``) before that: a detector that has just started warms up from the backend
+and then reads the stream.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import struct
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gpufleet.detector.profiles import Query
+from gpufleet.detector.source import LabelKey, Result, SeriesTable, Source
+from gpufleet.detector.source_recording import RecordingSource, Series
+
+#: Prometheus' staleness marker (value.StaleNaN), as the bits of a float64.
+STALE_NAN_BITS = 0x7FF0000000000002
+_BITS = struct.Struct("<d")
+_U64 = struct.Struct("<Q")
+
+
+def is_stale_marker(v: float) -> bool:
+    return v != v and _U64.unpack(_BITS.pack(v))[0] == STALE_NAN_BITS
+
+
+@dataclass
+class Ingested:
+    """What one request brought: samples kept, rejected as out of order, of metrics not kept, staleness markers."""
+
+    accepted: int = 0
+    out_of_order: int = 0
+    not_kept: int = 0
+    stale: int = 0
+    series: int = 0
+
+
+class StreamStore:
+    """Per series of the kept metrics: the samples of the last ``retention`` seconds, in time order."""
+
+    def __init__(self, metrics: Iterable[str] | None, retention: float) -> None:
+        if not retention > 0:
+            raise ValueError(f"retention must be > 0 seconds, got {retention}")
+        self.metrics = frozenset(metrics) if metrics is not None else None
+        self.retention = retention
+        self.query_errors = 0
+        self._lock = threading.Lock()
+        # name -> label key (no __name__) -> (times s, values)
+        self._history: dict[str, dict[LabelKey, tuple[list[float], list[float]]]] = {}
+        self._table = SeriesTable()
+        self._view: RecordingSource | None = None
+        #: Newest sample time received (seconds; -inf before the first).
+        self.newest = -math.inf
+        #: Time of the first sample kept (seconds; inf before the first): the stream covers [first, newest].
+        self.first = math.inf
+
+    def ingest(self, request: Any) -> Ingested:
+        """Add the samples of a decoded ``WriteRequest``; what was kept and rejected is returned."""
+        out = Ingested()
+        wanted = self.metrics
+        with self._lock:
+            history = self._history
+            newest, first = self.newest, self.first
+            for ts in request.timeseries:
+                name = ""
+                rest: list[tuple[str, str]] = []
+                for lb in ts.labels:
+                    if lb.name == "__name__":
+                        name = lb.value
+                    else:
+                        rest.append((lb.name, lb.value))
+                samples = ts.samples
+                if wanted is not None and name not in wanted:
+                    out.not_kept += len(samples)
+                    continue
+                out.series += 1
+                rest.sort()
+                key = tuple(rest)
+                by_key = history.get(name)
+                if by_key is None:
+                    by_key = history[name] = {}
+                have = by_key.get(key)
+                if have is None:
+                    have = by_key[key] = ([], [])
+                times, values = have
+                last = times[-1] if times else -math.inf
+                for s in samples:
+                    v = s.value
+                    if v != v and is_stale_marker(v):
+                        out.stale += 1
+                        continue
+                    t = s.timestamp / 1000.0
+                    if t <= last:
+                        if t == last and values[-1] == v:
+                            continue  # a resent sample
+                        out.out_of_order += 1
+                        continue
+                    times.append(t)
+                    values.append(v)
+                    last = t
+                    out.accepted += 1
+                    if t > newest:
+                        newest = t
+                    if t < first:
+                        first = t
+            self.newest, self.first = newest, first
+            if out.accepted:
+                self._view = None
+        return out
+
+    @property
+    def samples(self) -> int:
+        with self._lock:
+            return sum(len(ts) for by_key in self._history.values() for ts, _ in by_key.values())
+
+    @property
+    def series_count(self) -> int:
+        with self._lock:
+            return sum(1 for by_key in self._history.values() for ts, _ in by_key.values() if ts)
+
+    def covers(self, t: float, window: float) -> bool:
+        """Does the stream hold the whole window ``[t - window, t]`` (it began before it, it has reached ``t``
+        within one retention)?"""
+        return self.first <= t - window and self.newest >= t - self.retention
+
+    def metric_names(self) -> set[str]:
+        with self._lock:
+            return {n for n, by_key in self._history.items() if any(ts for ts, _ in by_key.values())}
+
+    def query(self, query: Query, t: float, window: float) -> Result:
+        return self.snapshot().query(query, t, window)
+
+    def snapshot(self) -> RecordingSource:
+        """The history as a recording source (samples older than ``newest - retention`` dropped first)."""
+        with self._lock:
+            if self._view is not None:
+                return self._view
+            keep = self.newest - self.retention
+            series: dict[str, list[Series]] = {}
+            for name, by_key in self._history.items():
+                out: list[Series] = []
+                gone: list[LabelKey] = []
+                shared: dict[tuple[float, ...], np.ndarray] = {}  # series scraped together share one time array
+                for key, (ts, vs) in by_key.items():
+                    drop = bisect.bisect_left(ts, keep)
+                    if drop:
+                        del ts[:drop], vs[:drop]
+                    if not ts:
+                        gone.append(key)
+                        continue
+                    tkey = tuple(ts)
+                    t_arr = shared.get(tkey)
+                    if t_arr is None:
+                        t_arr = shared[tkey] = np.array(ts, dtype=np.float64)
+                    out.append(Series(dict(key), t_arr, np.array(vs, dtype=np.float64)))
+                for key in gone:
+                    del by_key[key]
+                if out:
+                    series[name] = out
+            self._view = RecordingSource(series, self._table)
+            return self._view
+
+
+class StreamingSource:
+    """The stream's answer once it covers the window, the query API's (``fallback``) before (a warm-up)."""
+
+    def __init__(self, store: StreamStore, fallback: Source | None) -> None:
+        self.store = store
+        self.fallback = fallback
+        self.query_errors = 0
+        #: Queries answered from the stream, and from the fallback.
+        self.from_stream = 0
+        self.from_fallback = 0
+
+    def query(self, query: Query, t: float, window: float) -> Result:
+        if self.fallback is None or self.store.covers(t, window):
+            self.from_stream += 1
+            return self.store.query(query, t, window)
+        self.from_fallback += 1
+        try:
+            return self.fallback.query(query, t, window)
+        finally:
+            self.query_errors = self.fallback.query_errors
