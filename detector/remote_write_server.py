@@ -116,11 +116,31 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def _discard_body(self) -> bool:
+        """Read and drop the request's body (closing a connection with unread input resets it, and the client may
+        lose the answer); False when it is too long or has no length (the connection then closes)."""
+        try:
+            length = int(self.headers.get("Content-Length") or "0")
+        except ValueError:
+            return False
+        if self.headers.get("Transfer-Encoding") or not 0 <= length <= self.server.max_body:
+            return False
+        while length > 0:
+            chunk = self.rfile.read(min(length, 1 << 16))
+            if not chunk:
+                return False
+            length -= len(chunk)
+        return True
+
+    def _refuse(self, status: int, result: str, reason: str) -> None:
+        """An answer before the body was read: the body is discarded first where it can be."""
+        self._answer(status, result, reason, close=not self._discard_body())
+
     def _refuse_method(self) -> None:
         if not self.server.web.check_authorization(self.headers.get("Authorization")):
-            self._answer(401, "unauthorized", "401 Unauthorized", close=True)
+            self._refuse(401, "unauthorized", "401 Unauthorized")
             return
-        self._answer(405, "method", f"405 Method Not Allowed: {PATH} takes POST", close=True)
+        self._refuse(405, "method", f"405 Method Not Allowed: {PATH} takes POST")
 
     do_GET = do_HEAD = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _refuse_method
 
@@ -136,20 +156,20 @@ class _Handler(BaseHTTPRequestHandler):
     def _post(self) -> None:
         srv = self.server
         if not srv.web.check_authorization(self.headers.get("Authorization")):
-            self._answer(401, "unauthorized", "401 Unauthorized", close=True)
+            self._refuse(401, "unauthorized", "401 Unauthorized")
             return
         if self.path.split("?", 1)[0] != PATH:
-            self._answer(404, "not_found", f"404 Not Found: the receiver's path is {PATH}", close=True)
+            self._refuse(404, "not_found", f"404 Not Found: the receiver's path is {PATH}")
             return
         ctype = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
         if ctype != "application/x-protobuf":
-            self._answer(415, "content_type", f"415 Unsupported Media Type: {ctype or 'no content type'}, "
-                         "expected application/x-protobuf", close=True)
+            self._refuse(415, "content_type", f"415 Unsupported Media Type: {ctype or 'no content type'}, "
+                         "expected application/x-protobuf")
             return
         encoding = (self.headers.get("Content-Encoding") or "").strip().lower()
         if encoding != "snappy":
-            self._answer(415, "encoding", f"415 Unsupported Media Type: content encoding {encoding or 'none'}, "
-                         "expected snappy", close=True)
+            self._refuse(415, "encoding", f"415 Unsupported Media Type: content encoding {encoding or 'none'}, "
+                         "expected snappy")
             return
         if self.headers.get("Transfer-Encoding"):
             self._answer(411, "length", "411 Length Required: chunked bodies are not accepted", close=True)

@@ -139,9 +139,10 @@ class StreamStore:
             return sum(1 for by_key in self._history.values() for ts, _ in by_key.values() if ts)
 
     def covers(self, t: float, window: float) -> bool:
-        """Does the stream hold the whole window ``[t - window, t]`` (it began before it, it has reached ``t``
-        within one retention)?"""
-        return self.first <= t - window and self.newest >= t - self.retention
+        """Does the stream hold the whole window ``[t - window, t]``: it began before the window, the window's
+        start is still retained, and it has reached ``t`` within one retention?"""
+        return self.first <= t - window and t - window >= self.newest - self.retention \
+            and self.newest >= t - self.retention
 
     def metric_names(self) -> set[str]:
         with self._lock:
