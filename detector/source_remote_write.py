@@ -7,10 +7,11 @@ sample received). It answers the detector's queries with the recording source's 
 :class:`~gpufleet.detector.source_recording.RecordingSource` view rebuilt only after new samples arrived; the
 series table is shared by every view, so a series keeps its id (and its resolved entity) for the life of the store.
 
-Samples are kept in time order per series: a sample older than its series' newest is *out of order* and
-rejected (counted; the rest of the request is kept), one at the same time with the same value is a resend
-(Prometheus retries a batch after a timeout) and ignored, one at the same time with another value is rejected
-as out of order too. Prometheus' staleness markers (a NaN of one bit pattern, written when a series
+Samples are kept in time order per series. One older than its series' newest (vmagent sends on several queues
+at once, so a series' batches can arrive out of turn) is put in its place while the window still holds its
+time; one older than the window is *out of order* and rejected (counted; the rest of the request is kept),
+one at a time already held with the same value is a resend (a sender retries a batch after a timeout) and
+ignored, one at a time already held with another value is rejected as out of order too. Prometheus' staleness markers (a NaN of one bit pattern, written when a series
 vanishes) are not samples to a range function and are dropped, as PromQL does.
 
 :class:`StreamingSource` answers from the stream once it holds a whole window before the evaluation instant,
@@ -53,6 +54,8 @@ class Ingested:
     not_kept: int = 0
     stale: int = 0
     series: int = 0
+    #: Of the accepted: samples that arrived after a later one of their series (put in their place).
+    late: int = 0
 
 
 class StreamStore:
@@ -111,9 +114,24 @@ class StreamStore:
                         continue
                     t = s.timestamp / 1000.0
                     if t <= last:
-                        if t == last and values[-1] == v:
-                            continue  # a resent sample
-                        out.out_of_order += 1
+                        # late (a sender with several queues, a retried batch): put in its place while the
+                        # window still holds its time; a resend is ignored; an older one, or another value at
+                        # a time already held, is rejected
+                        i = bisect.bisect_left(times, t)
+                        if i < len(times) and times[i] == t:
+                            if values[i] == v or (v != v and values[i] != values[i]):
+                                continue
+                            out.out_of_order += 1
+                            continue
+                        if t < max(newest, last) - self.retention:
+                            out.out_of_order += 1
+                            continue
+                        times.insert(i, t)
+                        values.insert(i, v)
+                        out.accepted += 1
+                        out.late += 1
+                        if t < first:
+                            first = t
                         continue
                     times.append(t)
                     values.append(v)

@@ -100,10 +100,14 @@ def test_out_of_order_resent_and_stale_samples() -> None:
 
     assert ingest([(1000, 1.0), (2000, 2.0)]) == (2, 0, 0)
     assert ingest([(2000, 2.0), (3000, 3.0)]) == (1, 0, 0)  # a resend of 2000 is not an error
-    assert ingest([(1500, 9.0), (3000, 4.0), (4000, 4.0)]) == (1, 2, 0)  # older, and same time other value
+    assert ingest([(3000, 4.0), (4000, 4.0)]) == (1, 1, 0)  # another value at a time held: rejected
+    assert ingest([(1500, 9.0)]) == (1, 0, 0)  # late, inside the window: put in its place
     assert ingest([(5000, STALE)]) == (0, 0, 1)
     [(_, count)] = list(store.query(Query("n", UTIL, "count"), 5.0, 10.0))
-    assert count == 4.0  # 1, 2, 3, 4 s: neither the rejected samples nor the staleness marker
+    assert count == 5.0  # 1, 1.5, 2, 3, 4 s: neither the rejected samples nor the staleness marker
+    [(_, last)] = list(store.query(Query("v", UTIL, "last"), 1.7, 1.0))
+    assert last == 9.0  # the late sample sits in time order
+    assert ingest([(700_000, 7.0), (50_000, 5.0)]) == (1, 1, 0)  # 50 s is older than the window (700 - 600)
 
 
 def test_receiver_accepts_and_counts(receiver: RemoteWriteReceiver) -> None:
@@ -137,8 +141,8 @@ def test_bad_requests_get_4xx_and_a_counter(receiver: RemoteWriteReceiver, heade
 
 
 def test_out_of_order_is_400_and_keeps_the_rest(receiver: RemoteWriteReceiver) -> None:
-    assert post(receiver, encode([(gpu(1, 0), [(2000, 0.5)])])).status_code == 204
-    r = post(receiver, encode([(gpu(1, 0), [(1000, 0.1)]), (gpu(1, 1), [(1000, 0.2)])]))
+    assert post(receiver, encode([(gpu(1, 0), [(600_000, 0.5)])])).status_code == 204
+    r = post(receiver, encode([(gpu(1, 0), [(1000, 0.1)]), (gpu(1, 1), [(1000, 0.2)])]))  # 1 s: before the window
     assert r.status_code == 400 and "1 sample(s) out of order" in r.text and "1 kept" in r.text
     assert receiver.store.series_count == 2
     text = counters(receiver)

@@ -205,3 +205,60 @@ def test_the_sender_was_authenticated_and_only_the_keep_list_arrived(fed: tuple[
     # Prometheus holds the series the keep-list dropped: they never left it
     up = requests.get(f"{url}/api/v1/query", params={"query": "up"}, timeout=10).json()["data"]["result"]
     assert up
+
+
+@pytest.fixture(scope="module")
+def fed_by_vmagent(fed: tuple[str, StreamStore, float],
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[StreamStore]:
+    """vmagent scraping the same fleet (the same times) and remote-writing it to a receiver of its own, with the
+    keep-list as its ``-remoteWrite.urlRelabelConfig``."""
+    _, _, start = fed
+    tmp = tmp_path_factory.mktemp("vmagent")
+    rec = synth(tmp / "rec.om", Synth(nodes=2, seconds=SECONDS, faults=[Fault("thermal", 1, 3, 600.0)], seed=7))
+    cfg = cfg_paced()
+    store = StreamStore(remote_write_config.sample_names(cfg), retention=2 * SECONDS)
+    rx, ca_file, password = secured_receiver(tmp, store)
+    rw = yaml.safe_load(remote_write_config.render(cfg, rx.url))["remote_write"][0]
+    (tmp / "relabel.yml").write_text(yaml.safe_dump(rw["write_relabel_configs"]))
+    pages = frames(rec, start)
+    with FrameTarget(pages) as target:
+        (tmp / "scrape.yml").write_text(yaml.safe_dump(
+            {"global": {"scrape_interval": SCRAPE},
+             "scrape_configs": [{"job_name": "fleet", "honor_labels": True, "honor_timestamps": True,
+                                 "static_configs": [{"targets": [f"127.0.0.1:{target.port}"]}]}]}))
+        argv = [need_binary("vmagent"), f"-promscrape.config={tmp / 'scrape.yml'}",
+                f"-httpListenAddr=127.0.0.1:{free_port()}", f"-remoteWrite.url={rx.url}",
+                "-remoteWrite.basicAuth.username=prometheus", f"-remoteWrite.basicAuth.password={password}",
+                f"-remoteWrite.tlsCAFile={ca_file}", f"-remoteWrite.urlRelabelConfig={tmp / 'relabel.yml'}",
+                "-remoteWrite.flushInterval=1s", f"-remoteWrite.tmpDataPath={tmp / 'vmagent-data'}",
+                "-loggerLevel=ERROR"]
+        rx.serve_in_thread()
+        try:
+            with running(argv, log=tmp / "vmagent.log"):
+                wait_for(lambda: target.served > len(pages) + 5 and store.newest >= at(start, SECONDS), 120,
+                         "vmagent's stream did not reach the fleet's end")
+                yield store
+        finally:
+            rx.shutdown()
+
+
+def test_vmagent_stream_gives_the_same_findings(fed: tuple[str, StreamStore, float],
+                                                fed_by_vmagent: StreamStore) -> None:
+    url, _, start = fed
+    cfg = cfg_paced()
+    w = cfg.window_seconds
+    prom = PrometheusSource(url, timeout=10)
+    t = at(start, 660.0 + STEP / 3)
+    for q in queries("gpufleet"):
+        want = {tuple(sorted(lab.items())): v for lab, v in prom.query(q, t, w)}
+        got = {tuple(sorted(lab.items())): v for lab, v in fed_by_vmagent.query(q, t, w)}
+        assert set(want) == set(got), q.promql(w)
+        assert all(math.isclose(v, got[k], rel_tol=1e-9, abs_tol=1e-12) for k, v in want.items()), q.promql(w)
+    found = {}
+    for name, src in (("query", prom), ("vmagent", fed_by_vmagent)):
+        det = Detector(cfg, src)
+        for i in range(8):
+            det.evaluate(at(start, 720.0 + 60.0 * i))
+        found[name] = [f.to_json() for f in det.tracker.all_findings()]
+    assert found["query"] == found["vmagent"] and found["vmagent"]
+
