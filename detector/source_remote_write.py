@@ -22,6 +22,7 @@ and then reads the stream.
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 import struct
 import threading
@@ -34,6 +35,8 @@ import numpy as np
 from gpufleet.detector.profiles import Query
 from gpufleet.detector.source import LabelKey, Result, SeriesTable, Source
 from gpufleet.detector.source_recording import RecordingSource, Series
+
+log = logging.getLogger("gpufleet.detector.remote_write")
 
 #: Prometheus' staleness marker (value.StaleNaN), as the bits of a float64.
 STALE_NAN_BITS = 0x7FF0000000000002
@@ -213,6 +216,9 @@ class StreamingSource:
 
     def query(self, query: Query, t: float, window: float) -> Result:
         if self.fallback is None or self.store.covers(t, window):
+            if not self.from_stream:
+                log.info("evaluating from the remote write stream from %.3f on (%d queries from the query API "
+                         "before)", t, self.from_fallback)
             self.from_stream += 1
             return self.store.query(query, t, window)
         self.from_fallback += 1

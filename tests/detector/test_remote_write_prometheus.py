@@ -14,6 +14,7 @@ identical.
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -262,3 +263,52 @@ def test_vmagent_stream_gives_the_same_findings(fed: tuple[str, StreamStore, flo
         found[name] = [f.to_json() for f in det.tracker.all_findings()]
     assert found["query"] == found["vmagent"] and found["vmagent"]
 
+
+
+def test_serve_warms_up_from_the_query_api_then_reads_the_stream(tmp_path: Path) -> None:
+    """``serve`` with ``remote_write_listen``: Prometheus scrapes a live target and remote-writes what
+    ``remote-write-config`` prints; the detector evaluates from the query API until the stream holds a window,
+    then from the stream, and counts the requests it received."""
+    import subprocess
+    import sys
+
+    body = "".join(f'gpufleet_gpu_utilization_ratio{{instance="node-{n}:9445",gpu="{g}"}} 0.9\n'
+                   f'gpufleet_gpu_power_watts{{instance="node-{n}:9445",gpu="{g}"}} 500\n'
+                   for n in range(2) for g in range(4)) + "not_read_by_the_detector 1\n"
+    live = FrameTarget([body.encode()])
+    rw_port, port, prom_port = free_port(), free_port(), free_port()
+    cfg = tmp_path / "d.toml"
+    cfg.write_text(f'[detector]\ninterval_seconds = 0.5\nwindow_seconds = 3\nlisten = "127.0.0.1:{port}"\n'
+                   f'remote_write_listen = "127.0.0.1:{rw_port}"\n'
+                   f'[prometheus]\nurl = "http://127.0.0.1:{prom_port}"\n')
+    printed = subprocess.run([sys.executable, "-m", "gpufleet.detector.cli", "remote-write-config", "--config",
+                              str(cfg)], check=True, capture_output=True, text=True, timeout=60).stdout
+    rw = yaml.safe_load(printed)["remote_write"]
+    assert rw[0]["url"] == f"http://127.0.0.1:{rw_port}/api/v1/write"
+    rw[0]["queue_config"]["batch_send_deadline"] = "200ms"
+    with live:
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(
+            {"global": {"scrape_interval": "500ms"}, "remote_write": rw,
+             "scrape_configs": [{"job_name": "fleet", "static_configs": [{"targets": [f"127.0.0.1:{live.port}"]}]}]}))
+        prom = [need_binary("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{prom_port}"]
+        serve = [sys.executable, "-m", "gpufleet.detector.cli", "serve", "--config", str(cfg)]
+        with running(prom, log=tmp_path / "prometheus.log"), running(serve, log=tmp_path / "serve.log") as proc:
+            wait_http(f"http://127.0.0.1:{port}/metrics", timeout=30)
+            text = ""
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+                if "evaluating from the remote write stream" in (tmp_path / "serve.log").read_text() and \
+                        'gpufleet_detector_evaluations_total{result="success"} 3' in text:
+                    break
+                time.sleep(0.3)
+            log = (tmp_path / "serve.log").read_text()
+            assert "evaluating from the remote write stream" in log, log[-3000:]
+            assert "state rebuilt" in log  # warm start from the query API first
+            ok = re.search(r'^gpufleet_detector_remote_write_requests_total\{result="ok"\} (\d+)', text, re.M)
+            assert ok and int(ok.group(1)) > 0, text[-3000:]
+            assert re.search(r"^gpufleet_detector_remote_write_series 16\.0", text, re.M)
+            assert 'gpufleet_detector_remote_write_samples_total{result="not_kept"} 0.0' in text  # the keep-list
+            assert re.search(r'^gpufleet_detector_evaluations_total\{result="success"\} [1-9]', text, re.M)
+            assert proc.poll() is None
