@@ -51,6 +51,8 @@ class Stats:
         self.lock = threading.Lock()
         self.requests = dict.fromkeys(REMOTE_WRITE_RESULTS, 0)
         self.samples = dict.fromkeys(REMOTE_WRITE_SAMPLE_RESULTS, 0)
+        #: Request body bytes read (as sent: snappy-compressed).
+        self.bytes = 0
 
     def request(self, result: str) -> None:
         with self.lock:
@@ -186,6 +188,8 @@ class _Handler(BaseHTTPRequestHandler):
                          close=True)
             return
         body = self.rfile.read(length)
+        with srv.stats.lock:
+            srv.stats.bytes += len(body)
         if len(body) != length:
             self._answer(400, "length", f"400 Bad Request: body ended after {len(body)} of {length} bytes",
                          close=True)
