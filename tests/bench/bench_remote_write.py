@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -148,7 +149,7 @@ def main() -> None:
                 os.kill(pid, signal.SIGHUP)
                 time.sleep(iv)  # the reload and the WAL watcher's start are not measured
 
-            def phase(name: str, sources: list[Source], counted: Any) -> None:
+            def phase(name: str, sources: list[tuple[Source, Any, DetectorConfig]], counted: Callable[[], int]) -> None:
                 dets = [Detector(cfg_sh, shard_source.view(src, cfg_sh)) for src, _, cfg_sh in sources]
                 b0, c0, t0 = counted(), cpu(pid), time.monotonic()
                 evals = 0
@@ -171,7 +172,8 @@ def main() -> None:
                 phase("scrape", [], lambda: 0)
                 for n in args.shards:
                     src = CountingSource(url)
-                    shard_cfgs = [(src, parse_shard(i, n), with_shard(cfg, i, n)) for i in range(n)]
+                    shard_cfgs: list[tuple[Source, Any, DetectorConfig]] = [
+                        (src, parse_shard(i, n), with_shard(cfg, i, n)) for i in range(n)]
                     phase(f"query x{n}", shard_cfgs, lambda s=src: s.bytes)  # type: ignore[misc]
                 for n in args.shards:
                     stores = [StreamStore(remote_write_config.sample_names(cfg), 6 * iv) for _ in range(n)]
@@ -187,8 +189,9 @@ def main() -> None:
                             rw.append(entry)
                         reload(rw)
                         time.sleep(4 * iv)  # the streams fill a window
-                        phase(f"rw x{n}", [(s, parse_shard(i, n), with_shard(cfg, i, n)) for i, s in enumerate(stores)],
-                              lambda rxs=rxs: sum(rx.stats.bytes for rx in rxs))  # type: ignore[misc]
+                        shard_stores: list[tuple[Source, Any, DetectorConfig]] = [
+                            (s, parse_shard(i, n), with_shard(cfg, i, n)) for i, s in enumerate(stores)]
+                        phase(f"rw x{n}", shard_stores, lambda rxs=rxs: sum(rx.stats.bytes for rx in rxs))  # type: ignore[misc]
                         if n == 1:
                             at = time.time() - 2 * iv
                             a = Detector(cfg, CountingSource(url)).evaluate(at)
