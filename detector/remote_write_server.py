@@ -6,8 +6,8 @@ bodies; each is checked, decoded (:mod:`~gpufleet.detector.remote_write_proto`) 
 was kept; 4xx (which a sender does not retry) with a one-line reason otherwise: 401 without valid basic auth (the
 web config's users), 404 another path, 405 another method, 415 a content type other than
 ``application/x-protobuf`` or an encoding other than snappy, 411 without a Content-Length, 413 a body (or its
-uncompressed size) over the limit, 400 bad snappy, bad protobuf, or samples out of order (the request's other
-samples are kept). Every request and sample is counted by result (:class:`Stats`, exported as
+uncompressed size) over the limit, 400 bad snappy, bad protobuf, or samples out of order (older than the window
+kept, or another value at a time already held; the request's other samples are kept). Every request and sample is counted by result (:class:`Stats`, exported as
 ``gpufleet_detector_remote_write_*``); nothing a sender sends stops the receiver. TLS and basic auth come from
 the same exporter-toolkit web config as ``/metrics`` (:mod:`gpufleet.agent.serving.webconfig`).
 
@@ -207,7 +207,7 @@ class _Handler(BaseHTTPRequestHandler):
         srv.stats.add(got)
         if got.out_of_order:
             self._answer(400, "out_of_order", f"400 Bad Request: {got.out_of_order} sample(s) out of order "
-                         f"(at or before their series' newest), {got.accepted} kept")
+                         f"(older than the window kept, or another value at a time held), {got.accepted} kept")
             return
         self._answer(204, "ok")
 

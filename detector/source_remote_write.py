@@ -79,6 +79,7 @@ class StreamStore:
         self.newest = -math.inf
         #: Time of the first sample kept (seconds; inf before the first): the stream covers [first, newest].
         self.first = math.inf
+        self._trimmed = -math.inf  # newest at the last trim
 
     def ingest(self, request: Any) -> Ingested:
         """Add the samples of a decoded ``WriteRequest``; what was kept and rejected is returned."""
@@ -147,7 +148,24 @@ class StreamStore:
             self.newest, self.first = newest, first
             if out.accepted:
                 self._view = None
+            if newest - self._trimmed > self.retention:  # bounded memory even when nothing queries the store
+                self._trim()
         return out
+
+    def _trim(self) -> None:
+        """Drop the samples older than ``newest - retention`` and the series left without any (lock held)."""
+        keep = self.newest - self.retention
+        for by_key in self._history.values():
+            gone = []
+            for key, (ts, vs) in by_key.items():
+                drop = bisect.bisect_left(ts, keep)
+                if drop:
+                    del ts[:drop], vs[:drop]
+                if not ts:
+                    gone.append(key)
+            for key in gone:
+                del by_key[key]
+        self._trimmed = self.newest
 
     @property
     def samples(self) -> int:
@@ -177,26 +195,17 @@ class StreamStore:
         with self._lock:
             if self._view is not None:
                 return self._view
-            keep = self.newest - self.retention
+            self._trim()
             series: dict[str, list[Series]] = {}
             for name, by_key in self._history.items():
                 out: list[Series] = []
-                gone: list[LabelKey] = []
                 shared: dict[tuple[float, ...], np.ndarray] = {}  # series scraped together share one time array
                 for key, (ts, vs) in by_key.items():
-                    drop = bisect.bisect_left(ts, keep)
-                    if drop:
-                        del ts[:drop], vs[:drop]
-                    if not ts:
-                        gone.append(key)
-                        continue
                     tkey = tuple(ts)
                     t_arr = shared.get(tkey)
                     if t_arr is None:
                         t_arr = shared[tkey] = np.array(ts, dtype=np.float64)
                     out.append(Series(dict(key), t_arr, np.array(vs, dtype=np.float64)))
-                for key in gone:
-                    del by_key[key]
                 if out:
                     series[name] = out
             self._view = RecordingSource(series, self._table)

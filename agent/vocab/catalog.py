@@ -587,8 +587,9 @@ SPECS: tuple[MetricSpec, ...] = (
                "encoding, length, too_large, snappy, protobuf, out_of_order; error: the receiver failed).",
                ("result",), "detector", label_values={"result": REMOTE_WRITE_RESULTS}),
     MetricSpec("gpufleet_detector_remote_write_samples_total", _C, "",
-               "Remote write samples received, by result (accepted; out_of_order: older than its series' newest; "
-               "not_kept: a metric the profile does not read; stale: a staleness marker).",
+               "Remote write samples received, by result (accepted, a late one put in its place; out_of_order: "
+               "older than the window kept, or another value at a time already held; not_kept: a metric the "
+               "profile does not read; stale: a staleness marker).",
                ("result",), "detector", label_values={"result": REMOTE_WRITE_SAMPLE_RESULTS}),
     MetricSpec("gpufleet_detector_remote_write_series", _G, "",
                "Series held in the remote write window.", (), "detector"),

@@ -242,3 +242,14 @@ def test_config_follows_configured_sites() -> None:
     names = remote_write_config.sample_names(cfg)
     assert {"my_facility_watts", "my_it_watts", "my_temp"} <= set(names)
     assert "gpufleet_site_facility_power_watts" not in names
+
+
+def test_memory_stays_bounded_without_queries() -> None:
+    store = StreamStore({UTIL}, retention=60.0)
+    for t in range(0, 1200, 10):  # 20 minutes of a GPU that goes away halfway, and one that stays
+        series = [(gpu(1, 0), [(t * 1000, 1.0)])] + ([(gpu(1, 1), [(t * 1000, 1.0)])] if t < 600 else [])
+        req = WriteRequest()
+        req.ParseFromString(bytes(cramjam.snappy.decompress_raw(encode(series))))
+        store.ingest(req)
+    assert store.samples <= 2 * 7 + 1  # at most two retentions' worth of the one series left
+    assert store.series_count == 1
