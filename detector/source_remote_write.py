@@ -75,6 +75,9 @@ class StreamStore:
         self._history: dict[str, dict[LabelKey, tuple[list[float], list[float]]]] = {}
         self._table = SeriesTable()
         self._view: RecordingSource | None = None
+        #: New samples arrived since the view was built; the instant the view was last queried at.
+        self._dirty = True
+        self._view_at = math.nan
         #: Newest sample time received (seconds; -inf before the first).
         self.newest = -math.inf
         #: Time of the first sample kept (seconds; inf before the first): the stream covers [first, newest].
@@ -147,7 +150,7 @@ class StreamStore:
                         first = t
             self.newest, self.first = newest, first
             if out.accepted:
-                self._view = None
+                self._dirty = True
             if newest - self._trimmed > self.retention:  # bounded memory even when nothing queries the store
                 self._trim()
         return out
@@ -188,13 +191,19 @@ class StreamStore:
             return {n for n, by_key in self._history.items() if any(ts for ts, _ in by_key.values())}
 
     def query(self, query: Query, t: float, window: float) -> Result:
-        return self.snapshot().query(query, t, window)
+        """``query`` at ``t``. The queries of one evaluation (one ``t``) read one view: samples arriving meanwhile
+        (a sender flushes every second or so) are seen from the next instant on, not halfway through."""
+        return self.snapshot(t).query(query, t, window)
 
-    def snapshot(self) -> RecordingSource:
-        """The history as a recording source (samples older than ``newest - retention`` dropped first)."""
+    def snapshot(self, at: float | None = None) -> RecordingSource:
+        """The history as a recording source (samples older than ``newest - retention`` dropped first); rebuilt
+        when new samples arrived, unless the view was last read at the same instant ``at``."""
         with self._lock:
-            if self._view is not None:
+            if self._view is not None and (not self._dirty or (at is not None and at == self._view_at)):
+                self._view_at = math.nan if at is None else at
                 return self._view
+            self._dirty = False
+            self._view_at = math.nan if at is None else at
             self._trim()
             series: dict[str, list[Series]] = {}
             for name, by_key in self._history.items():

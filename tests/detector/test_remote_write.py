@@ -294,3 +294,19 @@ def test_shards_on_the_stream_find_what_one_detector_finds_from_the_recording(tm
     # and the shards together what one detector finds, each finding from one shard (a score may differ a little:
     # peers across jobs are per shard, docs/scaling.md)
     assert sorted(key(f) for p in parts for f in p) == sorted(key(f) for f in one)
+
+
+def test_one_evaluation_reads_one_view() -> None:
+    store = StreamStore({UTIL}, retention=600.0)
+
+    def ingest(ms: int, v: float) -> None:
+        req = WriteRequest()
+        req.ParseFromString(bytes(cramjam.snappy.decompress_raw(encode([(gpu(1, 0), [(ms, v)])]))))
+        store.ingest(req)
+
+    ingest(10_000, 1.0)
+    q = Query("n", UTIL, "count")
+    assert [v for _, v in store.query(q, 20.0, 60.0)] == [1.0]
+    ingest(15_000, 1.0)  # arrives while the evaluation at 20 s runs: not seen halfway through it
+    assert [v for _, v in store.query(q, 20.0, 60.0)] == [1.0]
+    assert [v for _, v in store.query(q, 35.0, 60.0)] == [2.0]  # the next instant sees it
