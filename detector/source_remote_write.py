@@ -71,8 +71,12 @@ class StreamStore:
         self.retention = retention
         self.query_errors = 0
         self._lock = threading.Lock()
-        # name -> label key (no __name__) -> (times s, values)
-        self._history: dict[str, dict[LabelKey, tuple[list[float], list[float]]]] = {}
+        # name -> label key (no __name__) -> [times s, values, labels, series id in the table]
+        self._history: dict[str, dict[LabelKey, list[Any]]] = {}
+        #: Per metric: changes whenever a series is added or removed (positions and ids cached until then).
+        self._epoch: dict[str, int] = {}
+        self._ids: dict[str, tuple[int, np.ndarray]] = {}
+        self._positions: dict[tuple[Query, int], list[int]] = {}
         self._table = SeriesTable()
         self._view: RecordingSource | None = None
         #: New samples arrived since the view was built; the instant the view was last queried at.
@@ -111,8 +115,9 @@ class StreamStore:
                     by_key = history[name] = {}
                 have = by_key.get(key)
                 if have is None:
-                    have = by_key[key] = ([], [])
-                times, values = have
+                    have = by_key[key] = [[], [], dict(key), self._table.intern_key(key)]
+                    self._epoch[name] = self._epoch.get(name, 0) + 1
+                times, values = have[0], have[1]
                 last = times[-1] if times else -math.inf
                 for s in samples:
                     v = s.value
@@ -158,9 +163,10 @@ class StreamStore:
     def _trim(self) -> None:
         """Drop the samples older than ``newest - retention`` and the series left without any (lock held)."""
         keep = self.newest - self.retention
-        for by_key in self._history.values():
+        for name, by_key in self._history.items():
             gone = []
-            for key, (ts, vs) in by_key.items():
+            for key, entry in by_key.items():
+                ts, vs = entry[0], entry[1]
                 drop = bisect.bisect_left(ts, keep)
                 if drop:
                     del ts[:drop], vs[:drop]
@@ -168,17 +174,19 @@ class StreamStore:
                     gone.append(key)
             for key in gone:
                 del by_key[key]
+            if gone:
+                self._epoch[name] = self._epoch.get(name, 0) + 1
         self._trimmed = self.newest
 
     @property
     def samples(self) -> int:
         with self._lock:
-            return sum(len(ts) for by_key in self._history.values() for ts, _ in by_key.values())
+            return sum(len(e[0]) for by_key in self._history.values() for e in by_key.values())
 
     @property
     def series_count(self) -> int:
         with self._lock:
-            return sum(1 for by_key in self._history.values() for ts, _ in by_key.values() if ts)
+            return sum(1 for by_key in self._history.values() for e in by_key.values() if e[0])
 
     def covers(self, t: float, window: float) -> bool:
         """Does the stream hold the whole window ``[t - window, t]``: it began before the window, the window's
@@ -188,7 +196,7 @@ class StreamStore:
 
     def metric_names(self) -> set[str]:
         with self._lock:
-            return {n for n, by_key in self._history.items() if any(ts for ts, _ in by_key.values())}
+            return {n for n, by_key in self._history.items() if any(e[0] for e in by_key.values())}
 
     def query(self, query: Query, t: float, window: float) -> Result:
         """``query`` at ``t``. The queries of one evaluation (one ``t``) read one view: samples arriving meanwhile
@@ -204,21 +212,72 @@ class StreamStore:
                 return self._view
             self._dirty = False
             self._view_at = math.nan if at is None else at
-            self._trim()
+            if self.newest - self._trimmed > self.retention / 8:  # a few samples past the window cost nothing
+                self._trim()
             series: dict[str, list[Series]] = {}
+            ids: dict[str, np.ndarray] = {}
+            epochs: dict[str, int] = {}
             for name, by_key in self._history.items():
-                out: list[Series] = []
-                shared: dict[tuple[float, ...], np.ndarray] = {}  # series scraped together share one time array
-                for key, (ts, vs) in by_key.items():
-                    tkey = tuple(ts)
-                    t_arr = shared.get(tkey)
-                    if t_arr is None:
-                        t_arr = shared[tkey] = np.array(ts, dtype=np.float64)
-                    out.append(Series(dict(key), t_arr, np.array(vs, dtype=np.float64)))
-                if out:
-                    series[name] = out
-            self._view = RecordingSource(series, self._table)
+                entries = list(by_key.values())
+                if not entries:
+                    continue
+                # series scraped together share one time array, and their values are converted as one matrix
+                # (found by length and ends, then compared: no tuple is built per series)
+                groups: dict[tuple[int, float, float], list[tuple[list[float], list[int]]]] = {}
+                out_empty: list[int] = []
+                for j, e in enumerate(entries):
+                    ts = e[0]
+                    if not ts:  # only staleness markers or rejected samples so far
+                        out_empty.append(j)
+                        continue
+                    cands = groups.setdefault((len(ts), ts[0], ts[-1]), [])
+                    for have, js in cands:
+                        if have == ts:
+                            js.append(j)
+                            break
+                    else:
+                        cands.append((ts, [j]))
+                out: list[Series | None] = [None] * len(entries)
+                for tlist, js in (g for cands in groups.values() for g in cands):
+                    t_arr = np.array(tlist, dtype=np.float64)
+                    vals = np.array([entries[j][1] for j in js], dtype=np.float64)
+                    for r, j in enumerate(js):
+                        out[j] = Series(entries[j][2], t_arr, vals[r])
+                for j in out_empty:
+                    out[j] = Series(entries[j][2], np.zeros(0), np.zeros(0))
+                series[name] = out  # type: ignore[assignment]  # every position was filled
+                epoch = epochs[name] = self._epoch.get(name, 0)
+                cached = self._ids.get(name)
+                if cached is None or cached[0] != epoch:
+                    cached = self._ids[name] = (epoch, np.array([e[3] for e in entries], dtype=np.int64))
+                ids[name] = cached[1]
+            self._view = _View(series, self._table, ids, epochs, self._positions)
             return self._view
+
+
+class _View(RecordingSource):
+    """A recording source over the window: series ids and each query's matching series kept from the store (they
+    change only when a series is added or removed), not worked out again at every view."""
+
+    def __init__(self, series: dict[str, list[Series]], table: SeriesTable, ids: dict[str, np.ndarray],
+                 epochs: dict[str, int], positions: dict[tuple[Query, int], list[int]]) -> None:
+        self.series = series
+        self.table = table
+        self._ids = ids
+        self._cache = {}
+        self.query_errors = 0
+        self.samples = sum(len(s.ts) for ss in series.values() for s in ss)
+        self._epochs = epochs
+        self._positions = positions
+
+    def _matching_positions(self, query: Query) -> list[int]:
+        key = (query, self._epochs.get(query.metric, -1))
+        got = self._positions.get(key)
+        if got is None:
+            if len(self._positions) > 4096:  # old epochs' entries
+                self._positions.clear()
+            got = self._positions[key] = super()._matching_positions(query)
+        return got
 
 
 class StreamingSource:

@@ -310,3 +310,12 @@ def test_one_evaluation_reads_one_view() -> None:
     ingest(15_000, 1.0)  # arrives while the evaluation at 20 s runs: not seen halfway through it
     assert [v for _, v in store.query(q, 20.0, 60.0)] == [1.0]
     assert [v for _, v in store.query(q, 35.0, 60.0)] == [2.0]  # the next instant sees it
+
+
+def test_a_series_of_only_staleness_markers_is_no_answer() -> None:
+    store = StreamStore({UTIL}, retention=600.0)
+    req = WriteRequest()
+    req.ParseFromString(bytes(cramjam.snappy.decompress_raw(encode(
+        [(gpu(1, 0), [(10_000, 1.0)]), (gpu(1, 1), [(10_000, STALE)])]))))
+    store.ingest(req)
+    assert [lb["gpu"] for lb, _ in store.query(Query("n", UTIL, "count"), 20.0, 60.0)] == ["0"]
