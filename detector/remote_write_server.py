@@ -11,8 +11,9 @@ kept, or another value at a time already held; the request's other samples are k
 ``gpufleet_detector_remote_write_*``); nothing a sender sends stops the receiver. TLS and basic auth come from
 the same exporter-toolkit web config as ``/metrics`` (:mod:`gpufleet.agent.serving.webconfig`).
 
-Each request is served on its own thread (``ThreadingHTTPServer``); the TLS handshake runs on it too, under
-the connection's timeout, so a slow client holds one thread, never the listener.
+Each connection is served on its own thread (``ThreadingHTTPServer``), at most :data:`MAX_CONNECTIONS` at once
+(more are closed at once); the TLS handshake runs on it too, under the connection's timeout, so a slow client
+holds one thread for at most :data:`TIMEOUT` seconds per request, never the listener.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ MAX_BODY_BYTES = 32 << 20
 MAX_DECODED_BYTES = 128 << 20
 #: Seconds a connection may take to send its request (headers and body) and to complete a TLS handshake.
 TIMEOUT = 30.0
+#: Connections served at once (a thread each); more are closed at once. Prometheus opens up to ``max_shards``
+#: (200 by default, a few in practice) per remote write queue.
+MAX_CONNECTIONS = 256
 
 
 class Stats:
@@ -217,12 +221,27 @@ class _Server(ThreadingHTTPServer):
     block_on_close = False
 
     def __init__(self, address: tuple[str, int], family: int, store: StreamStore, web: WebConfig,
-                 max_body: int, max_decoded: int) -> None:
+                 max_body: int, max_decoded: int, max_connections: int) -> None:
         self.address_family = family
         self.store, self.web, self.stats = store, web, Stats()
         self.max_body, self.max_decoded = max_body, max_decoded
         self.ssl_context = web.ssl_context()
+        self.slots = threading.BoundedSemaphore(max_connections)
+        self.refused = 0
         super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         request.settimeout(TIMEOUT)
@@ -242,10 +261,12 @@ class RemoteWriteReceiver:
     """Receives remote writes on ``listen`` (``host:port``) into ``store`` until :meth:`shutdown`."""
 
     def __init__(self, listen: str, store: StreamStore, web: WebConfig | None = None, *,
-                 max_body: int = MAX_BODY_BYTES, max_decoded: int = MAX_DECODED_BYTES) -> None:
+                 max_body: int = MAX_BODY_BYTES, max_decoded: int = MAX_DECODED_BYTES,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         host, port = parse_listen_address(listen)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._server = _Server((host or "0.0.0.0", port), family, store, web or WebConfig(), max_body, max_decoded)
+        self._server = _Server((host or "0.0.0.0", port), family, store, web or WebConfig(), max_body, max_decoded,
+                               max_connections)
         self.store = store
         self.stats = self._server.stats
         self._thread: threading.Thread | None = None

@@ -7,6 +7,7 @@ test_remote_write_prometheus.py).
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -319,3 +320,28 @@ def test_a_series_of_only_staleness_markers_is_no_answer() -> None:
         [(gpu(1, 0), [(10_000, 1.0)]), (gpu(1, 1), [(10_000, STALE)])]))))
     store.ingest(req)
     assert [lb["gpu"] for lb, _ in store.query(Query("n", UTIL, "count"), 20.0, 60.0)] == ["0"]
+
+
+def test_connections_past_the_cap_are_closed_and_the_receiver_recovers() -> None:
+    import socket
+
+    store = StreamStore(None, retention=300.0)
+    rx = RemoteWriteReceiver("127.0.0.1:0", store, max_connections=2)
+    rx.serve_in_thread()
+    idle = [socket.create_connection(("127.0.0.1", rx.port)) for _ in range(2)]  # slow clients: send nothing
+    try:
+        time.sleep(0.3)
+        with pytest.raises(requests.RequestException):
+            post(rx, encode([(gpu(1, 0), [(1000, 0.5)])]))
+        for s in idle:
+            s.close()
+        deadline = time.monotonic() + 10
+        while True:  # the slots come back once the idle connections are gone
+            try:
+                assert post(rx, encode([(gpu(1, 0), [(1000, 0.5)])])).status_code == 204
+                break
+            except requests.RequestException:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+    finally:
+        rx.shutdown()
