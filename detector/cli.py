@@ -46,6 +46,10 @@
     Missing inputs are reported on stderr. Exit status 0 on success, 2 on bad
     arguments, configuration or recordings.
 
+``remote-write-config [--profile P] [--config FILE] [--url URL] [--shards N [--shard I]]``
+    Print the ``remote_write`` block a Prometheus needs to feed ``serve`` with
+    ``remote_write_listen``: a keep-list of exactly the families the profile reads.
+
 ``report FILE... [--profile ...] [--config FILE] [--step S] [--html OUT.html] [--from T] [--to T]``
     Replay, then print a table of the findings in the time range and optionally
     write an HTML page with evidence plots per finding.
@@ -78,6 +82,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--config", required=True, help="TOML configuration file")
     s.add_argument("--once", action="store_true", help="run one evaluation, print its findings and exit")
     s.add_argument("--shard", metavar="I/N", help="evaluate only shard I of N (0 <= I < N; overrides the config)")
+    w = sub.add_parser("remote-write-config", help="print the remote_write block that feeds the detector")
+    w.add_argument("--profile", choices=PROFILES, help="metric profile (default: from config, else gpufleet)")
+    w.add_argument("--config", help="TOML configuration file (profile, sites, remote_write_listen)")
+    w.add_argument("--url", help="the receiver's URL ({shard}: the replica's index; default: remote_write_listen)")
+    w.add_argument("--shards", type=int, default=1, help="replicas to send to (each gets every family)")
+    w.add_argument("--shard", type=int, help="print only replica I's entry (0 <= I < --shards)")
     for name, helptext in (("replay", "evaluate recordings as if live"), ("report", "findings table and HTML")):
         r = sub.add_parser(name, help=helptext)
         r.add_argument("files", nargs="+", metavar="FILE", help="OpenMetrics recording(s) with timestamps")
@@ -141,6 +151,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.shard is not None:
                 cfg.shard = parse_shard_option("--shard", args.shard)
             return serve(cfg, args.once)
+        if args.command == "remote-write-config":
+            from gpufleet.detector import remote_write_config
+
+            cfg = _config(args.config, args.profile)
+            sys.stdout.write(remote_write_config.render(cfg, args.url or remote_write_config.default_url(cfg),
+                                                        args.shards, only=args.shard))
+            return 0
         cfg = _config(args.config, args.profile)
         if args.shard is not None:
             cfg.shard = parse_shard_option("--shard", args.shard)

@@ -13,6 +13,7 @@ except its 4-hour PUE baseline)::
     strip_port = true
     coverage = 0.8                # fraction of the fleet's samples a GPU needs in the window
     shard = ""                    # "i/N": this replica owns shard i of N (jobs by consistent hash); "" = all
+    remote_write_listen = ""      # serve mode: receive Prometheus remote write here (host:port); "" = query only
 
     [prometheus]
     url = "http://127.0.0.1:9090"
@@ -118,6 +119,7 @@ class DetectorConfig:
     strip_port: bool = True
     coverage: float = 0.8
     shard: Shard | None = None
+    remote_write_listen: str = ""
     prometheus_url: str = "http://127.0.0.1:9090"
     timeout_seconds: float = 10.0
     parallel_queries: int = 1
@@ -137,7 +139,8 @@ class DetectorConfig:
 
 _TOP = {
     "detector": {"profile": str, "interval_seconds": float, "window_seconds": float, "listen": str,
-                 "web_config_file": str, "node_label": str, "strip_port": bool, "coverage": float, "shard": str},
+                 "web_config_file": str, "node_label": str, "strip_port": bool, "coverage": float, "shard": str,
+                 "remote_write_listen": str},
     "prometheus": {"url": str, "timeout_seconds": float, "parallel_queries": int, "bearer_token_file": str, "username": str,
                    "password_file": str, "ca_file": str},
 }

@@ -22,12 +22,12 @@ from pathlib import Path
 from gpufleet.agent.serving import sdnotify
 from gpufleet.agent.serving.server import MetricsServer
 from gpufleet.agent.serving.webconfig import load_web_config
-from gpufleet.detector import cadence, shard_source, warmstart
+from gpufleet.detector import cadence, remote_write_service, shard_source, warmstart
 from gpufleet.detector.config import ConfigError, DetectorConfig
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.exporter import Exposer, Health, registry_for
 from gpufleet.detector.liveness import Liveness
-from gpufleet.detector.source import SourceError
+from gpufleet.detector.source import Source, SourceError
 from gpufleet.detector.source_prometheus import PrometheusSource
 from gpufleet.detector.source_range import RangeSource
 
@@ -52,7 +52,9 @@ def serve(cfg: DetectorConfig, once: bool) -> int:
     live = Liveness()  # the evaluation loop's progress, for systemd's watchdog
     prom = _source(cfg)
     cfg = cadence.fit_window(cfg, prom, time.time())  # a window of enough scrapes of the fleet's interval
-    det = Detector(cfg, live.track(shard_source.view(prom, cfg)))  # --shard: its nodes' series only
+    stream = remote_write_service.receiver(cfg) if not once else None  # [detector] remote_write_listen
+    feed: Source = remote_write_service.source(stream, prom) if stream is not None else prom
+    det = Detector(cfg, live.track(shard_source.view(feed, cfg)))  # --shard: its nodes' series only
     health = Health()
     state = _State(cfg, det, prom, live, health)
     if once:
@@ -64,9 +66,14 @@ def serve(cfg: DetectorConfig, once: bool) -> int:
                 print(json.dumps(f.to_json()))
         return 0
     health.not_ready = "rebuilding its state from Prometheus"
-    server = MetricsServer(cfg.listen, Exposer(registry_for(det, health), health),
+    server_registry = registry_for(det, health)
+    server = MetricsServer(cfg.listen, Exposer(server_registry, health),
                            load_web_config(cfg.web_config_file or None), title="gpufleet detector")
     thread = server.serve_in_thread()
+    if stream is not None:
+        server_registry.register(stream.collector())
+        stream.serve_in_thread()
+        log.info("receiving remote write on %s", stream.url)
     log.info("serving /metrics on %s://%s, evaluating every %ss against %s%s", server.scheme, cfg.listen,
              cfg.interval_seconds, cfg.prometheus_url, f" (shard {cfg.shard})" if cfg.shard else "")
     sdnotify.status(f"rebuilding state from {cfg.prometheus_url}; serving on {server.scheme}://{cfg.listen}")
@@ -121,6 +128,8 @@ def serve(cfg: DetectorConfig, once: bool) -> int:
         stop.wait(max(0.0, at + cfg.interval_seconds - time.time()))
     watchdog.stop()
     server.shutdown()
+    if stream is not None:
+        stream.shutdown()
     return 0
 
 

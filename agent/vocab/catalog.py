@@ -133,6 +133,10 @@ FINDING_ROUTES = ("hardware", "workload")
 #: How a workload made its job uneven ("" when not told): a pipeline stage uniformly busier since the job started,
 #: a rank or node busier for a while, busy spots (hot experts) that move between nodes.
 WORKLOAD_PATTERNS = ("stage_imbalance", "data_skew", "hot_experts")
+#: The detector's remote write receiver (issue 33): a request's result, and a sample's.
+REMOTE_WRITE_RESULTS = ("ok", "unauthorized", "not_found", "method", "content_type", "encoding", "length",
+                        "too_large", "snappy", "protobuf", "out_of_order", "error")
+REMOTE_WRITE_SAMPLE_RESULTS = ("accepted", "out_of_order", "not_kept", "stale")
 
 _G: MetricType = "gauge"
 _C: MetricType = "counter"
@@ -577,6 +581,20 @@ SPECS: tuple[MetricSpec, ...] = (
                "detector"),
     MetricSpec("gpufleet_detector_missing_inputs", _G, "",
                "1 for each input metric the detector looked for and did not find.", ("metric",), "detector"),
+    # ---------------------------------------------------------------- detector: remote write receiver (issue 33)
+    MetricSpec("gpufleet_detector_remote_write_requests_total", _C, "",
+               "Remote write requests received, by result (ok; unauthorized, not_found, method, content_type, "
+               "encoding, length, too_large, snappy, protobuf, out_of_order; error: the receiver failed).",
+               ("result",), "detector", label_values={"result": REMOTE_WRITE_RESULTS}),
+    MetricSpec("gpufleet_detector_remote_write_samples_total", _C, "",
+               "Remote write samples received, by result (accepted, a late one put in its place; out_of_order: "
+               "older than the window kept, or another value at a time already held; not_kept: a metric the "
+               "profile does not read; stale: a staleness marker).",
+               ("result",), "detector", label_values={"result": REMOTE_WRITE_SAMPLE_RESULTS}),
+    MetricSpec("gpufleet_detector_remote_write_series", _G, "",
+               "Series held in the remote write window.", (), "detector"),
+    MetricSpec("gpufleet_detector_remote_write_newest_timestamp_seconds", _G, "timestamp",
+               "Time of the newest sample received by remote write.", (), "detector"),
 )
 
 BY_NAME: dict[str, MetricSpec] = {s.name: s for s in SPECS}
