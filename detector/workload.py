@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from itertools import compress
 
 from gpufleet.agent.vocab.catalog import WORKLOAD_PATTERNS
-from gpufleet.detector.candidate import Candidate
+from gpufleet.detector.candidate import DIRECT, Candidate
 from gpufleet.detector.frames import GpuFrame
 
 #: A spot that is busier within this many windows of its job's first evaluation has been since the job began.
@@ -78,8 +78,19 @@ class WorkloadRouter:
             ticket = self._ticket(job, cs, t)
             if ticket is not None:
                 out.append(("straggler", ticket))
+        out = [(k, c) for k, c in out if not self._second_answer(k, c, t)]
         self._forget(t)
         return out
+
+    def _second_answer(self, kind: str, c: Candidate, t: float) -> bool:
+        """One GPU, one answer: a hardware straggler on a spot of its job's workload pattern (seen within the last
+        window) pages only with direct hardware evidence; an inferred cause there is the pattern read again."""
+        if kind != "straggler" or c.route == "workload" or not c.job or c.job not in self.jobs:
+            return False
+        seen = self.jobs[c.job].nodes.get(c.node)
+        if seen is None or seen[1] < t - self.window:
+            return False
+        return max(c.evidence.causes.values(), default=0.0) <= DIRECT
 
     def _ticket(self, job: str, cs: list[Candidate], t: float) -> Candidate | None:
         j = self.jobs.setdefault(job, _Job(t, t))
