@@ -203,7 +203,7 @@ def traces(det: Detector, findings: Sequence[Finding], lo: float, hi: float) -> 
             if not users:
                 continue
             snap = frame_at(det, t)
-            look = _Lookup(snap)
+            look = Lookup(snap)
             for k in users:
                 tr, _, feats = wanted[k]
                 mine_ix, peer_ix, nic = look.rows(tr.finding, det)
@@ -240,7 +240,7 @@ def quantiles(mat: np.ndarray, qs: Sequence[float]) -> np.ndarray:
     return out
 
 
-class _Lookup:
+class Lookup:
     """One frame's positions: (node, gpu) -> GPU row, job -> rows, (node, nic) -> NIC row."""
 
     def __init__(self, snap: FeatureFrame) -> None:

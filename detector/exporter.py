@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Mapping
+from typing import Protocol
 from urllib.parse import quote
 
 import numpy as np
@@ -179,12 +180,21 @@ def evidence_url(external_url: str, incident: str) -> str:
     return f"{external_url.rstrip('/')}/findings/{quote(incident, safe='')}"
 
 
+class PageSource(Protocol):
+    def page(self, target: str) -> tuple[int, bytes, str] | None: ...
+
+
 class Exposer:
     """What the agent's MetricsServer serves."""
 
-    def __init__(self, registry: CollectorRegistry, health: Health) -> None:
+    def __init__(self, registry: CollectorRegistry, health: Health, pages: PageSource | None = None) -> None:
         self.registry = registry
         self.h = health
+        self.pages = pages
+
+    def page(self, target: str) -> tuple[int, bytes, str] | None:
+        """The findings pages (detector.pages), where the service serves them."""
+        return self.pages.page(target) if self.pages is not None else None
 
     def exposition(self, accept: str | None = None) -> tuple[bytes, str]:
         encoder, content_type = choose_encoder(accept or "")

@@ -118,7 +118,7 @@ class ImpactTracker:
             d = delay(g, mine, peers) if len(mine) else None
             imp = f.impact if f.impact is not None else Impact()
             f.impact = imp
-            imp.job_gpus = int(len(members))
+            imp.job_gpus = len(members)
             if d is None:
                 continue
             since = f.start if imp.updated is None else imp.updated
