@@ -5,8 +5,9 @@ peers' compute activity says how much of a step they need; the suspect's how muc
 for a GPU (or node) straggler or throttled GPU in a synchronous job of at least two more GPUs:
 
 * ``r`` = the peers' median tensor activity / the suspect's (SM activity where the profile has no tensor
-  activity): the share of the suspect's compute time its peers need for the same work;
-* ``c`` = the suspect's SM activity (the share of the step it computes; 1 where unknown, an upper bound);
+  activity; of a node's GPUs, the one that computes longest, which sets the pace): the share of the
+  suspect's compute time its peers need for the same work;
+* ``c`` = that GPU's SM activity (the share of the step it computes; 1 where unknown, an upper bound);
 * the job would step ``d = c * (1 - r)`` of its step sooner without the suspect, so its **slowdown** (step
   time over the step time without the suspect, minus one) is ``d / (1 - d)``;
 * it wastes ``d`` of each of its GPUs' time: **GPU-hours lost** add up ``job GPUs * d * elapsed`` from the
@@ -70,20 +71,19 @@ def delay(g: GpuFrame, mine: np.ndarray, peers: np.ndarray) -> float | None:
         act = g.values.get("sm_active")
     if act is None:
         return None
-    a_s, a_p = act[mine], act[peers]
-    a_s, a_p = a_s[np.isfinite(a_s)], a_p[np.isfinite(a_p)]
-    if a_s.size == 0 or a_p.size < MIN_PEERS:
+    ok = mine[np.isfinite(act[mine])]
+    a_p = act[peers]
+    a_p = a_p[np.isfinite(a_p)]
+    if ok.size == 0 or a_p.size < MIN_PEERS:
         return None
-    mine_act, peer_act = float(np.median(a_s)), float(np.median(a_p))
+    slowest = int(ok[np.argmax(act[ok])])  # of a node's GPUs, the one computing longest sets the pace
+    mine_act, peer_act = float(act[slowest]), float(np.median(a_p))
     if mine_act <= 0:
         return None
     sm = g.values.get("sm_active")
     c = 1.0
-    if sm is not None:
-        v = sm[mine]
-        v = v[np.isfinite(v)]
-        if v.size:
-            c = float(min(max(np.median(v), 0.0), 1.0))
+    if sm is not None and np.isfinite(sm[slowest]):
+        c = float(min(max(sm[slowest], 0.0), 1.0))
     d = c * (1.0 - peer_act / mine_act)
     return d if MIN_DELAY <= d < 1.0 else None
 
