@@ -118,7 +118,7 @@ def test_list_is_sorted_by_cost_and_bounded(live: tuple[Detector, LiveEvidence])
     assert len(json.loads((pages.page("/api/findings?limit=x") or (0, b"{}", ""))[1])["incidents"]) == MAX_ROWS
 
 
-_text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=40)
+_text = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=40)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
