@@ -16,6 +16,7 @@ frame per grid instant (at most :data:`MAX_POINTS`, shared by every finding), wh
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -245,31 +246,46 @@ class Lookup:
 
     def __init__(self, snap: FeatureFrame) -> None:
         self.snap = snap
-        g = snap.gpu
-        self.gpu_pos = {k: i for i, k in enumerate(zip(g.nodes, g.gpus, strict=True))}
-        self.jobs = np.array(g.jobs, dtype=object)
-        self.nodes = np.array(g.nodes, dtype=object)
-        self.models = np.array(g.models, dtype=object)
         self._by_job: dict[str | None, np.ndarray] = {}
-        n = snap.nic
-        self.nic_pos = {(nd, f"{d}/{p}"): i for i, (nd, d, p) in enumerate(zip(n.nodes, n.devices, n.ports,
-                                                                                   strict=True))}
-        self.nic_nodes = np.array(n.nodes, dtype=object)
         self._nic_by_job: dict[str | None, np.ndarray] = {}
         self._mats: dict[tuple[bool, tuple[str, ...]], tuple[list[int], np.ndarray | None, np.ndarray]] = {}
 
+    # Each index is built on first use, in one pass over the frame (a frame serves many findings).
+    @functools.cached_property
+    def gpu_pos(self) -> dict[tuple[str, str], int]:
+        g = self.snap.gpu
+        return {k: i for i, k in enumerate(zip(g.nodes, g.gpus, strict=True))}
+
+    @functools.cached_property
+    def node_rows(self) -> dict[str, np.ndarray]:
+        rows: dict[str, list[int]] = {}
+        for i, nd in enumerate(self.snap.gpu.nodes):
+            rows.setdefault(nd, []).append(i)
+        return {nd: np.array(r, dtype=np.int64) for nd, r in rows.items()}
+
+    @functools.cached_property
+    def nic_pos(self) -> dict[tuple[str, str], int]:
+        n = self.snap.nic
+        return {(nd, f"{d}/{p}"): i for i, (nd, d, p) in enumerate(zip(n.nodes, n.devices, n.ports, strict=True))}
+
+    @functools.cached_property
+    def nic_nodes(self) -> np.ndarray:
+        return np.array(self.snap.nic.nodes, dtype=object)
+
     def job_rows(self, job: str | None) -> np.ndarray:
-        hit = self._by_job.get(job)
-        if hit is None:
-            hit = self._by_job[job] = np.flatnonzero(self.jobs == job)
-        return hit
+        if not self._by_job:  # every job's rows in one pass, on first use
+            rows: dict[str | None, list[int]] = {}
+            for i, j in enumerate(self.snap.gpu.jobs):
+                rows.setdefault(j, []).append(i)
+            self._by_job = {j: np.array(r, dtype=np.int64) for j, r in rows.items()}
+        return self._by_job.get(job, np.zeros(0, dtype=np.int64))
 
     def nic_rows(self, job: str | None) -> np.ndarray:
         """The NICs of the nodes of ``job``'s GPUs (every NIC without a job)."""
         hit = self._nic_by_job.get(job)
         if hit is None:
             if job:
-                nodes = set(self.nodes[self.job_rows(job)].tolist())
+                nodes = {self.snap.gpu.nodes[i] for i in self.job_rows(job).tolist()}
                 hit = np.array([i for i, nd in enumerate(self.snap.nic.nodes) if nd in nodes], dtype=np.int64)
             else:
                 hit = np.arange(len(self.snap.nic.nodes), dtype=np.int64)
@@ -288,16 +304,19 @@ class Lookup:
             nic_peers = group[self.nic_nodes[group] != f.node]
             return np.array(nic_mine, dtype=np.int64), nic_peers, True
         mine: np.ndarray
+        g = self.snap.gpu
         if f.gpu is not None:
             i = self.gpu_pos.get((f.node, f.gpu))
             mine = np.array([i] if i is not None else [], dtype=np.int64)
         else:
-            on_node = self.nodes == f.node
-            mine = np.flatnonzero(on_node & (self.jobs == f.job)) if f.job else np.flatnonzero(on_node)
+            on_node = self.node_rows.get(f.node, np.zeros(0, dtype=np.int64))
+            mine = on_node[[g.jobs[i] == f.job for i in on_node.tolist()]] if f.job else on_node
         if f.job:
             group = self.job_rows(f.job)
         elif len(mine):
-            group = np.flatnonzero((self.models == self.models[mine[0]]) & (self.jobs == None))  # noqa: E711
+            model = g.models[int(mine[0])]
+            group = np.array([i for i, (m, j) in enumerate(zip(g.models, g.jobs, strict=True))
+                              if m == model and j is None], dtype=np.int64)
         else:
             group = empty
         keep = np.ones(len(group), dtype=bool)

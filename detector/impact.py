@@ -98,16 +98,17 @@ class ImpactTracker:
         todo = [f for f in findings if f.kind in KINDS and f.node and f.job and f.end is None]
         if not todo or not len(g):
             return
-        jobs = np.array(g.jobs, dtype=object)
         valid = np.asarray(g.valid, dtype=bool)
         sync = np.ones(len(g), dtype=bool) if g.sync is None else np.asarray(g.sync, dtype=bool)
-        by_job: dict[str, np.ndarray] = {}
+        wanted = {f.job for f in todo}
+        rows: dict[str | None, list[int]] = {}
+        for i, j in enumerate(g.jobs):  # one pass for every open finding's job
+            if j in wanted:
+                rows.setdefault(j, []).append(i)
+        by_job = {j: (ix := np.array(r, dtype=np.int64))[valid[ix]] for j, r in rows.items()}
         for f in todo:
-            job = f.job or ""
-            members = by_job.get(job)
-            if members is None:
-                members = by_job[job] = np.flatnonzero((jobs == job) & valid)
-            if not len(members) or not bool(sync[members].all()):
+            members = by_job.get(f.job or "")
+            if members is None or not len(members) or not bool(sync[members].all()):
                 continue
             on_node = np.array([g.nodes[i] == f.node for i in members.tolist()], dtype=bool)
             if f.gpu is not None:
