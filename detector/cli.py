@@ -40,6 +40,9 @@
          "route": "hardware" | "workload",  # who is told: the hardware on-call, or the job's owner (issue 19)
          "pattern": "stage_imbalance" | "data_skew" | "hot_experts" | null,  # a workload finding's pattern
          "owner": str | null,     # who gets a workload ticket: namespace, team or Slurm account, if known
+         "impact": {"slowdown": float | null,   # its job's step time over the step without the suspect, minus
+                    "gpu_hours_lost": float,    # one; GPU-hours its job lost since onset; the job's GPUs
+                    "job_gpus": int} | null,    # (detector.impact; null: not a GPU/node finding in a job)
          "gpu_instance": str,     # MIG slice findings only (keys absent otherwise): the GPU instance of "gpu"
          "mig_profile": str}      # and its profile, e.g. "1g.10gb" (detector.mig)
 
