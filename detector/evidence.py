@@ -34,7 +34,7 @@ FloatArray = np.ndarray
 BEFORE = 1800.0
 AFTER = 600.0
 #: Grid instants (frames) at most per trace run; the step grows in whole intervals to stay within it.
-MAX_POINTS = 1200
+MAX_POINTS = 800
 
 #: Every feature a panel can show: its title, the unit it is shown in and the factor to it.
 TITLES: dict[str, tuple[str, str, float]] = {
@@ -319,10 +319,11 @@ class Lookup:
                               if m == model and j is None], dtype=np.int64)
         else:
             group = empty
-        keep = np.ones(len(group), dtype=bool)
+        if len(mine) == 1:
+            return mine, group[group != mine[0]], False
         if len(mine) and len(group):
-            keep &= ~np.isin(group, mine)
-        return mine, group[keep], False
+            return mine, group[~np.isin(group, mine)], False
+        return mine, group, False
 
     def stats(self, f: Finding, feats: Sequence[str], mine: np.ndarray, peers: np.ndarray, nic: bool,
               det: Detector) -> np.ndarray:
@@ -337,7 +338,9 @@ class Lookup:
             got = self._mats[(nic, tuple(feats))] = (rows, np.stack([v for _, v in have]) if have else None, scale)
         rows, mat, scale = got
         if mat is not None:
-            if len(mine):
+            if len(mine) == 1:  # one GPU or NIC: its own value
+                out[rows, 0] = mat[:, int(mine[0])] * scale[:, 0]
+            elif len(mine):
                 out[rows, 0] = quantiles(mat[:, mine] * scale, (0.5,))[:, 0]
             if len(peers):
                 out[rows, 1:] = quantiles(mat[:, peers] * scale, (0.5, 0.1, 0.9))
