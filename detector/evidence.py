@@ -57,6 +57,8 @@ TITLES: dict[str, tuple[str, str, float]] = {
     "pue": ("PUE", "ratio", 1.0),
 }
 
+#: How an NVLink domain's finding names its rack (detector.fabric: node ``rack <serial>``).
+RACK = "rack "
 #: NIC features (a NIC's panels: traced on the NIC frame).
 NIC_PANELS = ("nic_tx", "nic_xmit_wait", "nic_ecn", "nic_pause", "nic_symbol_errors", "nic_link_downed",
               "nic_link_recovery", "nic_rate")
@@ -305,6 +307,12 @@ class Lookup:
             return np.array(nic_mine, dtype=np.int64), nic_peers, True
         mine: np.ndarray
         g = self.snap.gpu
+        if f.node.startswith(RACK):  # an NVLink domain's finding: the rack's GPUs against the other racks'
+            nodes = {nd for nd, (rack, _) in det.places.items() if rack == f.node.removeprefix(RACK)}
+            rows = [self.node_rows[nd] for nd in sorted(nodes) if nd in self.node_rows]
+            mine = np.concatenate(rows) if rows else empty
+            group = np.arange(len(g), dtype=np.int64)
+            return mine, group[~np.isin(group, mine)], False
         if f.gpu is not None:
             i = self.gpu_pos.get((f.node, f.gpu))
             mine = np.array([i] if i is not None else [], dtype=np.int64)
