@@ -266,6 +266,16 @@ class Lookup:
         return {nd: np.array(r, dtype=np.int64) for nd, r in rows.items()}
 
     @functools.cached_property
+    def jobless_rows(self) -> dict[str, np.ndarray]:
+        """Per model, the GPUs without a job (a jobless suspect's peers)."""
+        g = self.snap.gpu
+        rows: dict[str, list[int]] = {}
+        for i, (m, j) in enumerate(zip(g.models, g.jobs, strict=True)):
+            if j is None:
+                rows.setdefault(m, []).append(i)
+        return {m: np.array(r, dtype=np.int64) for m, r in rows.items()}
+
+    @functools.cached_property
     def nic_pos(self) -> dict[tuple[str, str], int]:
         n = self.snap.nic
         return {(nd, f"{d}/{p}"): i for i, (nd, d, p) in enumerate(zip(n.nodes, n.devices, n.ports, strict=True))}
@@ -322,9 +332,7 @@ class Lookup:
         if f.job:
             group = self.job_rows(f.job)
         elif len(mine):
-            model = g.models[int(mine[0])]
-            group = np.array([i for i, (m, j) in enumerate(zip(g.models, g.jobs, strict=True))
-                              if m == model and j is None], dtype=np.int64)
+            group = self.jobless_rows.get(g.models[int(mine[0])], empty)
         else:
             group = empty
         if len(mine) == 1:

@@ -53,8 +53,11 @@ def browser(tmp_path: Path) -> Iterator[Any]:
     """Chromium, headless, with a fresh profile; Playwright drives the system binary (never a download)."""
     if not CHROMIUM.exists():
         pytest.fail("chromium is not installed: run tests/run.sh, which installs it from Debian")
-    sync = pytest.importorskip("playwright.sync_api")
-    with sync.sync_playwright() as p:
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("playwright is not installed: pip install -e '.[dev]' (tests/run.sh does)")
+    with sync_playwright() as p:
         ctx = p.chromium.launch_persistent_context(str(tmp_path / "chromium-profile"), executable_path=str(CHROMIUM),
                                                    headless=True, args=FLAGS, viewport={"width": 1280, "height": 900})
         try:
