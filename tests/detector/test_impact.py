@@ -122,3 +122,12 @@ def test_lost_hours_accumulate_from_onset_and_an_unsynchronized_job_gets_none() 
     assert serving.impact is None or serving.impact.slowdown is None
     assert f.to_json()["impact"] == {"slowdown": round(0.45 / 0.55, 4), "gpu_hours_lost": round(8 * 0.45 * 90 / 3600, 3),
                                      "job_gpus": 8}
+
+
+def test_a_node_finding_and_a_workload_ticket_are_paced_by_the_nodes_slowest_gpu() -> None:
+    # node n0's GPU 2 computes longest (a stage with more work); the ticket names the node, not a GPU
+    g = _frame([0.5, 0.5, 0.8, 0.5] + [0.4] * 4, [0.6, 0.6, 0.9, 0.6] + [0.45] * 4, ["j"] * 8)
+    ticket = Finding("straggler", "workload", "n0", None, "j", "s", start=1000.0, route="workload", owner="team-a")
+    ImpactTracker(15.0).update(1060.0, [ticket], g)
+    assert ticket.impact is not None and ticket.impact.slowdown == pytest.approx(0.45 / 0.55)
+    assert ticket.to_json()["impact"]["job_gpus"] == 8 and ticket.to_json()["owner"] == "team-a"
