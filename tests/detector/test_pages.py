@@ -166,3 +166,13 @@ def test_pages_sit_behind_the_servers_basic_auth(live: tuple[Detector, LiveEvide
         assert requests.get(base + "/findings/nope", timeout=10).status_code == 401
     finally:
         server.shutdown()
+
+
+def test_external_and_grafana_urls_are_checked() -> None:
+    from gpufleet.detector.config import ConfigError, parse
+
+    cfg = parse({"detector": {"external_url": "https://det.example:9446", "grafana_url": "http://g:3000"}})
+    assert (cfg.external_url, cfg.grafana_url) == ("https://det.example:9446", "http://g:3000")
+    for key in ("external_url", "grafana_url"):
+        with pytest.raises(ConfigError, match=f"{key} must start with http"):
+            parse({"detector": {key: "javascript:alert(1)"}})
