@@ -7,12 +7,15 @@ faults (clock, thermal, power: a straggler and its throttling each) on different
 the recording. Replay runs once (its cost is replay's: bench_replay.py); then, ``--repeat`` times, the report stage
 alone (detector.evidence.traces: every finding's evidence from the detector's own frames, and the HTML page) is
 timed, and the median is printed with the findings plotted. ``--file`` times a recording of your own.
+``--scenarios NAME...`` instead generates each of the simulator's scenarios (``gpufleet-sim generate --profile
+both --series core``) and prints, per scenario and profile, how many of its findings the report plots.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,12 +38,36 @@ def _recording(tmp: Path) -> Path:
     return synth(tmp / "many.om", Synth(nodes=16, gpus=8, seconds=6 * 3600.0, faults=faults, jobs=4))
 
 
+def coverage(scenarios: list[str]) -> None:
+    """Per scenario and profile: findings plotted / findings."""
+    bin_dir = Path(sys.executable).parent
+    total = plotted_all = 0
+    with tempfile.TemporaryDirectory() as d:
+        for name in scenarios:
+            out = Path(d) / name
+            subprocess.run([str(bin_dir / "gpufleet-sim"), "generate", "--scenario", name, "--out", str(out),
+                            "--profile", "both", "--series", "core", "--quiet"], check=True, capture_output=True)
+            for profile in ("gpufleet", "dcgm"):
+                cfg = DetectorConfig(profile=profile)
+                det, found = replay([str(out / f"metrics.{profile}.om")], cfg)
+                lo, hi = shard_source.unwrap(det.source).time_range()  # type: ignore[attr-defined]
+                _, trs = render(det, found, name, lo + cfg.window_seconds, hi)
+                plotted = sum(1 for tr in trs if any(p.has_data() for p in tr.panels))
+                total, plotted_all = total + len(found), plotted_all + plotted
+                print(f"{name:24} {profile:8} {plotted}/{len(found)} findings plotted", flush=True)
+    print(f"all: {plotted_all}/{total} findings plotted")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--file", type=Path)
     ap.add_argument("--profile", default="gpufleet")
+    ap.add_argument("--scenarios", nargs="+", metavar="NAME")
     args = ap.parse_args()
+    if args.scenarios:
+        coverage(args.scenarios)
+        return
     with tempfile.TemporaryDirectory() as d:
         rec = args.file or _recording(Path(d))
         cfg = DetectorConfig(profile=args.profile)
