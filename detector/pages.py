@@ -141,7 +141,10 @@ class FindingsPages:
         base = path.removeprefix("/api")
         if base not in ("/findings", "/findings/") and not base.startswith("/findings/"):
             return None
-        args = parse_qs(query[:MAX_QUERY], max_num_fields=16) if query else {}
+        try:
+            args = parse_qs(query[:MAX_QUERY], max_num_fields=16) if query else {}
+        except ValueError:  # too many fields
+            return 400, b"400 Bad Request: too many query parameters\n", "text/plain; charset=utf-8"
         if base.rstrip("/") == "/findings":
             rows = self.incidents(args)
             if api:

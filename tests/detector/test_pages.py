@@ -98,6 +98,8 @@ def test_bad_incident_is_404_and_other_paths_are_not_pages(live: tuple[Detector,
         got = pages.page(path)
         assert got is not None and got[0] == 404, path
     assert pages.page("/metrics") is None and pages.page("/findingsX") is None
+    got = pages.page("/findings?" + "&".join(f"k{i}=v" for i in range(40)))
+    assert got is not None and got[0] == 400
 
 
 def test_list_is_sorted_by_cost_and_bounded(live: tuple[Detector, LiveEvidence]) -> None:
