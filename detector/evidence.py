@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpufleet.detector import jobs, kinds, memo
+from gpufleet.detector import fabric, jobs, kinds, memo
 from gpufleet.detector.engine import Detector, gc_paused
 from gpufleet.detector.features import FeatureFrame, collect
 from gpufleet.detector.findings import Finding
@@ -54,7 +54,7 @@ TITLES: dict[str, tuple[str, str, float]] = {
     "nic_ecn": ("ECN/CNP", "per s", 1.0), "nic_symbol_errors": ("symbol errors", "count", 1.0),
     "nic_link_downed": ("link downs", "count", 1.0), "nic_link_recovery": ("link recoveries", "count", 1.0),
     "nic_rate": ("port rate", "GB/s", 1e-9), "nic_pause": ("PFC paused", "fraction", 1.0),
-    "pue": ("PUE", "ratio", 1.0),
+    "pue": ("PUE", "ratio", 1.0), "fab_faulted": ("GPUs with a fabric fault (C2C down for c2c)", "fraction", 1.0),
 }
 
 #: How an NVLink domain's finding names its rack (detector.fabric: node ``rack <serial>``).
@@ -85,7 +85,8 @@ def features_of(f: Finding) -> tuple[str, ...]:
     if f.kind == "throttling":
         return _THROTTLING
     if f.kind in ("nvlink_domain", "tray_health"):
-        return _BY_CAUSE["nvlink"]
+        shown = _BY_CAUSE.get(f.cause or "", _BY_CAUSE["nvlink"])
+        return ("fab_faulted", *shown) if f.cause in ("nvlink", "c2c") else shown
     return _BY_CAUSE.get(f.cause or "", _GPU_DEFAULT)
 
 
@@ -363,6 +364,30 @@ class Lookup:
         for k, feat in enumerate(feats):
             if feat == "pue":
                 out[k] = self._pue(f, det)
+            elif feat == "fab_faulted":
+                out[k] = self._fabric(f, det)
+        return out
+
+    def _fabric(self, f: Finding, det: Detector) -> np.ndarray:
+        """The share of the rack's (a tray's: the node's) GPUs reporting a fabric fault, against the other racks'
+        (trays': the other nodes of its rack)."""
+        gpus = fabric.faulted(self.snap.meta, det.naming)
+        if not gpus:
+            return np.full(4, np.nan)
+        rack_finding = bool(f.node and f.node.startswith(RACK))
+        mine_key = (f.node or "").removeprefix(RACK) if rack_finding else f.node
+        rack_of_node = {k[0]: v[0] for k, v in gpus.items()}
+        groups: dict[str, list[bool]] = {}
+        for k, v in gpus.items():
+            if not rack_finding and rack_of_node.get(k[0]) != rack_of_node.get(f.node or ""):
+                continue  # a tray against the other trays of its rack
+            groups.setdefault(v[0] if rack_finding else k[0], []).append(v[2] if f.cause == "c2c" else v[1])
+        share = {g: sum(v) / len(v) for g, v in groups.items() if v}
+        mine = share.get(mine_key or "", np.nan)
+        others = np.array([v for g, v in share.items() if g != mine_key], dtype=float)
+        out = np.array([mine, np.nan, np.nan, np.nan])
+        if others.size:
+            out[1:] = np.percentile(others, (50, 10, 90))
         return out
 
     def _pue(self, f: Finding, det: Detector) -> np.ndarray:

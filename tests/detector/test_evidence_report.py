@@ -149,3 +149,26 @@ def test_quantiles_are_numpys_on_the_finite_values() -> None:
             assert got[r] == pytest.approx(np.percentile(row, [50, 10, 90]))
         else:
             assert np.isnan(got[r]).all()
+
+
+@pytest.mark.slow
+def test_an_nvlink_domain_finding_plots_its_racks_share_of_faulted_gpus(tmp_path: Path) -> None:
+    import tomllib
+
+    from gpufleet.agent.sim.recording import record
+    from gpufleet.agent.sim.scenario import builtin_text, parse_scenario
+    from gpufleet.agent.sim.simulator import Simulator
+
+    data = tomllib.loads(builtin_text("nvswitch_tray_failure"))
+    data["hours"] = 0.75
+    for f in data["faults"]:
+        f["onset"] = "15m"
+    record(Simulator(parse_scenario(data, "nvswitch_tray_failure"), start=START), tmp_path, ("gpufleet",))
+    det, found = replay([str(tmp_path / FILES["gpufleet"])], DetectorConfig())
+    rack = [f for f in found if f.kind == "nvlink_domain"]
+    assert rack and (rack[0].node or "").startswith("rack "), [f.to_json() for f in found]
+    lo, hi = det.source.time_range()  # type: ignore[attr-defined]
+    tr = traces(det, rack, lo + det.cfg.window_seconds, hi)[0]
+    share = next(p for p in tr.panels if p.feature == "fab_faulted")
+    assert share.at(rack[0].start - 300)[0] == 0.0  # no GPU of the rack faulted before
+    assert share.at(rack[0].detected + 300)[0] >= 0.3  # a switch tray's share of the domain after
