@@ -54,7 +54,7 @@ TITLES: dict[str, tuple[str, str, float]] = {
     "nic_ecn": ("ECN/CNP", "per s", 1.0), "nic_symbol_errors": ("symbol errors", "count", 1.0),
     "nic_link_downed": ("link downs", "count", 1.0), "nic_link_recovery": ("link recoveries", "count", 1.0),
     "nic_rate": ("port rate", "GB/s", 1e-9), "nic_pause": ("PFC paused", "fraction", 1.0),
-    "pue": ("PUE", "ratio", 1.0), "fab_faulted": ("GPUs with a fabric fault (C2C down for c2c)", "fraction", 1.0),
+    "pue": ("PUE (blue: the model's expected PUE)", "ratio", 1.0), "fab_faulted": ("GPUs with a fabric fault (C2C down for c2c)", "fraction", 1.0),
 }
 
 #: How an NVLink domain's finding names its rack (detector.fabric: node ``rack <serial>``).
