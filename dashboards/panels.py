@@ -21,7 +21,7 @@ from typing import Any, Literal
 import attr
 from grafanalib import core as g
 
-from gpufleet.agent.vocab import exporters
+from gpufleet.agent.vocab import boards, exporters
 from gpufleet.agent.vocab.catalog import MetricSpec, spec
 
 #: Grafana 10/11 dashboard schema; current Grafana imports it without migration.
@@ -29,17 +29,8 @@ SCHEMA_VERSION = 39
 DATASOURCE: dict[str, str] = {"type": "prometheus", "uid": "${datasource}"}
 TAG = "gpufleet"
 
-#: Stable dashboard uids (links and alert annotations use them).
-UIDS: dict[str, str] = {
-    "overview": "gpufleet-overview",
-    "node": "gpufleet-node",
-    "job": "gpufleet-job",
-    "network": "gpufleet-network",
-    "power": "gpufleet-power",
-    "health": "gpufleet-health",
-    "dcgm": "gpufleet-dcgm-straggler",
-    "rack": "gpufleet-rack",
-}
+#: Stable dashboard uids (links and alert annotations use them): one table in the vocabulary.
+UIDS: dict[str, str] = boards.UIDS
 
 # Label matchers driven by the template variables.
 SITE = 'site=~"$site"'

@@ -40,6 +40,9 @@
          "route": "hardware" | "workload",  # who is told: the hardware on-call, or the job's owner (issue 19)
          "pattern": "stage_imbalance" | "data_skew" | "hot_experts" | null,  # a workload finding's pattern
          "owner": str | null,     # who gets a workload ticket: namespace, team or Slurm account, if known
+         "impact": {"slowdown": float | null,   # its job's step time over the step without the suspect, minus
+                    "gpu_hours_lost": float,    # one; GPU-hours its job lost since onset; the job's GPUs
+                    "job_gpus": int} | null,    # (detector.impact; null: not a GPU/node finding in a job)
          "gpu_instance": str,     # MIG slice findings only (keys absent otherwise): the GPU instance of "gpu"
          "mig_profile": str}      # and its profile, e.g. "1g.10gb" (detector.mig)
 
@@ -51,8 +54,10 @@
     ``remote_write_listen``: a keep-list of exactly the families the profile reads.
 
 ``report FILE... [--profile ...] [--config FILE] [--step S] [--html OUT.html] [--from T] [--to T]``
-    Replay, then print a table of the findings in the time range and optionally
-    write an HTML page with evidence plots per finding.
+``report --prometheus URL --from T --to T [--config FILE] [--step S] [--html OUT.html]``
+    Replay (recordings, or the range from a Prometheus-compatible API), then print a
+    table of the findings in the time range and optionally write an HTML page with
+    evidence plots per finding (detector.report, detector.evidence).
 """
 
 from __future__ import annotations
@@ -90,7 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--shard", type=int, help="print only replica I's entry (0 <= I < --shards)")
     for name, helptext in (("replay", "evaluate recordings as if live"), ("report", "findings table and HTML")):
         r = sub.add_parser(name, help=helptext)
-        r.add_argument("files", nargs="+", metavar="FILE", help="OpenMetrics recording(s) with timestamps")
+        r.add_argument("files", nargs="+" if name == "replay" else "*", metavar="FILE",
+                       help="OpenMetrics recording(s) with timestamps")
         r.add_argument("--profile", choices=PROFILES, help="metric profile (default: from config, else gpufleet)")
         r.add_argument("--config", help="TOML configuration file")
         r.add_argument("--step", type=float, help="seconds between evaluations (default: interval_seconds)")
@@ -106,8 +112,11 @@ def _parser() -> argparse.ArgumentParser:
                            help="last instant to evaluate (unix seconds or RFC 3339)")
         else:
             r.add_argument("--html", help="write an HTML report with evidence plots here")
-            r.add_argument("--from", dest="t_from", type=float, help="unix seconds")
-            r.add_argument("--to", dest="t_to", type=float, help="unix seconds")
+            r.add_argument("--prometheus", metavar="URL", help="read the range --from..--to from this "
+                           "Prometheus-compatible API instead of recordings")
+            r.add_argument("--from", dest="t_from", type=timestamp, metavar="TIME",
+                           help="unix seconds or RFC 3339")
+            r.add_argument("--to", dest="t_to", type=timestamp, metavar="TIME", help="unix seconds or RFC 3339")
     return p
 
 
@@ -162,10 +171,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.shard is not None:
             cfg.shard = parse_shard_option("--shard", args.shard)
         progress = sys.stderr.isatty() if args.progress is None else args.progress
+        if args.command == "report":
+            return _report(args, cfg, progress)
         t_from, t_until = (args.t_from, args.t_until) if args.command == "replay" else (None, None)
         if t_from is not None and t_until is not None and t_until < t_from:
             raise ValueError("--until is before --from")
-        det, findings = replay(args.files, cfg, args.step, progress, t_from=t_from, t_until=t_until)
+        _, findings = replay(args.files, cfg, args.step, progress, t_from=t_from, t_until=t_until)
         if argv is None:  # run as the program: the process ends after the output
             gc.freeze()  # the interpreter's last collection then skips the heap (~0.3 s at exit otherwise)
         if args.command == "replay":
@@ -175,19 +186,41 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 print_table(findings)
             return 0
-        lo = args.t_from if args.t_from is not None else float("-inf")
-        hi = args.t_to if args.t_to is not None else float("inf")
-        sel = [f for f in findings if f.start <= hi and (f.end is None or f.end >= lo)]
-        print_table(sel)
-        if args.html:
-            from gpufleet.detector.report import write_html
-
-            write_html(args.html, det, sel, args.files)
-            sys.stderr.write(f"wrote {args.html}\n")
         return 0
     except (ConfigError, RecordingError, SourceError, ValueError, OSError) as e:
         sys.stderr.write(f"gpufleet-detector: error: {e}\n")
         return 2
+
+
+def _report(args: argparse.Namespace, cfg: DetectorConfig, progress: bool) -> int:
+    """``report``: the findings of recordings (or of a Prometheus range) in the range, and the HTML page."""
+    if bool(args.files) == bool(args.prometheus):
+        raise ValueError("report: give recording FILEs or --prometheus URL (with --from and --to), not both")
+    if args.prometheus:
+        from gpufleet.detector.report_range import replay_range
+
+        if args.t_from is None or args.t_to is None:
+            raise ValueError("report --prometheus needs --from and --to")
+        det, findings, lo, hi = replay_range(cfg, args.prometheus, args.t_from, args.t_to, args.step)
+        origin = f"{args.prometheus} from {args.t_from:.0f} to {args.t_to:.0f}"
+    else:
+        det, findings = replay(args.files, cfg, args.step, progress)
+        from gpufleet.detector import shard_source
+
+        src = shard_source.unwrap(det.source)
+        first, last = src.time_range() if hasattr(src, "time_range") else (0.0, 0.0)
+        lo, hi, origin = first + cfg.window_seconds, last, ", ".join(args.files)
+    t_lo = args.t_from if args.t_from is not None else float("-inf")
+    t_hi = args.t_to if args.t_to is not None else float("inf")
+    sel = [f for f in findings if f.start <= t_hi and (f.end is None or f.end >= t_lo)]
+    print_table(sel)
+    if args.html:
+        from gpufleet.detector.report import write_html
+
+        trs = write_html(args.html, det, sel, origin, lo, hi)
+        plotted = sum(1 for tr in trs if any(p.has_data() for p in tr.panels))
+        sys.stderr.write(f"wrote {args.html}: {len(trs)} finding(s), {plotted} with evidence plots\n")
+    return 0
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ except its 4-hour PUE baseline)::
     profile = "gpufleet"          # or "dcgm"
     interval_seconds = 15         # evaluation interval (serve) / default replay step: one scrape interval
     window_seconds = 120          # feature window: averages, maxima, rates over this
-    listen = "127.0.0.1:9446"     # serve mode: /metrics
+    listen = "127.0.0.1:9446"     # serve mode: /metrics, /findings (the findings pages), /api/findings
+    external_url = ""             # serve mode: how users reach it (https://host:9446): alerts' evidence_url
+    grafana_url = ""              # serve mode: Grafana, for the findings pages' dashboard links
     web_config_file = ""          # serve mode: TLS / basic auth (exporter-toolkit format)
     node_label = "instance"       # node = this label with any ":port" removed
     strip_port = true
@@ -114,6 +116,11 @@ class DetectorConfig:
     interval_seconds: float = 15.0
     window_seconds: float = 120.0
     listen: str = "127.0.0.1:9446"
+    #: Where users reach this detector (e.g. https://detector.example:9446): the findings page links alerts get
+    #: (``evidence_url``); "" = none exported.
+    external_url: str = ""
+    #: Grafana's URL (e.g. https://grafana.example): the findings pages link its gpufleet dashboards.
+    grafana_url: str = ""
     web_config_file: str = ""
     node_label: str = "instance"
     strip_port: bool = True
@@ -139,8 +146,8 @@ class DetectorConfig:
 
 _TOP = {
     "detector": {"profile": str, "interval_seconds": float, "window_seconds": float, "listen": str,
-                 "web_config_file": str, "node_label": str, "strip_port": bool, "coverage": float, "shard": str,
-                 "remote_write_listen": str},
+                 "external_url": str, "grafana_url": str, "web_config_file": str, "node_label": str,
+                 "strip_port": bool, "coverage": float, "shard": str, "remote_write_listen": str},
     "prometheus": {"url": str, "timeout_seconds": float, "parallel_queries": int, "bearer_token_file": str, "username": str,
                    "password_file": str, "ca_file": str},
 }
@@ -201,6 +208,10 @@ def parse(data: dict[str, Any], source: str = "config") -> DetectorConfig:
         raise ConfigError(f"{source}: [prometheus] parallel_queries must be at least 1, got {cfg.parallel_queries}")
     if not 0 < cfg.coverage <= 1:
         raise ConfigError(f"{source}: [detector] coverage must be in (0, 1], got {cfg.coverage}")
+    for key in ("external_url", "grafana_url"):
+        url = getattr(cfg, key)
+        if url and not url.startswith(("http://", "https://")):
+            raise ConfigError(f"{source}: [detector] {key} must start with http:// or https://, got {url!r}")
     if not cfg.prometheus_url.startswith(("http://", "https://")):
         raise ConfigError(f"{source}: [prometheus] url must start with http:// or https://, got {cfg.prometheus_url!r}")
     cfg.kubernetes = _kubernetes(f"{source}: [kubernetes]", data.get("kubernetes", {}))

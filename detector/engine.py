@@ -55,6 +55,7 @@ from gpufleet.detector.candidate import Candidate, Evidence
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.features import FeatureFrame, GpuFrame, NodeNaming, collect
 from gpufleet.detector.findings import Tracker
+from gpufleet.detector.impact import ImpactTracker
 from gpufleet.detector.judgement import Judgement
 from gpufleet.detector.numeric import median, nan_to_zero
 from gpufleet.detector.profiles import Query, queries, site_queries
@@ -123,6 +124,7 @@ class Detector:
         self.baseline = Baseline()
         self.edges = phases.JobEdges(cfg.straggler.min_peers)
         self.workload = WorkloadRouter(cfg.window_seconds)
+        self.impact = ImpactTracker(cfg.interval_seconds)  # each open finding's cost (detector.impact)
         self._gpu_index = _EntityIndex()
         self._fleet_index = _EntityIndex()  # the whole fleet's GPUs (before this replica's share is taken)
         self._nic_index = _EntityIndex()
@@ -161,6 +163,7 @@ class Detector:
         cands += [("straggler", c) for c in slices.candidates]  # named by their own pods, not their GPU's
         judged = self._judgement(snap, st, peers, net, slices.observed, set(pue_states), fab)
         self.tracker.update(t, cands, judged.observed, judged.held)  # 6. incidents
+        self.impact.update(t, self.tracker.active.values(), snap.gpu)  # ... and what each costs
         result = Evaluation(t, snap, st, pue_states, cands, time.perf_counter() - started)
         self.last = result
         return result

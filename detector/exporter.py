@@ -17,7 +17,9 @@ exporter-toolkit web config).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Protocol
+from urllib.parse import quote
 
 import numpy as np
 from prometheus_client.core import CollectorRegistry, Metric
@@ -118,6 +120,7 @@ class DetectorCollector:
                 member.add_metric([inc, fd.kind, fd.cause or "", fd.gpu or "", fd.nic, fd.pattern], 1.0)
         yield incident
         yield member
+        yield from impact_families(by, meta, det.cfg.external_url)
         pue = spec("gpufleet_detector_site_pue").family()
         exp = spec("gpufleet_detector_site_pue_expected").family()
         if ev is not None:
@@ -150,12 +153,48 @@ class DetectorCollector:
         yield missing
 
 
+def impact_families(by: dict[str, list[Finding]], meta: Mapping[str, tuple[str, ...]],
+                    external_url: str) -> Iterator[Metric]:
+    """Each open incident's cost (detector.impact: the highest of its findings') and its findings page."""
+    slow = spec("gpufleet_detector_incident_slowdown_ratio").family()
+    lost = spec("gpufleet_detector_incident_gpu_hours_lost").family()
+    page = spec("gpufleet_detector_incident_evidence_info").family()
+    for inc, fds in sorted(by.items()):
+        first = min(fds, key=lambda f: f.opened)
+        job = meta[inc][3] if inc in meta else (first.job or "")
+        imps = [f.impact for f in fds if f.impact is not None]
+        slows = [s for s in (i.slowdown for i in imps) if s is not None]
+        if slows:
+            slow.add_metric([inc, job], max(slows))
+        if imps:
+            lost.add_metric([inc, job], max(i.gpu_hours_lost for i in imps))
+        if external_url:
+            page.add_metric([inc, evidence_url(external_url, inc)], 1.0)
+    yield slow
+    yield lost
+    yield page
+
+
+def evidence_url(external_url: str, incident: str) -> str:
+    """The findings page of ``incident`` under ``external_url`` (the incident id quoted for a path)."""
+    return f"{external_url.rstrip('/')}/findings/{quote(incident, safe='')}"
+
+
+class PageSource(Protocol):
+    def page(self, target: str) -> tuple[int, bytes, str] | None: ...
+
+
 class Exposer:
     """What the agent's MetricsServer serves."""
 
-    def __init__(self, registry: CollectorRegistry, health: Health) -> None:
+    def __init__(self, registry: CollectorRegistry, health: Health, pages: PageSource | None = None) -> None:
         self.registry = registry
         self.h = health
+        self.pages = pages
+
+    def page(self, target: str) -> tuple[int, bytes, str] | None:
+        """The findings pages (detector.pages), where the service serves them."""
+        return self.pages.page(target) if self.pages is not None else None
 
     def exposition(self, accept: str | None = None) -> tuple[bytes, str]:
         encoder, content_type = choose_encoder(accept or "")

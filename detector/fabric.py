@@ -85,6 +85,13 @@ def _each(meta: dict[str, Result], feature: str, naming: NodeNaming) -> Iterable
         yield node, gpu, labels, float(value)
 
 
+def faulted(meta: dict[str, Result], naming: NodeNaming) -> dict[tuple[str, str], tuple[str, bool, bool]]:
+    """Per (node, GPU) with fabric series: its rack, whether it reports a fabric health condition (what makes a
+    domain's GPU sick here) and whether its C2C links are down: what the evidence plots of a rack's or tray's
+    finding show (detector.evidence)."""
+    return {k: (g.rack, bool(g.conditions), g.c2c_down) for k, g in _gpus(meta, naming).items()}
+
+
 def _gpus(meta: dict[str, Result], naming: NodeNaming) -> dict[tuple[str, str], _Gpu]:
     out: dict[tuple[str, str], _Gpu] = {}
 

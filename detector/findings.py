@@ -35,11 +35,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpufleet.detector import kinds
 from gpufleet.detector.candidate import DIRECT, Candidate, Evidence
 from gpufleet.detector.identity import incident_id  # issue 24: ids from the problem (kind, entity, start)
+
+if TYPE_CHECKING:
+    from gpufleet.detector.impact import Impact
 
 Key = tuple[str, str, str, str, str, str]  # kind, node, gpu, nic, site, "" (the job is no part of the identity)
 
@@ -84,6 +87,8 @@ class Finding:
     #: How often it came back after it had closed (within the tracker's ``reopen_seconds``): each return keeps
     #: it open through a longer clear gap (``merge_seconds`` times one more than this).
     recurrences: int = 0
+    #: What it costs (detector.impact): its job's estimated slowdown and the GPU-hours lost since its onset.
+    impact: Impact | None = None
 
     @property
     def detected(self) -> float:
@@ -104,6 +109,7 @@ class Finding:
                 "score": round(self.score, 3), "summary": self.summary, "incident": self.incident,
                 "other_causes": self.other_causes(), "namespace": self.namespace or None, "pod": self.pod or None,
                 "route": self.route, "pattern": self.pattern or None, "owner": self.owner or None,
+                "impact": self.impact.to_json() if self.impact is not None else None,
                 **({"gpu_instance": self.gpu_instance, "mig_profile": self.mig_profile} if self.gpu_instance else {})}
 
 

@@ -24,9 +24,10 @@ from gpufleet.agent.serving.server import MetricsServer
 from gpufleet.agent.serving.webconfig import load_web_config
 from gpufleet.detector import cadence, remote_write_service, shard_source, warmstart
 from gpufleet.detector.config import ConfigError, DetectorConfig
-from gpufleet.detector.engine import Detector
+from gpufleet.detector.engine import Detector, Evaluation
 from gpufleet.detector.exporter import Exposer, Health, registry_for
 from gpufleet.detector.liveness import Liveness
+from gpufleet.detector.pages import FindingsPages, LiveEvidence
 from gpufleet.detector.source import Source, SourceError
 from gpufleet.detector.source_prometheus import PrometheusSource
 from gpufleet.detector.source_range import RangeSource
@@ -67,7 +68,9 @@ def serve(cfg: DetectorConfig, once: bool) -> int:
         return 0
     health.not_ready = "rebuilding its state from Prometheus"
     server_registry = registry_for(det, health)
-    server = MetricsServer(cfg.listen, Exposer(server_registry, health),
+    evidence = LiveEvidence()  # the findings pages (detector.pages): each finding's evidence, per evaluation
+    pages = FindingsPages(det, evidence, cfg.external_url, cfg.grafana_url)
+    server = MetricsServer(cfg.listen, Exposer(server_registry, health, pages),
                            load_web_config(cfg.web_config_file or None), title="gpufleet detector")
     thread = server.serve_in_thread()
     if stream is not None:
@@ -104,6 +107,7 @@ def serve(cfg: DetectorConfig, once: bool) -> int:
             state.before(at)  # not ready yet: rebuild the state; missed instants: evaluate them first
             ev = det.evaluate(at)
             state.done = at
+            _observe(evidence, det, ev)
             with health.lock:
                 health.last_success = time.time()
                 health.duration = ev.duration
@@ -170,6 +174,14 @@ class _State:
                 self.health.not_ready = ""
             sdnotify.ready(f"state rebuilt ({len(rebuilt.tracker.active)} findings open); evaluating against "
                            f"{self.cfg.prometheus_url}")
+
+
+def _observe(evidence: LiveEvidence, det: Detector, ev: Evaluation) -> None:
+    """Trace the evaluation's evidence for the findings pages; a failure there costs a page's plots only."""
+    try:
+        evidence.observe(det, ev)
+    except Exception:
+        log.exception("tracing the findings' evidence failed")
 
 
 def _utc(t: float) -> str:

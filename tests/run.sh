@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything the test suite needs on a fresh Debian machine, then runs it:
 # Debian's prometheus (promtool), prometheus-alertmanager (amtool) and victoria-metrics, podman,
-# buildah, runc and mmdebstrap (the container images), a virtualenv
+# buildah, runc and mmdebstrap (the container images), chromium (the pages' browser tests), a virtualenv
 # with gpufleet[dev], the linters, and pytest. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +20,9 @@ command -v podman >/dev/null 2>&1 || need+=(podman)
 command -v buildah >/dev/null 2>&1 || need+=(buildah)
 command -v runc >/dev/null 2>&1 || need+=(runc)
 command -v mmdebstrap >/dev/null 2>&1 || need+=(mmdebstrap)
+# tests/system/test_findings_browser.py: the findings page and the report in Debian's headless Chromium
+# (driven by Playwright with executable_path=/usr/bin/chromium; no browser is downloaded).
+[ -x /usr/bin/chromium ] || need+=(chromium)
 if ((${#need[@]})); then
   sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"

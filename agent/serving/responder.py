@@ -43,6 +43,18 @@ class ReadyExposer(Protocol):
 
 
 @runtime_checkable
+class PageExposer(Protocol):
+    """An exposer that also serves pages of its own (the detector's findings pages): ``page(target)`` is
+    (status, body, content type) for a request target it answers, None for any other (404)."""
+
+    def page(self, target: str) -> tuple[int, bytes, str] | None: ...
+
+
+#: The pages' Content-Security-Policy: nothing is loaded from anywhere (inline SVG and styles only).
+PAGE_CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; base-uri 'none'; form-action 'none'"
+
+
+@runtime_checkable
 class CompressingExposer(Protocol):
     """An exposer that also serves its exposition gzip-compressed (e.g. compressed once and shared
     by concurrent scrapes); for the others the responder compresses each response itself."""
@@ -113,6 +125,16 @@ class Responder:
             return self.response(req, 503 if why else 200, body), req.keep_alive
         if req.path == "/":
             return self.response(req, 200, self.landing, "text/html; charset=utf-8"), req.keep_alive
+        if isinstance(self.exposer, PageExposer):
+            try:
+                got = self.exposer.page(req.target)
+            except Exception:
+                log.exception("building the page %s failed", req.path)
+                return self.response(req, 500, b"500 error building the page\n"), req.keep_alive
+            if got is not None:
+                status, body, content_type = got
+                return self.response(req, status, body, content_type, headers={
+                    "Content-Security-Policy": PAGE_CSP, "X-Content-Type-Options": "nosniff"}), req.keep_alive
         return self.response(req, 404, b"404 Not Found\n"), req.keep_alive
 
     def unauthorized(self, req: Request) -> bytes:

@@ -238,6 +238,8 @@ def run_demo(args: argparse.Namespace) -> int:
         t0 = fleet.simulator_start
         sim_scrape = scrape_every * fleet.speed
         detector = DetectorBridge(fleet, window_s=max(30.0, 10 * sim_scrape), interval_s=sim_scrape)
+        if detector.page_url:  # the detector's findings page: the straggler with its plots, while the demo runs
+            print(f"findings page: {detector.page_url}", file=out, flush=True)
         jobs = JobStory()
         end = _deadline(args)
         findings: list[str] = []
@@ -258,6 +260,7 @@ def run_demo(args: argparse.Namespace) -> int:
             return "\n".join(f"{stamp} {line}" for line in lines)
 
         with ThreadPoolExecutor(max_workers=max(1, len(fleet.targets))) as pool, contextlib.ExitStack() as stack:
+            stack.callback(detector.close)
             live: Any = None
             if ui:
                 from rich.live import Live

@@ -79,6 +79,7 @@ class DetectorBridge:
         self._sites = {node: fleet.node_site(i) for i, (node, _) in enumerate(fleet.targets)}
         self._det: Any = None
         self._source: Any = None
+        self.pages: Any = None  # the findings page (demo_pages.DemoPages) while the detector runs
         try:
             parse, Detector, sample_names, MemorySource = load_detector()
         except ImportError as e:
@@ -92,6 +93,22 @@ class DetectorBridge:
             self._source = source
         except Exception as e:
             self.error = f"detector failed to start: {e}"
+            return
+        try:
+            from gpufleet.agent.sim.demo_pages import DemoPages
+
+            self.pages = DemoPages(self._det)
+        except OSError as e:  # no page, the demo goes on
+            self.error = f"findings page not served: {e}"
+
+    @property
+    def page_url(self) -> str | None:
+        return self.pages.url if self.pages is not None else None
+
+    def close(self) -> None:
+        if self.pages is not None:
+            self.pages.close()
+            self.pages = None
 
     @property
     def available(self) -> bool:
@@ -114,6 +131,8 @@ class DetectorBridge:
         try:
             evaluation = self._det.evaluate(t)
             self.evaluations += 1
+            if self.pages is not None:
+                self.pages.observe(evaluation)
             self.error = None
             active = sorted(self._det.tracker.active.values(), key=lambda f: (f.start, f.kind))
         except Exception as e:  # the demo keeps running; the error is shown in place of findings

@@ -568,6 +568,18 @@ SPECS: tuple[MetricSpec, ...] = (
                "A finding of an open incident; value is 1. pattern: a workload finding's pattern (empty when none).",
                ("incident", "kind", "cause", "gpu", "nic", "pattern"), "detector",
                label_values={"kind": FINDING_KINDS, "cause": FINDING_CAUSES, "pattern": ("", *WORKLOAD_PATTERNS)}),
+    MetricSpec("gpufleet_detector_incident_slowdown_ratio", _G, "ratio",
+               "Estimated slowdown of an open incident's job (its step time over the step time without the suspect, "
+               "minus one; detector.impact): the highest of its findings'. Absent where activity does not say it "
+               "(a network straggler, a serving job).", ("incident", "job_id"), "detector"),
+    MetricSpec("gpufleet_detector_incident_gpu_hours_lost", _G, "",
+               "GPU-hours an open incident's job has lost since its onset (the job's GPUs x the share of each "
+               "step they wait for the suspect x time; detector.impact): the highest of its findings'.",
+               ("incident", "job_id"), "detector"),
+    MetricSpec("gpufleet_detector_incident_evidence_info", _G, "",
+               "The findings page of an open incident (value 1): url is [detector] external_url + "
+               "/findings/<incident>; alerts carry it as their evidence_url annotation. Absent without "
+               "external_url.", ("incident", "url"), "detector"),
     MetricSpec("gpufleet_detector_site_pue", _G, "", "Observed PUE of a site (facility / IT power).", ("site",),
                "detector"),
     MetricSpec("gpufleet_detector_site_pue_expected", _G, "",

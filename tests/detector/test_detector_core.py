@@ -367,7 +367,7 @@ REPLAY_KEYS: dict[str, type | tuple[type, ...]] = {
     "job": (str, type(None)), "site": (str, type(None)), "start": (int, float),
     "end": (int, float, type(None)), "score": (int, float), "summary": str, "detected": (int, float),
     "incident": str, "other_causes": list, "namespace": (str, type(None)), "pod": (str, type(None)),
-    "route": str, "pattern": (str, type(None)), "owner": (str, type(None))}
+    "route": str, "pattern": (str, type(None)), "owner": (str, type(None)), "impact": (dict, type(None))}
 
 
 def test_replay_json_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -383,6 +383,7 @@ def test_replay_json_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
             assert isinstance(obj[k], typ), (k, obj[k])
     strag = [o for o in lines if o["kind"] == "straggler"]
     assert strag[0]["node"] == "node-000" and strag[0]["gpu"] == "1" and strag[0]["cause"] == "clock"
+    assert set(strag[0]["impact"]) == {"slowdown", "gpu_hours_lost", "job_gpus"}  # detector.impact
     assert strag[0]["end"] is not None and 1200 <= strag[0]["end"] - T0 <= 1200 + 240
     assert strag[0]["start"] <= strag[0]["detected"] <= strag[0]["start"] + 2 * 60 and strag[0]["incident"]
 

@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,39 @@ def test_demo_with_two_nodes_finds_the_straggler_on_the_last_node() -> None:
     assert "note: clock_stuck_low moved from node-002 GPU 5 to node-001 GPU 5" in r.stdout
     assert len(re.findall(r"^  node-\d+: curl http://127\.0\.0\.1:\d+/metrics$", r.stdout, re.M)) == 2
     assert re.search(r"detector finding: straggler/clock since \+\d+s .*GPU 5 on node-001 ", r.stdout), r.stdout
+
+
+@pytest.mark.slow
+def test_demo_prints_its_findings_page_which_shows_the_straggler_with_plots(tmp_path: Path) -> None:
+    import requests
+
+    proc = subprocess.Popen(
+        [str(BIN / "gpufleet-sim"), "demo", "--no-ui", "--duration", "40", "--speed", "10", "--interval", "2",
+         "--run-dir", str(tmp_path / "run")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+    )
+    try:
+        assert proc.stdout is not None
+        url = None
+        for line in proc.stdout:
+            m = re.match(r"^findings page: (http://127\.0\.0\.1:\d+/findings)$", line.strip())
+            if m:
+                url = m.group(1)
+                break
+        assert url, "the demo printed no findings page"
+        deadline = time.monotonic() + 60
+        page = ""
+        while time.monotonic() < deadline and proc.poll() is None:
+            got = requests.get(url.replace("/findings", "/api/findings") + "?kind=straggler", timeout=5).json()
+            hits = [i for i in got["incidents"] if any(
+                f["kind"] == "straggler" and f["node"] == "node-002" and f["gpu"] == "5" for f in i["findings"])]
+            if hits:
+                page = requests.get(f"{url}/{hits[0]['incident']}", timeout=5).text
+                if page.count('class="plot"') >= 3:
+                    break
+            time.sleep(1)
+        assert 'data-feature="sm_clock"' in page and page.count('class="suspect"') >= 3, page[:2000]
+        assert "GPU 5 on node-002" in page
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
