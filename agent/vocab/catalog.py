@@ -577,6 +577,22 @@ SPECS: tuple[MetricSpec, ...] = (
                "detector"),
     MetricSpec("gpufleet_detector_missing_inputs", _G, "",
                "1 for each input metric the detector looked for and did not find.", ("metric",), "detector"),
+    MetricSpec("gpufleet_detector_degraded", _G, "",
+               "Why the detector's last evaluation could not judge everything (backend faults, issue 34): 1 for a "
+               "fleet-wide reason (query_error, partial_response, gap: the evaluation was held), the number of nodes "
+               "held for a per-node one (frozen_target, stale_target), 1 for evaluation_failed, warm_start, "
+               "missing_inputs; 0 otherwise.", ("reason",), "detector"),
+    MetricSpec("gpufleet_detector_held_node", _G, "",
+               "1 for each node whose findings the last evaluation held (its samples froze or went stale).",
+               ("node", "reason"), "detector"),
+    MetricSpec("gpufleet_detector_remediation_decisions_total", _C, "",
+               "Remediation decisions by action (fence, resume), outcome (done, dry_run, refused, failed) and "
+               "reason (the guard rail that refused, or ok).", ("action", "outcome", "reason"), "detector"),
+    MetricSpec("gpufleet_detector_remediation_fenced_nodes", _G, "",
+               "1 for each node the remediation service fenced and has not yet resumed.", ("node", "incident"),
+               "detector"),
+    MetricSpec("gpufleet_detector_remediation_leader", _G, "",
+               "1 while this remediation replica holds the lock and may act; 0 on its HA partner.", (), "detector"),
 )
 
 BY_NAME: dict[str, MetricSpec] = {s.name: s for s in SPECS}
