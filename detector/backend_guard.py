@@ -10,7 +10,7 @@ close (or reopen) one: the evaluation's answers are checked before any stage jud
   in a gap after the backend was down (``gap``: more than :data:`GAP_SHARE` of the nodes seen fresh before);
 - **per-node** faults hold that node's findings and drop its candidates, while the rest of the fleet is judged:
   a node whose samples keep their last value while its peers' move (``frozen_target``: no GPU of it changed
-  its power reading over the window, others did), or one that was fresh and no longer is (``stale_target``),
+  its power reading over :data:`FROZEN_INTERVALS` intervals, others did), or one that was fresh and no longer is (``stale_target``),
   for up to :data:`HOLD_SECONDS`; after that its findings go stale as before.
 
 Only the live service installs a guard (:attr:`Detector.guard`); replay and the quality harness judge
@@ -39,6 +39,8 @@ REASONS = FLEET_REASONS + NODE_REASONS + SERVICE_REASONS
 GAP_SHARE = 0.2
 #: How long a stale or frozen node's findings are held before they go stale as without a guard.
 HOLD_SECONDS = 3600.0
+#: A node is frozen once its power readings stayed flat this many evaluation intervals (at most the window).
+FROZEN_INTERVALS = 4
 #: A node is frozen only while at least this many other nodes' readings moved over the window.
 MOVING_PEERS = 2
 
@@ -132,7 +134,10 @@ class BackendGuard:
         return {n for n, v in moved.items() if v <= 0 and n in now and moving >= MOVING_PEERS}
 
 
-def guard_for(prom: PrometheusSource, queries: tuple[Query, ...], window: float, naming: NodeNaming) -> BackendGuard:
-    """The live service's guard over ``prom``, checking the profile's power readings for frozen targets."""
+def guard_for(prom: PrometheusSource, queries: tuple[Query, ...], window: float, naming: NodeNaming,
+              interval: float | None = None) -> BackendGuard:
+    """The live service's guard over ``prom``, checking the profile's power readings for frozen targets over
+    :data:`FROZEN_INTERVALS` evaluation intervals (at most the window)."""
     power = next((q for q in queries if q.feature == "power" and q.entity == "gpu"), None)
-    return BackendGuard(prom, power, window, naming)
+    flat = min(window, FROZEN_INTERVALS * interval) if interval else window
+    return BackendGuard(prom, power, flat, naming)

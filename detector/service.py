@@ -53,7 +53,8 @@ def serve(cfg: DetectorConfig, once: bool) -> int:
     live = Liveness()  # the evaluation loop's progress, for systemd's watchdog
     prom = _source(cfg)
     det = Detector(cfg, live.track(shard_source.view(prom, cfg)))  # --shard: its nodes' series only
-    guard = det.guard = guard_for(prom, det.queries, cfg.window_seconds, det.naming)  # backend faults held
+    guard = det.guard = guard_for(prom, det.queries, cfg.window_seconds, det.naming,
+                                       cfg.interval_seconds)  # backend faults held
     health = Health()
     state = _State(cfg, det, prom, live, health)
     if once:
