@@ -21,7 +21,14 @@ from pathlib import Path
 
 import pytest
 from backend_faults import FaultProxy, edit_recording
-from support import backfilled_prometheus, free_port, imported_victoria_metrics, need_binary, running, wait_http
+from support import (
+    backfilled_prometheus,
+    free_port,
+    imported_victoria_metrics,
+    need_binary,
+    running,
+    wait_http,
+)
 
 from gpufleet.agent.sim.quality import _config
 from gpufleet.agent.sim.recording import record
@@ -77,7 +84,7 @@ def config() -> DetectorConfig:
 
 
 def grid(lo_min: float, hi_min: float) -> list[float]:
-    n = int(round((hi_min - lo_min) * MIN / STEP))
+    n = round((hi_min - lo_min) * MIN / STEP)
     return [START + lo_min * MIN + i * STEP for i in range(n)]
 
 
