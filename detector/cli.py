@@ -46,6 +46,11 @@
     Missing inputs are reported on stderr. Exit status 0 on success, 2 on bad
     arguments, configuration or recordings.
 
+``remediate --config FILE [--once]``
+    The remediation service (issue 34, docs/remediation.md): fence the node of a confirmed hardware fault in
+    Slurm or Kubernetes, behind guard rails; off unless ``[remediation] enabled = true``, dry-run until
+    ``dry_run = false``. ``--once`` decides one round and prints the decisions as JSON lines.
+
 ``report FILE... [--profile ...] [--config FILE] [--step S] [--html OUT.html] [--from T] [--to T]``
     Replay, then print a table of the findings in the time range and optionally
     write an HTML page with evidence plots per finding.
@@ -78,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--config", required=True, help="TOML configuration file")
     s.add_argument("--once", action="store_true", help="run one evaluation, print its findings and exit")
     s.add_argument("--shard", metavar="I/N", help="evaluate only shard I of N (0 <= I < N; overrides the config)")
+    m = sub.add_parser("remediate", help="fence the nodes of confirmed hardware faults (docs/remediation.md)")
+    m.add_argument("--config", required=True, help="TOML configuration file with a [remediation] table")
+    m.add_argument("--once", action="store_true", help="decide one round, print the decisions and exit")
     for name, helptext in (("replay", "evaluate recordings as if live"), ("report", "findings table and HTML")):
         r = sub.add_parser(name, help=helptext)
         r.add_argument("files", nargs="+", metavar="FILE", help="OpenMetrics recording(s) with timestamps")
@@ -141,6 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.shard is not None:
                 cfg.shard = parse_shard_option("--shard", args.shard)
             return serve(cfg, args.once)
+        if args.command == "remediate":
+            from gpufleet.detector.remediate_server import main as remediate
+
+            return remediate(args.config, args.once)
         cfg = _config(args.config, args.profile)
         if args.shard is not None:
             cfg.shard = parse_shard_option("--shard", args.shard)

@@ -24,6 +24,7 @@ from prometheus_client.core import CollectorRegistry, Metric
 from prometheus_client.exposition import choose_encoder
 
 from gpufleet.agent.vocab.catalog import spec
+from gpufleet.detector import evidence
 from gpufleet.detector.backend_guard import NODE_REASONS, REASONS
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.findings import Finding
@@ -123,6 +124,13 @@ class DetectorCollector:
                 member.add_metric([inc, fd.kind, fd.cause or "", fd.gpu or "", fd.nic, fd.pattern], 1.0)
         yield incident
         yield member
+        direct = spec("gpufleet_detector_incident_direct").family()
+        opened = spec("gpufleet_detector_incident_detected_timestamp_seconds").family()
+        for inc, fds in sorted(by.items()):
+            direct.add_metric([inc], 1.0 if any(evidence.direct(f) for f in fds) else 0.0)
+            opened.add_metric([inc], min(f.detected for f in fds))
+        yield direct
+        yield opened
         pue = spec("gpufleet_detector_site_pue").family()
         exp = spec("gpufleet_detector_site_pue_expected").family()
         if ev is not None:

@@ -585,6 +585,13 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("gpufleet_detector_held_node", _G, "",
                "1 for each node whose findings the last evaluation held (its samples froze or went stale).",
                ("node", "reason"), "detector"),
+    MetricSpec("gpufleet_detector_incident_direct", _G, "",
+               "1 for each open incident with direct hardware evidence (a clock-event reason, a power limit, memory "
+               "errors, a flagged link: a throttling or network finding, or a straggler whose cause was read, not "
+               "inferred), 0 for one whose cause is only inferred from deviations.", ("incident",), "detector"),
+    MetricSpec("gpufleet_detector_incident_detected_timestamp_seconds", _G, "timestamp",
+               "Unix time the open incident's first finding opened (what the remediation service's minimum open "
+               "time counts from).", ("incident",), "detector"),
     MetricSpec("gpufleet_detector_remediation_decisions_total", _C, "",
                "Remediation decisions by action (fence, resume), outcome (done, dry_run, refused, failed) and "
                "reason (the guard rail that refused, or ok).", ("action", "outcome", "reason"), "detector"),
