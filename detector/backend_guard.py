@@ -141,3 +141,12 @@ def guard_for(prom: PrometheusSource, queries: tuple[Query, ...], window: float,
     power = next((q for q in queries if q.feature == "power" and q.entity == "gpu"), None)
     flat = min(window, FROZEN_INTERVALS * interval) if interval else window
     return BackendGuard(prom, power, flat, naming)
+
+
+#: The features without which no GPU can be judged: their metrics missing is ``missing_inputs`` (degraded).
+CORE_FEATURES = ("util", "power", "sm_clock")
+
+
+def core_inputs(queries: tuple[Query, ...]) -> set[str]:
+    """The metric names of the profile's :data:`CORE_FEATURES`."""
+    return {q.metric for q in queries if q.feature in CORE_FEATURES and q.entity == "gpu"}

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything the test suite needs on a fresh Debian machine, then runs it:
-# Debian's prometheus (promtool), prometheus-alertmanager (amtool) and victoria-metrics, podman,
+# Debian's prometheus (promtool), prometheus-alertmanager (amtool) and victoria-metrics, slurmctld, slurmd and
+# munge (the remediation service's Slurm tests), podman,
 # buildah, runc and mmdebstrap (the container images), a virtualenv
 # with gpufleet[dev], the linters, and pytest. Extra arguments go to pytest.
 set -euo pipefail
@@ -20,6 +21,10 @@ command -v podman >/dev/null 2>&1 || need+=(podman)
 command -v buildah >/dev/null 2>&1 || need+=(buildah)
 command -v runc >/dev/null 2>&1 || need+=(runc)
 command -v mmdebstrap >/dev/null 2>&1 || need+=(mmdebstrap)
+# tests/system/test_remediate_slurm.py: a real Slurm cluster on 127.0.0.1 (munged, slurmctld, slurmd).
+command -v slurmctld >/dev/null 2>&1 || need+=(slurmctld)
+command -v slurmd >/dev/null 2>&1 || need+=(slurmd)
+command -v munged >/dev/null 2>&1 || need+=(munge)
 if ((${#need[@]})); then
   sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"
