@@ -140,3 +140,34 @@ gpufleet_detector_straggler_score{node="node-002",gpu="0",job_id="train"} 0.1
                                              frozenset({"straggler", "throttling"}), True, 1.7e9, 2)
     assert rep.incidents["inc2"].route == "workload" and not rep.incidents["inc2"].direct
     assert set(rep.degraded) == {"missing_inputs"} and rep.held == {"node-004": "frozen_target"}
+
+
+def test_the_documented_config_parses_to_the_documented_defaults() -> None:
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "remediation.md").read_text()
+    block = re.search(r"```toml\n(.*?)```", doc, re.S)
+    assert block is not None
+    cfg = parse_config(block.group(1))
+    assert cfg.rails.enabled and cfg.rails.dry_run and cfg.backend == "slurm"
+    assert cfg.detectors == [["http://detector-0:9446"], ["http://detector-1a:9446", "http://detector-1b:9446"]]
+    defaults = Rails()
+    assert (cfg.rails.min_open_seconds, cfg.rails.max_per_hour, cfg.rails.max_per_job, cfg.rails.max_job_share,
+            cfg.rails.alertnames, cfg.rails.health_check_timeout) == \
+        (defaults.min_open_seconds, defaults.max_per_hour, defaults.max_per_job, defaults.max_job_share,
+         defaults.alertnames, defaults.health_check_timeout)
+
+
+def test_remediate_is_off_by_default(tmp_path: object, caplog: pytest.LogCaptureFixture) -> None:
+    from pathlib import Path
+
+    from gpufleet.detector import cli
+
+    cfg = Path(str(tmp_path)) / "r.toml"
+    cfg.write_text("[remediation]\nbackend = \"slurm\"\n")
+    with caplog.at_level("INFO"):
+        assert cli.main(["remediate", "--config", str(cfg)]) == 0
+    assert "remediation is off" in caplog.text
+    cfg.write_text("[remediation]\nbogus = 1\n")
+    assert cli.main(["remediate", "--config", str(cfg)]) == 2
