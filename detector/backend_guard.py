@@ -143,10 +143,16 @@ def guard_for(prom: PrometheusSource, queries: tuple[Query, ...], window: float,
     return BackendGuard(prom, power, flat, naming)
 
 
-#: The features without which no GPU can be judged: their metrics missing is ``missing_inputs`` (degraded).
+#: The features without which no GPU can be judged: none of the fleet's GPUs having one is ``missing_inputs``.
 CORE_FEATURES = ("util", "power", "sm_clock")
 
 
-def core_inputs(queries: tuple[Query, ...]) -> set[str]:
-    """The metric names of the profile's :data:`CORE_FEATURES`."""
-    return {q.metric for q in queries if q.feature in CORE_FEATURES and q.entity == "gpu"}
+def missing_core(frame: FeatureFrame, queries: tuple[Query, ...]) -> list[str]:
+    """The metrics of the profile's :data:`CORE_FEATURES` no GPU of ``frame`` has a value of (an optional input
+    missing is reported in ``gpufleet_detector_missing_inputs``, not degraded)."""
+    out = []
+    for feature in CORE_FEATURES:
+        metrics = sorted({q.metric for q in queries if q.feature == feature and q.entity == "gpu"})
+        if metrics and not bool(np.isfinite(frame.gpu.get(feature)).any()):
+            out += metrics
+    return out

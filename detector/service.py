@@ -23,7 +23,7 @@ from gpufleet.agent.serving import sdnotify
 from gpufleet.agent.serving.server import MetricsServer
 from gpufleet.agent.serving.webconfig import load_web_config
 from gpufleet.detector import shard_source, warmstart
-from gpufleet.detector.backend_guard import Degraded, core_inputs, guard_for
+from gpufleet.detector.backend_guard import Degraded, guard_for, missing_core
 from gpufleet.detector.config import ConfigError, DetectorConfig
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.exporter import Exposer, Health, registry_for
@@ -55,7 +55,6 @@ def serve(cfg: DetectorConfig, once: bool) -> int:
     det = Detector(cfg, live.track(shard_source.view(prom, cfg)))  # --shard: its nodes' series only
     guard = det.guard = guard_for(prom, det.queries, cfg.window_seconds, det.naming,
                                        cfg.interval_seconds)  # backend faults held
-    core = core_inputs(det.queries)
     health = Health()
     state = _State(cfg, det, prom, live, health)
     if once:
@@ -101,8 +100,9 @@ def serve(cfg: DetectorConfig, once: bool) -> int:
             ev = det.evaluate(at)
             state.done = at
             degraded = dict(guard.last.reasons)
-            if ev.features.missing & core:  # a core input absent (an optional one is reported, not degraded)
-                degraded["missing_inputs"] = ", ".join(sorted(ev.features.missing & core))[:300]
+            missing = missing_core(ev.features, det.queries)  # (an optional input missing is not degraded)
+            if missing:
+                degraded["missing_inputs"] = ", ".join(missing)[:300]
             with health.lock:
                 health.last_success = time.time()
                 health.duration = ev.duration
