@@ -39,7 +39,7 @@ class Rails:
     enabled: bool = False
     dry_run: bool = True
     alertnames: tuple[str, ...] = ("GpufleetStragglerFound",)
-    min_open_seconds: float = 600.0
+    min_open_seconds: float = 120.0
     max_per_hour: int = 2
     max_per_job: int = 1
     max_job_share: float = 0.0  # > 0: at most this share of a job's nodes (at least one), instead of max_per_job
