@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import bcrypt
 import pytest
@@ -17,7 +18,7 @@ from gpufleet.detector.remediate_backends import Slurm
 from gpufleet.detector.remediate_policy import Rails
 from gpufleet.detector.remediate_server import make_server
 
-PAYLOAD = {"version": "4", "status": "firing", "receiver": "remediate", "groupKey": "{}:{incident=\"inc1\"}",
+PAYLOAD: dict[str, Any] = {"version": "4", "status": "firing", "receiver": "remediate", "groupKey": "{}:{incident=\"inc1\"}",
            "alerts": [{"status": "firing", "labels": {"alertname": "GpufleetStragglerFound", "incident": "inc1",
                                                       "node": "node-001", "route": "hardware"}},
                       {"status": "firing", "labels": {"alertname": "GpufleetPueDrift", "incident": "inc2"}}]}
@@ -45,7 +46,7 @@ def test_the_webhook_takes_firing_and_resolved_pages_behind_basic_auth(service: 
     r = requests.post(f"{url}/webhook", json=PAYLOAD, auth=("am", "pw"), timeout=5)
     assert r.status_code == 200 and r.text == "1 alerts taken\n"
     assert set(rem.webhook_pages) == {"inc1"}  # only the alerts named in alertnames
-    resolved = {**PAYLOAD, "alerts": [{**PAYLOAD["alerts"][0], "status": "resolved"}]}  # type: ignore[index]
+    resolved = {**PAYLOAD, "alerts": [{**PAYLOAD["alerts"][0], "status": "resolved"}]}
     assert requests.post(f"{url}/webhook", json=resolved, auth=("am", "pw"), timeout=5).status_code == 200
     assert rem.webhook_pages == {}
     bad = requests.post(f"{url}/webhook", data=b"{not json", auth=("am", "pw"), timeout=5)
