@@ -14,8 +14,9 @@ until ``dry_run = false``. Each ``interval_seconds`` it:
 4. resumes the nodes gpufleet fenced whose incident closed, once the health check passed.
 
 Only the replica holding ``lock_file`` (an exclusive ``flock``; an HA pair shares the file) acts. Every fence is
-written to ``journal`` (JSON lines, before the action: the hourly limit counts attempts) and the node's own state
-says what was done, so a restart or a failover repeats nothing. Every action and refusal is logged (once per
+written to ``journal`` (JSON lines: its intent before the action, the hourly limit counting attempts; done after)
+and the node's own state says what was done, so a restart or a failover repeats nothing; a fence begun before a
+restart and found done on the node is reported then (its log line, count and notification are not lost). Every action and refusal is logged (once per
 change), counted in ``gpufleet_detector_remediation_decisions_total`` and posted to Alertmanager as an alert
 ``GpufleetRemediation`` (labels action, outcome, reason, node, incident). ``GET /metrics`` and ``/health``
 are served on ``listen`` (TLS and basic auth from ``web_config_file``, exporter-toolkit format).
@@ -151,7 +152,7 @@ class Journal:
     def __init__(self, path: str) -> None:
         self.path = Path(path)
 
-    def fences_since(self, t: float) -> list[float]:
+    def records(self) -> list[dict[str, Any]]:
         try:
             lines = self.path.read_text().splitlines()
         except OSError:
@@ -160,11 +161,34 @@ class Journal:
         for line in lines:
             try:
                 rec = json.loads(line)
-                if rec.get("action") == "fence" and float(rec["t"]) >= t:
-                    out.append(float(rec["t"]))
-            except (ValueError, KeyError, TypeError, AttributeError):
+            except ValueError:
                 continue  # a torn last line after a crash
+            if isinstance(rec, dict):
+                out.append(rec)
         return out
+
+    def fences_since(self, t: float) -> list[float]:
+        """The times of the fences attempted since ``t`` (an attempt counts: the limit errs on the safe side)."""
+        out = []
+        for rec in self.records():
+            try:
+                if rec.get("action") == "fence" and rec.get("phase", "intent") == "intent" and float(rec["t"]) >= t:
+                    out.append(float(rec["t"]))
+            except (KeyError, TypeError, ValueError):
+                continue
+        return out
+
+    def unfinished(self) -> set[tuple[str, str]]:
+        """(node, incident) of the fences begun and not recorded done: the service stopped mid-action."""
+        begun: set[tuple[str, str]] = set()
+        for rec in self.records():
+            key = (str(rec.get("node", "")), str(rec.get("incident", "")))
+            if rec.get("action") == "fence":
+                if rec.get("phase", "intent") == "intent":
+                    begun.add(key)
+                else:
+                    begun.discard(key)
+        return begun
 
     def write(self, rec: dict[str, Any]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -237,6 +261,13 @@ class Remediator:
             fenced = []
         self.fenced_now = fenced
         decisions: list[Decision] = []
+        unfinished = self.journal.unfinished() if leader else set()
+        for state in fenced:  # begun before a restart and found done on the node: reported now, not repeated
+            if (state.node, state.incident) in unfinished:
+                self.journal.write({"t": now, "action": "fence", "phase": "done", "node": state.node,
+                                    "incident": state.incident, "job": state.job})
+                decisions.append(self._report(Decision("fence", state.node, state.incident, True, "ok", state.job,
+                                                       "found done on the node after a restart"), "done"))
         for inc, labels in sorted(self.pages().items()):
             node = labels.get("node", "")
             try:
@@ -265,11 +296,13 @@ class Remediator:
             return self._report(d, "dry_run")
         try:
             if d.action == "fence":
-                self.journal.write({"t": now, "action": "fence", "node": d.node, "incident": d.incident,
-                                    "job": d.job})
+                self.journal.write({"t": now, "action": "fence", "phase": "intent", "node": d.node,
+                                    "incident": d.incident, "job": d.job})
                 kind = labels.get("kind") or "straggler"
                 summary = labels.get("summary") or f"{labels.get('alertname', 'gpufleet')} on {d.node}"
                 self.backend.fence(d.node, d.incident, d.job, kind, summary)
+                self.journal.write({"t": now, "action": "fence", "phase": "done", "node": d.node,
+                                    "incident": d.incident, "job": d.job})
             else:
                 self.backend.resume(d.node)
         except BackendError as e:

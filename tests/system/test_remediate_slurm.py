@@ -140,8 +140,8 @@ def test_fence_and_resume_a_slurm_node_through_alertmanager(tmp_path: Path) -> N
                 assert [x.reason for x in partner.tick()] == ["not_leader"]
                 rem.leader.release()  # the leader "dies": the partner takes the lock and finds the node fenced
                 assert [x.reason for x in partner.tick()] == ["already_fenced"]
-                lines = (tmp_path / "remediate.jsonl").read_text().splitlines()
-                assert len(lines) == 1 and json.loads(lines[0])["incident"] == incident
+                lines = [json.loads(x) for x in (tmp_path / "remediate.jsonl").read_text().splitlines()]
+                assert [(x["phase"], x["incident"]) for x in lines] == [("intent", incident), ("done", incident)]
                 partner.leader.release()
 
                 # a node someone else drained is left alone
