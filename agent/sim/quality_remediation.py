@@ -52,6 +52,7 @@ class RunResult:
     faults: list[dict[str, Any]]
     fences: list[Fence] = field(default_factory=list)
     pages: int = 0
+    paged_nodes: set[str] = field(default_factory=set)
     refusals: dict[str, int] = field(default_factory=dict)
 
 
@@ -94,6 +95,7 @@ def simulate(run: Run, workdir: str, rails: Rails | None = None, profile: str = 
             if "straggler" not in x.kinds or x.route == "workload" or t - appeared[inc] < PAGE_FOR:
                 continue
             paged.setdefault(inc, i)
+            out.paged_nodes.add(x.node)
             page = {"alertname": "GpufleetStragglerFound", "incident": inc, "node": x.node, "route": x.route}
             state = fenced.get(x.node, NodeState(x.node))
             dec = fence(page, view, state, list(fenced.values()), journal, t, rails, True)
@@ -119,12 +121,16 @@ def score(results: Sequence[RunResult]) -> dict[str, Any]:
     faults = fenced_in_time = false = 0
     latencies: list[int] = []
     missed: list[str] = []
+    unpaged: list[str] = []
     for r in results:
         nodes = {f.get("node") for f in r.faults if f.get("node")}
         hardware = [f for f in r.faults if f.get("node") and any(e["kind"] in ("straggler", "throttling", "network")
                                                                   for e in f.get("expected_findings", []))]
         false += sum(1 for f in r.fences if f.node not in nodes)
         for fault in hardware:
+            if fault["node"] not in r.paged_nodes:  # never paged (not detected): nothing to fence
+                unpaged.append(f"{r.run.scenario}/{r.run.severity}/{r.run.seed}")
+                continue
             faults += 1
             mine = [f for f in r.fences if f.node == fault["node"] and f.t >= fault["onset"]]
             if mine:
@@ -132,7 +138,8 @@ def score(results: Sequence[RunResult]) -> dict[str, Any]:
                 fenced_in_time += mine[0].evaluations_after_page <= 2
             else:
                 missed.append(f"{r.run.scenario}/{r.run.severity}/{r.run.seed}")
-    return {"hardware_faults": faults, "fenced_within_2_evaluations_of_page": fenced_in_time,
+    return {"paged_hardware_faults": faults, "fenced_within_2_evaluations_of_page": fenced_in_time,
+            "hardware_faults_not_paged": unpaged,
             "evaluations_after_page_max": max(latencies, default=None), "not_fenced": missed,
             "false_fences": false, "runs": len(results)}
 

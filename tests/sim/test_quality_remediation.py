@@ -18,7 +18,7 @@ def test_a_fault_is_fenced_after_its_page_and_a_control_fences_nothing(tmp_path:
     fault = simulate(Run("clock_stuck_low", "moderate", 1, 0.75, "fault"), str(tmp_path))
     control = simulate(Run("healthy", "-", 1, 0.5, "control"), str(tmp_path))
     got = score([fault, control])
-    assert got["hardware_faults"] == 1 and got["fenced_within_2_evaluations_of_page"] == 1, got
+    assert got["paged_hardware_faults"] == 1 and got["fenced_within_2_evaluations_of_page"] == 1, got
     assert got["false_fences"] == 0 and control.fences == [], got
     assert fault.refusals.get("already_fenced"), "the page kept firing; the node was not fenced twice"
     assert len(fault.fences) == 1
