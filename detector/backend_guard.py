@@ -9,8 +9,8 @@ close (or reopen) one: the evaluation's answers are checked before any stage jud
   Thanos' ``warnings``, VictoriaMetrics' ``isPartial``), or many nodes losing their fresh samples at once, as
   in a gap after the backend was down (``gap``: more than :data:`GAP_SHARE` of the nodes seen fresh before);
 - **per-node** faults hold that node's findings and drop its candidates, while the rest of the fleet is judged:
-  a node whose samples keep their last value while its peers' move (``frozen_target``: no GPU of it changed
-  its power reading over :data:`FROZEN_INTERVALS` intervals, others did), or one that was fresh and no longer is (``stale_target``),
+  a node whose samples keep their last value while its peers' move (``frozen_target``: a busy node none of whose
+  GPUs changed its power reading over :data:`FROZEN_INTERVALS` intervals, while others did), or one that was fresh and no longer is (``stale_target``),
   for up to :data:`HOLD_SECONDS`; after that its findings go stale as before.
 
 Only the live service installs a guard (:attr:`Detector.guard`); replay and the quality harness judge
@@ -41,6 +41,9 @@ GAP_SHARE = 0.2
 HOLD_SECONDS = 3600.0
 #: A node is frozen once its power readings stayed flat this many evaluation intervals (at most the window).
 FROZEN_INTERVALS = 4
+#: Only a node with a GPU this busy can be judged frozen: an idle GPU's power reading may sit still (a busy one's
+#: never does), and nothing is judged on an idle node anyway.
+BUSY_UTIL = 0.5
 #: A node is frozen only while at least this many other nodes' readings moved over the window.
 MOVING_PEERS = 2
 
@@ -102,7 +105,9 @@ class BackendGuard:
         if reasons:
             self.last = Verdict({}, reasons)
             raise Degraded(reasons)
-        frozen = self._frozen(t, now)
+        util = np.nan_to_num(g.get("util"), nan=0.0)
+        busy = {g.nodes[i] for i in np.flatnonzero(valid & (util >= BUSY_UTIL)).tolist()}
+        frozen = self._frozen(t, now & busy)
         held = {n: "stale_target" for n in lost}
         held.update({n: "frozen_target" for n in frozen})
         for n in now - frozen:
