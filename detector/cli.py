@@ -52,6 +52,10 @@
 ``remote-write-config [--profile P] [--config FILE] [--url URL] [--shards N [--shard I]]``
     Print the ``remote_write`` block a Prometheus needs to feed ``serve`` with
     ``remote_write_listen``: a keep-list of exactly the families the profile reads.
+``remediate --config FILE [--once]``
+    The remediation service (issue 34, docs/remediation.md): fence the node of a confirmed hardware fault in
+    Slurm or Kubernetes, behind guard rails; off unless ``[remediation] enabled = true``, dry-run until
+    ``dry_run = false``. ``--once`` decides one round and prints the decisions as JSON lines.
 
 ``report FILE... [--profile ...] [--config FILE] [--step S] [--html OUT.html] [--from T] [--to T]``
 ``report --prometheus URL --from T --to T [--config FILE] [--step S] [--html OUT.html]``
@@ -93,6 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--url", help="the receiver's URL ({shard}: the replica's index; default: remote_write_listen)")
     w.add_argument("--shards", type=int, default=1, help="replicas to send to (each gets every family)")
     w.add_argument("--shard", type=int, help="print only replica I's entry (0 <= I < --shards)")
+    m = sub.add_parser("remediate", help="fence the nodes of confirmed hardware faults (docs/remediation.md)")
+    m.add_argument("--config", required=True, help="TOML configuration file with a [remediation] table")
+    m.add_argument("--once", action="store_true", help="decide one round, print the decisions and exit")
     for name, helptext in (("replay", "evaluate recordings as if live"), ("report", "findings table and HTML")):
         r = sub.add_parser(name, help=helptext)
         r.add_argument("files", nargs="+" if name == "replay" else "*", metavar="FILE",
@@ -167,6 +174,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.write(remote_write_config.render(cfg, args.url or remote_write_config.default_url(cfg),
                                                         args.shards, only=args.shard))
             return 0
+
+        if args.command == "remediate":
+            from gpufleet.detector.remediate_server import main as remediate
+
+            return remediate(args.config, args.once)
+
         cfg = _config(args.config, args.profile)
         if args.shard is not None:
             cfg.shard = parse_shard_option("--shard", args.shard)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -50,11 +50,12 @@ from gpufleet.detector import (
     straggler,
     throttling,
 )
+from gpufleet.detector.backend_guard import Verdict
 from gpufleet.detector.baseline import Baseline
 from gpufleet.detector.candidate import Candidate, Evidence
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.features import FeatureFrame, GpuFrame, NodeNaming, collect
-from gpufleet.detector.findings import Tracker
+from gpufleet.detector.findings import Key, Tracker
 from gpufleet.detector.impact import ImpactTracker
 from gpufleet.detector.judgement import Judgement
 from gpufleet.detector.numeric import median, nan_to_zero
@@ -131,6 +132,10 @@ class Detector:
         self._nic_ids = _NicIds()
         self.last: Evaluation | None = None
         self._memos: memo.Store = {}  # derived tables kept between evaluations (this detector's own)
+        #: The live service's check of the backend's answers (:mod:`~gpufleet.detector.backend_guard`): it raises
+        #: before anything is judged on a fleet-wide fault, and names nodes whose findings are held; None (replay,
+        #: the quality harness): every answer is judged.
+        self.guard: Callable[[FeatureFrame, float], Verdict] | None = None
 
     def evaluate(self, t: float) -> Evaluation:
         with gc_paused(), memo.scope(self._memos):
@@ -140,6 +145,7 @@ class Detector:
         started = time.perf_counter()
         cfg = self.cfg
         snap = self._frame(t)                                       # 1. frame
+        verdict = self.guard(snap, t) if self.guard is not None else None  # ... fit to judge by (live only)
         jobs.resolve(snap.gpu, snap.meta, cfg.kubernetes)           # 2. jobs (the whole fleet: NIC peers span it)
         snap.gpu.edge = self.edges.update(snap.gpu, t, cadence.interval(snap.gpu, cfg.window_seconds))  # ... edges
         net = self._network(snap, t)                                # 4. network candidates (fleet-wide peers)
@@ -162,7 +168,11 @@ class Detector:
         cands = self.workload.route(cands, t)
         cands += [("straggler", c) for c in slices.candidates]  # named by their own pods, not their GPU's
         judged = self._judgement(snap, st, peers, net, slices.observed, set(pue_states), fab)
-        self.tracker.update(t, cands, judged.observed, judged.held)  # 6. incidents
+        held: Callable[[Key], bool] = judged.held
+        if verdict is not None and verdict.held:  # a frozen or stale node: nothing of it opens, closes or goes on
+            cands = [(k, c) for k, c in cands if c.node not in verdict.held]
+            held = _holding(judged.held, set(verdict.held))
+        self.tracker.update(t, cands, judged.observed, held)  # 6. incidents
         self.impact.update(t, self.tracker.active.values(), snap.gpu)  # ... and what each costs
         result = Evaluation(t, snap, st, pue_states, cands, time.perf_counter() - started)
         self.last = result
@@ -270,6 +280,11 @@ class Detector:
         for job in lowjobs:
             low[members[job]] = True
         return low
+
+
+def _holding(held: Callable[[Key], bool], nodes: set[str]) -> Callable[[Key], bool]:
+    """``held``, and every finding on one of ``nodes``."""
+    return lambda k: k[1] in nodes or held(k)
 
 
 def _quiet_nodes(g: GpuFrame, busy_util: float, index: _EntityIndex | None = None) -> set[str]:

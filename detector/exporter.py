@@ -26,6 +26,8 @@ from prometheus_client.core import CollectorRegistry, Metric
 from prometheus_client.exposition import choose_encoder
 
 from gpufleet.agent.vocab.catalog import spec
+from gpufleet.detector import direct_evidence
+from gpufleet.detector.backend_guard import NODE_REASONS, REASONS
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.findings import Finding
 
@@ -39,6 +41,10 @@ class Health:
         self.last_error = ""
         #: Why the service is not ready ("" once it is): its state is being rebuilt from Prometheus (issue 24).
         self.not_ready = ""
+        #: Why the last evaluation could not judge everything: reason -> one line (issue 34; the reasons are
+        #: :data:`gpufleet.detector.backend_guard.REASONS`), and the nodes it held (node -> reason).
+        self.degraded: dict[str, str] = {}
+        self.held_nodes: dict[str, str] = {}
 
 
 class IncidentRoutes:
@@ -121,6 +127,13 @@ class DetectorCollector:
         yield incident
         yield member
         yield from impact_families(by, meta, det.cfg.external_url)
+        direct = spec("gpufleet_detector_incident_direct").family()
+        opened = spec("gpufleet_detector_incident_detected_timestamp_seconds").family()
+        for inc, fds in sorted(by.items()):
+            direct.add_metric([inc], 1.0 if any(direct_evidence.direct(f) for f in fds) else 0.0)
+            opened.add_metric([inc], min(f.detected for f in fds))
+        yield direct
+        yield opened
         pue = spec("gpufleet_detector_site_pue").family()
         exp = spec("gpufleet_detector_site_pue_expected").family()
         if ev is not None:
@@ -143,6 +156,15 @@ class DetectorCollector:
             for result, n in sorted(h.results.items()):
                 evals.add_metric([result], n)
             yield evals
+            degraded = spec("gpufleet_detector_degraded").family()
+            for reason in REASONS:
+                nodes = sum(1 for r in h.held_nodes.values() if r == reason)
+                degraded.add_metric([reason], float(nodes if reason in NODE_REASONS else reason in h.degraded))
+            yield degraded
+            held = spec("gpufleet_detector_held_node").family()
+            for node, reason in sorted(h.held_nodes.items()):
+                held.add_metric([node, reason], 1.0)
+            yield held
         errs = spec("gpufleet_detector_query_errors_total").family()
         errs.add_metric([], det.source.query_errors)
         yield errs
@@ -204,6 +226,8 @@ class Exposer:
         with self.h.lock:
             if self.h.last_success is None and self.h.results["failure"]:
                 return f"evaluations failing: {self.h.last_error}"
+            if self.h.degraded:  # /health: 200 "DEGRADED" and why, one reason a line
+                return "degraded: " + "\n".join(f"{r}: {d}" for r, d in sorted(self.h.degraded.items()))
             return "OK"
 
     def ready(self) -> str:

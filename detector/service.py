@@ -23,6 +23,7 @@ from gpufleet.agent.serving import sdnotify
 from gpufleet.agent.serving.server import MetricsServer
 from gpufleet.agent.serving.webconfig import load_web_config
 from gpufleet.detector import cadence, remote_write_service, shard_source, warmstart
+from gpufleet.detector.backend_guard import Degraded, guard_for, missing_core
 from gpufleet.detector.config import ConfigError, DetectorConfig
 from gpufleet.detector.engine import Detector, Evaluation
 from gpufleet.detector.exporter import Exposer, Health, registry_for
@@ -56,6 +57,8 @@ def serve(cfg: DetectorConfig, once: bool) -> int:
     stream = remote_write_service.receiver(cfg) if not once else None  # [detector] remote_write_listen
     feed: Source = remote_write_service.source(stream, prom) if stream is not None else prom
     det = Detector(cfg, live.track(shard_source.view(feed, cfg)))  # --shard: its nodes' series only
+    guard = det.guard = guard_for(prom, det.queries, cfg.window_seconds, det.naming,
+                                       cfg.interval_seconds)  # backend faults held
     health = Health()
     state = _State(cfg, det, prom, live, health)
     if once:
@@ -108,20 +111,33 @@ def serve(cfg: DetectorConfig, once: bool) -> int:
             ev = det.evaluate(at)
             state.done = at
             _observe(evidence, det, ev)
+            degraded = dict(guard.last.reasons)
+            missing = missing_core(ev.features, det.queries)  # (an optional input missing is not degraded)
+            if missing:
+                degraded["missing_inputs"] = ", ".join(missing)[:300]
             with health.lock:
                 health.last_success = time.time()
                 health.duration = ev.duration
                 health.results["success"] += 1
+                health.degraded, health.held_nodes = degraded, dict(guard.last.held)
+        except Degraded as e:  # the backend's answers were not fit to judge by: nothing opened or closed
+            log.warning("evaluation at %s held: %s", _utc(at), e)
+            state.done = at
+            with health.lock:
+                health.results["held"] = health.results.get("held", 0) + 1
+                health.degraded = dict(e.reasons)
         except SourceError as e:
             log.warning("evaluation failed: %s", e)
             with health.lock:
                 health.results["failure"] += 1
                 health.last_error = str(e)
+                health.degraded = {"evaluation_failed": str(e)[:300]}
         except Exception as e:  # a daemon keeps running; the failure is counted and logged with its traceback
             log.exception("evaluation failed")
             with health.lock:
                 health.results["failure"] += 1
                 health.last_error = str(e)
+                health.degraded = {"evaluation_failed": str(e)[:300]}
         live.end()
         watchdog.tick()
         last = f"failed: {health.last_error}" if health.results["failure"] > failures else "ok"
@@ -155,14 +171,24 @@ class _State:
         elif at - self.done > iv * 1.5:
             missed = warmstart.grid(self.done + iv, at, iv)
             log.info("catching up %d evaluation(s) missed since %s", len(missed), _utc(self.done))
-            warmstart.catch_up(self.det, RangeSource(self.prom, self.live.progress), missed)
+            try:
+                warmstart.catch_up(self.det, RangeSource(self.prom, self.live.progress), missed)
+            except Degraded:  # a held instant (a gap the backend was down in) ends the catch-up: the rest are held
+                self.done = missed[-1] if missed else self.done
+                raise
             self.done = missed[-1] if missed else self.done
 
     def restore(self, at: float) -> None:
         """Rebuild the state as of just before ``at`` from Prometheus; ready once done."""
         source = RangeSource(self.prom, self.live.progress)
+        with self.health.lock:
+            self.health.degraded = {**self.health.degraded, "warm_start": "rebuilding the state from Prometheus"}
         rebuilt, info = warmstart.rebuild(self.cfg, source, at, progress=self.live.progress)
+        guard = self.det.guard
         warmstart.adopt(self.det, rebuilt)
+        self.det.guard = guard  # the rebuilt detector's state, the live one's guard
+        with self.health.lock:
+            self.health.degraded.pop("warm_start", None)
         self.done = at - self.cfg.interval_seconds
         log.info("state rebuilt from %s: %d evaluations replayed over %.0f s (%d attempt(s)), %d range queries, "
                  "%d points, %.1f s; %d findings open%s", self.cfg.prometheus_url, info.evaluations, info.horizon,

@@ -22,9 +22,11 @@ from gpufleet.detector.source import Result, SeriesTable, SourceError
 
 
 def api_data(session: requests.Session, url: str, form: Mapping[str, str] | list[tuple[str, str]], timeout: float,
-             what: str, method: str = "POST") -> object:
+             what: str, method: str = "POST", notes: list[str] | None = None) -> object:
     """The ``data`` of one Prometheus HTTP API answer; SourceError naming ``what`` when the request fails or the
-    answer is not JSON with status success (the HTTP status and the backend's error in the message)."""
+    answer is not JSON with status success (the HTTP status and the backend's error in the message). A partial
+    answer (Prometheus' and Thanos' ``warnings``, VictoriaMetrics' ``isPartial``) is appended to ``notes``, one
+    line each, when given."""
     try:
         if method == "GET":
             r = session.get(url, params=form, timeout=timeout)
@@ -39,8 +41,23 @@ def api_data(session: requests.Session, url: str, form: Mapping[str, str] | list
     if r.status_code != 200 or not isinstance(body, dict) or body.get("status") != "success":
         detail = body.get("error") if isinstance(body, dict) else r.text[:200]
         raise SourceError(f"{what}: HTTP {r.status_code}: {detail}")
+    if notes is not None:
+        notes.extend(partial_notes(body, what))
     data: object = body.get("data")
     return data
+
+
+def partial_notes(body: Mapping[str, Any], what: str) -> list[str]:
+    """One line per sign that an API answer is partial: each of its ``warnings`` (Prometheus, Thanos Query,
+    Mimir), ``isPartial`` true (VictoriaMetrics cluster, also in ``data``)."""
+    out: list[str] = []
+    warnings = body.get("warnings")
+    if isinstance(warnings, list):
+        out += [f"{what:.120}: warning: {w!s:.200}" for w in warnings]
+    data = body.get("data")
+    if body.get("isPartial") is True or (isinstance(data, dict) and data.get("isPartial") is True):
+        out.append(f"{what:.120}: the backend marked the answer partial (isPartial)")
+    return out
 
 class PrometheusSource:
     def __init__(self, url: str, *, timeout: float = 10.0, session: requests.Session | None = None,
@@ -62,6 +79,8 @@ class PrometheusSource:
         self.max_series = max_series
         self.parallel = max(1, parallel)
         self._lock = threading.Lock()
+        #: Partial answers since :meth:`take_partial` last ran (see :func:`partial_notes`).
+        self._partial: list[str] = []
 
     def query(self, query: Query, t: float, window: float) -> Result:
         return self.instant(query.promql(window), t, query.scale)
@@ -135,13 +154,27 @@ class PrometheusSource:
         with self._lock:
             self.query_errors += 1
 
+    def note_partial(self, notes: list[str]) -> None:
+        if notes:
+            with self._lock:
+                self._partial.extend(notes)
+
+    def take_partial(self) -> list[str]:
+        """The partial answers noted since the last call (the backend guard reads them once per evaluation)."""
+        with self._lock:
+            out, self._partial = self._partial, []
+        return out
+
     def _fetch(self, expr: str, t: float) -> list[Any]:
         """The result items of one instant query (thread-safe: touches no shared state but the error count)."""
+        notes: list[str] = []
         try:
-            data = api_data(self.session, self.url, {"query": expr, "time": f"{t:.3f}"}, self.timeout, expr) or {}
+            data = api_data(self.session, self.url, {"query": expr, "time": f"{t:.3f}"}, self.timeout, expr,
+                            notes=notes) or {}
         except SourceError:
             self._error()
             raise
+        self.note_partial(notes)
         if not isinstance(data, dict) or data.get("resultType") != "vector":
             self._error()
             kind = data.get("resultType") if isinstance(data, dict) else None

@@ -145,11 +145,13 @@ class RangeSource:
     def _fetch_once(self, expr: str, start: float, end: float, step: float) -> list[tuple[Any, list[Any]]]:
         self.requests += 1
         form = {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:g}"}
+        notes: list[str] = []
         try:
-            data = api_data(self.prom.session, self.url, form, self.prom.timeout, f"{expr} (range)")
+            data = api_data(self.prom.session, self.url, form, self.prom.timeout, f"{expr} (range)", notes=notes)
         except SourceError:
             self.prom.query_errors += 1
             raise
+        self.prom.note_partial(notes)
         result = data.get("result") if isinstance(data, dict) else None
         if not isinstance(result, list):
             self.prom.query_errors += 1

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up everything the test suite needs on a fresh Debian machine, then runs it:
-# Debian's prometheus (promtool), prometheus-alertmanager (amtool) and victoria-metrics, podman,
-# buildah, runc and mmdebstrap (the container images), chromium (the pages' browser tests), a virtualenv
+# Debian's prometheus (promtool), prometheus-alertmanager (amtool) and victoria-metrics, slurmctld, slurmd and
+# munge (the remediation service's Slurm tests), podman, buildah, runc and mmdebstrap (the container images),
+# chromium (the pages' browser tests), a virtualenv
 # with gpufleet[dev], the linters, and pytest. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +24,10 @@ command -v mmdebstrap >/dev/null 2>&1 || need+=(mmdebstrap)
 # tests/system/test_findings_browser.py: the findings page and the report in Debian's headless Chromium
 # (driven by Playwright with executable_path=/usr/bin/chromium; no browser is downloaded).
 [ -x /usr/bin/chromium ] || need+=(chromium)
+# tests/system/test_remediate_slurm.py: a real Slurm cluster on 127.0.0.1 (munged, slurmctld, slurmd).
+command -v slurmctld >/dev/null 2>&1 || need+=(slurmctld)
+command -v slurmd >/dev/null 2>&1 || need+=(slurmd)
+command -v munged >/dev/null 2>&1 || need+=(munge)
 if ((${#need[@]})); then
   sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"

@@ -607,6 +607,29 @@ SPECS: tuple[MetricSpec, ...] = (
                "Series held in the remote write window.", (), "detector"),
     MetricSpec("gpufleet_detector_remote_write_newest_timestamp_seconds", _G, "timestamp",
                "Time of the newest sample received by remote write.", (), "detector"),
+    MetricSpec("gpufleet_detector_degraded", _G, "",
+               "Why the detector's last evaluation could not judge everything (backend faults, issue 34): 1 for a "
+               "fleet-wide reason (query_error, partial_response, gap: the evaluation was held), the number of nodes "
+               "held for a per-node one (frozen_target, stale_target), 1 for evaluation_failed, warm_start, "
+               "missing_inputs; 0 otherwise.", ("reason",), "detector"),
+    MetricSpec("gpufleet_detector_held_node", _G, "",
+               "1 for each node whose findings the last evaluation held (its samples froze or went stale).",
+               ("node", "reason"), "detector"),
+    MetricSpec("gpufleet_detector_incident_direct", _G, "",
+               "1 for each open incident with direct hardware evidence (a clock-event reason, a power limit, memory "
+               "errors, a flagged link: a throttling or network finding, or a straggler whose cause was read, not "
+               "inferred), 0 for one whose cause is only inferred from deviations.", ("incident",), "detector"),
+    MetricSpec("gpufleet_detector_incident_detected_timestamp_seconds", _G, "timestamp",
+               "Unix time the open incident's first finding opened (what the remediation service's minimum open "
+               "time counts from).", ("incident",), "detector"),
+    MetricSpec("gpufleet_detector_remediation_decisions_total", _C, "",
+               "Remediation decisions by action (fence, resume), outcome (done, dry_run, refused, failed) and "
+               "reason (the guard rail that refused, or ok).", ("action", "outcome", "reason"), "detector"),
+    MetricSpec("gpufleet_detector_remediation_fenced_nodes", _G, "",
+               "1 for each node the remediation service fenced and has not yet resumed.", ("node", "incident"),
+               "detector"),
+    MetricSpec("gpufleet_detector_remediation_leader", _G, "",
+               "1 while this remediation replica holds the lock and may act; 0 on its HA partner.", (), "detector"),
 )
 
 BY_NAME: dict[str, MetricSpec] = {s.name: s for s in SPECS}
