@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gpufleet.detector import causes, fabric, jobs, memo, mig, network, phases, shard, straggler, throttling
+from gpufleet.detector import exclude as exclusions
 from gpufleet.detector.baseline import Baseline
 from gpufleet.detector.candidate import Candidate, Evidence
 from gpufleet.detector.config import DetectorConfig
@@ -125,6 +126,7 @@ class Detector:
         cfg = self.cfg
         snap = self._frame(t)                                       # 1. frame
         jobs.resolve(snap.gpu, snap.meta, cfg.kubernetes)           # 2. jobs (the whole fleet: NIC peers span it)
+        snap = exclusions.select(snap, cfg.exclude)                 # ... less what the operator excluded
         snap.gpu.edge = self.edges.update(snap.gpu)                 # ... and which are at a job-wide phase edge
         net = self._network(snap, t)                                # 4. network candidates (fleet-wide peers)
         nic_owner = shard.nic_owners(snap.gpu, cfg.shard)           # ... one shard reports each node's NICs
@@ -144,6 +146,8 @@ class Detector:
         self.workload.observe(snap.gpu, t)                          # 5. ... the job's own doing: its owner's
         cands = self.workload.route(cands, t)
         cands += [("straggler", c) for c in slices.candidates]  # named by their own pods, not their GPU's
+        if cfg.exclude:
+            cands = [(k, c) for k, c in cands if exclusions.keeps(cfg.exclude, c)]
         judged = self._judgement(snap, st, peers, net, slices.observed, set(pue_states), fab)
         self.tracker.update(t, cands, judged.observed, judged.held)  # 6. incidents
         result = Evaluation(t, snap, st, pue_states, cands, time.perf_counter() - started)
