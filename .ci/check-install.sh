@@ -147,7 +147,17 @@ curl -sf --cacert "$work/tls.crt" -u prometheus:s3cret -o "$work/https.prom" "$u
 kill "$server_pid"
 wait "$server_pid" || true
 server_pid=""
-ok "$n modules import; once: $samples samples; https + basic auth: 401 without, metrics with credentials"
+# The commands of the other extras: one line naming the extra they need, exit status 2, no traceback.
+for want in detector:gpufleet-detector sim:gpufleet-sim dashboards:gpufleet-dashboards; do
+  rc=0
+  (cd "$work/outside" && "$A/${want#*:}" --help) >"$work/other.out" 2>"$work/other.err" || rc=$?
+  [ "$rc" = 2 ] && [ "$(wc -l <"$work/other.err")" = 1 ] && ! grep -q Traceback "$work/other.err" \
+    && grep -q "^${want#*:}: this install lacks the \[${want%%:*}\] extra" "$work/other.err" \
+    || { cat "$work/other.err" >&2; fail "${want#*:} on an [agent]-only install: rc $rc, not one line naming [${want%%:*}]"; }
+done
+"$A/gpufleet-agent" --version | grep -qx "gpufleet-agent $("$A/python" -c 'import importlib.metadata as m; print(m.version("gpufleet"))')" \
+  || fail "gpufleet-agent --version does not say the package's version"
+ok "$n modules import; once: $samples samples; https + basic auth: 401 without, metrics with credentials; the other commands name their extra"
 
 # ---------------------------------------------------------------- [sim]: recordings and live agents
 extra=sim t0=$SECONDS

@@ -46,9 +46,14 @@
     Missing inputs are reported on stderr. Exit status 0 on success, 2 on bad
     arguments, configuration or recordings.
 
-``report FILE... [--profile ...] [--config FILE] [--step S] [--html OUT.html] [--from T] [--to T]``
+``report FILE... [--profile ...] [--config FILE] [--step S] [--html OUT.html] [--from TIME] [--until TIME]``
     Replay, then print a table of the findings in the time range and optionally
     write an HTML page with evidence plots per finding.
+
+Every time flag of every command takes unix seconds or an RFC 3339 date-time with its offset
+(``2026-12-01T20:00:00Z``); ``--to`` is another name for ``--until``. A recording that holds another
+profile's metrics than the one asked for (a dcgm-exporter recording without ``--profile dcgm``) is an
+error naming the profile it holds (:mod:`gpufleet.detector.profile_hint`).
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ import sys
 from collections.abc import Sequence
 from datetime import datetime
 
+from gpufleet.agent import __version__
 from gpufleet.agent.serving.logs import LOG_FORMAT
 from gpufleet.detector.config import ConfigError, DetectorConfig, load, parse_shard_option
 from gpufleet.detector.profiles import PROFILES
@@ -73,6 +79,7 @@ from gpufleet.detector.table import print_table
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpufleet-detector", description="Find stragglers, throttling, network "
                                 "trouble and PUE drift across a GPU fleet.")
+    p.add_argument("--version", action="version", version=f"gpufleet-detector {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="evaluate against Prometheus and serve /metrics")
     s.add_argument("--config", required=True, help="TOML configuration file")
@@ -88,16 +95,18 @@ def _parser() -> argparse.ArgumentParser:
         r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="progress bar on stderr (default: when stderr is a terminal)")
         if name == "replay":
+            since = ("evaluate from TIME (unix seconds or RFC 3339), the recording before it being the "
+                     "history a restarted detector finds (its state is rebuilt from it)")
+            until = "last instant to evaluate (unix seconds or RFC 3339; --to is the same flag)"
+        else:
+            since = "list the findings open at TIME or later (unix seconds or RFC 3339)"
+            until = "list the findings that started by TIME (unix seconds or RFC 3339; --to is the same flag)"
+        r.add_argument("--from", dest="t_from", type=timestamp, metavar="TIME", help=since)
+        r.add_argument("--until", "--to", dest="t_until", type=timestamp, metavar="TIME", help=until)
+        if name == "replay":
             r.add_argument("--format", choices=("json", "table"), default="json")
-            r.add_argument("--from", dest="t_from", type=timestamp, metavar="TIME",
-                           help="evaluate from TIME (unix seconds or RFC 3339), the recording before it being the "
-                                "history a restarted detector finds (its state is rebuilt from it)")
-            r.add_argument("--until", dest="t_until", type=timestamp, metavar="TIME",
-                           help="last instant to evaluate (unix seconds or RFC 3339)")
         else:
             r.add_argument("--html", help="write an HTML report with evidence plots here")
-            r.add_argument("--from", dest="t_from", type=float, help="unix seconds")
-            r.add_argument("--to", dest="t_to", type=float, help="unix seconds")
     return p
 
 
@@ -145,8 +154,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.shard is not None:
             cfg.shard = parse_shard_option("--shard", args.shard)
         progress = sys.stderr.isatty() if args.progress is None else args.progress
-        t_from, t_until = (args.t_from, args.t_until) if args.command == "replay" else (None, None)
-        if t_from is not None and t_until is not None and t_until < t_from:
+        t_from, t_until = args.t_from, args.t_until
+        if args.command == "report":  # the table and the page are of the range; the replay is of everything
+            t_from, t_until = None, None
+        if args.t_from is not None and args.t_until is not None and args.t_until < args.t_from:
             raise ValueError("--until is before --from")
         det, findings = replay(args.files, cfg, args.step, progress, t_from=t_from, t_until=t_until)
         if argv is None:  # run as the program: the process ends after the output
@@ -159,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print_table(findings)
             return 0
         lo = args.t_from if args.t_from is not None else float("-inf")
-        hi = args.t_to if args.t_to is not None else float("inf")
+        hi = args.t_until if args.t_until is not None else float("inf")
         sel = [f for f in findings if f.start <= hi and (f.end is None or f.end >= lo)]
         print_table(sel)
         if args.html:
