@@ -35,7 +35,7 @@ class Warming(Static):
                                                            (Warming(), "DEGRADED\n", (503, "not ready\n"))])
 def test_probes_without_credentials_and_metrics_with(exposer: Static, health: str, ready: tuple[int, str]) -> None:
     web = parse_web_config(f"basic_auth_users:\n  prometheus: '{HASH}'\n")
-    assert PROBE_PATHS == {"/health", "/ready"}
+    assert {"/health", "/ready"} == PROBE_PATHS
     server = MetricsServer("127.0.0.1:0", exposer, web)
     server.serve_in_thread()
     try:

@@ -33,7 +33,7 @@ def recording(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(rec.files["gpufleet"])
 
 
-def _stragglers(rec: Path, cfg: DetectorConfig) -> set[tuple[str, str | None]]:
+def _stragglers(rec: Path, cfg: DetectorConfig) -> set[tuple[str | None, str | None]]:
     _, findings = replay([str(rec)], cfg, None, False)
     return {(f.node, f.gpu) for f in findings if f.kind == "straggler"}
 

@@ -23,8 +23,8 @@ def test_a_command_without_its_extra_names_it_in_one_line(monkeypatch: pytest.Mo
     # grafanalib uninstalled, as on a host without [dashboards]
     for name in [m for m in sys.modules if m.startswith(("gpufleet.dashboards", "grafanalib"))]:
         monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "grafanalib", None)  # type: ignore[arg-type]
-    real = launch.version
+    monkeypatch.setitem(sys.modules, "grafanalib", None)
+    from importlib.metadata import version as real
 
     def version(name: str) -> str:
         if name == "grafanalib":

@@ -16,7 +16,7 @@ import pytest
 
 from gpufleet.agent.config import AgentConfig
 from gpufleet.agent.serving.webconfig import parse_web_config
-from gpufleet.agent.settings import _config_values
+from gpufleet.agent.settings import OPTIONS, TEXTFILE_OPTIONS, _config_values
 from gpufleet.detector.config import DetectorConfig, load
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,7 +69,7 @@ def _detector_attr(cfg: DetectorConfig, section: str, key: str) -> Any:
 def test_detector_configs_parse_and_say_which_values_are_not_the_defaults(path: Path) -> None:
     cfg, default = load(path), DetectorConfig()
     raw = tomllib.loads(path.read_text())
-    differs = {}
+    differs: dict[tuple[str, str], bool] = {}
     for section, table in raw.items():
         if section in ("sites", "kubernetes", "exclude"):
             continue
@@ -84,19 +84,16 @@ def test_agent_configs_parse_and_say_which_values_are_not_the_defaults(path: Pat
     values = _config_values(str(path))  # the agent's own reader: unknown keys and bad values raise
     default = AgentConfig()
     raw = tomllib.loads(path.read_text())
-    differs = {}
+    keys: list[tuple[str, str]] = []
     for section, table in raw.items():
         for sub, value in table.items():
             if isinstance(value, dict):  # [collector.NAME]
-                for key in value:
-                    differs[(f"{section}.{sub}", key)] = None  # filled below
+                keys += [(f"{section}.{sub}", key) for key in value]
             else:
-                differs[(section, sub)] = None
-    from gpufleet.agent.settings import OPTIONS, TEXTFILE_OPTIONS
-
+                keys.append((section, sub))
     dest = {o.toml: o.dest for o in (*OPTIONS, *TEXTFILE_OPTIONS)}
     out: dict[tuple[str, str], bool] = {}
-    for section, key in differs:
+    for section, key in keys:
         if section == "collectors":
             out[(section, key)] = values[f"collector_{key}"] != default.enabled(key)
         else:
