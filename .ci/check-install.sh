@@ -203,6 +203,49 @@ grep -q '"kind": "straggler", "cause": "clock", "node": "node-002", "gpu": "5"' 
   || { cat "$work/findings.json" "$work/replay.err" >&2; fail "replay did not find the straggler on node-002 GPU 5"; }
 ok "$n modules import; replay: $(wc -l <"$work/findings.json") finding(s), straggler/clock on node-002 GPU 5"
 
+# ---------------------------------------------------------------- packaging/install.sh: hosts, as docs/install.md
+# The documented commands, with --root: a GPU host (agent, Slurm scripts) and the central host (detector) laid
+# down in temporary roots, each unit verified there by systemd-analyze against the host's own system units; an
+# upgrade in place keeps an edited config; uninstall keeps the config, --purge removes it.
+extra=install t0=$SECONDS
+for role in agent detector; do
+  r=$work/root-$role
+  flags=()
+  [ "$role" = agent ] && flags=(--slurm)
+  bash "$repo/packaging/install.sh" --root "$r" "$role" "$wheel" "${flags[@]}" >"$work/install-$role.log" 2>&1 \
+    || { cat "$work/install-$role.log" >&2; fail "packaging/install.sh $role failed"; }
+  [ "$(readlink "$r/usr/local/bin/gpufleet-$role")" = "/opt/gpufleet/bin/gpufleet-$role" ] \
+    || fail "/usr/local/bin/gpufleet-$role does not link into /opt/gpufleet/bin"
+  [ -f "$r/etc/gpufleet/$role.toml" ] && [ -f "$r/etc/systemd/system/gpufleet-$role.service" ] \
+    || fail "install.sh $role did not lay down its config and unit"
+  if command -v systemd-analyze >/dev/null 2>&1 && [ -d /usr/lib/systemd/system ]; then
+    mkdir -p "$r/usr/lib/systemd"
+    cp -a /usr/lib/systemd/system "$r/usr/lib/systemd/"
+    systemd-analyze verify --root="$r" "gpufleet-$role.service" >"$work/verify-$role.log" 2>&1 \
+      || { cat "$work/verify-$role.log" >&2; fail "systemd-analyze verify gpufleet-$role.service in the installed root"; }
+    ! grep -q "gpufleet-$role.service.*\(Unknown\|ignoring\|rror\)" "$work/verify-$role.log" \
+      || { cat "$work/verify-$role.log" >&2; fail "systemd-analyze verify complained about gpufleet-$role.service"; }
+  fi
+  "$r/opt/gpufleet/bin/gpufleet-$role" --version | grep -qx "gpufleet-$role [0-9].*" || fail "the installed gpufleet-$role --version"
+done
+[ -x "$work/root-agent/etc/slurm/prolog.d/gpufleet-prolog.sh" ] && [ -x "$work/root-agent/etc/slurm/epilog.d/gpufleet-epilog.sh" ] \
+  || fail "install.sh agent --slurm did not install the prolog/epilog"
+(cd "$work/outside" && "$work/root-agent/opt/gpufleet/bin/gpufleet-agent" once --nvml.fake=sim 2>"$work/once-installed.err") | grep -q '^gpufleet_gpu_power_watts{' \
+  || fail "the installed agent's once --nvml.fake=sim served no gpufleet_gpu_power_watts"
+"$work/root-agent/opt/gpufleet/bin/gpufleet-detector" --version 2>"$work/other.err" && fail "an agent host runs the detector" || true
+grep -q "lacks the \[detector\] extra" "$work/other.err" || fail "the agent host's gpufleet-detector does not name its extra"
+echo "# edited" >>"$work/root-agent/etc/gpufleet/agent.toml"
+bash "$repo/packaging/install.sh" --root "$work/root-agent" agent "$wheel" >"$work/upgrade.log" 2>&1 \
+  || { cat "$work/upgrade.log" >&2; fail "install.sh agent over an install (an upgrade) failed"; }
+tail -1 "$work/root-agent/etc/gpufleet/agent.toml" | grep -qx "# edited" || fail "an upgrade overwrote the edited agent.toml"
+bash "$repo/packaging/install.sh" --root "$work/root-agent" --uninstall agent >/dev/null
+[ ! -e "$work/root-agent/opt/gpufleet" ] && [ ! -L "$work/root-agent/usr/local/bin/gpufleet-agent" ] \
+  && [ ! -e "$work/root-agent/etc/systemd/system/gpufleet-agent.service" ] && [ -f "$work/root-agent/etc/gpufleet/agent.toml" ] \
+  || fail "--uninstall agent did not remove the install and keep the config"
+bash "$repo/packaging/install.sh" --root "$work/root-agent" --uninstall --purge agent >/dev/null
+[ ! -e "$work/root-agent/etc/gpufleet/agent.toml" ] || fail "--uninstall --purge kept agent.toml"
+ok "agent (+ Slurm) and detector roots laid down, units verified, upgrade kept the config, uninstall and purge"
+
 # ---------------------------------------------------------------- [dashboards]
 extra=dashboards t0=$SECONDS
 venv dashboards "$wheel[dashboards]"
