@@ -20,6 +20,8 @@ command -v podman >/dev/null 2>&1 || need+=(podman)
 command -v buildah >/dev/null 2>&1 || need+=(buildah)
 command -v runc >/dev/null 2>&1 || need+=(runc)
 command -v mmdebstrap >/dev/null 2>&1 || need+=(mmdebstrap)
+# tests/system/test_podman_run.py: a one-binary image for packaging/container/podman-run.sh.
+command -v busybox >/dev/null 2>&1 || need+=(busybox-static)
 if ((${#need[@]})); then
   sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"
