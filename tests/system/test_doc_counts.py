@@ -11,7 +11,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted([*ROOT.glob("docs/*.md"), ROOT / "README.md", ROOT / "alerts/runbook.md", ROOT / "tests/README.md",
                 *ROOT.glob("packaging/**/*.md")])
-WORDS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve".split())}
+WORDS = {w: i for i, w in enumerate(["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"])}
 COUNT = re.compile(r"\b(\d+|" + "|".join(WORDS) + r") (alerts|dashboards)\b", re.I)
 
 
