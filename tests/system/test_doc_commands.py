@@ -69,11 +69,15 @@ def test_every_marker_is_one_the_harness_knows() -> None:
         assert not b.marker or b.marker.startswith((*SKIPS, "serves")), f"{b.id}: unknown marker {b.marker!r}"
 
 
-def test_most_blocks_run() -> None:
-    """The harness is not a list of exemptions: the blocks that run outnumber those that say they cannot."""
+#: Blocks that run here (a floor, raised as pages gain runnable examples; a page that marks a block it could run
+#: lowers the count and fails this).
+RUNNING_AT_LEAST = 20
+
+
+def test_the_blocks_that_run_are_not_marked_away() -> None:
     bs = blocks()
     running = [b for b in bs if not b.marker.startswith(SKIPS)]
-    assert len(bs) >= 15 and len(running) * 2 >= len(bs), [b.id for b in bs if b not in running]
+    assert len(running) >= RUNNING_AT_LEAST, [b.id for b in bs if b not in running]
 
 
 @pytest.fixture
