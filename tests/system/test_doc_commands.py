@@ -104,31 +104,38 @@ def _env(scratch: Path) -> dict[str, str]:
     return env
 
 
+def _serve_each_line(block: Block, scratch: Path, env: dict[str, str]) -> None:
+    for line in (ln.split("  #")[0].strip() for ln in block.text.splitlines()):
+        if not line or line.startswith("#"):
+            continue
+        proc = subprocess.Popen(["bash", "-c", f"exec {line}"], cwd=scratch, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            time.sleep(3)
+            assert proc.poll() is None, f"{block.id}: {line!r} exited {proc.returncode}: {proc.stderr and proc.stderr.read()}"
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("block", blocks(), ids=lambda b: b.id)
 def test_the_block_runs_as_written(block: Block, scratch: Path) -> None:
     if block.marker.startswith(SKIPS):
         pytest.skip(f"{block.id}: {block.marker}")
     env = _env(scratch)
-    if block.marker.startswith("serves"):
-        for line in (ln.split("  #")[0].strip() for ln in block.text.splitlines()):
-            if not line or line.startswith("#"):
-                continue
-            p = subprocess.Popen(["bash", "-c", f"exec {line}"], cwd=scratch, env=env, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
-            try:
-                time.sleep(3)
-                assert p.poll() is None, f"{block.id}: {line!r} exited {p.returncode}: {p.stderr.read() if p.stderr else ''}"
-            finally:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGTERM)
-                p.wait(timeout=30)
-        return
     fresh = {p for p in _tmp_paths(block.text) if not p.exists()}
     try:
+        if block.marker.startswith("serves"):
+            _serve_each_line(block, scratch, env)
+            return
         r = subprocess.run(["bash", "-euo", "pipefail", "-c", block.text], cwd=scratch, env=env, capture_output=True,
                            text=True, timeout=TIMEOUT)
     finally:
-        for p in fresh:
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        for path in fresh:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
     assert r.returncode == 0, f"{block.id} exited {r.returncode}:\n{block.text}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
