@@ -84,3 +84,14 @@ def test_the_fake_nvml_help_lists_its_specs() -> None:
     text = " ".join(build_parser().format_help().split())
     for spec in ("sim:N", "sim:PATH", "trace:PATH", "mig:N[:LAYOUT]", "procs:N:P", "live:PATH", "hang=", "slow="):
         assert spec in text, spec
+
+
+def test_the_simulator_start_takes_unix_seconds_and_rfc3339(tmp_path: Path) -> None:
+    from gpufleet.agent.sim.cli import main as sim_main
+
+    for value in ("1750000000", "2025-06-15T15:06:40Z"):
+        out = tmp_path / value.replace(":", "")
+        assert sim_main(["generate", "--scenario", "healthy", "--series", "core", "--hours", "0.05", "--start", value,
+                         "--out", str(out), "--quiet"]) == 0
+        assert json.loads((out / "labels.json").read_text())["start"] == START
+    assert sim_main(["generate", "--scenario", "healthy", "--start", "nan", "--out", str(tmp_path / "x")]) == 2
