@@ -46,6 +46,10 @@
     Missing inputs are reported on stderr. Exit status 0 on success, 2 on bad
     arguments, configuration or recordings.
 
+``export --from TIME --until TIME --out FILE [--config FILE] [--url URL] [--profile ...]``
+    Write every sample of the series the profile reads, from Prometheus, as an OpenMetrics recording that
+    ``replay`` reads (to reproduce a finding elsewhere: docs/wrong-finding.md).
+
 ``report FILE... [--profile ...] [--config FILE] [--step S] [--html OUT.html] [--from TIME] [--until TIME]``
     Replay, then print a table of the findings in the time range and optionally
     write an HTML page with evidence plots per finding.
@@ -85,6 +89,15 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--config", required=True, help="TOML configuration file")
     s.add_argument("--once", action="store_true", help="run one evaluation, print its findings and exit")
     s.add_argument("--shard", metavar="I/N", help="evaluate only shard I of N (0 <= I < N; overrides the config)")
+    e = sub.add_parser("export", help="write the series the detector reads, from Prometheus, as a recording")
+    e.add_argument("--config", help="TOML configuration file ([prometheus] url and credentials, profile)")
+    e.add_argument("--url", help="Prometheus URL (overrides the config's)")
+    e.add_argument("--profile", choices=PROFILES, help="metric profile (default: from config, else gpufleet)")
+    e.add_argument("--from", dest="t_from", type=timestamp, metavar="TIME", required=True,
+                   help="first instant (unix seconds or RFC 3339); keep an hour before the finding: its history")
+    e.add_argument("--until", "--to", dest="t_until", type=timestamp, metavar="TIME", required=True,
+                   help="last instant (unix seconds or RFC 3339)")
+    e.add_argument("--out", required=True, help="the recording to write (OpenMetrics; gzip when it ends in .gz)")
     for name, helptext in (("replay", "evaluate recordings as if live"), ("report", "findings table and HTML")):
         r = sub.add_parser(name, help=helptext)
         r.add_argument("files", nargs="+", metavar="FILE", help="OpenMetrics recording(s) with timestamps")
@@ -151,6 +164,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cfg.shard = parse_shard_option("--shard", args.shard)
             return serve(cfg, args.once)
         cfg = _config(args.config, args.profile)
+        if args.command == "export":
+            from gpufleet.detector.export import export
+            from gpufleet.detector.service import prometheus_source
+
+            if args.url:
+                cfg.prometheus_url = args.url
+            families, samples = export(cfg, prometheus_source(cfg), args.out, args.t_from, args.t_until)
+            sys.stderr.write(f"wrote {args.out}: {samples} samples of {families} metrics\n")
+            return 0
         if args.shard is not None:
             cfg.shard = parse_shard_option("--shard", args.shard)
         progress = sys.stderr.isatty() if args.progress is None else args.progress
