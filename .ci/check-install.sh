@@ -5,7 +5,8 @@
 # the sdist forgets breaks the build), checks both carry what they must, then for each extra
 # (agent, sim, detector, dashboards, all) creates a fresh venv, installs `gpufleet-*.whl[EXTRA]`
 # (the wheel, never the source tree), imports every module that extra is for and runs its command
-# from a directory outside the repository. One line per step; the first failure exits 1 naming
+# from a directory outside the repository.
+# Then the hosts' install path, packaging/install.sh, in temporary roots (docs/install.md). One line per step; the first failure exits 1 naming
 # the extra. PYTHON picks the interpreter (default python3); pip's cache is shared by the venvs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -144,6 +145,11 @@ done
 curl -sf --cacert "$work/tls.crt" -u prometheus:s3cret -o "$work/https.prom" "$url" \
   && grep -q '^gpufleet_gpu_power_watts{' "$work/https.prom" \
   || { cat "$work/agent.log" >&2; fail "$url with TLS + basic auth did not serve gpufleet_gpu_power_watts"; }
+# The probes as a kubelet sends them (no credentials, the certificate not checked) answer while /metrics needs them.
+for probe in health ready; do
+  code=$(curl -sk -o /dev/null -w '%{http_code}' "https://127.0.0.1:$port/$probe" || true)
+  [ "$code" = 200 ] || { cat "$work/agent.log" >&2; fail "/$probe without credentials answered $code, not 200"; }
+done
 kill "$server_pid"
 wait "$server_pid" || true
 server_pid=""
@@ -157,7 +163,7 @@ for want in detector:gpufleet-detector sim:gpufleet-sim dashboards:gpufleet-dash
 done
 "$A/gpufleet-agent" --version | grep -qx "gpufleet-agent $("$A/python" -c 'import importlib.metadata as m; print(m.version("gpufleet"))')" \
   || fail "gpufleet-agent --version does not say the package's version"
-ok "$n modules import; once: $samples samples; https + basic auth: 401 without, metrics with credentials; the other commands name their extra"
+ok "$n modules import; once: $samples samples; https + basic auth: 401 without, metrics with credentials, probes without; the other commands name their extra"
 
 # ---------------------------------------------------------------- [sim]: recordings and live agents
 extra=sim t0=$SECONDS
@@ -238,13 +244,19 @@ echo "# edited" >>"$work/root-agent/etc/gpufleet/agent.toml"
 bash "$repo/packaging/install.sh" --root "$work/root-agent" agent "$wheel" >"$work/upgrade.log" 2>&1 \
   || { cat "$work/upgrade.log" >&2; fail "install.sh agent over an install (an upgrade) failed"; }
 tail -1 "$work/root-agent/etc/gpufleet/agent.toml" | grep -qx "# edited" || fail "an upgrade overwrote the edited agent.toml"
+# A failed upgrade (a wheel pip cannot install) leaves the old install in place and working.
+: >"$work/gpufleet-9.9.9-py3-none-any.whl"
+if bash "$repo/packaging/install.sh" --root "$work/root-agent" agent "$work/gpufleet-9.9.9-py3-none-any.whl" \
+  >"$work/bad-upgrade.log" 2>&1; then fail "install.sh succeeded with a broken wheel"; fi
+grep -q "the old install is back" "$work/bad-upgrade.log" || { cat "$work/bad-upgrade.log" >&2; fail "a failed upgrade did not say it restored the old install"; }
+"$work/root-agent/opt/gpufleet/bin/gpufleet-agent" --version >/dev/null || fail "a failed upgrade broke the old install"
 bash "$repo/packaging/install.sh" --root "$work/root-agent" --uninstall agent >/dev/null
 [ ! -e "$work/root-agent/opt/gpufleet" ] && [ ! -L "$work/root-agent/usr/local/bin/gpufleet-agent" ] \
   && [ ! -e "$work/root-agent/etc/systemd/system/gpufleet-agent.service" ] && [ -f "$work/root-agent/etc/gpufleet/agent.toml" ] \
   || fail "--uninstall agent did not remove the install and keep the config"
 bash "$repo/packaging/install.sh" --root "$work/root-agent" --uninstall --purge agent >/dev/null
 [ ! -e "$work/root-agent/etc/gpufleet/agent.toml" ] || fail "--uninstall --purge kept agent.toml"
-ok "agent (+ Slurm) and detector roots laid down, units verified, upgrade kept the config, uninstall and purge"
+ok "agent (+ Slurm) and detector roots laid down, units verified, upgrade kept the config, a failed one the old install, uninstall and purge"
 
 # ---------------------------------------------------------------- [dashboards]
 extra=dashboards t0=$SECONDS
