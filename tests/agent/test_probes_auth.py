@@ -57,3 +57,19 @@ def test_without_auth_the_probes_keep_their_details() -> None:
     with serving(None) as server:
         h = requests.get(f"http://127.0.0.1:{server.port}/health", timeout=10)
         assert h.text == "OK\nnvml: up\n"
+
+
+def test_the_manifests_probe_only_paths_that_answer_without_credentials() -> None:
+    """The DaemonSet's and the Deployment's probes (plain httpGet, no headers) hit PROBE_PATHS, so a web config
+    with basic auth never fails them."""
+    import yaml
+    from support import REPO
+
+    probes = []
+    for name in ("agent-daemonset.yaml", "detector-deployment.yaml"):
+        doc = yaml.safe_load((REPO / "packaging/kubernetes/base" / name).read_text())
+        for c in doc["spec"]["template"]["spec"]["containers"]:
+            probes += [c[k]["httpGet"] for k in ("startupProbe", "livenessProbe", "readinessProbe") if k in c]
+    assert len(probes) == 5
+    for get in probes:
+        assert get["path"] in PROBE_PATHS and "httpHeaders" not in get, get
