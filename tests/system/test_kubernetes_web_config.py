@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 import jsonschema
-import kubernetes_validate
+import kubernetes_validate  # type: ignore[import-untyped]
 import yaml
 from test_kubernetes import K8S_VERSIONS, KUBE, container, crd_schema, env, one, pod, tool
 
