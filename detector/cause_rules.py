@@ -88,13 +88,28 @@ class Rule:
     explains: tuple[str, ...] = ()
 
 
-def _reason(feat: str, need_low_clock: bool = False) -> Callable[[GpuView], float]:
+def _drawing_more(v: GpuView) -> bool:
+    """The GPU draws clearly more power than its peers: whatever its reasons say, power is not what holds it
+    back (a busier rank of a job whose peers wait for it; one GPU, one answer)."""
+    return v.zf("power") >= v.t.cause_z
+
+
+def _policy(v: GpuView) -> bool:
+    """The GPU's power limit is a cap set alike on its whole job (detector.policy): its cap is no fault."""
+    pc = v.frame.policy_cap
+    return pc is not None and bool(pc[v.i])
+
+
+def _reason(feat: str, need_low_clock: bool = False, power: bool = False) -> Callable[[GpuView], float]:
     def strength(v: GpuView) -> float:
         frac = v.val(feat)
-        if frac < v.t.throttle_fraction:
+        if frac < v.t.throttle_fraction or (power and _drawing_more(v)):
             return 0.0
-        # Software power capping is normal at full load (leaky GPUs touch the cap): evidence only while the
-        # GPU's clock is also held below its peers'.
+        if feat == "thr_power" and _policy(v):
+            return 0.0
+        # Software power capping is normal at full load (leaky GPUs touch the cap), and applications clocks or a
+        # cap set alike on a whole job are policy: evidence only while the GPU's clock is also held below its
+        # peers'.
         if need_low_clock and v.zf("sm_clock") > -v.t.cause_z / 2:
             return 0.0
         return DIRECT + 10.0 * frac
@@ -158,24 +173,36 @@ def _cz(v: GpuView) -> float:
 RULES: tuple[Rule, ...] = (
     # --- direct: evidence that names a cause by itself
     Rule("thermal", "direct", "thr_thermal", _reason("thr_thermal"), lambda v: {"thr_thermal": v.val("thr_thermal")}),
-    Rule("power", "direct", "thr_brake", _reason("thr_brake"), lambda v: {"thr_brake": v.val("thr_brake")}),
-    Rule("power", "direct", "thr_power", _reason("thr_power", need_low_clock=True),
+    Rule("power", "direct", "thr_brake", _reason("thr_brake", power=True), lambda v: {"thr_brake": v.val("thr_brake")}),
+    Rule("power", "direct", "thr_power", _reason("thr_power", need_low_clock=True, power=True),
          lambda v: {"thr_power": v.val("thr_power")}),
     Rule("clock", "direct", "thr_hw", _reason("thr_hw"), lambda v: {"thr_hw": v.val("thr_hw")}),
+    # Applications clocks set on this GPU below its peers' (set alike on a whole job, they are its peers' too:
+    # policy, no deviation).
+    Rule("clock", "direct", "thr_app", _reason("thr_app", need_low_clock=True),
+         lambda v: {"thr_app": v.val("thr_app")}),
     Rule("power", "direct", "power_limit",
-         lambda v: DIRECT + min(-v.zf("power_limit"), 10.0) / 2 if v.zf("power_limit") <= -_cz(v) else 0.0,
+         lambda v: DIRECT + min(-v.zf("power_limit"), 10.0) / 2
+         if v.zf("power_limit") <= -_cz(v) and not _drawing_more(v) else 0.0,
          lambda v: {"power_limit": v.val("power_limit")}),
     Rule("memory", "direct", "memory_errors",
          lambda v: DIRECT + 2.0 if v.val("remap_pending") > 0 or v.val("ecc") > 0 else 0.0,
          lambda v: {"ecc": v.val("ecc"), "remap_pending": v.val("remap_pending")}),
     Rule("host", "direct", "host_pressure", _node("host"), _node_values, "node", ("util", "tensor")),
     Rule("pcie", "direct", "aer_rate", _node("pcie"), _node_values, "node"),
-    # --- link: direct evidence that makes a straggler of a rank that does not deviate itself
+    # --- link: direct evidence that makes a straggler of a rank that does not deviate itself (yet): its
+    # collectives wait on a degraded link, or a power limit set below its job's peers holds it (it caps now)
+    Rule("power", "link", "power_limit_below_peers",
+         lambda v: DIRECT + min(-v.zf("power_limit"), 10.0) / 2
+         if v.zf("power_limit") <= -_cz(v) and v.val("thr_power") >= v.t.throttle_fraction
+         and not _drawing_more(v) else 0.0,
+         lambda v: {"power_limit": v.val("power_limit")}),
     Rule("network", "link", "nic_flagged",
          lambda v: DIRECT + 5.0 if (v.frame.nodes[v.i], v.frame.gpus[v.i]) in v.nic_flags else 0.0),
     Rule("network", "link", "fabric_pressure", _node("network"), _node_values, "node"),
-    Rule("network", "link", "nvlink_down", _nvlink_down, lambda v: {"nvlink_up_min": v.val("nvlink_down")}),
-    Rule("network", "link", "nvlink_errors", _nvlink_errors,
+    # The GPU's own NVLink: cause nvlink (its scale-up link), not network (the NICs' scale-out fabric).
+    Rule("nvlink", "link", "nvlink_down", _nvlink_down, lambda v: {"nvlink_up_min": v.val("nvlink_down")}),
+    Rule("nvlink", "link", "nvlink_errors", _nvlink_errors,
          lambda v: {"nvlink_errors": float(v.nvlink_excess[v.i]) if v.nvlink_excess is not None else 0.0}),
     Rule("pcie", "link", "pcie_link_below_max", lambda v: DIRECT + 5.0 if _pcie_below(v) else 0.0,
          lambda v: {"pcie_gen": v.val("pcie_gen"), "pcie_width": v.val("pcie_width")}),

@@ -36,7 +36,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpufleet.detector import causes, fabric, jobs, memo, mig, network, phases, shard, straggler, throttling
+from gpufleet.detector import (
+    cadence,
+    causes,
+    fabric,
+    jobs,
+    memo,
+    mig,
+    network,
+    phases,
+    policy,
+    shard,
+    straggler,
+    throttling,
+)
 from gpufleet.detector import exclude as exclusions
 from gpufleet.detector.baseline import Baseline
 from gpufleet.detector.candidate import Candidate, Evidence
@@ -82,6 +95,7 @@ class _Network:
 
     candidates: list[Candidate]
     nic_flags: dict[tuple[str, str], float]  # (node, GPU) -> score of the flagged NIC serving it
+    nic_links: dict[tuple[str, str], str]  # (node, GPU) -> what that NIC was flagged for ("NIC mlx5_0/1: xmit_wait")
     nics_flapped: set[tuple[str, str]]
     gpus_flapped: set[tuple[str, str]]
 
@@ -127,18 +141,19 @@ class Detector:
         snap = self._frame(t)                                       # 1. frame
         jobs.resolve(snap.gpu, snap.meta, cfg.kubernetes)           # 2. jobs (the whole fleet: NIC peers span it)
         snap = exclusions.select(snap, cfg.exclude)                 # ... less what the operator excluded
-        snap.gpu.edge = self.edges.update(snap.gpu)                 # ... and which are at a job-wide phase edge
+        snap.gpu.edge = self.edges.update(snap.gpu, t, cadence.interval(snap.gpu, cfg.window_seconds))  # ... edges
         net = self._network(snap, t)                                # 4. network candidates (fleet-wide peers)
         nic_owner = shard.nic_owners(snap.gpu, cfg.shard)           # ... one shard reports each node's NICs
         snap = shard.select(snap, cfg.shard)                        # 2. ... this replica's jobs
         peers = self._peers(snap.gpu, t)                            # 3. peers and phases
         st = straggler.score(snap.gpu, cfg.straggler, net.nic_flags, peers.limit_ref,  # 4. + 5. causes
-                             causes.node_causes(snap.node, snap.gpu, cfg.causes), peers.edge)
+                             causes.node_causes(snap.node, snap.gpu, cfg.causes), peers.edge, net.nic_links)
         slices = mig.score(snap, cfg, self.naming)
         cands: Candidates = [("straggler", c) for c in st.candidates]
         cands += [("throttling", c) for c in throttling.find(snap.gpu, cfg.throttling)]
         cands += [("network", c) for c in net.candidates]
         fab = fabric.find(snap.meta, self.naming, self.places)  # NVL72: one NVLink domain's GPUs as peers
+        cands = fabric.absorb(cands, fab, self.places)  # one physical problem, one finding: the domain's
         cands += fab.candidates
         pue_states = self._pue(snap, t, cands)
         cands = [(k, c) for k, c in cands if shard.owns_finding(cfg.shard, k, c.node, c.site, nic_owner)]
@@ -175,15 +190,18 @@ class Detector:
         nics_flapped = {(nic.nodes[i], f"{nic.devices[i]}/{nic.ports[i]}") for i in went_down}
         gpus_flapped = {(nic.nodes[i], gg) for i in went_down for gg in nic.gpus[i]}
         nic_flags = {(c.node, c.gpu): c.score for c in nets if c.gpu is not None}
-        whole = {c.node: c.score for c in nets if c.gpu is None and not c.nic}  # every fabric port of the node
+        nic_links = {(c.node, c.gpu): network.link_text(c) for c in nets if c.gpu is not None}
+        whole = {c.node: c for c in nets if c.gpu is None and not c.nic}  # every fabric port of the node
         if whole:  # (at 100k GPUs a pass over every GPU costs more than the rest of this stage)
             for node, gpu in zip(g.nodes, g.gpus, strict=True):
                 if node in whole:
-                    nic_flags.setdefault((node, gpu), whole[node])
-        return _Network(nets, nic_flags, nics_flapped, gpus_flapped)
+                    nic_flags.setdefault((node, gpu), whole[node].score)
+                    nic_links.setdefault((node, gpu), network.link_text(whole[node]))
+        return _Network(nets, nic_flags, nic_links, nics_flapped, gpus_flapped)
 
     def _peers(self, g: GpuFrame, t: float) -> _Peers:
         limit_ref = self.baseline.gpu_power_limit(g.nodes, g.gpus, g.get("power_limit"), t)
+        g.policy_cap = policy.capped_by_policy(g, limit_ref)  # a site's cap on a whole job: context, not a fault
         edge = g.edge if g.edge is not None else np.zeros(len(g), dtype=bool)
         valid = np.asarray(g.valid, dtype=bool)
         busy = valid & (nan_to_zero(g.get("util")) >= JUDGE_UTIL)

@@ -194,6 +194,19 @@ def _trays(members: list[_Gpu]) -> list[tuple[str, Candidate]]:
     return out
 
 
+def absorb(cands: list[tuple[str, Candidate]], res: FabricResult,
+           places: Places) -> list[tuple[str, Candidate]]:
+    """One physical problem, one finding: a domain-wide NVLink fault (an ``nvlink_domain`` candidate, a switch
+    tray down) explains the NVLink evidence of every tray and GPU of its rack, so their stragglers of cause
+    ``nvlink`` go into it rather than standing beside it (judged against another rack's trays, each would page
+    again for the same switch tray)."""
+    racks = {places.get(c.node, ("", None))[0] for k, c in res.candidates if k == "nvlink_domain"} - {""}
+    if not racks:
+        return cands
+    nodes = {n for n, (rack, _) in places.items() if rack in racks and not n.startswith("rack ")}
+    return [(k, c) for k, c in cands if not (k == "straggler" and c.node in nodes and c.cause == "nvlink")]
+
+
 def summarize(kind: str, c: Candidate, places: Places) -> str:
     ev = c.evidence
     rack, tray = places.get(c.node, ("", None))

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpufleet.detector import kinds
-from gpufleet.detector.candidate import Candidate, Evidence
+from gpufleet.detector.candidate import DIRECT, Candidate, Evidence
 from gpufleet.detector.identity import incident_id  # issue 24: ids from the problem (kind, entity, start)
 
 Key = tuple[str, str, str, str, str, str]  # kind, node, gpu, nic, site, "" (the job is no part of the identity)
@@ -62,6 +62,8 @@ class Finding:
     nic: str = ""
     evidence: Evidence = field(default_factory=Evidence)
     causes: dict[str, float] = field(default_factory=dict)  # cause -> evidence (scores summed)
+    #: the causes some candidate named by direct evidence (detector.cause_rules): they beat inferred ones
+    direct: set[str] = field(default_factory=set)
     last_seen: float = 0.0
     opened: float = 0.0  # evaluation time at which it opened (start + the hysteresis): the detection time
     incident: str = ""
@@ -118,10 +120,23 @@ class _Pending:
     count: int
     cand: Candidate
     causes: dict[str, float]
+    direct: set[str] = field(default_factory=set)
 
 
-def _top(causes: dict[str, float]) -> str:
-    return max(causes, key=lambda c: causes[c]) if causes else ""
+def _fold(causes: dict[str, float], direct: set[str], c: Candidate) -> None:
+    """Add candidate ``c``'s cause to a finding's (or pending run's) evidence: its score, and whether direct
+    evidence named it (a cause strength above :data:`~gpufleet.detector.candidate.DIRECT`)."""
+    causes[c.cause] = causes.get(c.cause, 0.0) + max(c.score, 1e-6)
+    if c.evidence.causes.get(c.cause, 0.0) > DIRECT:
+        direct.add(c.cause)
+
+
+def _top(causes: dict[str, float], direct: set[str] | None = None) -> str:
+    """The cause with the most evidence over the life, among those direct evidence named where there are any:
+    a lost PCIe lane seen after its GPU first read as starved is cause ``pcie``, not the inferred ``host``."""
+    pick = [c for c in causes if c in direct] if direct else []
+    pool = pick or list(causes)
+    return max(pool, key=lambda c: causes[c]) if pool else ""
 
 
 class Tracker:
@@ -183,8 +198,8 @@ class Tracker:
             if k in self.active:
                 f = self.active[k]
                 f.score = max(f.score, c.score)
-                f.causes[c.cause] = f.causes.get(c.cause, 0.0) + max(c.score, 1e-6)
-                f.cause = _top(f.causes) or None
+                _fold(f.causes, f.direct, c)
+                f.cause = _top(f.causes, f.direct) or None
                 f.last_seen = t
                 f.evidence = c.evidence
                 f.job = c.job or f.job
@@ -197,7 +212,7 @@ class Tracker:
             if p is None:
                 p = self.pending[k] = _Pending(t, 0, c, {})
             p.count += 1
-            p.causes[c.cause] = p.causes.get(c.cause, 0.0) + max(c.score, 1e-6)
+            _fold(p.causes, p.direct, c)
             p.cand = c if c.score >= p.cand.score else p.cand
             if p.count >= (kinds.spec(kind).open_after or self.open_after):
                 del self.pending[k]
@@ -241,7 +256,8 @@ class Tracker:
             f.score = max(f.score, p.cand.score)
             for cause, v in p.causes.items():
                 f.causes[cause] = f.causes.get(cause, 0.0) + v
-            f.cause = _top(f.causes) or f.cause
+            f.direct |= p.direct
+            f.cause = _top(f.causes, f.direct) or f.cause
             f.evidence = c.evidence
             f.job = c.job or f.job
             self._activate(k, f)
@@ -255,11 +271,12 @@ class Tracker:
         return k in self.active or k in self.pending
 
     def _open(self, k: Key, kind: str, c: Candidate, p: _Pending, t: float) -> None:
-        cause = _top(p.causes)
+        cause = _top(p.causes, p.direct)
         best = p.cand
         start = min(p.first, best.evidence.onset if best.evidence.onset is not None else p.first)
         f = Finding(kind, cause or None, c.node or None, c.gpu, c.job, c.site or None, start, None, best.score,
-                    self.summarize(kind, best), c.nic, best.evidence, p.causes, t, t, namespace=best.namespace,
+                    self.summarize(kind, best), c.nic, best.evidence, p.causes, set(p.direct), t, t,
+                    namespace=best.namespace,
                     pod=best.pod, gpu_instance=best.gpu_instance, mig_profile=best.mig_profile, route=best.route,
                     pattern=best.pattern, owner=best.owner, group=best.group)
         f.incident = self._related_incident(f) or incident_id(k, start)  # issue 24: not the opening time

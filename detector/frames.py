@@ -18,7 +18,7 @@ from gpufleet.detector.source import Result
 FloatArray = np.ndarray
 
 GPU_FEATURES = ("util", "samples", "util_last", "util_min", "util_max", "power_min", "power_max", "sm_clock", "mem_clock", "power", "temp", "mem_temp", "tensor", "sm_active",
-                "dram", "thr_thermal", "thr_power", "thr_brake", "thr_hw", "pcie_replay", "pcie_gen",
+                "dram", "thr_thermal", "thr_power", "thr_brake", "thr_hw", "thr_app", "pcie_replay", "pcie_gen",
                 "pcie_gen_max", "pcie_width", "pcie_width_max", "nvlink_down", "nvlink_bw", "ecc", "remap_pending",
                 "xid", "power_limit", "nvlink_crc_flit", "nvlink_crc_data", "nvlink_replay", "nvlink_recovery",
                 "coll_frac")
@@ -75,6 +75,8 @@ class GpuFrame:
     sync: FloatArray | None = None
     #: bool per GPU: its job is at a job-wide phase edge in this window (detector.phases; None: not known yet)
     edge: FloatArray | None = None
+    #: bool per GPU: its power limit is a cap set alike on its whole job (detector.policy; None: not known)
+    policy_cap: FloatArray | None = None
 
     def __len__(self) -> int:
         return len(self.gpus)

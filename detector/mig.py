@@ -40,7 +40,8 @@ from gpufleet.detector.source import Result, SeriesTable
 #: Slice features read from their own series (detector.profiles MIG queries) -> frame feature.
 OWN = {"mig_sm_active": "util", "mig_tensor": "tensor", "mig_dram": "dram"}
 #: Per-device readings of the parent GPU each slice carries (cause evidence).
-PARENT = ("sm_clock", "mem_clock", "temp", "thr_thermal", "thr_power", "thr_brake", "thr_hw", "power_limit")
+PARENT = ("sm_clock", "mem_clock", "temp", "thr_thermal", "thr_power", "thr_brake", "thr_hw", "thr_app",
+          "power_limit")
 #: A slice is busy (and can be a straggler or a peer) when its SMs are active at least this fraction.
 BUSY_SM_ACTIVE = 0.25
 

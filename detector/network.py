@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gpufleet.detector import memo
 from gpufleet.detector.candidate import DIRECT, Candidate, Evidence
 from gpufleet.detector.causes import nic_fabric
 from gpufleet.detector.features import GpuFrame, NicFrame
@@ -44,6 +45,7 @@ from gpufleet.detector.numeric import nan_to_zero
 from gpufleet.detector.robust import nanmedian, robust_z
 
 FloatArray = np.ndarray
+IntArray = np.ndarray
 
 
 @dataclass
@@ -81,10 +83,13 @@ def _fabric(nic: NicFrame, p: NetworkParams) -> np.ndarray:
     return out
 
 
-def _peer_groups(nic: NicFrame, busy_idx: np.ndarray, cap: FloatArray) -> list[np.ndarray]:
-    """The busy fabric ports (``busy_idx``) by peers for congestion (link layer, and capability to 2 significant
-    digits: rounded to 1 %), each group's positions ascending; each capability formatted once, the ports grouped
-    by a sort."""
+def _peer_groups(nic: NicFrame, busy_idx: np.ndarray, cap: FloatArray, job: IntArray | None = None,
+                 min_peers: int = 1) -> list[np.ndarray]:
+    """The busy fabric ports (``busy_idx``) by peers for congestion, each group's positions ascending: the busy
+    ports of one job (``job``: a code per NIC, -1 none; a job with at least ``min_peers`` busy ports), by link
+    layer and capability to 2 significant digits (rounded to 1 %); the other busy ports (no job, or too few of
+    their job's) are peers fleet-wide by link layer and capability. Each capability formatted once, the ports
+    grouped by a sort."""
     if not len(busy_idx):
         return []
     caps = np.asarray(cap, dtype=float)[busy_idx]
@@ -95,8 +100,40 @@ def _peer_groups(nic: NicFrame, busy_idx: np.ndarray, cap: FloatArray) -> list[n
         layer_codes: dict[str, int] = {}
         layers = np.array([layer_codes.setdefault(nic.link_layers[j], len(layer_codes)) for j in busy_idx.tolist()])
         code = layers * len(names) + code
+    if job is not None:
+        jb = np.asarray(job, dtype=np.int64)[busy_idx]
+        if (jb >= 0).any():
+            counts = np.bincount(jb[jb >= 0])
+            jb = np.where((jb >= 0) & (counts[np.maximum(jb, 0)] >= min_peers), jb, -1)
+            code = (jb + 1) * (int(code.max(initial=0)) + 1) + code
     order = np.argsort(code, kind="stable")
     return np.split(busy_idx[order], np.flatnonzero(np.diff(code[order])) + 1)
+
+
+def nic_jobs(nic: NicFrame, gpu: GpuFrame) -> IntArray:
+    """Per NIC: a code of the job whose traffic it carries (-1: none known): the job of the GPUs it serves
+    (topology or rail order) where they have one job; a NIC that serves no GPU, its node's job where the node's
+    GPUs have one job. Kept while the NICs, their GPUs and the GPUs' jobs stay the same."""
+    return memo.last("network.nic_jobs", (nic.nodes, nic.gpus, gpu.nodes, gpu.gpus, gpu.jobs),
+                     lambda: _nic_jobs(nic, gpu),
+                     keep=lambda k: (list(k[0]), list(k[1]), list(k[2]), list(k[3]), list(k[4])))
+
+
+def _nic_jobs(nic: NicFrame, gpu: GpuFrame) -> IntArray:
+    job_of: dict[tuple[str, str], str] = {}
+    node_jobs: dict[str, set[str]] = defaultdict(set)
+    for nd, g, j in zip(gpu.nodes, gpu.gpus, gpu.jobs, strict=True):
+        if j:
+            job_of[(nd, g)] = j
+            node_jobs[nd].add(j)
+    codes: dict[str, int] = {}
+    out = np.full(len(nic.devices), -1, dtype=np.int64)
+    for i, (nd, gs) in enumerate(zip(nic.nodes, nic.gpus, strict=True)):
+        js = {job_of[(nd, g)] for g in gs if (nd, g) in job_of} if gs else node_jobs.get(nd, set())
+        if len(js) == 1:
+            out[i] = codes.setdefault(next(iter(js)), len(codes))
+    out.flags.writeable = False
+    return out
 
 
 def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray | None = None,
@@ -132,7 +169,7 @@ def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray 
     tx = nan_to_zero(nic.get("nic_tx"))
     steady = np.array([nd not in quiet for nd in nic.nodes], dtype=bool) if quiet else np.ones(n, dtype=bool)
     busy = fabric & steady & (tx >= p.busy_bytes_per_second)
-    for idx in _peer_groups(nic, np.flatnonzero(busy), cap):
+    for idx in _peer_groups(nic, np.flatnonzero(busy), cap, nic_jobs(nic, gpu), p.min_peers):
         if len(idx) < p.min_peers:
             continue
         for feat, floor in (("nic_xmit_wait", p.xmit_wait_floor), ("nic_ecn", p.ecn_floor)):
@@ -186,6 +223,13 @@ def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray 
                              _evidence(nic, int(i), cause_detail[i], float(score[i])),
                              nic=f"{nic.devices[i]}/{nic.ports[i]}"))
     return out
+
+
+def link_text(c: Candidate) -> str:
+    """What a network candidate says of the link(s) a rank's traffic crosses, for its straggler's evidence:
+    ``NIC mlx5_0/1: xmit_wait`` (one port), ``8 fabric ports: symbol_errors`` (a node's)."""
+    what = ", ".join(c.evidence.flags) or "flagged"
+    return f"NIC {c.nic}: {what}" if c.nic else f"{c.evidence.members} fabric ports: {what}"
 
 
 def _evidence(nic: NicFrame, i: int, detail: list[str], score: float) -> Evidence:

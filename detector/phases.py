@@ -50,18 +50,22 @@ def swings(frame: GpuFrame) -> BoolArray:
 class JobEdges:
     """Which jobs are at a job-wide phase edge, evaluation after evaluation.
 
-    A job *reaches* an edge when most of its nodes (a one-node job: most of its GPUs) swung in the window, and
-    *stays* at it while any of its nodes still swings: the edge leaves the windows of the nodes scraped last
-    only up to a scrape interval after it left the first ones', and until it has left every node's window
-    the nodes still holding it look apart from those that do not.
+    A job *reaches* an edge when most of its nodes (a one-node job: most of its GPUs), or two of its nodes in
+    one window, swung, and *stays* at it while any of its nodes still swings, and for one scrape interval after
+    the last did: the edge leaves the windows of the nodes scraped last only up to a scrape interval after it
+    left the first ones', and until it has left every node's window the nodes still holding it look apart from
+    those that do not (at long scrape intervals a node's last swinging sample may leave its window a whole
+    interval before a peer's does).
     """
 
     def __init__(self, min_gpus: int = 4) -> None:
         self.min_gpus = min_gpus
         self.at_edge: set[str] = set()
+        self.last_swing: dict[str, float] = {}  # job at an edge -> the last evaluation at which a node swung
 
-    def update(self, frame: GpuFrame) -> BoolArray:
-        """Per GPU of ``frame``: its job is at a job-wide phase edge in this window."""
+    def update(self, frame: GpuFrame, t: float | None = None, interval: float = 0.0) -> BoolArray:
+        """Per GPU of ``frame``: its job is at a job-wide phase edge in this window (``t``: the evaluation's time;
+        ``interval``: the fleet's scrape interval, for how long an edge outlasts its last swing)."""
         n = len(frame)
         out = np.zeros(n, dtype=bool)
         swing = swings(frame) if n else out
@@ -77,12 +81,16 @@ class JobEdges:
             for i in ix:
                 nodes[gpu_node[i]] = nodes.get(gpu_node[i], False) or swung_gpu[i]
             swung = sum(nodes.values())
-            if len(nodes) >= 2:
-                reached = 2 * swung > len(nodes)
+            if len(nodes) >= 2:  # one node's own trouble swings that node alone: two in one window are the job's
+                reached = swung >= 2 or 2 * swung > len(nodes)
             else:
                 reached = len(ix) >= self.min_gpus and 2 * sum(swung_gpu[i] for i in ix) > len(ix)
-            if reached or (job in self.at_edge and swung > 0):
+            after = (t is not None and job in self.at_edge and t - self.last_swing.get(job, t) < interval)
+            if reached or (job in self.at_edge and swung > 0) or after:
                 now.add(job)
                 out[ix] = True
+                if swung and t is not None:
+                    self.last_swing[job] = t
         self.at_edge = now
+        self.last_swing = {j: v for j, v in self.last_swing.items() if j in now}
         return out

@@ -127,6 +127,9 @@ GPUFLEET: tuple[Query, ...] = (
     _q("thr_power", "gpufleet_gpu_clock_event_active", "avg", matchers=_eq("reason", "sw_power_cap")),
     _q("thr_brake", "gpufleet_gpu_clock_event_active", "avg", matchers=_eq("reason", "hw_power_brake_slowdown")),
     _q("thr_hw", "gpufleet_gpu_clock_event_active", "avg", matchers=_eq("reason", "hw_slowdown")),
+    # Clocks held at the applications clocks someone set (nvidia-smi -ac): policy where a whole job is set
+    # alike, a fault on a GPU set below its job's peers (detector/cause_rules.py).
+    _q("thr_app", "gpufleet_gpu_clock_event_active", "avg", matchers=_eq("reason", "applications_clocks_setting")),
     # The reasons active at the latest reading (as the dcgm profile reads its reason mask): throttling is seen
     # from the first sample it shows in, not once it has filled a fraction of the window.
     _q("thr_thermal", "gpufleet_gpu_clock_event_active", "last",
@@ -134,6 +137,7 @@ GPUFLEET: tuple[Query, ...] = (
     _q("thr_power", "gpufleet_gpu_clock_event_active", "last", matchers=_eq("reason", "sw_power_cap")),
     _q("thr_brake", "gpufleet_gpu_clock_event_active", "last", matchers=_eq("reason", "hw_power_brake_slowdown")),
     _q("thr_hw", "gpufleet_gpu_clock_event_active", "last", matchers=_eq("reason", "hw_slowdown")),
+    _q("thr_app", "gpufleet_gpu_clock_event_active", "last", matchers=_eq("reason", "applications_clocks_setting")),
     # NVML's cumulative throttle time of the counted reasons: rate() is the throttled fraction of the window.
     _q("thr_thermal", "gpufleet_gpu_clock_event_seconds_total", "rate",
        matchers=_re("reason", "sw_thermal_slowdown|hw_thermal_slowdown")),
@@ -214,6 +218,8 @@ DCGM: tuple[Query, ...] = (
     _x("thr_power", "DCGM_FI_DEV_POWER_VIOLATION", "rate", scale=1e-6),
     _x("@mask", "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "last"),
     _x("@mask", "DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "last"),
+    # The enforced limit where the counters CSV exports it: a site's cap on a job is context (detector.policy).
+    _x("power_limit", "DCGM_FI_DEV_POWER_MGMT_LIMIT", "last", optional=True),
     _x("pcie_replay", "DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "increase"),
     _x("xid", "DCGM_FI_DEV_XID_ERRORS", "max"),
     _x("nvlink_bw", "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "avg"),
@@ -309,7 +315,8 @@ MODEL_LABELS = {"gpufleet": ("name",), "dcgm": (exporters.DCGM_MODEL_LABEL,)}
 #: dcgm-exporter's throttle / clock-event reason bits.
 MASK_BITS = {"thr_power": reason_bits("sw_power_cap"), "thr_hw": reason_bits("hw_slowdown"),
              "thr_thermal": reason_bits("sw_thermal_slowdown", "hw_thermal_slowdown"),
-             "thr_brake": reason_bits("hw_power_brake_slowdown")}
+             "thr_brake": reason_bits("hw_power_brake_slowdown"),
+             "thr_app": reason_bits("applications_clocks_setting")}
 
 
 def queries(profile: str) -> tuple[Query, ...]:

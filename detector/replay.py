@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from gpufleet.detector import iforest, profile_hint, shard_source, warmstart
+from gpufleet.detector import cadence, iforest, profile_hint, shard_source, warmstart
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.engine import Detector, gc_paused
 from gpufleet.detector.features import OPTIONAL_METRICS
@@ -44,8 +44,10 @@ def replay(files: Sequence[str], cfg: DetectorConfig, step: float | None = None,
         beside = Beside(_import_forest, FOREST_IMPORT_BYTES)
     with gc_paused():  # the import and the series are long-lived objects: no garbage cycles to look for
         src = RecordingSource.load(files, metrics, parallel=parallel, beside=beside)
-    det = Detector(cfg, shard_source.view(src, cfg))  # --shard i/N: only the nodes of this shard's GPUs
     lo, hi = src.time_range()
+    if hi - lo > cfg.window_seconds:  # a window of enough scrapes of the recording's own interval
+        cfg = cadence.fit_window(cfg, src, (lo + hi) / 2)
+    det = Detector(cfg, shard_source.view(src, cfg))  # --shard i/N: only the nodes of this shard's GPUs
     step = step or cfg.interval_seconds
     if step <= 0:
         raise ValueError("--step must be > 0")

@@ -22,7 +22,7 @@ from pathlib import Path
 from gpufleet.agent.serving import sdnotify
 from gpufleet.agent.serving.server import MetricsServer
 from gpufleet.agent.serving.webconfig import load_web_config
-from gpufleet.detector import shard_source, warmstart
+from gpufleet.detector import cadence, shard_source, warmstart
 from gpufleet.detector.config import ConfigError, DetectorConfig
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.exporter import Exposer, Health, registry_for
@@ -56,6 +56,7 @@ def _source(cfg: DetectorConfig) -> PrometheusSource:
 def serve(cfg: DetectorConfig, once: bool) -> int:
     live = Liveness()  # the evaluation loop's progress, for systemd's watchdog
     prom = _source(cfg)
+    cfg = cadence.fit_window(cfg, prom, time.time())  # a window of enough scrapes of the fleet's interval
     det = Detector(cfg, live.track(shard_source.view(prom, cfg)))  # --shard: its nodes' series only
     health = Health()
     state = _State(cfg, det, prom, live, health)

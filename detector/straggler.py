@@ -194,10 +194,11 @@ def _group_ids(ok: BoolArray, code: IntArray, min_peers: int) -> IntArray:
 def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], float] | None = None,
           limit_ref: FloatArray | None = None,
           node_causes: dict[str, tuple[str, dict[str, float]]] | None = None,
-          edge: FloatArray | None = None) -> StragglerResult:
+          edge: FloatArray | None = None, nic_links: dict[tuple[str, str], str] | None = None) -> StragglerResult:
     """Score the frame's GPUs against their peers. ``edge`` (bool per GPU, :class:`gpufleet.detector.phases.JobEdges`):
     the GPU's job is at a job-wide phase edge in this window, so only direct hardware evidence makes it a
-    candidate (deviations alone cannot tell a fault from the edge)."""
+    candidate (deviations alone cannot tell a fault from the edge). ``nic_links``: what the flagged NIC serving
+    a GPU was flagged for (its straggler's evidence names it)."""
     n = len(frame)
     util = frame.get("util")
     active = nan_to_zero(util) >= p.busy_util
@@ -215,8 +216,14 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
     feats = [(f, x) for f, x in feats if np.isfinite(x[scored]).any()]
     zs = PeerGroups(groups).robust_zs([(x, FEATURES[f][0], FEATURES[f][1]) for f, x in feats])
     for (f, _), zf in zip(feats, zs, strict=True):
-        direction = FEATURES[f][2]
         z[f] = zf
+    policy = _policy_held(frame, p)
+    for f, zf in z.items():
+        direction = FEATURES[f][2]
+        if f == "util":  # lower utilization is a lag only where the GPU also does less (see _starved)
+            zf = np.where(_starved(frame, z, p, node_causes or {}), zf, 0.0)
+        elif f in POLICY_EXPLAINS and policy is not None:  # the site's cap holds its clock (busier for it)
+            zf = np.where(policy, 0.0, zf)
         if direction:
             robust = np.fmax(robust, nan_to_zero(direction * zf))
     # iso = 0.5 is neutral (factor 1). The forest moves a score by at most 25 %, so it can only change a
@@ -225,8 +232,8 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
     # below its peers' slows its job even when the deviation alone is modest. Software power capping is left
     # out: at full load (and more so in hot weather) it is normal and comes and goes.
     if "sm_clock" in z:
-        thr = np.fmax.reduce([nan_to_zero(frame.get(f)) for f in ("thr_thermal", "thr_brake",
-                                                                                "thr_hw")])
+        thr = np.fmax.reduce([nan_to_zero(frame.get(f)) for f in ("thr_thermal", "thr_brake", "thr_hw",
+                                                                    "thr_app")])
         boost = (thr >= 0.5) & (nan_to_zero(z["sm_clock"]) <= -p.cause_z / 2)
         robust = np.where(boost, np.fmax(robust, -nan_to_zero(z["sm_clock"]) + p.threshold / 2), robust)
     # Collective timing (NCCL profiler traces), where present: the rank its peers wait for in the collectives.
@@ -251,13 +258,53 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
         t = _thresholds(p)
         cands = [c for c in cands if (c.node, c.gpu) not in at_edge
                  or cause_rules.vouched(c.evidence.rules, c.evidence.deviations, t)]
-    cands += _link_stragglers(frame, scored & ~hit, p, flags, z, node_causes or {})
+    cands += _link_stragglers(frame, scored & ~hit, p, flags, z, node_causes or {}, nic_links or {})
     return StragglerResult(scored, combined, z, _collapse_nodes(frame, groups, cands, p))
+
+
+#: The deviations a cap set alike on a whole job explains on a GPU it holds: a lower clock, and the higher
+#: activity of a rank that computes slower for it.
+POLICY_EXPLAINS = ("sm_clock", "mem_clock", "tensor", "sm_active")
+
+
+def _policy_held(frame: GpuFrame, p: StragglerParams) -> BoolArray | None:
+    """Per GPU: capped by its job's policy (detector.policy) and held by that cap now: a lower clock under a cap
+    set alike on the whole job is the job's operating point (the leakier parts clock lower), no lag (None: no
+    GPU is)."""
+    pc = frame.policy_cap
+    if pc is None or not pc.any():
+        return None
+    out: BoolArray = np.asarray(pc, dtype=bool) & (nan_to_zero(frame.get("thr_power")) >= p.throttle_fraction)
+    return out
+
+
+#: What a GPU starved of input does less of besides being busy less of the time (its z, against its peers').
+WORK = ("tensor", "sm_active", "power")
+
+
+def _starved(frame: GpuFrame, z: dict[str, FloatArray], p: StragglerParams,
+             node_causes: dict[str, tuple[str, dict[str, float]]]) -> BoolArray:
+    """Per GPU: may a utilization below its peers' count as a lag? A GPU starved by its host does less work
+    besides (its tensor or SM activity, or its power, below its peers'), or its node shows host pressure. A GPU
+    busy less of the time that does as much work per second as its peers (an exporter sampling behind the
+    scrape across a job's phase change, a bursty loader) lags nobody. Without any work feature, utilization
+    counts as it is."""
+    n = len(frame)
+    work = [nan_to_zero(z[f]) for f in WORK if f in z]
+    if not work:
+        return np.ones(n, dtype=bool)
+    seen = np.logical_or.reduce([np.isfinite(z[f]) for f in WORK if f in z])
+    out: BoolArray = ~seen | (np.fmin.reduce(work) <= -p.cause_z / 2)
+    host = {node for node, (cause, _) in node_causes.items() if cause == "host"}
+    if host:
+        out |= np.array([nd in host for nd in frame.nodes], dtype=bool)
+    return out
 
 
 def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
                      nic_flags: dict[tuple[str, str], float], z: dict[str, FloatArray],
-                     node_causes: dict[str, tuple[str, dict[str, float]]] | None = None) -> list[Candidate]:
+                     node_causes: dict[str, tuple[str, dict[str, float]]] | None = None,
+                     nic_links: dict[tuple[str, str], str] | None = None) -> list[Candidate]:
     """Ranks of a job slowed by their links: the GPU computes normally, the job's collectives wait for it.
 
     A degraded, flapping or congested NIC (from the network detector), an NVLink link down, or a PCIe link
@@ -285,6 +332,8 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
     with np.errstate(invalid="ignore"):
         maybe = ((nvl < 1) | (~np.isfinite(nvl) & (nvl_err >= 1)) | (gen < gen_max) | (width < width_max)
                  | ((replays >= 1) & ~np.isfinite(gen)))
+    if "power_limit" in z:  # a limit set below its peers' (cause_rules: power_limit_below_peers)
+        maybe |= nan_to_zero(z["power_limit"]) <= -p.cause_z
     if nic_flags:
         flagged_nodes = {node for node, _ in nic_flags}
         maybe |= np.array([node in flagged_nodes for node in frame.nodes], dtype=bool)
@@ -295,14 +344,19 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
     for i in np.flatnonzero(np.asarray(idx, dtype=bool) & maybe):
         if not frame.jobs[i]:
             continue
-        view = cause_rules.GpuView(frame, int(i), {}, _thresholds(p), nic_flags, node_causes or {}, **refs)
+        own_z: dict[str, float] = {f: v for f in ("power_limit", "power") if f in z
+                                   and math.isfinite(v := float(z[f][i]))}
+        view = cause_rules.GpuView(frame, int(i), own_z, _thresholds(p), nic_flags, node_causes or {}, **refs)
         hit = cause_rules.link(view)
         if hit is None:
             continue
         rule, strength = hit
         key = (frame.nodes[i], frame.gpus[i])
         sc = nic_flags[key] if rule.what == "nic_flagged" else p.threshold + min(strength - DIRECT, 2.0)
-        ev = Evidence(causes={rule.cause: strength}, values=rule.values(view), rules=(rule.what,))
+        link = (nic_links or {}).get(key) if rule.what == "nic_flagged" else None
+        own = {f: float(z[f][i]) for f in ("power_limit",) if rule.what == "power_limit_below_peers"}
+        ev = Evidence(deviations=own, causes={rule.cause: strength}, values=rule.values(view), rules=(rule.what,),
+                      flags=(link,) if link else ())
         out.append(Candidate(frame.nodes[i], frame.gpus[i], frame.jobs[i], frame.sites[i], rule.cause, float(sc),
                              ev))
     return out
@@ -384,7 +438,8 @@ def _collapse_nodes(frame: GpuFrame, groups: FloatArray, cands: list[Candidate],
             pick = strongest_direct or strength
             cause = max(pick, key=lambda k: pick[k])
             best = max(cs, key=lambda c: c.score)
-            ev = replace(best.evidence, causes={**strength, **strongest_direct}, members=len(cs))
+            flags = tuple(dict.fromkeys(f for c in cs for f in c.evidence.flags))  # every member's links, once
+            ev = replace(best.evidence, causes={**strength, **strongest_direct}, members=len(cs), flags=flags)
             out.append(Candidate(node, None, job, best.site, cause, best.score, ev))
         else:
             out.extend(cs)

@@ -8,6 +8,13 @@ from gpufleet.detector import workload
 from gpufleet.detector.candidate import Candidate
 
 
+def links(c: Candidate) -> str:
+    """A link straggler's own evidence: the flagged NIC and what for, else the link readings its rule names
+    (``pcie_gen, pcie_width``; ``nvlink_up_min``), else the rules themselves: never nothing."""
+    ev = c.evidence
+    return ", ".join(ev.flags) or ", ".join(ev.values) or ", ".join(ev.rules) or c.cause
+
+
 def summarize(kind: str, c: Candidate) -> str:
     ev = c.evidence
     if c.route == "workload":
@@ -21,7 +28,7 @@ def summarize(kind: str, c: Candidate) -> str:
         job = f" in job {c.job}" if c.job else ""
         job += f" (pod {c.namespace}/{c.pod})" if c.pod else (f" (namespace {c.namespace})" if c.namespace else "")
         verb = "lags its" if c.gpu is not None else "lag their"
-        why = f"({dev})" if dev else "(its links: " + ", ".join(ev.values) + ")"
+        why = f"({dev})" if dev else "(its links: " + links(c) + ")"
         return f"{who}{job} {verb} peers {why}; likely cause: {c.cause}"
     if kind == "throttling":
         fr = max(ev.fractions.values(), default=0.0)

@@ -42,6 +42,12 @@ Catalogue (``kind``: signature -> expected findings):
   0.1..3 per second; GPUDirect traffic of that rank is bounded by PCIe. With a ``precursor`` (a lead time)
   the correctable AER reports start that long before the link trains down (a marginal link warns first);
   the GPU does not lag until the onset. -> straggler/pcie.
+* ``pcie_retrain`` (GPU, issue 31): under load the link throws a burst of replays (``pcie_replay`` 20..60 per
+  second for a minute from the onset, correctable AER reports), then retrains to x8 of x16 at its generation;
+  GPUDirect traffic of that rank is bounded by the narrower link, so the job slows. -> straggler/pcie.
+* ``app_clocks_locked`` (GPU, issue 31): application clocks set to 1200 MHz (``nvidia-smi -ac``) on one GPU:
+  its SM clock holds there with ``applications_clocks_setting`` (no hw_slowdown, no power or thermal reason);
+  it computes all the time, its peers wait. -> throttling/clock, straggler/clock.
 * ``nvlink_down`` (GPU): 1..6 NVLink links go down (``nvlink_up`` 0, replay/recovery errors just
   before); the GPU's NVLink bandwidth and so the job's intra-node collective slow. -> straggler/network.
 * ``hbm_ecc`` (GPU): corrected ECC errors at 2..200 per hour from onset, then (after 2 h..5 min) one
@@ -308,9 +314,38 @@ class PcieDowngrade(Fault):
         p.mods.aer_cor_per_s[self.gpus(p)] += self.aer_per_s()
 
 
+class PcieRetrain(Fault):
+    kind = "pcie_retrain"
+    findings = (("straggler", "pcie"),)
+    signals = ("gpufleet_gpu_pcie_link_width", "gpufleet_gpu_pcie_replay_total")
+    #: The replay burst under load from the onset, before the link gives up half its lanes.
+    BURST_S: ClassVar[float] = 60.0
+
+    def apply(self, p: Physics, t: float, dt: float) -> None:
+        g = self.gpus(p)
+        if t <= self.onset + self.BURST_S:
+            p.mods.pcie_replay_per_s[g] += lerp(20.0, 60.0, self.severity)
+            p.mods.aer_cor_per_s[g] += lerp(1.0, 5.0, self.severity)
+        else:
+            p.mods.pcie_width[g] = np.minimum(p.mods.pcie_width[g], p.pcie_width_max[g] // 2)
+            p.mods.pcie_replay_per_s[g] += 0.05
+
+
+class AppClocksLocked(Fault):
+    kind = "app_clocks_locked"
+    findings = (("throttling", "clock"), ("straggler", "clock"))
+    signals = ("gpufleet_gpu_clock_hertz{clock=sm}", "gpufleet_gpu_clock_event_active{reason=applications_clocks_setting}")
+    MHZ: ClassVar[float] = 1200.0
+
+    def apply(self, p: Physics, t: float, dt: float) -> None:
+        g = self.gpus(p)
+        p.mods.clock_cap[g] = np.minimum(p.mods.clock_cap[g], self.MHZ / p.fmax[g])
+        p.mods.app_clocks[g] = True
+
+
 class NvlinkDown(Fault):
     kind = "nvlink_down"
-    findings = (("straggler", "network"),)
+    findings = (("straggler", "nvlink"),)
     signals = ("gpufleet_gpu_nvlink_up", "gpufleet_gpu_nvlink_throughput_bytes_per_second")
 
     def links(self) -> int:
@@ -476,7 +511,7 @@ FAULTS: dict[str, type[Fault]] = {
     c.kind: c for c in (
         CoolingFailure, IntermittentThermal, PowerBrake, PowerCap, ClockStuckLow, IbLinkDegraded, IbLinkFlapping,
         NetworkCongestion, PcieDowngrade, NvlinkDown, HbmEcc, Xid79, SlowHost, PueDrift, RocePauseStorm,
-        NvlinkFabricDegraded, NvswitchTrayFailure, C2cLost, TrayThermalMargin,
+        NvlinkFabricDegraded, NvswitchTrayFailure, C2cLost, TrayThermalMargin, PcieRetrain, AppClocksLocked,
     )
 }
 

@@ -56,6 +56,12 @@ GPU_MODELS: dict[str, GpuModel] = {
     # memory, 1200 W, 18 NVLink 5 links of 50 GB/s per direction); 4 per tray, 18 trays per rack.
     "GB200": GpuModel("GB200", "NVIDIA GB200", 10, (10, 0), 198673924096, 2062, 345, 3996,
                       1200.0, 140.0, 1250.0, 0.040, 35.0, 85, 87, 92, 95, 18, 50.0, 5, 16, rack_trays=18),
+    # HGX B200 baseboard GPU (issue 31): 1000 W default power limit per GPU (NVIDIA HGX B200 / DGX B200
+    # datasheets: "up to 1,000 W" per GPU, 14.3 kW per DGX B200), 180 GB HBM3e usable (nvidia-smi: 183359 MiB),
+    # 1965 MHz max SM clock, 18 NVLink 5 links of 50 GB/s per direction (1.8 TB/s per GPU); PCIe Gen5 x16 to the
+    # host's switches (the system's maximum, as NVML reports it on Gen5 hosts).
+    "B200": GpuModel("B200", "NVIDIA B200", 10, (10, 0), 192265846784, 1965, 345, 3996,
+                     1000.0, 120.0, 1050.0, 0.045, 35.0, 85, 87, 92, 95, 18, 50.0, 5, 16),
 }
 
 
@@ -99,6 +105,11 @@ class Job:
     #: An inference service instead of a synchronous training job: every GPU serves its own requests with a
     #: load that comes and goes, no collectives, no job label (like a Deployment's pods).
     inference: bool = False
+    #: The local GPUs of each node the job holds (a one-GPU task of a job array: ``(3,)``); empty: every GPU.
+    gpus: tuple[int, ...] = ()
+    #: An interactive session (``srun --pty``/``salloc``): a Slurm job, labelled, whose load comes and goes as
+    #: its user runs things, no collectives (gpufleet.agent.sim.slurm_world).
+    bursty: bool = False
 
     def active(self, t: float) -> bool:
         return self.start <= t < self.end

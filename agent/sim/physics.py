@@ -101,6 +101,12 @@ class Mods:
         # (columns: vocab.fabric.HEALTH_CONDITIONS) and GPUs whose C2C link to their Grace CPU is down.
         self.fabric = np.zeros((g, 5), bool)
         self.c2c_off = np.zeros(g, bool)
+        # Issue 31 (agent.sim.slurm_world): transmit wait per NIC that the job's own traffic pattern causes
+        # (all-to-all incast: the port waits, the job is not slowed, no ECN), and GPUs whose application clocks
+        # are set below their maximum (clock_cap holds the clock; the clock-event reason is
+        # applications_clocks_setting).
+        self.incast = np.zeros(n)
+        self.app_clocks = np.zeros(g, bool)
 
 
 @dataclass
@@ -213,6 +219,7 @@ class Physics:
         self.job_baseline_s: dict[str, float] = {}  # step time of the job on healthy, unthrottled GPUs
         self.job_steps: dict[str, float] = {}
         self._jobs = _JobTable(gpu_job=np.full(g, -1))  # no job yet: every GPU idle
+        self._jobs_key: tuple[int, ...] = ()
         self.mods = Mods(self)
 
     # ---------------------------------------------------------------- events
@@ -287,13 +294,16 @@ class Physics:
     def _job_table(self, t: float) -> _JobTable:
         active = [j for j in self.fleet.jobs if j.active(t)]
         ids = tuple(j.id for j in active)
-        if ids == self._jobs.ids:
+        key = tuple(map(id, active))  # a requeued job keeps its id on other nodes: the table is of the objects
+        if ids == self._jobs.ids and key == self._jobs_key:
             return self._jobs
+        self._jobs_key = key
         f = self.fleet
         gpu_job = np.full(f.n_gpus, -1)
         for k, job in enumerate(active):
             for node in job.nodes:
-                gpu_job[f.node_gpus(node)] = k
+                gpus = f.node_gpus(node)
+                gpu_job[gpus[list(job.gpus)] if job.gpus else gpus] = k
         self._jobs = _JobTable(
             ids=ids, gpu_job=gpu_job,
             compute_s=np.array([j.compute_s for j in active]),
@@ -324,7 +334,7 @@ class Physics:
         self.lost = m.lost & node_up
         busy = (jt.gpu_job >= 0) & ~self.lost & node_up
         labelled = busy  # a job keeps its GPUs (and its label) through checkpoints and evaluations
-        ckpt, evaluating, serving = self._phase_masks(t, jt)
+        ckpt, evaluating, serving, unlabelled = self._phase_masks(t, jt)
         busy = busy & ~ckpt
         j = np.where(busy, jt.gpu_job, 0)
         nj = len(jt.ids)
@@ -420,7 +430,8 @@ class Physics:
         self.mem_util = np.clip(100.0 * self.dram * 0.8, 0.0, 100.0)
         self.mem_used = np.where(busy, self.mem_total * (jt.mem[j] if has else 0.0), 0.0)
         held = {"sw_power_cap": capped, "hw_slowdown": m.hw_slowdown, "sw_thermal_slowdown": thermal,
-                "hw_thermal_slowdown": hw_thermal, "hw_power_brake_slowdown": m.brake}
+                "hw_thermal_slowdown": hw_thermal, "hw_power_brake_slowdown": m.brake,
+                "applications_clocks_setting": m.app_clocks & busy}
         reasons = np.zeros(f.n_gpus, dtype=np.int64)
         reasons |= np.where(~busy, CLOCK_EVENT_BITS["gpu_idle"], 0)
         for reason, on in held.items():
@@ -466,7 +477,7 @@ class Physics:
         self.nic_bytes += nic_tx[:, None]
         pkts = nic_tx / 4096.0
         self.nic_pkts += pkts[:, None]
-        self.nic_wait += nic_tx / 64.0 * (0.002 + 0.6 * congestion)
+        self.nic_wait += nic_tx / 64.0 * (0.002 + 0.6 * congestion + m.incast)
         self.nic_hw[:, 0] += pkts * 0.2 * m.congestion
         self.nic_hw[:, 1] += pkts * 0.05 * m.congestion
         self.nic_hw[:, 2] += pkts * 0.05 * m.congestion
@@ -502,27 +513,29 @@ class Physics:
             self.job_baseline_s[job_id] = float(base[k] + jt.inter_bytes[k] / nic_nominal_bw
                                                 + jt.nvl_bytes[k] / nvl_nominal_bw)
             self.job_steps[job_id] = self.job_steps.get(job_id, 0.0) + dt / float(step_job[k])
-        self.gpu_job = np.where(labelled & ~serving, jt.gpu_job, -1)
+        self.gpu_job = np.where(labelled & ~unlabelled, jt.gpu_job, -1)
         self.t = t
 
-    def _phase_masks(self, t: float, jt: _JobTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per GPU: its job checkpoints, evaluates, or is an inference service at ``t``."""
+    def _phase_masks(self, t: float, jt: _JobTable) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per GPU: its job checkpoints, evaluates, or serves a load of its own (an inference service, an
+        interactive session) at ``t``; and whether it is an inference service's (no job label)."""
         g = self.fleet.n_gpus
-        ckpt, evaluating, serving = np.zeros(g, bool), np.zeros(g, bool), np.zeros(g, bool)
+        ckpt, evaluating, serving, unlabelled = (np.zeros(g, bool) for _ in range(4))
         active = [j for j in self.fleet.jobs if j.active(t)]
-        if not any(j.phases or j.inference for j in active):
-            return ckpt, evaluating, serving
+        if not any(j.phases or j.inference or j.bursty for j in active):
+            return ckpt, evaluating, serving, unlabelled
         for k, job in enumerate(active):
             on = jt.gpu_job == k
-            if job.inference:
+            if job.inference or job.bursty:
                 serving |= on
+                unlabelled |= on & job.inference
                 continue
             what = job.phase(t)
             if what == "checkpoint":
                 ckpt |= on
             elif what == "eval":
                 evaluating |= on
-        return ckpt, evaluating, serving
+        return ckpt, evaluating, serving, unlabelled
 
 
 def _inter_bytes(job: Job, gpus_per_node: int) -> float:
@@ -532,4 +545,5 @@ def _inter_bytes(job: Job, gpus_per_node: int) -> float:
 
 def _nvl_bytes(job: Job, gpus_per_node: int) -> float:
     factor = 3.0 if job.parallel == "hybrid" else 1.0
-    return factor * 2.0 * job.grad_bytes * (gpus_per_node - 1) / gpus_per_node
+    local = len(job.gpus) or gpus_per_node
+    return factor * 2.0 * job.grad_bytes * (local - 1) / local

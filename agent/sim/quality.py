@@ -41,6 +41,7 @@ stdout.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -353,14 +354,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="parallel worker processes")
     ap.add_argument("--only", nargs="*", help="only these scenarios")
     ap.add_argument("--out", default="quality-results", help="directory for quality.json")
-    ap.add_argument("--fleet", choices=(*FLEETS, "both"), default="messy",
+    ap.add_argument("--fleet", choices=(*FLEETS, "both", "slurm"), default="messy",
                     help="the fleet faults are injected into: messy (mixed, with confounders; default), plain "
-                         "(each fault's own 8-node scenario) or both")
+                         "(each fault's own 8-node scenario) or both; slurm: the Slurm section instead "
+                         "(gpufleet.agent.sim.quality_slurm, at 15 and 60 s scrapes)")
     ap.add_argument("--series", choices=("auto", "core", "full"), default="auto",
                     help="simulator series set: core (detector inputs; fast), full (every modelled series) or "
                          "auto (core, but full for nvlink_down: per-link NVLink state is only in full)")
     add_scrape_option(ap)
     args = ap.parse_args(argv)
+    if args.fleet == "slurm":  # its own section (it builds on this module: imported by name, no cycle)
+        forward = ["--out", args.out, "--jobs", str(args.jobs), "--scrape", args.scrape,
+                   *(["--quick"] if args.quick else []), *(["--seeds", str(args.seeds)] if args.seeds else [])]
+        section: Any = importlib.import_module("gpufleet.agent.sim.quality_slurm")
+        return int(section.main(forward))
     seeds = args.seeds or (1 if args.quick else 3)
     runs = plan(args.quick, seeds, FLEETS if args.fleet == "both" else (args.fleet,))
     if args.only:

@@ -44,6 +44,7 @@ from gpufleet.agent.sim.physics import (
     NIC_ERRORS,
     NIC_HW,
     REBOOT_DOWNTIME_S,
+    Effects,
     Heatwave,
     Physics,
 )
@@ -137,6 +138,9 @@ class Simulator:
         self.fault_schedule = FaultSchedule(self.faults)
         #: The scenario's uneven work ([[workloads]]), applied each tick after the faults (None: none).
         self.workloads = Workloads(sc.workloads, self.fleet, self.seed) if sc.workloads else None
+        #: Further effects applied each tick after the workloads: a frame's site policies (power caps on whole jobs,
+        #: PCIe power saving at idle, a job's own traffic pattern: agent.sim.slurm_world).
+        self.policies: list[Effects] = []
         self._reboots = sorted((r["at"], node_index[r["node"]]) for r in sc.reboots)
         self._blips = sorted((b["at"], k) for k, b in enumerate(sc.blips))
         self._uuids = [self._uuid(g) for g in range(self.fleet.n_gpus)]
@@ -175,6 +179,8 @@ class Simulator:
         self.fault_schedule(p, t, dt)
         if self.workloads is not None:
             self.workloads(p, t, dt)
+        for policy in self.policies:
+            policy(p, t, dt)
 
     def _blip(self, b: dict[str, Any], node: int) -> None:
         """An isolated counter blip (a confounder): a few PCIe replays or symbol errors, once."""
@@ -332,7 +338,9 @@ class Simulator:
         p = self.physics
         out: list[dict[str, Any]] = []
         for k, job_id in enumerate(p._jobs.ids):
-            job = next(j for j in self.fleet.jobs if j.id == job_id)
+            # a requeued job keeps its id on other nodes: the instance running now
+            job = next((j for j in self.fleet.jobs if j.id == job_id and j.active(p.t)),
+                       next(j for j in self.fleet.jobs if j.id == job_id))
             gpus = np.flatnonzero(p.gpu_job == k)
             if gpus.size == 0:
                 continue

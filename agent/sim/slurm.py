@@ -131,7 +131,9 @@ class SlurmNodes:
         t = float(self.sim.physics.t)
         service = next((j for j in self._services if i in j.nodes and j.active(t)), None)
         for k, job_id in enumerate(self.sim.gpu_jobs(i)):
-            job = self._jobs.get(job_id) if job_id is not None else None
+            # a requeued job keeps its id on other nodes: the instance running now
+            job = next((j for j in self.sim.fleet.jobs if j.id == job_id and j.active(t) and i in j.nodes),
+                       self._jobs.get(job_id)) if job_id is not None else None
             if job_id is None or job is None or i not in job.nodes:
                 if service is not None and self.sim.node_up(i) and not self.sim.physics.lost[int(gpus[k])]:
                     uid = pod_uid(service.id, self.sim.nodes[i], k)

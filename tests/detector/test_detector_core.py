@@ -519,9 +519,9 @@ def _nvlink_frame(replays: dict[int, float] | None) -> GpuFrame:
     return f
 
 
-def test_dcgm_nvlink_errors_on_one_rank_make_it_a_network_straggler() -> None:
+def test_dcgm_nvlink_errors_on_one_rank_make_it_an_nvlink_straggler() -> None:
     res = straggler.score(_nvlink_frame({10: 40.0}), StragglerParams())
-    assert [(c.node, c.gpu, c.cause) for c in res.candidates] == [("n1", "2", "network")]
+    assert [(c.node, c.gpu, c.cause) for c in res.candidates] == [("n1", "2", "nvlink")]
     assert res.candidates[0].evidence.values == {"nvlink_errors": 41.0}
     # without the counters, or with flat ones, or with errors on every rank alike: nothing
     for frame in (_nvlink_frame(None), _nvlink_frame({}), _nvlink_frame(dict.fromkeys(range(16), 40.0))):

@@ -103,7 +103,7 @@ def test_a_checkpoint_and_an_evaluation_pass_read_through_staggered_scrapes_rais
 def test_without_the_edges_the_staggered_checkpoint_looks_like_stragglers(monkeypatch: pytest.MonkeyPatch) -> None:
     """The control: the same fleet with the job-edge state switched off raises straggler findings at the
     checkpoint's edges (healthy nodes many sigma apart only because they were scraped at other moments)."""
-    monkeypatch.setattr(phases.JobEdges, "update", lambda self, frame: np.zeros(len(frame), dtype=bool))
+    monkeypatch.setattr(phases.JobEdges, "update", lambda self, frame, t=None, interval=0.0: np.zeros(len(frame), dtype=bool))
     found = _run(duration=1300.0)
     assert any(f.kind == "straggler" and CKPT[0] - 60 <= f.start <= CKPT[1] + 180 for f in found)
 

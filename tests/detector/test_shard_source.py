@@ -373,9 +373,10 @@ def test_folded_queries_answer_each_query_exactly_what_it_alone_answers(source: 
     sent, into = shard_fold.fold(qs)
     assert len(sent) < len(qs) - 10  # clock reasons, clocks, sensors, NIC errors: one query each
     thr = [q for q in qs if q.metric == "gpufleet_gpu_clock_event_active" and q.op == "avg"]
-    assert len({into[qs.index(q)] for q in thr}) == 1 and len(thr) == 4
+    assert len({into[qs.index(q)] for q in thr}) == 1 and len(thr) == 5
     assert sent[into[qs.index(thr[0])]].matchers == (
-        ("reason", "=~", "(?:sw_thermal_slowdown|hw_thermal_slowdown)|sw_power_cap|hw_power_brake_slowdown|hw_slowdown"),)
+        ("reason", "=~", "(?:sw_thermal_slowdown|hw_thermal_slowdown)|sw_power_cap|hw_power_brake_slowdown|hw_slowdown"
+             "|applications_clocks_setting"),)
     t = TIMES[-1]
     for q, k in zip(qs, into, strict=True):
         alone = source.query(q, t, 120.0)

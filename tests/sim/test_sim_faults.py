@@ -95,6 +95,10 @@ def _rises(tv: tuple[np.ndarray, np.ndarray], factor: float = 1.0) -> tuple[np.n
 
 SIGNATURES: dict[str, tuple[set[str], Check]] = {
     "cooling_failure": ({"gpufleet_gpu_clock_event_active"}, _active("sw_thermal_slowdown", "0")),
+    # issue 31: the link retrains to x8 of x16 (after its replay burst); application clocks locked at 1200 MHz
+    "pcie_retrain": ({"gpufleet_gpu_pcie_link_width"}, lambda s: _below(one(s, "gpufleet_gpu_pcie_link_width",
+                                                                              gpu="1", **N2), 16)),
+    "app_clocks_locked": ({"gpufleet_gpu_clock_event_active"}, _active("applications_clocks_setting", "3")),
     "intermittent_thermal": ({"gpufleet_gpu_clock_event_active"}, _active("sw_thermal_slowdown", "4")),
     "power_brake": ({"gpufleet_gpu_clock_event_active"}, _active("hw_power_brake_slowdown", "3")),
     "power_cap": ({"gpufleet_gpu_power_limit_watts"},

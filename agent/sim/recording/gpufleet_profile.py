@@ -107,7 +107,10 @@ def write(w: OmWriter, c: Context) -> None:
                    {"direction": d}, header=False)
     # ---- throttling
     fam("gpufleet_gpu_clock_event_active")
-    for reason in ACTIVE_REASONS if full else ("hw_slowdown",):
+    # application clocks set below the maximum (issue 31): recorded where the run has them, so recordings
+    # without them stay as they were
+    app = ("applications_clocks_setting",) if (fr["reasons"] & CLOCK_EVENT_BITS["applications_clocks_setting"]).any() else ()
+    for reason in (*(ACTIVE_REASONS if full else ("hw_slowdown",)), *app):
         gpu_metric("gpufleet_gpu_clock_event_active", (fr["reasons"] & CLOCK_EVENT_BITS[reason]) > 0, 0, {"reason": reason},
                    header=False)
     fam("gpufleet_gpu_clock_event_seconds_total")

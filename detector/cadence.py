@@ -1,0 +1,63 @@
+"""How the detector reads time: its window holds enough scrapes of the fleet's own interval.
+
+Every feature is a window aggregate (an average, a range, a rate), and a window's *shape* is what tells a
+job-wide phase (a checkpoint, an evaluation pass) from one node's fault (:mod:`gpufleet.detector.phases`). With
+the targets scraped at their own offsets, a window of two scrapes holds a checkpoint on some nodes and not on
+others: healthy nodes then look many sigma apart, and the phase is not seen as job-wide. So the window is at
+least :data:`MIN_SCRAPES` scrape intervals, whatever ``window_seconds`` says: 120 s at 15 s and 30 s scrapes
+(the default, unchanged), 240 s at 60 s scrapes. The interval is read from the data itself (the samples a GPU's
+utilization series has in a window), not configured, so a fleet scraped every minute needs no tuning.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import replace
+
+import numpy as np
+
+from gpufleet.detector.config import DetectorConfig
+from gpufleet.detector.frames import GpuFrame
+from gpufleet.detector.profiles import queries
+from gpufleet.detector.source import Source, SourceError
+
+log = logging.getLogger("gpufleet.detector")
+
+#: The fewest scrapes a window holds (at 30 s scrapes the default 120 s window holds four).
+MIN_SCRAPES = 4
+
+
+def scrape_interval(source: Source, profile: str, t: float, window: float) -> float | None:
+    """The fleet's scrape interval at ``t``: ``window`` over the median number of utilization samples its GPUs
+    have in the window ending at ``t`` (None: no GPU has any)."""
+    q = next(q for q in queries(profile) if q.feature == "samples")
+    counts = np.asarray(source.query(q, t, window).values, dtype=float)
+    counts = counts[np.isfinite(counts) & (counts > 0)]
+    if not counts.size:
+        return None
+    return window / float(np.median(counts))
+
+
+def interval(g: GpuFrame, window: float) -> float:
+    """The scrape interval an evaluation's frame shows: ``window`` over the median number of utilization samples
+    of its GPUs that have any (0: none has)."""
+    counts = g.get("samples")
+    counts = counts[np.isfinite(counts) & (counts > 0)]
+    return window / float(np.median(counts)) if counts.size else 0.0
+
+
+def fit_window(cfg: DetectorConfig, source: Source, t: float) -> DetectorConfig:
+    """``cfg`` with a window of at least :data:`MIN_SCRAPES` of the fleet's scrape intervals at ``t`` (``cfg``
+    itself when its window holds as many, or the interval cannot be read)."""
+    try:
+        interval = scrape_interval(source, cfg.profile, t, cfg.window_seconds)
+    except SourceError as e:
+        log.warning("cannot read the scrape interval (%s): window stays %g s", e, cfg.window_seconds)
+        return cfg
+    if interval is None or MIN_SCRAPES * interval <= cfg.window_seconds * 1.0001:
+        return cfg
+    window = float(math.ceil(MIN_SCRAPES * interval / 15.0) * 15.0)  # on a 15 s grid: stable across readings
+    log.info("window %g s -> %g s: the targets are scraped every %.0f s, and a window holds %d scrapes",
+             cfg.window_seconds, window, interval, MIN_SCRAPES)
+    return replace(cfg, window_seconds=window)
