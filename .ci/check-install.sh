@@ -5,7 +5,8 @@
 # the sdist forgets breaks the build), checks both carry what they must, then for each extra
 # (agent, sim, detector, dashboards, all) creates a fresh venv, installs `gpufleet-*.whl[EXTRA]`
 # (the wheel, never the source tree), imports every module that extra is for and runs its command
-# from a directory outside the repository. One line per step; the first failure exits 1 naming
+# from a directory outside the repository.
+# Then the hosts' install path, packaging/install.sh, in temporary roots (docs/install.md). One line per step; the first failure exits 1 naming
 # the extra. PYTHON picks the interpreter (default python3); pip's cache is shared by the venvs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -144,10 +145,25 @@ done
 curl -sf --cacert "$work/tls.crt" -u prometheus:s3cret -o "$work/https.prom" "$url" \
   && grep -q '^gpufleet_gpu_power_watts{' "$work/https.prom" \
   || { cat "$work/agent.log" >&2; fail "$url with TLS + basic auth did not serve gpufleet_gpu_power_watts"; }
+# The probes as a kubelet sends them (no credentials, the certificate not checked) answer while /metrics needs them.
+for probe in health ready; do
+  code=$(curl -sk -o /dev/null -w '%{http_code}' "https://127.0.0.1:$port/$probe" || true)
+  [ "$code" = 200 ] || { cat "$work/agent.log" >&2; fail "/$probe without credentials answered $code, not 200"; }
+done
 kill "$server_pid"
 wait "$server_pid" || true
 server_pid=""
-ok "$n modules import; once: $samples samples; https + basic auth: 401 without, metrics with credentials"
+# The commands of the other extras: one line naming the extra they need, exit status 2, no traceback.
+for want in detector:gpufleet-detector sim:gpufleet-sim dashboards:gpufleet-dashboards; do
+  rc=0
+  (cd "$work/outside" && "$A/${want#*:}" --help) >"$work/other.out" 2>"$work/other.err" || rc=$?
+  [ "$rc" = 2 ] && [ "$(wc -l <"$work/other.err")" = 1 ] && ! grep -q Traceback "$work/other.err" \
+    && grep -q "^${want#*:}: this install lacks the \[${want%%:*}\] extra" "$work/other.err" \
+    || { cat "$work/other.err" >&2; fail "${want#*:} on an [agent]-only install: rc $rc, not one line naming [${want%%:*}]"; }
+done
+"$A/gpufleet-agent" --version | grep -qx "gpufleet-agent $("$A/python" -c 'import importlib.metadata as m; print(m.version("gpufleet"))')" \
+  || fail "gpufleet-agent --version does not say the package's version"
+ok "$n modules import; once: $samples samples; https + basic auth: 401 without, metrics with credentials, probes without; the other commands name their extra"
 
 # ---------------------------------------------------------------- [sim]: recordings and live agents
 extra=sim t0=$SECONDS
@@ -192,6 +208,55 @@ n=$(import_all detector gpufleet.detector)
 grep -q '"kind": "straggler", "cause": "clock", "node": "node-002", "gpu": "5"' "$work/findings.json" \
   || { cat "$work/findings.json" "$work/replay.err" >&2; fail "replay did not find the straggler on node-002 GPU 5"; }
 ok "$n modules import; replay: $(wc -l <"$work/findings.json") finding(s), straggler/clock on node-002 GPU 5"
+
+# ---------------------------------------------------------------- packaging/install.sh: hosts, as docs/install.md
+# The documented commands, with --root: a GPU host (agent, Slurm scripts) and the central host (detector) laid
+# down in temporary roots, each unit verified there by systemd-analyze against the host's own system units; an
+# upgrade in place keeps an edited config; uninstall keeps the config, --purge removes it.
+extra=install t0=$SECONDS
+for role in agent detector; do
+  r=$work/root-$role
+  flags=()
+  [ "$role" = agent ] && flags=(--slurm)
+  bash "$repo/packaging/install.sh" --root "$r" "$role" "$wheel" "${flags[@]}" >"$work/install-$role.log" 2>&1 \
+    || { cat "$work/install-$role.log" >&2; fail "packaging/install.sh $role failed"; }
+  [ "$(readlink "$r/usr/local/bin/gpufleet-$role")" = "/opt/gpufleet/bin/gpufleet-$role" ] \
+    || fail "/usr/local/bin/gpufleet-$role does not link into /opt/gpufleet/bin"
+  [ -f "$r/etc/gpufleet/$role.toml" ] && [ -f "$r/etc/systemd/system/gpufleet-$role.service" ] \
+    || fail "install.sh $role did not lay down its config and unit"
+  if command -v systemd-analyze >/dev/null 2>&1 && [ -d /usr/lib/systemd/system ]; then
+    mkdir -p "$r/usr/lib/systemd"
+    cp -a /usr/lib/systemd/system "$r/usr/lib/systemd/"
+    systemd-analyze verify --root="$r" "gpufleet-$role.service" >"$work/verify-$role.log" 2>&1 \
+      || { cat "$work/verify-$role.log" >&2; fail "systemd-analyze verify gpufleet-$role.service in the installed root"; }
+    ! grep -q "gpufleet-$role.service.*\(Unknown\|ignoring\|rror\)" "$work/verify-$role.log" \
+      || { cat "$work/verify-$role.log" >&2; fail "systemd-analyze verify complained about gpufleet-$role.service"; }
+  fi
+  "$r/opt/gpufleet/bin/gpufleet-$role" --version | grep -qx "gpufleet-$role [0-9].*" || fail "the installed gpufleet-$role --version"
+done
+[ -x "$work/root-agent/etc/slurm/prolog.d/gpufleet-prolog.sh" ] && [ -x "$work/root-agent/etc/slurm/epilog.d/gpufleet-epilog.sh" ] \
+  || fail "install.sh agent --slurm did not install the prolog/epilog"
+(cd "$work/outside" && "$work/root-agent/opt/gpufleet/bin/gpufleet-agent" once --nvml.fake=sim 2>"$work/once-installed.err") | grep -q '^gpufleet_gpu_power_watts{' \
+  || fail "the installed agent's once --nvml.fake=sim served no gpufleet_gpu_power_watts"
+"$work/root-agent/opt/gpufleet/bin/gpufleet-detector" --version 2>"$work/other.err" && fail "an agent host runs the detector" || true
+grep -q "lacks the \[detector\] extra" "$work/other.err" || fail "the agent host's gpufleet-detector does not name its extra"
+echo "# edited" >>"$work/root-agent/etc/gpufleet/agent.toml"
+bash "$repo/packaging/install.sh" --root "$work/root-agent" agent "$wheel" >"$work/upgrade.log" 2>&1 \
+  || { cat "$work/upgrade.log" >&2; fail "install.sh agent over an install (an upgrade) failed"; }
+tail -1 "$work/root-agent/etc/gpufleet/agent.toml" | grep -qx "# edited" || fail "an upgrade overwrote the edited agent.toml"
+# A failed upgrade (a wheel pip cannot install) leaves the old install in place and working.
+: >"$work/gpufleet-9.9.9-py3-none-any.whl"
+if bash "$repo/packaging/install.sh" --root "$work/root-agent" agent "$work/gpufleet-9.9.9-py3-none-any.whl" \
+  >"$work/bad-upgrade.log" 2>&1; then fail "install.sh succeeded with a broken wheel"; fi
+grep -q "the old install is back" "$work/bad-upgrade.log" || { cat "$work/bad-upgrade.log" >&2; fail "a failed upgrade did not say it restored the old install"; }
+"$work/root-agent/opt/gpufleet/bin/gpufleet-agent" --version >/dev/null || fail "a failed upgrade broke the old install"
+bash "$repo/packaging/install.sh" --root "$work/root-agent" --uninstall agent >/dev/null
+[ ! -e "$work/root-agent/opt/gpufleet" ] && [ ! -L "$work/root-agent/usr/local/bin/gpufleet-agent" ] \
+  && [ ! -e "$work/root-agent/etc/systemd/system/gpufleet-agent.service" ] && [ -f "$work/root-agent/etc/gpufleet/agent.toml" ] \
+  || fail "--uninstall agent did not remove the install and keep the config"
+bash "$repo/packaging/install.sh" --root "$work/root-agent" --uninstall --purge agent >/dev/null
+[ ! -e "$work/root-agent/etc/gpufleet/agent.toml" ] || fail "--uninstall --purge kept agent.toml"
+ok "agent (+ Slurm) and detector roots laid down, units verified, upgrade kept the config, a failed one the old install, uninstall and purge"
 
 # ---------------------------------------------------------------- [dashboards]
 extra=dashboards t0=$SECONDS

@@ -2,4 +2,11 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    #: The installed distribution's version (pyproject.toml's, through the package metadata): every
+    #: daemon's --version, the agent's build info metric and its Server header say this.
+    __version__ = version("gpufleet")
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client import CollectorRegistry
 
+from gpufleet.agent import collector_report
 from gpufleet.agent.collectors import Collector
 from gpufleet.agent.config import COLLECTORS, AgentConfig
 from gpufleet.agent.exposition import negotiate
@@ -179,6 +180,7 @@ class Agent:
         """Initialize NVML, waiting at most ``wait`` seconds (default: the scrape timeout) for it, and,
         unless ``listen_xid`` is false, start the XID event thread. Never blocks longer, never raises."""
         wait = self.cfg.scrape_timeout if wait is None else wait
+        log.info("%s", collector_report.report(self.cfg, self.sysfs_path))
         job = self.lanes.submit(NODE, "nvmlInit", self.backend.start)
         if job is not None and not job.wait(time.monotonic() + wait):
             log.error("NVML initialization has not returned after %g s: serving without GPUs (gpufleet_nvml_up 0) "

@@ -205,7 +205,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("--log.level", "log_level", ("log", "level"), metavar="LEVEL",
            help="debug, info, warn or error (default info)"),
     Option("--nvml.fake", "nvml_fake", ("nvml", "fake"), metavar="SPEC",
-           help="serve a fake NVML instead of the driver: sim, sim:N, sim:PATH[:N] (an nvidia-smi -q -x capture), trace:PATH, live:PATH"),
+           help="serve a fake NVML instead of the driver (testing without a GPU): sim, sim:N (a simulated H100 host, "
+                "N GPUs, default 8), sim:PATH[:N] (from an nvidia-smi -q -x capture), trace:PATH[@LINE] (replay a "
+                "recorded trace, frozen at LINE), mig:N[:LAYOUT] (MIG mode, LAYOUT e.g. 3g.40gb+1g.10gb*2, default "
+                "1g.10gb*7), procs:N:P (P compute processes with their cgroups), live:PATH (a snapshot the fleet "
+                "simulator rewrites); then, after commas, stalls: hang=FN[@GPU][:S] (e.g. hang=nvmlDeviceGetPowerUsage@3,"
+                " hang=*), slow=FN@GPU:S"),
     Option("--scrape.cache-seconds", "cache_seconds", ("scrape", "cache_seconds"), _float, metavar="S",
            help="reuse a hardware read for scrapes arriving within S seconds of it (default 0)"),
     Option("--scrape.timeout", "scrape_timeout", ("scrape", "timeout"), _interval, metavar="S",

@@ -57,11 +57,20 @@
     Slurm or Kubernetes, behind guard rails; off unless ``[remediation] enabled = true``, dry-run until
     ``dry_run = false``. ``--once`` decides one round and prints the decisions as JSON lines.
 
-``report FILE... [--profile ...] [--config FILE] [--step S] [--html OUT.html] [--from T] [--to T]``
-``report --prometheus URL --from T --to T [--config FILE] [--step S] [--html OUT.html]``
+``export --from TIME --until TIME --out FILE [--config FILE] [--url URL] [--profile ...]``
+    Write every sample of the series the profile reads, from Prometheus, as an OpenMetrics recording that
+    ``replay`` reads (to reproduce a finding elsewhere: docs/wrong-finding.md).
+
+``report FILE... [--profile ...] [--config FILE] [--step S] [--html OUT.html] [--from TIME] [--until TIME]``
+``report --prometheus URL --from TIME --until TIME [--config FILE] [--step S] [--html OUT.html]``
     Replay (recordings, or the range from a Prometheus-compatible API), then print a
     table of the findings in the time range and optionally write an HTML page with
     evidence plots per finding (detector.report, detector.evidence).
+
+Every time flag of every command takes unix seconds or an RFC 3339 date-time with its offset
+(``2026-12-01T20:00:00Z``); ``--to`` is another name for ``--until``. A recording that holds another
+profile's metrics than the one asked for (a dcgm-exporter recording without ``--profile dcgm``) is an
+error naming the profile it holds (:mod:`gpufleet.detector.profile_hint`).
 """
 
 from __future__ import annotations
@@ -74,6 +83,7 @@ import sys
 from collections.abc import Sequence
 from datetime import datetime
 
+from gpufleet.agent import __version__
 from gpufleet.agent.serving.logs import LOG_FORMAT
 from gpufleet.detector.config import ConfigError, DetectorConfig, load, parse_shard_option
 from gpufleet.detector.profiles import PROFILES
@@ -86,6 +96,7 @@ from gpufleet.detector.table import print_table
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpufleet-detector", description="Find stragglers, throttling, network "
                                 "trouble and PUE drift across a GPU fleet.")
+    p.add_argument("--version", action="version", version=f"gpufleet-detector {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="evaluate against Prometheus and serve /metrics")
     s.add_argument("--config", required=True, help="TOML configuration file")
@@ -100,6 +111,15 @@ def _parser() -> argparse.ArgumentParser:
     m = sub.add_parser("remediate", help="fence the nodes of confirmed hardware faults (docs/remediation.md)")
     m.add_argument("--config", required=True, help="TOML configuration file with a [remediation] table")
     m.add_argument("--once", action="store_true", help="decide one round, print the decisions and exit")
+    e = sub.add_parser("export", help="write the series the detector reads, from Prometheus, as a recording")
+    e.add_argument("--config", help="TOML configuration file ([prometheus] url and credentials, profile)")
+    e.add_argument("--url", help="Prometheus URL (overrides the config's)")
+    e.add_argument("--profile", choices=PROFILES, help="metric profile (default: from config, else gpufleet)")
+    e.add_argument("--from", dest="t_from", type=timestamp, metavar="TIME", required=True,
+                   help="first instant (unix seconds or RFC 3339); keep an hour before the finding: its history")
+    e.add_argument("--until", "--to", dest="t_until", type=timestamp, metavar="TIME", required=True,
+                   help="last instant (unix seconds or RFC 3339)")
+    e.add_argument("--out", required=True, help="the recording to write (OpenMetrics; gzip when it ends in .gz)")
     for name, helptext in (("replay", "evaluate recordings as if live"), ("report", "findings table and HTML")):
         r = sub.add_parser(name, help=helptext)
         r.add_argument("files", nargs="+" if name == "replay" else "*", metavar="FILE",
@@ -111,19 +131,20 @@ def _parser() -> argparse.ArgumentParser:
         r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="progress bar on stderr (default: when stderr is a terminal)")
         if name == "replay":
+            since = ("evaluate from TIME (unix seconds or RFC 3339), the recording before it being the "
+                     "history a restarted detector finds (its state is rebuilt from it)")
+            until = "last instant to evaluate (unix seconds or RFC 3339; --to is the same flag)"
+        else:
+            since = "list the findings open at TIME or later (unix seconds or RFC 3339)"
+            until = "list the findings that started by TIME (unix seconds or RFC 3339; --to is the same flag)"
+        r.add_argument("--from", dest="t_from", type=timestamp, metavar="TIME", help=since)
+        r.add_argument("--until", "--to", dest="t_until", type=timestamp, metavar="TIME", help=until)
+        if name == "replay":
             r.add_argument("--format", choices=("json", "table"), default="json")
-            r.add_argument("--from", dest="t_from", type=timestamp, metavar="TIME",
-                           help="evaluate from TIME (unix seconds or RFC 3339), the recording before it being the "
-                                "history a restarted detector finds (its state is rebuilt from it)")
-            r.add_argument("--until", dest="t_until", type=timestamp, metavar="TIME",
-                           help="last instant to evaluate (unix seconds or RFC 3339)")
         else:
             r.add_argument("--html", help="write an HTML report with evidence plots here")
-            r.add_argument("--prometheus", metavar="URL", help="read the range --from..--to from this "
+            r.add_argument("--prometheus", metavar="URL", help="read the range --from..--until from this "
                            "Prometheus-compatible API instead of recordings")
-            r.add_argument("--from", dest="t_from", type=timestamp, metavar="TIME",
-                           help="unix seconds or RFC 3339")
-            r.add_argument("--to", dest="t_to", type=timestamp, metavar="TIME", help="unix seconds or RFC 3339")
     return p
 
 
@@ -181,6 +202,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return remediate(args.config, args.once)
 
         cfg = _config(args.config, args.profile)
+        if args.command == "export":
+            from gpufleet.detector.export import export
+            from gpufleet.detector.service import prometheus_source
+
+            if args.url:
+                cfg.prometheus_url = args.url
+            families, samples = export(cfg, prometheus_source(cfg), args.out, args.t_from, args.t_until)
+            sys.stderr.write(f"wrote {args.out}: {samples} samples of {families} metrics\n")
+            return 0
         if args.shard is not None:
             cfg.shard = parse_shard_option("--shard", args.shard)
         progress = sys.stderr.isatty() if args.progress is None else args.progress
@@ -208,14 +238,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _report(args: argparse.Namespace, cfg: DetectorConfig, progress: bool) -> int:
     """``report``: the findings of recordings (or of a Prometheus range) in the range, and the HTML page."""
     if bool(args.files) == bool(args.prometheus):
-        raise ValueError("report: give recording FILEs or --prometheus URL (with --from and --to), not both")
+        raise ValueError("report: give recording FILEs or --prometheus URL (with --from and --until), not both")
     if args.prometheus:
         from gpufleet.detector.report_range import replay_range
 
-        if args.t_from is None or args.t_to is None:
-            raise ValueError("report --prometheus needs --from and --to")
-        det, findings, lo, hi = replay_range(cfg, args.prometheus, args.t_from, args.t_to, args.step)
-        origin = f"{args.prometheus} from {args.t_from:.0f} to {args.t_to:.0f}"
+        if args.t_from is None or args.t_until is None:
+            raise ValueError("report --prometheus needs --from and --until")
+        det, findings, lo, hi = replay_range(cfg, args.prometheus, args.t_from, args.t_until, args.step)
+        origin = f"{args.prometheus} from {args.t_from:.0f} to {args.t_until:.0f}"
     else:
         det, findings = replay(args.files, cfg, args.step, progress)
         from gpufleet.detector import shard_source
@@ -224,7 +254,7 @@ def _report(args: argparse.Namespace, cfg: DetectorConfig, progress: bool) -> in
         first, last = src.time_range() if hasattr(src, "time_range") else (0.0, 0.0)
         lo, hi, origin = first + cfg.window_seconds, last, ", ".join(args.files)
     t_lo = args.t_from if args.t_from is not None else float("-inf")
-    t_hi = args.t_to if args.t_to is not None else float("inf")
+    t_hi = args.t_until if args.t_until is not None else float("inf")
     sel = [f for f in findings if f.start <= t_hi and (f.end is None or f.end >= t_lo)]
     print_table(sel)
     if args.html:

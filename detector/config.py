@@ -65,6 +65,11 @@ except its 4-hour PUE baseline)::
     training_kinds = ["PyTorchJob", "MPIJob", "JobSet", "LeaderWorkerSet", "Job", ...]  # owner kinds: synchronous
     service_kinds = ["ReplicaSet", "Deployment", "StatefulSet", "DaemonSet", ...]     # never straggler peers
     worker_pattern = "^(?P<job>.+?)-(?:worker|master|launcher|leader|chief|ps)-\\d+$"  # pod-name fallback
+
+    [exclude]                     # taken out of judgement (gpufleet.detector.exclude); shell patterns
+    nodes = []                    # node names
+    jobs = []                     # training job ids
+    gpus = []                     # "node/gpu", e.g. "node-003/5"
 """
 
 from __future__ import annotations
@@ -75,7 +80,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from gpufleet.detector import shard
+from gpufleet.detector import exclude, shard
 from gpufleet.detector.causes import CauseParams
 from gpufleet.detector.findings import Tracker
 from gpufleet.detector.jobs import JobRules
@@ -142,6 +147,7 @@ class DetectorConfig:
     pue: PueParams = field(default_factory=PueParams)
     sites: list[SiteConfig] = field(default_factory=list)
     kubernetes: JobRules = field(default_factory=JobRules)
+    exclude: exclude.ExcludeRules = field(default_factory=exclude.ExcludeRules)
 
 
 _TOP = {
@@ -174,7 +180,7 @@ def _check(where: str, value: Any, typ: type) -> Any:
 
 def parse(data: dict[str, Any], source: str = "config") -> DetectorConfig:
     cfg = DetectorConfig()
-    known = set(_TOP) | set(_PARAMS) | {"sites", "kubernetes"}
+    known = set(_TOP) | set(_PARAMS) | {"sites", "kubernetes", "exclude"}
     for section in data:
         if section not in known:
             raise ConfigError(f"{source}: unknown section [{section}]; known: {', '.join(sorted(known))}")
@@ -215,6 +221,10 @@ def parse(data: dict[str, Any], source: str = "config") -> DetectorConfig:
     if not cfg.prometheus_url.startswith(("http://", "https://")):
         raise ConfigError(f"{source}: [prometheus] url must start with http:// or https://, got {cfg.prometheus_url!r}")
     cfg.kubernetes = _kubernetes(f"{source}: [kubernetes]", data.get("kubernetes", {}))
+    try:
+        cfg.exclude = exclude.parse(f"{source}: [exclude]", data.get("exclude", {}))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     sites = data.get("sites", [])
     if not isinstance(sites, list):
         raise ConfigError(f"{source}: sites must be an array of tables ([[sites]])")

@@ -51,6 +51,7 @@ from gpufleet.detector import (
     throttling,
 )
 from gpufleet.detector.backend_guard import Verdict
+from gpufleet.detector import exclude as exclusions
 from gpufleet.detector.baseline import Baseline
 from gpufleet.detector.candidate import Candidate, Evidence
 from gpufleet.detector.config import DetectorConfig
@@ -147,6 +148,7 @@ class Detector:
         snap = self._frame(t)                                       # 1. frame
         verdict = self.guard(snap, t) if self.guard is not None else None  # ... fit to judge by (live only)
         jobs.resolve(snap.gpu, snap.meta, cfg.kubernetes)           # 2. jobs (the whole fleet: NIC peers span it)
+        snap = exclusions.select(snap, cfg.exclude)                 # ... less what the operator excluded
         snap.gpu.edge = self.edges.update(snap.gpu, t, cadence.interval(snap.gpu, cfg.window_seconds))  # ... edges
         net = self._network(snap, t)                                # 4. network candidates (fleet-wide peers)
         nic_owner = shard.nic_owners(snap.gpu, cfg.shard)           # ... one shard reports each node's NICs
@@ -167,6 +169,8 @@ class Detector:
         self.workload.observe(snap.gpu, t)                          # 5. ... the job's own doing: its owner's
         cands = self.workload.route(cands, t)
         cands += [("straggler", c) for c in slices.candidates]  # named by their own pods, not their GPU's
+        if cfg.exclude:
+            cands = [(k, c) for k, c in cands if exclusions.keeps(cfg.exclude, c)]
         judged = self._judgement(snap, st, peers, net, slices.observed, set(pue_states), fab)
         held: Callable[[Key], bool] = judged.held
         if verdict is not None and verdict.held:  # a frozen or stale node: nothing of it opens, closes or goes on

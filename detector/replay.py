@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from gpufleet.detector import cadence, iforest, shard_source, warmstart
+from gpufleet.detector import cadence, iforest, profile_hint, shard_source, warmstart
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.engine import Detector, gc_paused
 from gpufleet.detector.features import OPTIONAL_METRICS
@@ -64,6 +64,7 @@ def replay(files: Sequence[str], cfg: DetectorConfig, step: float | None = None,
         src.precompute(q, times, cfg.window_seconds)
     # Inputs the recording never holds (a metric missing only for a while is not a missing input).
     present = src.metric_names()
+    profile_hint.check(files, cfg.profile, present)  # a dcgm recording without --profile dcgm: say so
     by_feature: dict[str, set[str]] = {}
     for q in det.queries:
         # optional context (kube-state-metrics, MIG devices on a fleet without MIG) is not an input

@@ -36,6 +36,11 @@ from gpufleet.detector.source_range import RangeSource
 log = logging.getLogger("gpufleet.detector")
 
 
+def prometheus_source(cfg: DetectorConfig) -> PrometheusSource:
+    """The Prometheus the config names, with its credentials (serve, export)."""
+    return _source(cfg)
+
+
 def _source(cfg: DetectorConfig) -> PrometheusSource:
     headers: dict[str, str] = {}
     auth = None

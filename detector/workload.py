@@ -11,8 +11,9 @@ inside an uneven job still goes to the hardware on-call with its cause.
 and turns them into one job-level candidate per job and pattern (``route`` "workload", ``owner`` the job's
 namespace where the frame knows it), with the pattern told by how the busier spots behave over time:
 
-- ``hot_experts``: busy spots that move wholesale: every spot now on nodes never busier before, while a node
-  busier moments ago is quiet;
+- ``hot_experts``: busy spots that move wholesale: every spot now on nodes never busier before (and not since
+  the job began: a stage's nodes may show one after another while it settles), while a node busier moments ago
+  is quiet;
 - ``stage_imbalance``: otherwise, busier since the job started (within :data:`SETTLE_WINDOWS` windows of its
   first evaluation): a group that got more work by design (its nodes may flicker, some stay busier);
 - ``data_skew``: otherwise, a rank or node that became busier mid-run (and stays put, or comes back).
@@ -100,8 +101,10 @@ class WorkloadRouter:
             j.nodes[node] = (first, t)
         # A handover: every spot is on nodes first busier within the last two windows (the old spot may linger
         # in the window a little), while an older spot, busier moments ago, is quiet now: hot experts moving. A
-        # stage's nodes flicker, but they are old, and some of them stay busier.
-        young = {n for n in now if j.nodes[n][0] >= t - 2 * self.window}
+        # stage's nodes flicker, but they are old, and some of them stay busier. A node first busier while the job
+        # settles is one of the group it began with (a stage whose nodes show one after another), never young.
+        settled = j.first + SETTLE_WINDOWS * self.window
+        young = {n for n in now if j.nodes[n][0] >= t - 2 * self.window and j.nodes[n][0] > settled}
         old_quiet = {n for n, (first, last) in j.nodes.items()
                      if first < t - 2 * self.window and last >= t - 4 * self.window and n not in now}
         if now and young == now and old_quiet and not young <= j.counted:

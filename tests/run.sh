@@ -28,6 +28,8 @@ command -v mmdebstrap >/dev/null 2>&1 || need+=(mmdebstrap)
 command -v slurmctld >/dev/null 2>&1 || need+=(slurmctld)
 command -v slurmd >/dev/null 2>&1 || need+=(slurmd)
 command -v munged >/dev/null 2>&1 || need+=(munge)
+# tests/system/test_podman_run.py: a one-binary image for packaging/container/podman-run.sh.
+command -v busybox >/dev/null 2>&1 || need+=(busybox-static)
 if ((${#need[@]})); then
   sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"

@@ -169,7 +169,10 @@ class Lanes:
         """``fn()`` on ``key``'s lane, waited for until ``deadline``: (True, its result), or (False, None)
         when the key is still busy from before or the job missed the deadline. Its exception is raised."""
         job = self.submit(key, what, fn)
-        if job is None or not job.wait(deadline):
+        if job is None:
+            return False, None
+        if not job.wait(deadline):
+            self._gave_up(key, what)
             return False, None
         if job.error is not None:
             raise job.error
@@ -201,6 +204,7 @@ class Lanes:
                     if item is not None and item.key == tasks[i][0] and item.started is not None:
                         item.abandoned = True
                         batch.stop = i + 1
+                        self._gave_up(item.key, item.what)
                     else:
                         batch.stop = i
                     start = i + 1
@@ -243,6 +247,11 @@ class Lanes:
                 batch.out[i] = Outcome(True, result, error)
                 batch.pos = i + 1
                 self._progress.notify_all()
+
+    def _gave_up(self, key: str, what: str) -> None:
+        """Log once per stall (its key stays busy, so later reads skip it silently until it returns)."""
+        log.warning("%s %s: %s has not returned by the read's deadline: served without it until it returns",
+                    self.name, key or "node", what)
 
     def abandon(self, job: Job[Any]) -> None:
         """The caller stops waiting for ``job``: if it has not started it never will (its key is free)."""

@@ -74,6 +74,10 @@ def _landing_page(telemetry_path: str, title: str) -> bytes:
     ).encode()
 
 
+#: Paths served without credentials even when basic auth is configured: the liveness and readiness probes a
+#: kubelet (or a load balancer) sends as plain GETs. Everything else needs credentials.
+PROBE_PATHS = frozenset({"/health", "/ready"})
+
 #: The longest scrape timeout taken from a request header (seconds); longer ones are cut to it.
 MAX_SCRAPE_TIMEOUT = 300.0
 
@@ -115,13 +119,17 @@ class Responder:
         """The response to an authorized GET or HEAD request, and whether to keep the connection."""
         if req.path == self.telemetry_path:
             return self._metrics(req), req.keep_alive
+        # The probes answer without credentials (PROBE_PATHS); with basic auth configured they say only the
+        # verdict, the reasons (which may name hardware and errors) being for the authorized /metrics.
+        detail = not self.web.auth_required
         if req.path == "/health":
             state = self.exposer.health()
-            body = f"{'DEGRADED' if state.startswith('degraded') else 'OK'}\n{state}\n".encode()
+            verdict = "DEGRADED" if state.startswith("degraded") else "OK"
+            body = f"{verdict}\n{state}\n".encode() if detail else f"{verdict}\n".encode()
             return self.response(req, 200, body), req.keep_alive
         if req.path == "/ready":  # the Kubernetes readiness probe (liveness stays on /health)
             why = self.exposer.ready() if isinstance(self.exposer, ReadyExposer) else ""
-            body = f"not ready: {why}\n".encode() if why else b"ready\n"
+            body = (f"not ready: {why}\n" if detail else "not ready\n").encode() if why else b"ready\n"
             return self.response(req, 503 if why else 200, body), req.keep_alive
         if req.path == "/":
             return self.response(req, 200, self.landing, "text/html; charset=utf-8"), req.keep_alive

@@ -5,7 +5,8 @@ responses (:mod:`.workers`, :mod:`.responder`), requests are parsed strictly (:m
 to stay small under abuse: slow clients cost a socket, never a thread; every phase of a
 connection has a deadline; a connection cap displaces the oldest idle client; uncached bcrypt
 checks queue on one thread. With a web config (:mod:`gpufleet.agent.serving.webconfig`) it serves
-TLS and requires basic auth on every path (401 with ``WWW-Authenticate``).
+TLS and requires basic auth on every path (401 with ``WWW-Authenticate``) but the probes' ``/health`` and
+``/ready`` (:data:`~gpufleet.agent.serving.responder.PROBE_PATHS`: a kubelet's probe sends no credentials).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from gpufleet.agent.serving.http import Request
-from gpufleet.agent.serving.responder import Responder
+from gpufleet.agent.serving.responder import PROBE_PATHS, Responder
 
 log = logging.getLogger("gpufleet.agent.serving.server")
 
@@ -53,7 +53,8 @@ class WorkerPool(Generic[C]):
         self._auth_jobs.put(None)
 
     def submit(self, conn: C, req: Request) -> None:
-        if self.web.auth_required and not self.web.cached_authorization(req.headers.get("authorization")):
+        if (self.web.auth_required and req.path not in PROBE_PATHS
+                and not self.web.cached_authorization(req.headers.get("authorization"))):
             self._auth_jobs.put((conn, req, time.monotonic()))
         else:
             self._jobs.put((conn, req))

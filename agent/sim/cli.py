@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--series", choices=SERIES, default="full",
                      help="full: every modelled series; core: detector inputs and fault signatures only")
     gen.add_argument("--start", metavar="TIME|now",
-                     help="first sample time: ISO 8601 (UTC if no zone) or 'now' to end the recording now "
+                     help="first sample time: unix seconds, RFC 3339 / ISO 8601 (UTC if no zone) or 'now' to end the recording now "
                           "(default: the scenario's start, else 2026-07-01T00:00:00Z, so output is reproducible)")
     gen.add_argument("--scrape", choices=MODELS,
                      help="how Prometheus scrapes the fleet (default: the scenario's [scrape] model, else prometheus: "
@@ -76,7 +76,13 @@ def _start(value: str | None, scenario: Scenario) -> float:
     if value == "now":
         begin = time.time() - scenario.duration
         return math.floor(begin / scenario.step) * scenario.step
-    return parse_time(value)
+    try:  # unix seconds, as every command's time flags take (and RFC 3339)
+        seconds = float(value)
+    except ValueError:
+        return parse_time(value)
+    if not math.isfinite(seconds):
+        raise ScenarioError(f"expected unix seconds or an RFC 3339 time, got {value!r}")
+    return seconds
 
 
 def _scenarios() -> int:

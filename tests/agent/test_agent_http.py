@@ -140,6 +140,7 @@ def ca() -> trustme.CA:
     return trustme.CA()
 
 
+@pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")
 def test_tls_and_basic_auth(tmp_path: Path, ca: trustme.CA) -> None:
     cert = ca.issue_cert("127.0.0.1")
     cert.private_key_pem.write_to_path(str(tmp_path / "agent.key"))
@@ -157,7 +158,13 @@ def test_tls_and_basic_auth(tmp_path: Path, ca: trustme.CA) -> None:
         assert r.headers["WWW-Authenticate"].startswith("Basic")
         assert requests.get(base + "/metrics", verify=ca_file, auth=("prometheus", "wrong"), timeout=10).status_code == 401
         assert requests.get(base + "/metrics", verify=ca_file, auth=("nobody", "hunter2"), timeout=10).status_code == 401
-        assert requests.get(base + "/health", verify=ca_file, timeout=10).status_code == 401
+        # The probes as a kubelet sends them (httpGet, scheme HTTPS: no credentials, the certificate not
+        # verified) answer; they say only the verdict, the details being behind the credentials.
+        for path, body in (("/health", "OK\n"), ("/ready", "ready\n")):
+            probe = requests.get(base + path, verify=False, timeout=10)
+            assert (probe.status_code, probe.text) == (200, body)
+            assert requests.get(base + path, verify=ca_file, auth=("prometheus", "wrong"), timeout=10).ok
+        assert requests.get(base + "/", verify=ca_file, timeout=10).status_code == 401
         bad_header = {"Authorization": "Basic " + base64.b64encode(b"no-colon").decode()}
         assert requests.get(base + "/metrics", verify=ca_file, headers=bad_header, timeout=10).status_code == 401
         ok = requests.get(base + "/metrics", verify=ca_file, auth=("prometheus", "hunter2"), timeout=10)

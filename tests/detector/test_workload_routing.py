@@ -96,3 +96,25 @@ def test_a_clock_stuck_gpu_in_the_busier_stage_is_still_paged_with_its_cause() -
     assert hardware and all(node == "10.0.0.5" and cause == "clock" for _, node, _, cause in hardware)
     assert ("throttling", "10.0.0.5", "7", "clock") in hardware
     assert {(f.route, f.pattern) for f in found if f.route == "workload"} == {("workload", "stage_imbalance")}
+
+
+def _router_patterns(spans: dict[str, tuple[float, float]], until: float) -> set[str]:
+    """WorkloadRouter alone: node -> (from, to) seconds of the job's start in which the node holds a busier spot."""
+    from gpufleet.detector.candidate import Candidate
+    from gpufleet.detector.workload import WorkloadRouter
+
+    router, patterns = WorkloadRouter(120.0), set()
+    for k in range(int(until // 15)):
+        t = T0 + 15 * k
+        cands = [("straggler", Candidate(n, None, "job-pp", "s", "workload", 5.0)) for n, (a, b) in spans.items()
+                 if a <= t - T0 < b]
+        patterns |= {c.pattern for _, c in router.route(cands, t)}
+    return patterns
+
+
+def test_a_stage_whose_nodes_show_one_after_another_while_it_settles_is_no_hot_expert() -> None:
+    # gpufleet-sim's `workload` scenario, full series: the busier stage's second node stands out 75 s after the
+    # first, which then drops below the threshold for a while: no spot moved to a new node, the stage settled.
+    assert _router_patterns({"node-006": (0, 300), "node-007": (75, 1800)}, 1800) == {"stage_imbalance"}
+    # the same hand-over once the job has settled is hot experts moving
+    assert _router_patterns({"node-006": (0, 600), "node-007": (630, 1800)}, 1800) == {"hot_experts"}

@@ -324,10 +324,12 @@ def test_inhibition_with_a_real_alertmanager(alertmanager: str) -> None:
 
 
 def test_prometheus_example_config_is_valid(tmp_path: Path) -> None:
+    # in place (its gpufleet.rules.yml links to the rules), and copied as the docs say (cp -rL: links followed)
+    assert (PROM_DIR / "gpufleet.rules.yml").resolve() == RULES.resolve()
     shutil.copytree(PROM_DIR, tmp_path / "gpufleet")
-    shutil.copy(RULES, tmp_path / "gpufleet" / "gpufleet.rules.yml")
-    proc = promtool("check", "config", str(tmp_path / "gpufleet" / "prometheus.yml"))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for where in (PROM_DIR, tmp_path / "gpufleet"):
+        proc = promtool("check", "config", str(where / "prometheus.yml"))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
     config = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text())
     jobs = {c["job_name"]: c for c in config["scrape_configs"]}
     assert set(jobs) == {"gpufleet-agent", "gpufleet-detector"}
