@@ -50,8 +50,8 @@ from gpufleet.detector import (
     straggler,
     throttling,
 )
-from gpufleet.detector.backend_guard import Verdict
 from gpufleet.detector import exclude as exclusions
+from gpufleet.detector.backend_guard import Verdict
 from gpufleet.detector.baseline import Baseline
 from gpufleet.detector.candidate import Candidate, Evidence
 from gpufleet.detector.config import DetectorConfig
