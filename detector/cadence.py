@@ -6,7 +6,10 @@ the targets scraped at their own offsets, a window of two scrapes holds a checkp
 others: healthy nodes then look many sigma apart, and the phase is not seen as job-wide. So the window is at
 least :data:`MIN_SCRAPES` scrape intervals, whatever ``window_seconds`` says: 120 s at 15 s and 30 s scrapes
 (the default, unchanged), 240 s at 60 s scrapes. The interval is read from the data itself (the samples a GPU's
-utilization series has in a window), not configured, so a fleet scraped every minute needs no tuning.
+utilization series has in a window), not configured, so a fleet scraped every minute needs no tuning: replay
+reads it from the recording before it precomputes (:func:`fit_window`), the live detector from its first frame
+(:func:`wanted_window`, in the engine: the frame is collected again over the wider window, and the setting
+kept for the service's warm start and catch-up).
 """
 
 from __future__ import annotations
@@ -47,6 +50,15 @@ def interval(g: GpuFrame, window: float) -> float:
     return window / float(np.median(counts)) if counts.size else 0.0
 
 
+def wanted_window(window: float, g: GpuFrame) -> float:
+    """The window an evaluation's frame asks for: ``window``, or :data:`MIN_SCRAPES` of the scrape interval the
+    frame shows where that is longer (on a 15 s grid)."""
+    iv = interval(g, window)
+    if not iv or MIN_SCRAPES * iv <= window * 1.0001:
+        return window
+    return float(math.ceil(MIN_SCRAPES * iv / 15.0) * 15.0)
+
+
 def fit_window(cfg: DetectorConfig, source: Source, t: float) -> DetectorConfig:
     """``cfg`` with a window of at least :data:`MIN_SCRAPES` of the fleet's scrape intervals at ``t`` (``cfg``
     itself when its window holds as many, or the interval cannot be read)."""
@@ -58,6 +70,10 @@ def fit_window(cfg: DetectorConfig, source: Source, t: float) -> DetectorConfig:
     if interval is None or MIN_SCRAPES * interval <= cfg.window_seconds * 1.0001:
         return cfg
     window = float(math.ceil(MIN_SCRAPES * interval / 15.0) * 15.0)  # on a 15 s grid: stable across readings
-    log.info("window %g s -> %g s: the targets are scraped every %.0f s, and a window holds %d scrapes",
-             cfg.window_seconds, window, interval, MIN_SCRAPES)
+    log_widened(cfg.window_seconds, window, interval)
     return replace(cfg, window_seconds=window)
+
+
+def log_widened(before: float, window: float, interval: float) -> None:
+    log.info("window %g s -> %g s: the targets are scraped every %.0f s, and a window holds %d scrapes",
+             before, window, interval, MIN_SCRAPES)

@@ -132,6 +132,11 @@ def _node(cause: str) -> Callable[[GpuView], float]:
     return strength
 
 
+def _node_is(v: GpuView, cause: str) -> bool:
+    n = v.node()
+    return n is not None and n[0] == cause
+
+
 def _node_values(v: GpuView) -> dict[str, float]:
     n = v.node()
     return dict(n[1]) if n is not None else {}
@@ -192,6 +197,12 @@ RULES: tuple[Rule, ...] = (
     Rule("pcie", "direct", "aer_rate", _node("pcie"), _node_values, "node"),
     # --- link: direct evidence that makes a straggler of a rank that does not deviate itself (yet): its
     # collectives wait on a degraded link, or a power limit set below its job's peers holds it (it caps now)
+    # A node under host pressure (CPU PSI, steal) whose GPU is fed less than its peers (utilization or tensor
+    # activity below theirs, if only by half the cause threshold): the pressure is the direct evidence, the GPU's
+    # own dip says it is the one starved (opens as soon as the pressure shows, not once the dip is deep).
+    Rule("host", "link", "host_starved",
+         lambda v: DIRECT + 3.0 if _node_is(v, "host") and min(v.zf("util"), v.zf("tensor")) <= -_cz(v) / 2
+         else 0.0, _node_values, "node", ("util", "tensor")),
     Rule("power", "link", "power_limit_below_peers",
          lambda v: DIRECT + min(-v.zf("power_limit"), 10.0) / 2
          if v.zf("power_limit") <= -_cz(v) and v.val("thr_power") >= v.t.throttle_fraction

@@ -10,7 +10,8 @@ harness. Each evaluation reads the fleet once and moves its data one way:
 3. **peers**: who a GPU is compared with (its job, model and configured power limit, from the
    :class:`~gpufleet.detector.baseline.Baseline`), and which jobs are at a job-wide phase edge
    (:class:`~gpufleet.detector.phases.JobEdges`) or in a lighter phase;
-4. **candidates**: network (each NIC against its own capability and alike ports fleet-wide), stragglers (whole
+4. **candidates**: network (each NIC against its own capability and the ports of its own job, alike ports
+   fleet-wide for ports without one), stragglers (whole
    GPUs and MIG slices against their peers), throttling, NVL72 racks (an NVLink domain's GPUs as peers:
    :mod:`~gpufleet.detector.fabric`), PUE drift;
 5. **causes**: every straggler candidate's cause from the one table of cause rules
@@ -150,7 +151,7 @@ class Detector:
         jobs.resolve(snap.gpu, snap.meta, cfg.kubernetes)           # 2. jobs (the whole fleet: NIC peers span it)
         snap = exclusions.select(snap, cfg.exclude)                 # ... less what the operator excluded
         snap.gpu.edge = self.edges.update(snap.gpu, t, cadence.interval(snap.gpu, cfg.window_seconds))  # ... edges
-        net = self._network(snap, t)                                # 4. network candidates (fleet-wide peers)
+        net = self._network(snap, t)                                # 4. network candidates (their jobs' ports)
         nic_owner = shard.nic_owners(snap.gpu, cfg.shard)           # ... one shard reports each node's NICs
         snap = shard.select(snap, cfg.shard)                        # 2. ... this replica's jobs
         peers = self._peers(snap.gpu, t)                            # 3. peers and phases
@@ -186,11 +187,19 @@ class Detector:
 
     def _frame(self, t: float) -> FeatureFrame:
         cfg = self.cfg
-        return collect(self.source, self.queries, t, cfg.window_seconds, profile=cfg.profile, naming=self.naming,
+        snap = collect(self.source, self.queries, t, cfg.window_seconds, profile=cfg.profile, naming=self.naming,
                        coverage=cfg.coverage)
+        wanted = cadence.wanted_window(cfg.window_seconds, snap.gpu)  # four scrapes of the fleet's own interval
+        if wanted > cfg.window_seconds:
+            cadence.log_widened(cfg.window_seconds, wanted, wanted / cadence.MIN_SCRAPES)
+            cfg.window_seconds = self.workload.window = wanted  # (the service's warm start reads it from cfg)
+            snap = collect(self.source, self.queries, t, wanted, profile=cfg.profile, naming=self.naming,
+                           coverage=cfg.coverage)
+        return snap
 
     def _network(self, snap: FeatureFrame, t: float) -> _Network:
-        """NIC candidates against each NIC's own capability and alike ports fleet-wide, and the GPUs they serve."""
+        """NIC candidates against each NIC's own capability and its job's ports (alike ports fleet-wide for a port
+        without a job), and the GPUs they serve."""
         cfg, g, nic = self.cfg, snap.gpu, snap.nic
         capability = self.baseline.nic_capability(nic.nodes, nic.devices, nic.ports, nic.get("nic_rate"), t)
         flaps = self.baseline.nic_flaps(nic.nodes, nic.devices, nic.ports, nic.get("nic_link_downed"), t,

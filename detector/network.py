@@ -13,12 +13,20 @@ through the window: during a job-wide phase edge (a checkpoint, an evaluation pa
 its GPUs idle, what it carries is no collective traffic, and a checkpoint's burst is never congestion,
 whatever the port is called and whether or not topology says it serves a GPU.
 
+Peers by what the job does (:func:`_peer_groups`): a port's congestion peers are the busy ports of its own job
+(the job of the GPUs it serves, or of its node's GPUs where it serves none) of the same link layer and capability;
+only ports without a job, or of a job with fewer than ``min_peers`` busy ports, are judged against alike ports
+fleet-wide. A traffic signature every port of a job shares (an all-to-all collective's incast: every port waits a
+little, alike, and the job runs at its own pace) is the job's pattern, never congestion; congestion is a subset of
+a job's ports doing worse than the rest of the job (a spine uplink down behind some of its rails), or a rate below
+the port's own capability.
+
 Roles (:func:`_fabric`): a port that serves no GPU by PCI topology while
 other ports of its node do, an Ethernet port that serves no GPU, or a device
 named in ``storage_devices`` is a storage/front-end port: heavy bursts
 (checkpoints) are its job, so it is judged on errors and its own rate only,
 never on congestion. GPU-fabric ports are compared for congestion only with
-alike peers (:func:`_peer_groups`: link layer, capability) that are busy
+alike peers (:func:`_peer_groups`: job, link layer, capability) that are busy
 (at least ``busy_bytes_per_second`` sent, at least ``min_peers`` of them), and
 a congestion score counts only above an absolute floor
 (``xmit_wait_floor``/``ecn_floor`` per MB sent): when most of the fleet idles

@@ -22,7 +22,7 @@ from pathlib import Path
 from gpufleet.agent.serving import sdnotify
 from gpufleet.agent.serving.server import MetricsServer
 from gpufleet.agent.serving.webconfig import load_web_config
-from gpufleet.detector import cadence, remote_write_service, shard_source, warmstart
+from gpufleet.detector import remote_write_service, shard_source, warmstart
 from gpufleet.detector.backend_guard import Degraded, guard_for, missing_core
 from gpufleet.detector.config import ConfigError, DetectorConfig
 from gpufleet.detector.engine import Detector, Evaluation
@@ -58,7 +58,6 @@ def _source(cfg: DetectorConfig) -> PrometheusSource:
 def serve(cfg: DetectorConfig, once: bool) -> int:
     live = Liveness()  # the evaluation loop's progress, for systemd's watchdog
     prom = _source(cfg)
-    cfg = cadence.fit_window(cfg, prom, time.time())  # a window of enough scrapes of the fleet's interval
     stream = remote_write_service.receiver(cfg) if not once else None  # [detector] remote_write_listen
     feed: Source = remote_write_service.source(stream, prom) if stream is not None else prom
     det = Detector(cfg, live.track(shard_source.view(feed, cfg)))  # --shard: its nodes' series only

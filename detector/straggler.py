@@ -306,6 +306,10 @@ def _starved(frame: GpuFrame, z: dict[str, FloatArray], p: StragglerParams,
     return out
 
 
+#: The deviations of its own a link straggler of these rules names (its summary shows them).
+OWN_DEVIATIONS = {"power_limit_below_peers": ("power_limit",), "host_starved": ("util", "tensor")}
+
+
 def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
                      nic_flags: dict[tuple[str, str], float], z: dict[str, FloatArray],
                      node_causes: dict[str, tuple[str, dict[str, float]]] | None = None,
@@ -342,6 +346,9 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
     if nic_flags:
         flagged_nodes = {node for node, _ in nic_flags}
         maybe |= np.array([node in flagged_nodes for node in frame.nodes], dtype=bool)
+    host_nodes = {node for node, (cause, _) in (node_causes or {}).items() if cause == "host"}
+    if host_nodes:  # a host under pressure (cause_rules: host_starved)
+        maybe |= np.array([node in host_nodes for node in frame.nodes], dtype=bool)
     fabric_nodes = {node for node, (cause, _) in (node_causes or {}).items() if cause == "network"}
     if fabric_nodes:  # a node whose ports are paused by PFC or drop (detector/causes.py): its ranks wait on links
         maybe |= np.array([node in fabric_nodes for node in frame.nodes], dtype=bool)
@@ -349,7 +356,7 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
     for i in np.flatnonzero(np.asarray(idx, dtype=bool) & maybe):
         if not frame.jobs[i]:
             continue
-        own_z: dict[str, float] = {f: v for f in ("power_limit", "power") if f in z
+        own_z: dict[str, float] = {f: v for f in ("power_limit", "power", "util", "tensor") if f in z
                                    and math.isfinite(v := float(z[f][i]))}
         view = cause_rules.GpuView(frame, int(i), own_z, _thresholds(p), nic_flags, node_causes or {}, **refs)
         hit = cause_rules.link(view)
@@ -359,7 +366,7 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
         key = (frame.nodes[i], frame.gpus[i])
         sc = nic_flags[key] if rule.what == "nic_flagged" else p.threshold + min(strength - DIRECT, 2.0)
         link = (nic_links or {}).get(key) if rule.what == "nic_flagged" else None
-        own = {f: float(z[f][i]) for f in ("power_limit",) if rule.what == "power_limit_below_peers"}
+        own = {f: own_z[f] for f in OWN_DEVIATIONS.get(rule.what, ()) if f in own_z}
         ev = Evidence(deviations=own, causes={rule.cause: strength}, values=rule.values(view), rules=(rule.what,),
                       flags=(link,) if link else ())
         out.append(Candidate(frame.nodes[i], frame.gpus[i], frame.jobs[i], frame.sites[i], rule.cause, float(sc),

@@ -35,6 +35,7 @@ from gpufleet.agent.vocab.exporters import (
     IPMI_EXPORTER,
     NODE_EXPORTER,
     NODE_INFINIBAND_METRICS,
+    NODE_PRESSURE_CPU_WAITING,
     Exporter,
     ExternalMetric,
 )
@@ -211,7 +212,7 @@ class _MigInstances:
 
 
 def _node_exporter(w: OmWriter, c: Context) -> None:
-    """node_exporter's infiniband collector (rail and host NICs)."""
+    """node_exporter's infiniband collector (rail and host NICs) and its pressure collector (CPU PSI)."""
     fr, f = c.fr, c.f
     ne = []
     for n in range(f.n_nics):
@@ -236,6 +237,11 @@ def _node_exporter(w: OmWriter, c: Context) -> None:
     for m in NODE_INFINIBAND_METRICS:
         w.family(m.name, m.type, m.help)
         w.block([prefix(m.sample, x) for x in ne], values[m.name], 0, c.nic_present)
+    # node_exporter's pressure collector (on by default where the kernel has PSI): the host's CPU "some" time
+    psi = NODE_PRESSURE_CPU_WAITING
+    w.family(psi.name, psi.type, psi.help)
+    w.block([prefix(psi.sample, _target(NODE_EXPORTER, node, c.site_of_node[i])) for i, node in enumerate(c.nodes)],
+            fr["host_psi_cpu"], 6, fr["present"])
 
 
 def _ipmi_exporter(w: OmWriter, c: Context) -> None:
