@@ -151,6 +151,7 @@ class Detector:
         jobs.resolve(snap.gpu, snap.meta, cfg.kubernetes)           # 2. jobs (the whole fleet: NIC peers span it)
         snap = exclusions.select(snap, cfg.exclude)                 # ... less what the operator excluded
         snap.gpu.edge = self.edges.update(snap.gpu, t, cadence.interval(snap.gpu, cfg.window_seconds))  # ... edges
+        snap.gpu.independent = self.edges.independent(snap.gpu)  # ... and jobs of independent replicas
         net = self._network(snap, t)                                # 4. network candidates (their jobs' ports)
         nic_owner = shard.nic_owners(snap.gpu, cfg.shard)           # ... one shard reports each node's NICs
         snap = shard.select(snap, cfg.shard)                        # 2. ... this replica's jobs

@@ -75,6 +75,8 @@ class GpuFrame:
     sync: FloatArray | None = None
     #: bool per GPU: its job is at a job-wide phase edge in this window (detector.phases; None: not known yet)
     edge: FloatArray | None = None
+    #: bool per GPU: its job runs independent replicas, not ranks in lock-step (detector.phases; None: not known)
+    independent: FloatArray | None = None
     #: bool per GPU: its power limit is a cap set alike on its whole job (detector.policy; None: not known)
     policy_cap: FloatArray | None = None
 

@@ -21,7 +21,7 @@ cannot tell a fault from the edge, and a finding already open is held (neither c
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import numpy as np
 
@@ -47,6 +47,19 @@ def swings(frame: GpuFrame) -> BoolArray:
     return out
 
 
+#: Windows off its edges over which a job's swings tell independent replicas from ranks in lock-step.
+LOCKSTEP_HORIZON = 8
+
+
+def _replicas(history: deque[frozenset[str]]) -> bool:
+    """Most of a job's last windows saw some part swing (never most of it: that is an edge), and over them more
+    than one part did: independent replicas (see :meth:`JobEdges.independent`)."""
+    if len(history) < LOCKSTEP_HORIZON:
+        return False
+    busy = sum(1 for s in history if s)
+    return 2 * busy > len(history) and len(frozenset().union(*history)) >= 2
+
+
 class JobEdges:
     """Which jobs are at a job-wide phase edge, evaluation after evaluation.
 
@@ -62,6 +75,10 @@ class JobEdges:
         self.min_gpus = min_gpus
         self.at_edge: set[str] = set()
         self.last_swing: dict[str, float] = {}  # job at an edge -> the last evaluation at which a node swung
+        #: per job, off its edges: what swung in each of its last :data:`LOCKSTEP_HORIZON` windows (nodes; a
+        #: one-node job: GPUs), to tell a job of independent replicas from one in lock-step (:meth:`independent`)
+        self.swung: dict[str, deque[frozenset[str]]] = {}
+        self.replicas: set[str] = set()
 
     def update(self, frame: GpuFrame, t: float | None = None, interval: float = 0.0) -> BoolArray:
         """Per GPU of ``frame``: its job is at a job-wide phase edge in this window (``t``: the evaluation's time;
@@ -91,6 +108,23 @@ class JobEdges:
                 out[ix] = True
                 if swung and t is not None:
                     self.last_swing[job] = t
+            else:  # off an edge: who swung, for telling independent replicas from ranks in lock-step
+                what = ([n for n, s in nodes.items() if s] if len(nodes) >= 2
+                        else [frame.gpus[i] for i in ix if swung_gpu[i]])
+                self.swung.setdefault(job, deque(maxlen=LOCKSTEP_HORIZON)).append(frozenset(what))
         self.at_edge = now
         self.last_swing = {j: v for j, v in self.last_swing.items() if j in now}
+        self.swung = {j: h for j, h in self.swung.items() if j in members}
+        self.replicas = {j for j, h in self.swung.items() if _replicas(h)}
         return out
+
+    def independent(self, frame: GpuFrame) -> BoolArray:
+        """Per GPU of ``frame``: its job runs independent replicas, not ranks in lock-step (as of the last
+        :meth:`update`): in most of its recent windows off an edge some of its nodes (a one-node job: GPUs)
+        swung and others did not, and not always the same ones. A synchronous job's ranks change phase together
+        (an edge) or not at all; one node's own trouble swings that node alone; bursty inference or evaluation
+        replicas, an array of tasks under one id, come and go each on its own. Their GPUs are no peers in
+        lock-step: a straggler there needs evidence of its own (detector.straggler)."""
+        if not self.replicas:
+            return np.zeros(len(frame), dtype=bool)
+        return np.array([j in self.replicas for j in frame.jobs], dtype=bool)

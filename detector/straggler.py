@@ -258,8 +258,10 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
     flags = nic_flags or {}
     hit = nan_to_zero(combined) >= p.threshold
     cands = [_candidate(frame, int(i), combined[i], z, p, flags, node_causes or {}) for i in np.flatnonzero(hit)]
-    if edge is not None and edge.any():  # at a job-wide edge: the GPU's own direct evidence only
-        at_edge = {(frame.nodes[i], frame.gpus[i]) for i in np.flatnonzero(edge)}
+    own_only = edge if frame.independent is None else (
+        frame.independent if edge is None else np.asarray(edge, dtype=bool) | frame.independent)
+    if own_only is not None and own_only.any():  # at a job-wide edge, or independent replicas: own evidence only
+        at_edge = {(frame.nodes[i], frame.gpus[i]) for i in np.flatnonzero(own_only)}
         t = _thresholds(p)
         cands = [c for c in cands if (c.node, c.gpu) not in at_edge
                  or cause_rules.vouched(c.evidence.rules, c.evidence.deviations, t)]

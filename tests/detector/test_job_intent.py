@@ -281,3 +281,31 @@ def test_an_nvlink_domain_finding_absorbs_its_racks_nvlink_stragglers() -> None:
              for n, cause in (("tray1", "nvlink"), ("tray2", "nvlink"), ("tray2", "thermal"), ("other", "nvlink"))]
     kept = fabric.absorb(strag, res, places)
     assert [(c.node, c.cause) for _, c in kept] == [("tray2", "thermal"), ("other", "nvlink")]
+
+
+# ---------------------------------------------------------------- lock-step or independent replicas
+
+
+def test_a_job_of_independent_replicas_is_read_from_its_swings_not_assumed() -> None:
+    rng = np.random.default_rng(5)
+    edges = phases.JobEdges()
+    for k in range(phases.LOCKSTEP_HORIZON):  # bursty evaluation replicas on 6 trays: one swings at a time
+        edges.update(_swinging(6, {int(rng.integers(6))} if k % 4 else set()), 15.0 * k, 15.0)
+    assert edges.independent(_swinging(6, set())).all()
+    steady = phases.JobEdges()
+    for k in range(phases.LOCKSTEP_HORIZON):  # ranks in lock-step, one node's own trouble swinging it alone
+        steady.update(_swinging(6, {2}), 15.0 * k, 15.0)
+    assert not steady.independent(_swinging(6, set())).any()
+
+
+def test_a_straggler_among_independent_replicas_needs_evidence_of_its_own() -> None:
+    g = _busy(32, ["replicas"] * 32)
+    g.values["tensor"][9] = 0.8  # busier than the others now: a replica's own burst, not a lagging rank
+    g.values["sm_active"][9] = 0.95
+    assert [c.gpu for c in straggler.score(g, StragglerParams()).candidates] == ["1"]  # judged in lock-step
+    g.independent = np.ones(32, dtype=bool)
+    assert straggler.score(g, StragglerParams()).candidates == []
+    g.values["thr_thermal"] = np.zeros(32)
+    g.values["thr_thermal"][9] = 1.0  # its own direct evidence still makes it one
+    g.values["sm_clock"][9] = 1.6e9
+    assert [(c.gpu, c.cause) for c in straggler.score(g, StragglerParams()).candidates] == [("1", "thermal")]
