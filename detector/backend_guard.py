@@ -74,9 +74,14 @@ def moving_expr(power: Query, window: float) -> str:
 
 class BackendGuard:
     def __init__(self, prom: PrometheusSource, power: Query | None, window: float, naming: NodeNaming, *,
-                 gap_share: float = GAP_SHARE, hold_seconds: float = HOLD_SECONDS) -> None:
-        """``power``: the profile's power query (None: no frozen-target check)."""
+                 gap_share: float = GAP_SHARE, hold_seconds: float = HOLD_SECONDS,
+                 feature_window: float | None = None) -> None:
+        """``power``: the profile's power query (None: no frozen-target check); ``feature_window``: the detector's
+        window (a node held stays held until its frozen or missing samples have left it; default ``window``)."""
         self.prom = prom
+        self.feature_window = feature_window if feature_window is not None else window
+        #: node -> (when it came back, why it was held): its window still holds the frozen or missing stretch
+        self.thawing: dict[str, tuple[float, str]] = {}
         self.expr = moving_expr(power, window) if power is not None else None
         self.naming = naming
         self.gap_share = gap_share
@@ -110,6 +115,12 @@ class BackendGuard:
         frozen = self._frozen(t, now & busy)
         held = {n: "stale_target" for n in lost}
         held.update({n: "frozen_target" for n in frozen})
+        back = (now & busy) - frozen  # fresh and moving again (an idle or expired node is not held on)
+        for n, reason in self.last.held.items():  # back now: held until the stretch has left its window
+            if n not in held and n in back:
+                self.thawing.setdefault(n, (t, reason))
+        self.thawing = {n: v for n, v in self.thawing.items() if n not in held and t - v[0] < self.feature_window}
+        held.update({n: reason for n, (_, reason) in self.thawing.items()})
         for n in now - frozen:
             self.fresh[n] = t
         out: dict[str, str] = {}
@@ -145,7 +156,7 @@ def guard_for(prom: PrometheusSource, queries: tuple[Query, ...], window: float,
     :data:`FROZEN_INTERVALS` evaluation intervals (at most the window)."""
     power = next((q for q in queries if q.feature == "power" and q.entity == "gpu"), None)
     flat = min(window, FROZEN_INTERVALS * interval) if interval else window
-    return BackendGuard(prom, power, flat, naming)
+    return BackendGuard(prom, power, flat, naming, feature_window=window)
 
 
 #: The features without which no GPU can be judged: none of the fleet's GPUs having one is ``missing_inputs``.

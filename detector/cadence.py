@@ -5,7 +5,7 @@ job-wide phase (a checkpoint, an evaluation pass) from one node's fault (:mod:`g
 the targets scraped at their own offsets, a window of two scrapes holds a checkpoint on some nodes and not on
 others: healthy nodes then look many sigma apart, and the phase is not seen as job-wide. So the window is at
 least :data:`MIN_SCRAPES` scrape intervals, whatever ``window_seconds`` says: 120 s at 15 s and 30 s scrapes
-(the default, unchanged), 240 s at 60 s scrapes. The interval is read from the data itself (the samples a GPU's
+(the default, unchanged), 240 s at 60 s scrapes (at most :data:`MAX_WINDOW`). The interval is read from the data itself (the samples a GPU's
 utilization series has in a window), not configured, so a fleet scraped every minute needs no tuning: replay
 reads it from the recording before it precomputes (:func:`fit_window`), the live detector from its first frame
 (:func:`wanted_window`, in the engine: the frame is collected again over the wider window, and the setting
@@ -29,6 +29,8 @@ log = logging.getLogger("gpufleet.detector")
 
 #: The fewest scrapes a window holds (at 30 s scrapes the default 120 s window holds four).
 MIN_SCRAPES = 4
+#: The widest window the interval widens to (seconds): a fleet scraped less often than every 150 s keeps it.
+MAX_WINDOW = 600.0
 
 
 def scrape_interval(source: Source, profile: str, t: float, window: float) -> float | None:
@@ -37,8 +39,8 @@ def scrape_interval(source: Source, profile: str, t: float, window: float) -> fl
     q = next(q for q in queries(profile) if q.feature == "samples")
     counts = np.asarray(source.query(q, t, window).values, dtype=float)
     counts = counts[np.isfinite(counts) & (counts > 0)]
-    if not counts.size:
-        return None
+    if not counts.size or float(np.median(counts)) < 2:
+        return None  # one sample tells no interval (series younger than the window, a restart)
     return window / float(np.median(counts))
 
 
@@ -47,7 +49,9 @@ def interval(g: GpuFrame, window: float) -> float:
     of its GPUs that have any (0: none has)."""
     counts = g.get("samples")
     counts = counts[np.isfinite(counts) & (counts > 0)]
-    return window / float(np.median(counts)) if counts.size else 0.0
+    if not counts.size or float(np.median(counts)) < 2:
+        return 0.0  # one sample tells no interval (series younger than the window, a restart)
+    return window / float(np.median(counts))
 
 
 def wanted_window(window: float, g: GpuFrame) -> float:
@@ -56,7 +60,7 @@ def wanted_window(window: float, g: GpuFrame) -> float:
     iv = interval(g, window)
     if not iv or MIN_SCRAPES * iv <= window * 1.0001:
         return window
-    return float(math.ceil(MIN_SCRAPES * iv / 15.0) * 15.0)
+    return max(window, min(MAX_WINDOW, float(math.ceil(MIN_SCRAPES * iv / 15.0) * 15.0)))
 
 
 def fit_window(cfg: DetectorConfig, source: Source, t: float) -> DetectorConfig:
@@ -70,6 +74,9 @@ def fit_window(cfg: DetectorConfig, source: Source, t: float) -> DetectorConfig:
     if interval is None or MIN_SCRAPES * interval <= cfg.window_seconds * 1.0001:
         return cfg
     window = float(math.ceil(MIN_SCRAPES * interval / 15.0) * 15.0)  # on a 15 s grid: stable across readings
+    window = max(cfg.window_seconds, min(MAX_WINDOW, window))
+    if window <= cfg.window_seconds:
+        return cfg
     log_widened(cfg.window_seconds, window, interval)
     return replace(cfg, window_seconds=window)
 

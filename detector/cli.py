@@ -214,12 +214,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.shard is not None:
             cfg.shard = parse_shard_option("--shard", args.shard)
         progress = sys.stderr.isatty() if args.progress is None else args.progress
-        if args.command == "report":
-            return _report(args, cfg, progress)
-        t_from, t_until = (args.t_from, args.t_until) if args.command == "replay" else (None, None)
-        if t_from is not None and t_until is not None and t_until < t_from:
+        if args.t_from is not None and args.t_until is not None and args.t_until < args.t_from:
             raise ValueError("--until is before --from")
-        _, findings = replay(args.files, cfg, args.step, progress, t_from=t_from, t_until=t_until)
+        if args.command == "report":  # the table and the page are of the range; the replay is of everything
+            return _report(args, cfg, progress)
+        _, findings = replay(args.files, cfg, args.step, progress, t_from=args.t_from, t_until=args.t_until)
         if argv is None:  # run as the program: the process ends after the output
             gc.freeze()  # the interpreter's last collection then skips the heap (~0.3 s at exit otherwise)
         if args.command == "replay":

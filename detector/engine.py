@@ -134,6 +134,7 @@ class Detector:
         self._nic_ids = _NicIds()
         self.last: Evaluation | None = None
         self._memos: memo.Store = {}  # derived tables kept between evaluations (this detector's own)
+        self._cadence_read = False  # the window fitted to the fleet's scrape interval (detector.cadence)
         #: The live service's check of the backend's answers (:mod:`~gpufleet.detector.backend_guard`): it raises
         #: before anything is judged on a fleet-wide fault, and names nodes whose findings are held; None (replay,
         #: the quality harness): every answer is judged.
@@ -190,7 +191,12 @@ class Detector:
         cfg = self.cfg
         snap = collect(self.source, self.queries, t, cfg.window_seconds, profile=cfg.profile, naming=self.naming,
                        coverage=cfg.coverage)
-        wanted = cadence.wanted_window(cfg.window_seconds, snap.gpu)  # four scrapes of the fleet's own interval
+        if self._cadence_read:
+            return snap
+        # once, from the first frame that shows the fleet's scrape interval: a window of four of its scrapes (read
+        # again later, a gap in the data would read as a longer interval)
+        self._cadence_read = cadence.interval(snap.gpu, cfg.window_seconds) > 0
+        wanted = cadence.wanted_window(cfg.window_seconds, snap.gpu)
         if wanted > cfg.window_seconds:
             cadence.log_widened(cfg.window_seconds, wanted, wanted / cadence.MIN_SCRAPES)
             cfg.window_seconds = self.workload.window = wanted  # (the service's warm start reads it from cfg)

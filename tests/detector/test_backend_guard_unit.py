@@ -88,3 +88,17 @@ def test_failed_queries_and_partial_answers_hold_the_evaluation() -> None:
         g(frame(busy), 15.0)
     assert set(e.value.reasons) == {"partial_response"}
     assert g(frame(busy), 30.0).held == {}  # read once: the next evaluation is judged
+
+
+def test_a_node_back_from_frozen_is_held_until_the_frozen_stretch_has_left_the_window() -> None:
+    prom = FakeProm()
+    g = BackendGuard(prom, Query("power", "gpufleet_gpu_power_watts", "avg"), 60.0,  # type: ignore[arg-type]
+                     NodeNaming(), feature_window=120.0)
+    busy = dict.fromkeys(NODES, 0.95)
+    g(frame(busy), 0.0)
+    prom.changes["n2"] = 0.0
+    assert g(frame(busy), 15.0).held == {"n2": "frozen_target"}
+    prom.changes["n2"] = 3.0  # it thaws: its counters jump, its window still holds the frozen readings
+    assert g(frame(busy), 30.0).held == {"n2": "frozen_target"}
+    assert g(frame(busy), 135.0).held == {"n2": "frozen_target"}
+    assert g(frame(busy), 150.0).held == {}  # a window later: judged again

@@ -121,7 +121,7 @@ def test_report_needs_files_or_prometheus(capsys: pytest.CaptureFixture[str]) ->
     assert cli_main(["report"]) == 2
     assert "give recording FILEs or --prometheus" in capsys.readouterr().err
     assert cli_main(["report", "--prometheus", "http://127.0.0.1:9"]) == 2
-    assert "needs --from and --to" in capsys.readouterr().err
+    assert "needs --from and --until" in capsys.readouterr().err
     assert cli_main(["report", "--prometheus", "ftp://x", "--from", "0", "--to", "1000"]) == 2
     assert "must start with http" in capsys.readouterr().err
 

@@ -246,7 +246,7 @@ class _Counts:
         return Result.from_pairs([({"instance": f"n{i}", "gpu": "0"}, float(self.samples)) for i in range(n)])
 
 
-@pytest.mark.parametrize(("samples", "window"), [(8, 120.0), (4, 120.0), (2, 240.0), (1, 480.0)])
+@pytest.mark.parametrize(("samples", "window"), [(8, 120.0), (4, 120.0), (2, 240.0), (1, 120.0)])
 def test_the_window_holds_four_scrapes_of_the_fleets_own_interval(samples: int, window: float) -> None:
     cfg = DetectorConfig()
     assert cadence.fit_window(cfg, _Counts(samples), 1e9).window_seconds == window
@@ -309,3 +309,14 @@ def test_a_straggler_among_independent_replicas_needs_evidence_of_its_own() -> N
     g.values["thr_thermal"][9] = 1.0  # its own direct evidence still makes it one
     g.values["sm_clock"][9] = 1.6e9
     assert [(c.gpu, c.cause) for c in straggler.score(g, StragglerParams()).candidates] == [("1", "thermal")]
+
+
+def test_a_window_widened_from_a_young_series_does_not_grow_without_end() -> None:
+    g = _gpus(2, 8, ["j"] * 16)
+    window = 120.0
+    for samples in (1.0, 1.0, 2.0, 4.0, 4.0):  # a restart: one sample, then the scrapes fill the window
+        g.values["samples"] = np.full(16, samples)
+        window = cadence.wanted_window(window, g)
+    assert window == 240.0
+    g.values["samples"] = np.full(16, 2.0)  # a fleet scraped every few minutes: at most the widest window
+    assert cadence.wanted_window(cadence.wanted_window(240.0, g), g) == cadence.MAX_WINDOW
