@@ -6,10 +6,11 @@ the targets scraped at their own offsets, a window of two scrapes holds a checkp
 others: healthy nodes then look many sigma apart, and the phase is not seen as job-wide. So the window is at
 least :data:`MIN_SCRAPES` scrape intervals, whatever ``window_seconds`` says: 120 s at 15 s and 30 s scrapes
 (the default, unchanged), 240 s at 60 s scrapes (at most :data:`MAX_WINDOW`). The interval is read from the data itself (the samples a GPU's
-utilization series has in a window), not configured, so a fleet scraped every minute needs no tuning: replay
-reads it from the recording before it precomputes (:func:`fit_window`), the live detector from its first frame
-(:func:`wanted_window`, in the engine: the frame is collected again over the wider window, and the setting
-kept for the service's warm start and catch-up).
+utilization series has in a window): replay reads it from the recording (its middle) and widens the window
+before it precomputes (:func:`fit_window`), so a recording scraped every minute needs no tuning. The live
+detector reads it once, two windows into its data, and warns with the setting to use when its window is short
+(:func:`warn_if_short`): a live window is not changed under the service's warm start, catch-up and restarts
+(young series after a restart, or a gap, would read as a longer interval).
 """
 
 from __future__ import annotations
@@ -52,6 +53,20 @@ def interval(g: GpuFrame, window: float) -> float:
     if not counts.size or float(np.median(counts)) < 2:
         return 0.0  # one sample tells no interval (series younger than the window, a restart)
     return window / float(np.median(counts))
+
+
+def warn_if_short(window: float, g: GpuFrame) -> bool:
+    """Log once (a warning) when ``window`` holds fewer than :data:`MIN_SCRAPES` of the scrape interval the frame
+    shows, with the setting that fixes it; True once the interval could be read."""
+    iv = interval(g, window)
+    if not iv:
+        return False
+    wanted = wanted_window(window, g)
+    if wanted > window:
+        log.warning("[detector] window_seconds = %g holds %.0f scrapes of the %.0f s interval the targets are scraped "
+                    "at: set window_seconds = %g (at least %d scrapes; replay does this by itself)", window,
+                    window / iv, iv, wanted, MIN_SCRAPES)
+    return True
 
 
 def wanted_window(window: float, g: GpuFrame) -> float:

@@ -134,7 +134,8 @@ class Detector:
         self._nic_ids = _NicIds()
         self.last: Evaluation | None = None
         self._memos: memo.Store = {}  # derived tables kept between evaluations (this detector's own)
-        self._cadence_read = False  # the window fitted to the fleet's scrape interval (detector.cadence)
+        self._cadence_read = False  # the window checked against the fleet's scrape interval (detector.cadence)
+        self._first_t: float | None = None  # the first evaluation's time
         #: The live service's check of the backend's answers (:mod:`~gpufleet.detector.backend_guard`): it raises
         #: before anything is judged on a fleet-wide fault, and names nodes whose findings are held; None (replay,
         #: the quality harness): every answer is judged.
@@ -191,17 +192,10 @@ class Detector:
         cfg = self.cfg
         snap = collect(self.source, self.queries, t, cfg.window_seconds, profile=cfg.profile, naming=self.naming,
                        coverage=cfg.coverage)
-        if self._cadence_read:
-            return snap
-        # once, from the first frame that shows the fleet's scrape interval: a window of four of its scrapes (read
-        # again later, a gap in the data would read as a longer interval)
-        self._cadence_read = cadence.interval(snap.gpu, cfg.window_seconds) > 0
-        wanted = cadence.wanted_window(cfg.window_seconds, snap.gpu)
-        if wanted > cfg.window_seconds:
-            cadence.log_widened(cfg.window_seconds, wanted, wanted / cadence.MIN_SCRAPES)
-            cfg.window_seconds = self.workload.window = wanted  # (the service's warm start reads it from cfg)
-            snap = collect(self.source, self.queries, t, wanted, profile=cfg.profile, naming=self.naming,
-                           coverage=cfg.coverage)
+        if not self._cadence_read and self._first_t is not None and t - self._first_t >= 2 * cfg.window_seconds:
+            # once, two windows into the detector's data (before, its series may be younger than the window)
+            self._cadence_read = cadence.warn_if_short(cfg.window_seconds, snap.gpu)
+        self._first_t = t if self._first_t is None else self._first_t
         return snap
 
     def _network(self, snap: FeatureFrame, t: float) -> _Network:

@@ -311,6 +311,17 @@ def test_a_straggler_among_independent_replicas_needs_evidence_of_its_own() -> N
     assert [(c.gpu, c.cause) for c in straggler.score(g, StragglerParams()).candidates] == [("1", "thermal")]
 
 
+def test_a_live_window_too_short_for_the_interval_is_named_once_with_its_fix(
+        caplog: pytest.LogCaptureFixture) -> None:
+    g = _gpus(2, 8, ["j"] * 16)
+    g.values["samples"] = np.full(16, 1.0)
+    assert not cadence.warn_if_short(120.0, g)  # one sample tells no interval: read again later
+    g.values["samples"] = np.full(16, 2.0)
+    with caplog.at_level("WARNING", logger="gpufleet.detector"):
+        assert cadence.warn_if_short(120.0, g)
+    assert "set window_seconds = 240" in caplog.text
+
+
 def test_a_window_widened_from_a_young_series_does_not_grow_without_end() -> None:
     g = _gpus(2, 8, ["j"] * 16)
     window = 120.0
