@@ -83,14 +83,14 @@ import sys
 from collections.abc import Sequence
 from datetime import datetime
 
-from gpufleet.agent import __version__
-from gpufleet.agent.serving.logs import LOG_FORMAT
 from gpufleet.detector.config import ConfigError, DetectorConfig, load, parse_shard_option
 from gpufleet.detector.profiles import PROFILES
 from gpufleet.detector.replay import replay
 from gpufleet.detector.source import SourceError
 from gpufleet.detector.source_recording import RecordingError
 from gpufleet.detector.table import print_table
+from gpufleet.serving import __version__
+from gpufleet.serving.logs import LOG_FORMAT
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -1,6 +1,6 @@
 """The detector's /metrics: a prometheus-client collector over the last evaluation, and the HTTP server.
 
-Series (names, labels and help from :mod:`gpufleet.agent.vocab.catalog`, group
+Series (names, labels and help from :mod:`gpufleet.vocab.catalog`, group
 ``detector``): per-GPU straggler score and per-feature robust z-score, one
 ``gpufleet_detector_finding`` per active finding (value = score; labels kind,
 cause, node, gpu, job_id, site, namespace, pod, gpu_instance, route; "" when not applicable) with its start and
@@ -25,11 +25,11 @@ import numpy as np
 from prometheus_client.core import CollectorRegistry, Metric
 from prometheus_client.exposition import choose_encoder
 
-from gpufleet.agent.vocab.catalog import spec
 from gpufleet.detector import direct_evidence
 from gpufleet.detector.backend_guard import NODE_REASONS, REASONS
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.findings import Finding
+from gpufleet.vocab.catalog import spec
 
 
 class Health:

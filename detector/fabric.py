@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpufleet.agent.vocab import fabric as fb
 from gpufleet.detector.candidate import DIRECT, Candidate, Evidence
 from gpufleet.detector.features import NodeNaming
 from gpufleet.detector.source import Result
+from gpufleet.vocab import fabric as fb
 
 #: The finding kinds of this module (catalog.FINDING_KINDS).
 KINDS = ("nvlink_domain", "tray_health")

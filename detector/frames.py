@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpufleet.agent.vocab import exporters
 from gpufleet.detector.source import Result
+from gpufleet.vocab import exporters
 
 FloatArray = np.ndarray
 

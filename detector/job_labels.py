@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpufleet.agent.vocab import exporters
 from gpufleet.detector.source import SeriesTable
+from gpufleet.vocab import exporters
 
 IntArray = np.ndarray
 FloatArray = np.ndarray

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpufleet.agent.vocab import exporters
 from gpufleet.detector import memo
 from gpufleet.detector.candidate import Candidate
 from gpufleet.detector.features import GpuFrame
 from gpufleet.detector.source import Result
+from gpufleet.vocab import exporters
 
 #: Names of the pass-through (meta) results :func:`resolve` reads (the features of profiles.KUBE_QUERIES).
 POD_OWNER = "@kube_pod_owner"

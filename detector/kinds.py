@@ -1,6 +1,6 @@
 """The finding kinds, as one table: what each kind is about and how the tracker judges it.
 
-The names come from :data:`gpufleet.agent.vocab.catalog.FINDING_KINDS` (the exported ``kind`` label); every
+The names come from :data:`gpufleet.vocab.catalog.FINDING_KINDS` (the exported ``kind`` label); every
 behaviour that differs by kind is a field here, so no module tests kind strings of its own.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from gpufleet.agent.vocab.catalog import FINDING_KINDS
+from gpufleet.vocab.catalog import FINDING_KINDS
 
 #: When an entity counts as observed in an evaluation (so a clear evaluation counts towards closing):
 #: ``scored``: a busy GPU scored among busy peers; ``busy``: a busy GPU; ``nic``: the NIC is in the frame;

@@ -15,9 +15,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from gpufleet.agent.serving import sdnotify
 from gpufleet.detector.profiles import Query
 from gpufleet.detector.source import Result, Source, SourceError
+from gpufleet.serving import sdnotify
 
 
 class Liveness:
@@ -44,7 +44,7 @@ class Liveness:
         return TrackedSource(source, self)
 
     def watchdog(self, server_thread: threading.Thread, timeout: float | None = None) -> sdnotify.Watchdog:
-        """A started :class:`~gpufleet.agent.serving.sdnotify.Watchdog` (idle unless systemd set one) that pings
+        """A started :class:`~gpufleet.serving.sdnotify.Watchdog` (idle unless systemd set one) that pings
         while the HTTP thread runs and the loop is not stuck for the watchdog timeout."""
         wd = sdnotify.Watchdog(lambda: None, timeout)
         limit = wd.timeout

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from gpufleet.agent.vocab import exporters
 from gpufleet.detector import jobs, straggler
 from gpufleet.detector import shard as sharding
 from gpufleet.detector.candidate import Candidate
@@ -36,6 +35,7 @@ from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.features import FeatureFrame, GpuFrame, NodeNaming, first_label
 from gpufleet.detector.profiles import MIG_INSTANCE_LABELS, MIG_PROFILE_LABELS
 from gpufleet.detector.source import Result, SeriesTable
+from gpufleet.vocab import exporters
 
 #: Slice features read from their own series (detector.profiles MIG queries) -> frame feature.
 OWN = {"mig_sm_active": "util", "mig_tensor": "tensor", "mig_dram": "dram"}

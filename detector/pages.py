@@ -12,7 +12,7 @@
 Every value shown is escaped; a page lists at most :data:`MAX_ROWS` incidents and plots at most
 :data:`MAX_FINDINGS` findings of :data:`evidence.MAX_PANEL_POINTS` points each, so its size and cost are
 bounded whatever the fleet. An unknown incident is 404. The pages are served by the same server as
-``/metrics``, behind the same TLS and basic auth (agent.serving).
+``/metrics``, behind the same TLS and basic auth (serving).
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ from urllib.parse import parse_qs, quote, unquote, urlencode
 
 import numpy as np
 
-from gpufleet.agent.vocab import boards
 from gpufleet.detector import evidence, impact
 from gpufleet.detector.candidate import DIRECT
 from gpufleet.detector.engine import Detector, Evaluation
 from gpufleet.detector.evidence import Panel, Trace
 from gpufleet.detector.findings import Finding, Key
 from gpufleet.detector.svg import LEGEND, panel_svg
+from gpufleet.vocab import boards
 
 #: Incidents listed at most on /findings (and /api/findings).
 MAX_ROWS = 200

@@ -8,7 +8,7 @@ class, the links of a GPU). Both sources evaluate the same :class:`Query`: the
 Prometheus source as PromQL (``avg_over_time(m{...}[300s])``), the recording
 source in memory with the same semantics.
 
-Profiles: ``gpufleet`` (the agent's metrics from :mod:`gpufleet.agent.vocab.catalog`)
+Profiles: ``gpufleet`` (the agent's metrics from :mod:`gpufleet.vocab.catalog`)
 and ``dcgm`` (NVIDIA dcgm-exporter, node_exporter's infiniband collector and
 ipmi_exporter, as deployed today).
 """
@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from gpufleet.agent.vocab import catalog, exporters
-from gpufleet.agent.vocab.nvml import reason_bits
+from gpufleet.vocab import catalog, exporters
+from gpufleet.vocab.nvml import reason_bits
 
 Op = Literal["avg", "max", "min", "last", "count", "rate", "increase"]
 #: ``meta``: a query collect() does not resolve to an entity; its raw result is kept on FeatureFrame.meta.
@@ -80,7 +80,7 @@ def _q(feature: str, metric: str, op: Op, entity: Entity = "gpu", matchers: tupl
 
 def _x(feature: str, sample: str, op: Op, entity: Entity = "gpu", scale: float = 1.0, agg: Agg = "max", *,
        matchers: tuple[tuple[str, str, str], ...] = (), optional: bool = False) -> Query:
-    """A query of another exporter's series: ``sample`` must be a sample name of :mod:`~gpufleet.agent.vocab.exporters`."""
+    """A query of another exporter's series: ``sample`` must be a sample name of :mod:`~gpufleet.vocab.exporters`."""
     metric = exporters.external(sample)  # KeyError for a name the vocabulary does not list
     if metric.sample != sample:
         raise ValueError(f"{sample}: the exporters' series is named {metric.sample}")

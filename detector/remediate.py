@@ -42,10 +42,10 @@ import requests
 from prometheus_client.core import CollectorRegistry, Metric
 from prometheus_client.exposition import generate_latest
 
-from gpufleet.agent.vocab.catalog import spec
 from gpufleet.detector.remediate_backends import Backend, BackendError, Kubernetes, Slurm
 from gpufleet.detector.remediate_feed import page_alerts, poll
 from gpufleet.detector.remediate_policy import Decision, NodeState, Rails, View, fence, resume
+from gpufleet.vocab.catalog import spec
 
 log = logging.getLogger("gpufleet.remediate")
 

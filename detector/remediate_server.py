@@ -1,7 +1,7 @@
 """The remediation service's HTTP side and loop: ``POST /webhook`` (Alertmanager), ``GET /metrics``, ``/health``.
 
 Listens on ``listen`` (127.0.0.1:9447 by default) with the exporter-toolkit web config's TLS and basic auth
-(:mod:`gpufleet.agent.serving.webconfig`); a request without valid credentials gets 401, a webhook body that
+(:mod:`gpufleet.serving.webconfig`); a request without valid credentials gets 401, a webhook body that
 is not an Alertmanager payload 400 with a one-line reason.
 """
 
@@ -15,7 +15,6 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from gpufleet.agent.serving.webconfig import WebConfig, load_web_config
 from gpufleet.detector.remediate import (
     RemediationConfig,
     RemediationConfigError,
@@ -23,6 +22,7 @@ from gpufleet.detector.remediate import (
     backend_for,
     parse_config,
 )
+from gpufleet.serving.webconfig import WebConfig, load_web_config
 
 log = logging.getLogger("gpufleet.remediate")
 #: The largest webhook body taken (Alertmanager batches alerts of one group; 4 MiB is thousands of them).

@@ -9,7 +9,7 @@ web config's users), 404 another path, 405 another method, 415 a content type ot
 uncompressed size) over the limit, 400 bad snappy, bad protobuf, or samples out of order (older than the window
 kept, or another value at a time already held; the request's other samples are kept). Every request and sample is counted by result (:class:`Stats`, exported as
 ``gpufleet_detector_remote_write_*``); nothing a sender sends stops the receiver. TLS and basic auth come from
-the same exporter-toolkit web config as ``/metrics`` (:mod:`gpufleet.agent.serving.webconfig`).
+the same exporter-toolkit web config as ``/metrics`` (:mod:`gpufleet.serving.webconfig`).
 
 Each connection is served on its own thread (``ThreadingHTTPServer``), at most :data:`MAX_CONNECTIONS` at once
 (more are closed at once); the TLS handshake runs on it too, under the connection's timeout, so a slow client
@@ -28,12 +28,12 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
-from gpufleet.agent.serving.listen import parse_listen_address
-from gpufleet.agent.serving.webconfig import WebConfig
-from gpufleet.agent.vocab.catalog import REMOTE_WRITE_RESULTS, REMOTE_WRITE_SAMPLE_RESULTS, spec
 from gpufleet.detector.remote_write_config import PATH
 from gpufleet.detector.remote_write_proto import WireError, decode
 from gpufleet.detector.source_remote_write import Ingested, StreamStore
+from gpufleet.serving.listen import parse_listen_address
+from gpufleet.serving.webconfig import WebConfig
+from gpufleet.vocab.catalog import REMOTE_WRITE_RESULTS, REMOTE_WRITE_SAMPLE_RESULTS, spec
 
 log = logging.getLogger("gpufleet.detector.remote_write")
 

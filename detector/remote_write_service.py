@@ -9,12 +9,12 @@ missed instants read the query API's range queries as before.
 
 from __future__ import annotations
 
-from gpufleet.agent.serving.webconfig import load_web_config
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.remote_write_config import sample_names
 from gpufleet.detector.remote_write_server import RemoteWriteReceiver
 from gpufleet.detector.source import Source
 from gpufleet.detector.source_remote_write import StreamingSource, StreamStore
+from gpufleet.serving.webconfig import load_web_config
 
 #: Intervals kept beyond the feature window.
 SLACK_INTERVALS = 4

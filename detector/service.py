@@ -19,9 +19,6 @@ import threading
 import time
 from pathlib import Path
 
-from gpufleet.agent.serving import sdnotify
-from gpufleet.agent.serving.server import MetricsServer
-from gpufleet.agent.serving.webconfig import load_web_config
 from gpufleet.detector import remote_write_service, shard_source, warmstart
 from gpufleet.detector.backend_guard import Degraded, guard_for, missing_core
 from gpufleet.detector.config import ConfigError, DetectorConfig
@@ -32,6 +29,9 @@ from gpufleet.detector.pages import FindingsPages, LiveEvidence
 from gpufleet.detector.source import Source, SourceError
 from gpufleet.detector.source_prometheus import PrometheusSource
 from gpufleet.detector.source_range import RangeSource
+from gpufleet.serving import sdnotify
+from gpufleet.serving.server import MetricsServer
+from gpufleet.serving.webconfig import load_web_config
 
 log = logging.getLogger("gpufleet.detector")
 

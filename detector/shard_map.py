@@ -29,9 +29,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from gpufleet.agent.vocab import exporters
 from gpufleet.detector import shard
 from gpufleet.detector.profiles import JOB_LABELS, Query, promql_string
+from gpufleet.vocab import exporters
 
 if TYPE_CHECKING:
     from gpufleet.detector.shard_source import ShardSource

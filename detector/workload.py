@@ -28,9 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from itertools import compress
 
-from gpufleet.agent.vocab.catalog import WORKLOAD_PATTERNS
 from gpufleet.detector.candidate import DIRECT, Candidate
 from gpufleet.detector.frames import GpuFrame
+from gpufleet.vocab.catalog import WORKLOAD_PATTERNS
 
 #: A spot that is busier within this many windows of its job's first evaluation has been since the job began.
 SETTLE_WINDOWS = 3.0

@@ -20,7 +20,7 @@ from importlib.metadata import PackageNotFoundError, requires, version
 COMMANDS: dict[str, tuple[str, str]] = {
     "gpufleet-agent": ("agent", "gpufleet.agent.cli:main"),
     "gpufleet-detector": ("detector", "gpufleet.detector.cli:main"),
-    "gpufleet-sim": ("sim", "gpufleet.agent.sim.cli:main"),
+    "gpufleet-sim": ("sim", "gpufleet.sim.cli:main"),
     "gpufleet-dashboards": ("dashboards", "gpufleet.dashboards.generate:main"),
 }
 _REQ = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[([^\]]*)\])?[^;]*;\s*extra\s*==\s*['\"]([^'\"]+)['\"]")

@@ -255,9 +255,9 @@ def formats_child(n: int, scrapes: int, interval: float) -> dict[str, Any]:
     import threading
 
     import gpufleet.agent
-    from gpufleet.agent.serving.http import Request
-    from gpufleet.agent.serving.responder import Responder
-    from gpufleet.agent.serving.webconfig import WebConfig
+    from gpufleet.serving.http import Request
+    from gpufleet.serving.responder import Responder
+    from gpufleet.serving.webconfig import WebConfig
 
     agent = _agent(n)
     tick = _virtual_clock(agent, interval)

@@ -73,7 +73,7 @@ def make(shape: str, d: Path) -> tuple[Path, list[str]]:
     if shape.startswith("dcgm192"):
         scen = d / "scenario.toml"
         scen.write_text(SCENARIO)
-        subprocess.run([sys.executable, "-m", "gpufleet.agent.sim.cli", "generate", "--scenario", str(scen), "--out",
+        subprocess.run([sys.executable, "-m", "gpufleet.sim.cli", "generate", "--scenario", str(scen), "--out",
                         str(d / "sim"), "--profile", "dcgm", "--series", "core", "--quiet"], check=True,
                        stdout=subprocess.DEVNULL)
         rec = d / "sim" / "metrics.dcgm.om"

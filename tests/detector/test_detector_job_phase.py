@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.agent.sim.quality import _config
-from gpufleet.agent.sim.recording import record
-from gpufleet.agent.sim.scenario import parse_scenario
-from gpufleet.agent.sim.simulator import Simulator
 from gpufleet.detector.replay import replay
+from gpufleet.sim.quality import _config
+from gpufleet.sim.recording import record
+from gpufleet.sim.scenario import parse_scenario
+from gpufleet.sim.simulator import Simulator
 
 START = 1_750_000_000.0
 

@@ -9,10 +9,10 @@ import math
 
 from test_detector_features import Fixed, lab
 
-from gpufleet.agent.vocab import exporters
 from gpufleet.detector.features import NodeNaming, collect
 from gpufleet.detector.mig import slice_frame
 from gpufleet.detector.profiles import DCGM, DCGM_MIG, Query, queries
+from gpufleet.vocab import exporters
 
 H100 = "NVIDIA H100 80GB HBM3"
 GI, PROF = exporters.DCGM_MIG_INSTANCE_LABEL, exporters.DCGM_MIG_PROFILE_LABEL

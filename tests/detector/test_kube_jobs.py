@@ -7,7 +7,6 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from gpufleet.agent.vocab import exporters
 from gpufleet.detector import memo
 from gpufleet.detector.candidate import Candidate
 from gpufleet.detector.config import ConfigError, parse
@@ -17,6 +16,7 @@ from gpufleet.detector.jobs import JOB_OWNER, POD_LABELS, POD_OWNER, JobRules, R
 from gpufleet.detector.profiles import queries
 from gpufleet.detector.source import Result, SeriesTable
 from gpufleet.detector.source_memory import MemorySource
+from gpufleet.vocab import exporters
 
 NS = "ml"
 

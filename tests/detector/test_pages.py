@@ -15,8 +15,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_detector_core import Fault, Synth, fast_cfg, synth
 
-from gpufleet.agent.serving.server import MetricsServer
-from gpufleet.agent.serving.webconfig import load_web_config
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.exporter import Exposer, Health, evidence_url, registry_for
 from gpufleet.detector.findings import Finding
@@ -24,6 +22,8 @@ from gpufleet.detector.impact import Impact
 from gpufleet.detector.pages import MAX_ROWS, FindingsPages, LiveEvidence
 from gpufleet.detector.profiles import sample_names
 from gpufleet.detector.source_recording import RecordingSource
+from gpufleet.serving.server import MetricsServer
+from gpufleet.serving.webconfig import load_web_config
 
 #: The tags (and attributes) a findings page may contain: no script, no external resource, no event handler.
 TAGS = {"html", "head", "meta", "title", "style", "body", "h1", "h2", "p", "b", "a", "table", "tr", "th", "td",

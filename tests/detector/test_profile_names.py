@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpufleet.agent.vocab import exporters
 from gpufleet.detector import profiles
+from gpufleet.vocab import exporters
 
 
 def test_every_dcgm_query_names_a_vocabulary_sample() -> None:

@@ -20,7 +20,6 @@ from prometheus_client.core import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from test_detector_core import T0, Fault, Synth, fast_cfg, synth
 
-from gpufleet.agent.serving.webconfig import load_web_config
 from gpufleet.detector import remote_write_config, shard_source
 from gpufleet.detector.config import DetectorConfig, parse
 from gpufleet.detector.engine import Detector
@@ -30,6 +29,7 @@ from gpufleet.detector.remote_write_server import RemoteWriteReceiver
 from gpufleet.detector.source import Result
 from gpufleet.detector.source_recording import RecordingSource
 from gpufleet.detector.source_remote_write import StreamingSource, StreamStore
+from gpufleet.serving.webconfig import load_web_config
 
 HEADERS = {"Content-Type": "application/x-protobuf", "Content-Encoding": "snappy",
            "X-Prometheus-Remote-Write-Version": "0.1.0"}

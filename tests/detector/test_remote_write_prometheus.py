@@ -30,7 +30,6 @@ import yaml
 from support import free_port, need_binary, running, wait_http
 from test_detector_core import STEP, T0, Fault, Synth, fast_cfg, synth
 
-from gpufleet.agent.serving.webconfig import load_web_config
 from gpufleet.detector import remote_write_config
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.engine import Detector
@@ -39,6 +38,7 @@ from gpufleet.detector.remote_write_server import RemoteWriteReceiver
 from gpufleet.detector.source import Source
 from gpufleet.detector.source_prometheus import PrometheusSource
 from gpufleet.detector.source_remote_write import StreamStore
+from gpufleet.serving.webconfig import load_web_config
 
 pytestmark = pytest.mark.slow
 

@@ -190,7 +190,7 @@ def test_jobless_gpus_and_sites_belong_to_shard_0() -> None:
 def test_shards_on_a_simulated_dcgm_fleet_read_every_exporter(tmp_path: Path) -> None:
     """dcgm-exporter (:9400), node_exporter (:9100) and ipmi_exporter (:9290) name one node three ways: the job map
     finds each exporter's instance, so every shard reads its nodes' GPU, NIC and node series from all three."""
-    from gpufleet.agent.sim.cli import main as sim_main
+    from gpufleet.sim.cli import main as sim_main
 
     assert sim_main(["generate", "--scenario", "ib_link_degraded", "--out", str(tmp_path), "--profile", "dcgm",
                      "--hours", "0.75", "--quiet"]) == 0

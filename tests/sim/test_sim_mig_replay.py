@@ -14,9 +14,6 @@ from typing import Any
 import pytest
 from support import backfilled_prometheus
 
-from gpufleet.agent.sim.recording import record
-from gpufleet.agent.sim.scenario import ScenarioError, parse_scenario
-from gpufleet.agent.sim.simulator import Simulator
 from gpufleet.detector.config import parse
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.findings import Finding
@@ -24,6 +21,9 @@ from gpufleet.detector.profiles import MIG, sample_names
 from gpufleet.detector.replay import replay
 from gpufleet.detector.source_prometheus import PrometheusSource
 from gpufleet.detector.source_recording import RecordingSource
+from gpufleet.sim.recording import record
+from gpufleet.sim.scenario import ScenarioError, parse_scenario
+from gpufleet.sim.simulator import Simulator
 
 SCENARIO = """
 name = "mig-slices"
