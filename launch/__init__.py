@@ -19,7 +19,7 @@ from importlib.metadata import PackageNotFoundError, requires, version
 #: command -> (the extra it needs, "module:function")
 COMMANDS: dict[str, tuple[str, str]] = {
     "gpufleet-agent": ("agent", "gpufleet.agent.cli:main"),
-    "gpufleet-detector": ("detector", "gpufleet.detector.cli:main"),
+    "gpufleet-detector": ("detector", "gpufleet.detector.service.cli:main"),
     "gpufleet-sim": ("sim", "gpufleet.sim.cli:main"),
     "gpufleet-dashboards": ("dashboards", "gpufleet.dashboards.generate:main"),
 }

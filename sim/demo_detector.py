@@ -1,6 +1,6 @@
 """The demo's detector: gpufleet's detector run in-process on the metrics scraped from the agents.
 
-Every scrape goes into the detector's in-memory source (:class:`gpufleet.detector.source_memory.MemorySource`,
+Every scrape goes into the detector's in-memory source (:class:`gpufleet.detector.sources.memory.MemorySource`,
 only the sample names the detector reads, with the target labels Prometheus would add:
 ``instance="<node>:9445"``, ``job="gpufleet-agent"``, ``site``) with the simulated time as timestamp.
 Windows are in simulated seconds, so an accelerated demo is judged like a real-time fleet. The GPUs
@@ -27,8 +27,8 @@ def load_detector() -> tuple[Any, ...]:
     """Import what the demo uses of the detector (ImportError when it is not installed)."""
     from gpufleet.detector.config import parse
     from gpufleet.detector.engine import Detector
-    from gpufleet.detector.profiles import sample_names
-    from gpufleet.detector.source_memory import MemorySource
+    from gpufleet.detector.sources.memory import MemorySource
+    from gpufleet.detector.sources.profiles import sample_names
 
     return parse, Detector, sample_names, MemorySource
 

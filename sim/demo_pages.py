@@ -1,4 +1,4 @@
-"""The demo's findings page: the in-process detector's ``/findings`` (gpufleet.detector.pages) served on
+"""The demo's findings page: the in-process detector's ``/findings`` (gpufleet.detector.outputs.pages) served on
 127.0.0.1 by the agents' HTTP server, with every evaluation's evidence traced, so the demo's injected straggler
 can be opened in a browser with its plots while the demo runs."""
 
@@ -11,8 +11,8 @@ class DemoPages:
     """``/findings`` of ``det`` on 127.0.0.1 (a free port unless ``port``); :meth:`close` stops it."""
 
     def __init__(self, det: Any, port: int = 0) -> None:
-        from gpufleet.detector.exporter import Exposer, Health, registry_for
-        from gpufleet.detector.pages import FindingsPages, LiveEvidence
+        from gpufleet.detector.outputs.exporter import Exposer, Health, registry_for
+        from gpufleet.detector.outputs.pages import FindingsPages, LiveEvidence
         from gpufleet.serving.server import MetricsServer
 
         self.det = det

@@ -55,9 +55,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gpufleet.detector.config import DetectorConfig, parse
-from gpufleet.detector.findings import Finding
-from gpufleet.detector.profiles import PROFILES
-from gpufleet.detector.replay import replay
+from gpufleet.detector.incidents.tracker import Finding
+from gpufleet.detector.service.replay import replay
+from gpufleet.detector.sources.profiles import PROFILES
 from gpufleet.sim.faults import SEVERITY_WORDS
 from gpufleet.sim.scraping import MODELS
 

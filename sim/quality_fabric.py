@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet.detector import engine
-from gpufleet.detector.profiles import Query
-from gpufleet.detector.replay import replay
+from gpufleet.detector.service.replay import replay
+from gpufleet.detector.sources.profiles import Query
 from gpufleet.sim.faults import SEVERITY_WORDS
 from gpufleet.sim.quality import Outcome, Run, _config, score_run
 

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet.detector.config import DetectorConfig, parse
-from gpufleet.detector.profiles import PROFILES
-from gpufleet.detector.replay import replay
+from gpufleet.detector.service.replay import replay
+from gpufleet.detector.sources.profiles import PROFILES
 from gpufleet.sim import kubernetes
 from gpufleet.sim.faults import SEVERITY_WORDS
 from gpufleet.sim.quality import (

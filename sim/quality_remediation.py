@@ -2,9 +2,9 @@
 
 For each run (a fault injected into a fleet, or a healthy control) the recording is evaluated as the live
 detector would, every scrape interval; after each evaluation the detector's own ``/metrics`` text (its exporter)
-is read as the service reads it (:func:`~gpufleet.detector.remediate_feed.read_metrics`), a page is raised as
+is read as the service reads it (:func:`~gpufleet.detector.remediate.feed.read_metrics`), a page is raised as
 ``GpufleetStragglerFound`` raises it (a hardware-route incident with a straggler finding, ``for: 2m``), and the
-guard rails (:mod:`~gpufleet.detector.remediate_policy`, defaults) decide, fencing into an in-memory scheduler.
+guard rails (:mod:`~gpufleet.detector.remediate.policy`, defaults) decide, fencing into an in-memory scheduler.
 Reported: per fault run, whether the fault's node was fenced and how many evaluations after its page; every
 fence of any other node (in a control run, every fence) is a false fence.
 
@@ -26,11 +26,11 @@ from typing import Any
 from prometheus_client.exposition import generate_latest
 
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.exporter import Health, registry_for
-from gpufleet.detector.profiles import sample_names
-from gpufleet.detector.remediate_feed import read_metrics
-from gpufleet.detector.remediate_policy import NodeState, Rails, View, fence, resume
-from gpufleet.detector.source_recording import RecordingSource
+from gpufleet.detector.outputs.exporter import Health, registry_for
+from gpufleet.detector.remediate.feed import read_metrics
+from gpufleet.detector.remediate.policy import NodeState, Rails, View, fence, resume
+from gpufleet.detector.sources.profiles import sample_names
+from gpufleet.detector.sources.recording import RecordingSource
 from gpufleet.sim.faults import SEVERITY_WORDS
 from gpufleet.sim.quality import FAULT_SCENARIOS, START, Run, _config
 

@@ -44,9 +44,9 @@ from typing import Any
 
 import numpy as np
 
-from gpufleet.detector.findings import Finding
-from gpufleet.detector.profiles import PROFILES
-from gpufleet.detector.replay import replay
+from gpufleet.detector.incidents.tracker import Finding
+from gpufleet.detector.service.replay import replay
+from gpufleet.detector.sources.profiles import PROFILES
 from gpufleet.sim import kubernetes
 from gpufleet.sim.faults import SEVERITY_WORDS
 from gpufleet.sim.kubernetes import KubeScenario

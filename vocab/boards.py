@@ -1,5 +1,5 @@
 """The dashboards' stable uids and the template variables they take: what the dashboards are generated with
-(``gpufleet.dashboards``) and what the detector's findings pages link to (``gpufleet.detector.pages``)."""
+(``gpufleet.dashboards``) and what the detector's findings pages link to (``gpufleet.detector.outputs.pages``)."""
 
 from __future__ import annotations
 

@@ -73,7 +73,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpufleet.detector.profiles import PROFILES
+from gpufleet.detector.sources.profiles import PROFILES
 from gpufleet.sim.recording import dcgm_profile, gpufleet_profile
 from gpufleet.sim.recording.capture import Context, Frames, run
 from gpufleet.sim.recording.openmetrics import OmWriter

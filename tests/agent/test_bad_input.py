@@ -22,7 +22,7 @@ from gpufleet.agent.collectors.jobs import JobsCollector
 from gpufleet.agent.nvml.model import Snapshot, write_snapshot
 from gpufleet.agent.nvml.trace import TraceError, TraceWriter, read_trace
 from gpufleet.agent.registry import AgentCollector
-from gpufleet.detector.cli import main as detector_main
+from gpufleet.detector.service.cli import main as detector_main
 from gpufleet.sim.fake.live_source import LiveSource
 from gpufleet.sim.fake.sim_source import SimSource
 from gpufleet.sim.fake.smi_xml import builtin_host

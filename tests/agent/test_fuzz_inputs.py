@@ -27,7 +27,7 @@ from gpufleet.agent.collectors.jobs import JobsCollector, Skipped, read_jobs
 from gpufleet.agent.nvml.model import GpmCounters, GpuInventory, GpuSample, NvLinkSample, to_dict
 from gpufleet.agent.nvml.plausible import BOUNDS
 from gpufleet.agent.nvml.trace import TraceError, read_trace
-from gpufleet.detector.source_recording import RecordingError, RecordingSource
+from gpufleet.detector.sources.recording import RecordingError, RecordingSource
 from gpufleet.serving.webconfig import WebConfigError, parse_web_config
 from gpufleet.sim.fake.live_source import LiveSource
 from gpufleet.sim.fake.trace_source import TraceSource

@@ -6,7 +6,7 @@ import pynvml
 import pytest
 
 from gpufleet.agent.nvml import fieldvalues, gpm
-from gpufleet.detector import profiles
+from gpufleet.detector.sources import profiles
 from gpufleet.vocab import catalog, exporters
 from gpufleet.vocab import nvml as nv
 

@@ -385,7 +385,7 @@ def _code_path(tree: str, root: str) -> str:
 
     root = tempfile.mkdtemp(dir=root)
     os.mkdir(os.path.join(root, "gpufleet"))
-    for pkg in ("agent", "detector", "dashboards", "alerts"):
+    for pkg in ("vocab", "serving", "agent", "sim", "detector", "dashboards", "alerts"):
         if os.path.isdir(os.path.join(tree, pkg)):
             os.symlink(os.path.abspath(os.path.join(tree, pkg)), os.path.join(root, "gpufleet", pkg))
     return root

@@ -26,11 +26,11 @@ import time
 import tomllib
 from pathlib import Path
 
-from gpufleet.detector import profiles
 from gpufleet.detector.config import parse
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.replay import replay
-from gpufleet.detector.source_recording import RecordingSource
+from gpufleet.detector.service.replay import replay
+from gpufleet.detector.sources import profiles
+from gpufleet.detector.sources.recording import RecordingSource
 from gpufleet.sim.recording import iter_profiles, record
 from gpufleet.sim.scenario import parse_scenario
 from gpufleet.sim.simulator import Simulator

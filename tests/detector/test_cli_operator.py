@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpufleet.agent.settings import build_parser
-from gpufleet.detector import cli
+from gpufleet.detector.service import cli
 from gpufleet.sim.recording import record
 from gpufleet.sim.scenario import parse_scenario
 from gpufleet.sim.simulator import Simulator
@@ -33,7 +33,7 @@ def recordings(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def test_version_is_the_package_metadata() -> None:
-    out = subprocess.run([sys.executable, "-m", "gpufleet.detector.cli", "--version"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "gpufleet.detector.service.cli", "--version"], capture_output=True,
                          text=True, check=True).stdout
     assert out == f"gpufleet-detector {version('gpufleet')}\n"
 

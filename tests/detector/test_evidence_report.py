@@ -1,4 +1,4 @@
-"""The report plots every finding's evidence (detector.evidence, detector.report): on Kubernetes recordings
+"""The report plots every finding's evidence (detector.outputs.evidence, detector.outputs.report): on Kubernetes recordings
 whose jobs come from pod owners (the detector's own job resolution gives the peers), on both profiles, plain and
 compressed, and from a real Prometheus over a range (``report --prometheus URL --from --to``)."""
 
@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpufleet.detector.cli import main as cli_main
 from gpufleet.detector.config import DetectorConfig
-from gpufleet.detector.evidence import BEFORE, features_of, grid, quantiles, traces
-from gpufleet.detector.findings import Finding
-from gpufleet.detector.replay import replay
+from gpufleet.detector.incidents.tracker import Finding
+from gpufleet.detector.outputs.evidence import BEFORE, features_of, grid, quantiles, traces
+from gpufleet.detector.service.cli import main as cli_main
+from gpufleet.detector.service.replay import replay
 from gpufleet.sim import kubernetes
 from gpufleet.sim.recording import FILES
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from gpufleet.detector.config import ConfigError, DetectorConfig, parse
-from gpufleet.detector.replay import replay
+from gpufleet.detector.service.replay import replay
 from gpufleet.sim.recording import record
 from gpufleet.sim.scenario import parse_scenario
 from gpufleet.sim.simulator import Simulator

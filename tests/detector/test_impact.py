@@ -1,4 +1,4 @@
-"""Impact per finding (detector.impact) against the simulator's truth: the job's real step time.
+"""Impact per finding (detector.incidents.impact) against the simulator's truth: the job's real step time.
 
 The simulator knows each job's step time (sim.physics: a synchronous job steps at its slowest rank's
 pace). A twin of each run steps the same scenario in memory and reads it: the true slowdown is the job's mean
@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from gpufleet.detector.config import DetectorConfig
-from gpufleet.detector.features import GpuFrame
-from gpufleet.detector.findings import Finding
-from gpufleet.detector.impact import ImpactTracker, delay
-from gpufleet.detector.replay import replay
+from gpufleet.detector.frame.features import GpuFrame
+from gpufleet.detector.incidents.impact import ImpactTracker, delay
+from gpufleet.detector.incidents.tracker import Finding
+from gpufleet.detector.service.replay import replay
 from gpufleet.sim.recording import FILES, record
 from gpufleet.sim.scenario import Scenario, builtin_text, parse_scenario
 from gpufleet.sim.simulator import Simulator

@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gpufleet.detector.causes import nic_fabric
-from gpufleet.detector.features import GpuFrame, NicFrame
-from gpufleet.detector.network import NetworkParams, find
-from gpufleet.detector.replay import replay
+from gpufleet.detector.frame.features import GpuFrame, NicFrame
+from gpufleet.detector.rules.causes import nic_fabric
+from gpufleet.detector.rules.network import NetworkParams, find
+from gpufleet.detector.service.replay import replay
 from gpufleet.sim.quality import _config
 from gpufleet.sim.recording import record
 from gpufleet.sim.scenario import builtin_text, parse_scenario

@@ -1,4 +1,4 @@
-"""The findings pages (detector.pages): the list and an incident's page with its evidence, JSON for tools,
+"""The findings pages (detector.outputs.pages): the list and an incident's page with its evidence, JSON for tools,
 every label value escaped (fuzzed), 404 for an unknown incident, bounded size, behind the server's auth."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from hypothesis import strategies as st
 from test_detector_core import Fault, Synth, fast_cfg, synth
 
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.exporter import Exposer, Health, evidence_url, registry_for
-from gpufleet.detector.findings import Finding
-from gpufleet.detector.impact import Impact
-from gpufleet.detector.pages import MAX_ROWS, FindingsPages, LiveEvidence
-from gpufleet.detector.profiles import sample_names
-from gpufleet.detector.source_recording import RecordingSource
+from gpufleet.detector.incidents.impact import Impact
+from gpufleet.detector.incidents.tracker import Finding
+from gpufleet.detector.outputs.exporter import Exposer, Health, evidence_url, registry_for
+from gpufleet.detector.outputs.pages import MAX_ROWS, FindingsPages, LiveEvidence
+from gpufleet.detector.sources.profiles import sample_names
+from gpufleet.detector.sources.recording import RecordingSource
 from gpufleet.serving.server import MetricsServer
 from gpufleet.serving.webconfig import load_web_config
 

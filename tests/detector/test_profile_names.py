@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpufleet.detector import profiles
+from gpufleet.detector.sources import profiles
 from gpufleet.vocab import exporters
 
 
@@ -30,7 +30,7 @@ def test_dcgm_labels_come_from_the_vocabulary() -> None:
 def test_dcgm_host_label_is_the_node_in_either_spelling() -> None:
     """Without an instance label the node is dcgm-exporter's host label: "Hostname", or "hostname" as
     dcgm-exporter writes it since May 2026."""
-    from gpufleet.detector.features import NodeNaming
+    from gpufleet.detector.frame.features import NodeNaming
 
     naming = NodeNaming()
     assert naming.node({"Hostname": "gpu-node-1"}) == "gpu-node-1"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.detector.remediate_policy import Rails
+from gpufleet.detector.remediate.policy import Rails
 from gpufleet.sim.quality import Run
 from gpufleet.sim.quality_remediation import score, simulate
 

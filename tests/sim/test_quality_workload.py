@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gpufleet.detector.findings import Finding
+from gpufleet.detector.incidents.tracker import Finding
 from gpufleet.sim import quality_workload as qw
 from gpufleet.sim.quality import Run
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpufleet.detector.profiles import PROFILES, Query
-from gpufleet.detector.source_recording import RecordingSource
+from gpufleet.detector.sources.profiles import PROFILES, Query
+from gpufleet.detector.sources.recording import RecordingSource
 from gpufleet.sim import kubernetes, quality_kubernetes
 from gpufleet.sim.quality import START, Run
 from gpufleet.sim.scenario import parse_time

@@ -16,11 +16,11 @@ from support import backfilled_prometheus
 
 from gpufleet.detector.config import parse
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.findings import Finding
-from gpufleet.detector.profiles import MIG, sample_names
-from gpufleet.detector.replay import replay
-from gpufleet.detector.source_prometheus import PrometheusSource
-from gpufleet.detector.source_recording import RecordingSource
+from gpufleet.detector.incidents.tracker import Finding
+from gpufleet.detector.service.replay import replay
+from gpufleet.detector.sources.profiles import MIG, sample_names
+from gpufleet.detector.sources.prometheus import PrometheusSource
+from gpufleet.detector.sources.recording import RecordingSource
 from gpufleet.sim.recording import record
 from gpufleet.sim.scenario import ScenarioError, parse_scenario
 from gpufleet.sim.simulator import Simulator

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from gpufleet.detector.config import parse
-from gpufleet.detector.findings import Finding
-from gpufleet.detector.replay import replay
+from gpufleet.detector.incidents.tracker import Finding
+from gpufleet.detector.service.replay import replay
 from gpufleet.sim.recording import record
 from gpufleet.sim.scenario import builtin_text, parse_scenario
 from gpufleet.sim.simulator import Simulator

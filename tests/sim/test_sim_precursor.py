@@ -17,7 +17,7 @@ import pytest
 from support import REPO, need_binary
 from test_sim_faults import START, parse
 
-from gpufleet.detector.replay import replay
+from gpufleet.detector.service.replay import replay
 from gpufleet.sim.quality import _config
 from gpufleet.sim.recording import record
 from gpufleet.sim.scenario import ScenarioError, builtin_text, parse_scenario

@@ -149,7 +149,7 @@ def test_findings_page_of_a_live_detector_shows_the_straggler(tmp_path: Path) ->
 
 
 def _report(rec: Path, profile: str, out: Path) -> None:
-    from gpufleet.detector.cli import main as cli_main
+    from gpufleet.detector.service.cli import main as cli_main
 
     assert cli_main(["report", str(rec), "--profile", profile, "--html", str(out)]) == 0
 

@@ -15,9 +15,9 @@ from support import backfilled_prometheus
 
 from gpufleet.detector.config import parse
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.profiles import sample_names
-from gpufleet.detector.source_prometheus import PrometheusSource
-from gpufleet.detector.source_recording import RecordingSource
+from gpufleet.detector.sources.profiles import sample_names
+from gpufleet.detector.sources.prometheus import PrometheusSource
+from gpufleet.detector.sources.recording import RecordingSource
 from gpufleet.sim import kubernetes
 
 

@@ -25,12 +25,12 @@ import yaml
 from slurm_cluster import scontrol, slurm_cluster
 from support import free_port, need_binary, running, wait_http
 
-from gpufleet.detector.exporter import Exposer, Health, registry_for
-from gpufleet.detector.remediate import RemediationConfig, Remediator
-from gpufleet.detector.remediate_backends import Slurm
-from gpufleet.detector.remediate_policy import Rails
-from gpufleet.detector.remediate_server import make_server
-from gpufleet.detector.replay import replay
+from gpufleet.detector.outputs.exporter import Exposer, Health, registry_for
+from gpufleet.detector.remediate.backends import Slurm
+from gpufleet.detector.remediate.policy import Rails
+from gpufleet.detector.remediate.server import make_server
+from gpufleet.detector.remediate.service import RemediationConfig, Remediator
+from gpufleet.detector.service.replay import replay
 from gpufleet.serving.server import MetricsServer
 from gpufleet.serving.webconfig import WebConfig
 from gpufleet.sim.quality import _config
