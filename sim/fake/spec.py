@@ -23,8 +23,9 @@ Specs:
 Any spec may end with slow or hung calls (:mod:`gpufleet.sim.fake.stalls`), after commas:
 ``sim:8,hang=nvmlDeviceGetPowerUsage@3``, ``sim,slow=nvmlDeviceGetPowerUsage@0:2``, ``sim,hang=*``.
 
-The agent's composition root (:mod:`gpufleet.agent.app`, the recorder) imports this module only
-when ``--nvml.fake`` is given; tests and the simulator use :func:`fake_backend` too.
+The agent's composition root (:mod:`gpufleet.agent.app`, the recorder) loads :func:`fake_backend` only
+when ``--nvml.fake`` is given, as the ``fake`` entry point of ``gpufleet.nvml_backends`` (pyproject.toml), never
+by an import; tests and the simulator use :func:`fake_backend` too.
 """
 
 from __future__ import annotations
