@@ -89,7 +89,7 @@ wheel=$(ls "$work"/dist/gpufleet-*.whl)
 sdist=$(ls "$work"/dist/gpufleet-*.tar.gz)
 top=$(basename "$sdist" .tar.gz)
 tar tzf "$sdist" >"$work/sdist.txt"
-for f in pyproject.toml README.md MANIFEST.in agent/fake/data/h100-8gpu-idle.xml agent/sim/scenarios/demo.toml \
+for f in pyproject.toml README.md MANIFEST.in sim/fake/data/h100-8gpu-idle.xml sim/scenarios/demo.toml \
   dashboards/json/gpufleet-overview.json alerts/__init__.py alerts/gpufleet.rules.yml alerts/alertmanager.yml \
   alerts/runbook.md alerts/tests/gpu.test.yml docs/README.md docs/metrics.md packaging/demo.sh packaging/container/build.sh packaging/web-config.yml packaging/agent.toml \
   packaging/systemd/gpufleet-agent.service tests/run.sh tests/conftest.py tests/support.py \
@@ -97,8 +97,8 @@ for f in pyproject.toml README.md MANIFEST.in agent/fake/data/h100-8gpu-idle.xml
   grep -qxF "$top/$f" "$work/sdist.txt" || fail "the sdist lacks $f"
 done
 "$py" -m zipfile -l "$wheel" | awk 'NR > 1 {print $1}' >"$work/wheel.txt"
-for f in gpufleet/agent/fake/data/h100-8gpu-idle.xml gpufleet/agent/fake/data/NOTICE.md \
-  gpufleet/agent/sim/scenarios/demo.toml gpufleet/dashboards/boards/overview.py \
+for f in gpufleet/sim/fake/data/h100-8gpu-idle.xml gpufleet/sim/fake/data/NOTICE.md \
+  gpufleet/sim/scenarios/demo.toml gpufleet/dashboards/boards/overview.py \
   gpufleet/dashboards/json/gpufleet-overview.json gpufleet/alerts/gpufleet.rules.yml \
   gpufleet/alerts/alertmanager.yml gpufleet/alerts/runbook.md gpufleet/alerts/tests/gpu.test.yml; do
   grep -qxF "$f" "$work/wheel.txt" || fail "the wheel lacks $f"
@@ -109,7 +109,7 @@ ok "$(basename "$sdist") ($(wc -l <"$work/sdist.txt") entries), $(basename "$whe
 # ---------------------------------------------------------------- [agent]: a GPU host
 extra=agent t0=$SECONDS
 venv agent "$wheel[agent]"
-n=$(import_all agent gpufleet.agent -gpufleet.agent.sim)
+n=$(import_all agent gpufleet.agent gpufleet.vocab gpufleet.serving gpufleet.sim.fake)
 A=$work/venv-agent/bin
 (cd "$work/outside" && "$A/gpufleet-agent" once --nvml.fake=sim) >"$work/once.prom" 2>"$work/once.err" \
   || { cat "$work/once.err" >&2; fail "gpufleet-agent once --nvml.fake=sim exited non-zero"; }
@@ -168,7 +168,7 @@ ok "$n modules import; once: $samples samples; https + basic auth: 401 without, 
 # ---------------------------------------------------------------- [sim]: recordings and live agents
 extra=sim t0=$SECONDS
 venv sim "$wheel[sim]"
-n=$(import_all sim gpufleet.agent)
+n=$(import_all sim gpufleet.agent gpufleet.sim gpufleet.vocab gpufleet.serving)
 S=$work/venv-sim/bin
 cat >"$work/small.toml" <<'EOF'
 name = "ci-small"
@@ -201,7 +201,7 @@ ok "$n modules import; generate: $(du -h "$work/rec/metrics.gpufleet.om" | cut -
 # ---------------------------------------------------------------- [detector]: the central host
 extra=detector t0=$SECONDS
 venv detector "$wheel[detector]"
-n=$(import_all detector gpufleet.detector)
+n=$(import_all detector gpufleet.detector gpufleet.vocab gpufleet.serving)
 (cd "$work/outside" && "$work/venv-detector/bin/gpufleet-detector" replay --format json --no-progress \
   "$work/rec/metrics.gpufleet.om") >"$work/findings.json" 2>"$work/replay.err" \
   || { cat "$work/replay.err" >&2; fail "gpufleet-detector replay failed"; }
@@ -261,7 +261,7 @@ ok "agent (+ Slurm) and detector roots laid down, units verified, upgrade kept t
 # ---------------------------------------------------------------- [dashboards]
 extra=dashboards t0=$SECONDS
 venv dashboards "$wheel[dashboards]"
-n=$(import_all dashboards gpufleet.dashboards)
+n=$(import_all dashboards gpufleet.dashboards gpufleet.vocab)
 D=$work/venv-dashboards/bin
 (cd "$work/outside" && "$D/gpufleet-dashboards" --out "$work/dash") >"$work/dash.log" 2>&1 \
   || { cat "$work/dash.log" >&2; fail "gpufleet-dashboards failed"; }
@@ -272,7 +272,7 @@ ok "$n modules import; $(tail -1 "$work/dash.log"); $(ls "$work/dash" | wc -l) g
 # ---------------------------------------------------------------- [all]: everything, the demo included
 extra=all t0=$SECONDS
 venv all "$wheel[all]"
-n=$(import_all all gpufleet.agent gpufleet.detector gpufleet.dashboards gpufleet.alerts)
+n=$(import_all all gpufleet.vocab gpufleet.serving gpufleet.agent gpufleet.sim gpufleet.detector gpufleet.dashboards gpufleet.alerts)
 "$work/venv-all/bin/python" -c '
 from importlib.resources import files
 for name in ("gpufleet.rules.yml", "alertmanager.yml", "runbook.md"):

@@ -10,7 +10,8 @@ It also starts the XID listener thread; ``close()`` stops both, without waiting 
 call that does not return. ``health()`` is one line: ``nvml: up``, or ``degraded: ...`` and why.
 
 The NVML backend is the real one, or with ``--nvml.fake`` one on the fake NVML
-(:func:`gpufleet.agent.fake.spec.fake_backend`, imported only then). When the fake's
+(:func:`gpufleet.sim.fake.spec.fake_backend`, found only then as the ``fake`` entry point of the
+``gpufleet.nvml_backends`` group: the agent never imports the simulator's package by name). When the fake's
 source keeps a fake sysfs tree (``source.sysfs_root``) and the user left ``--path.sysfs``
 at its default, the NIC, topology and PCIe collectors read that tree, so a simulated host has
 simulated InfiniBand ports too; the fake's ``refresh_host`` runs before every read, so
@@ -22,6 +23,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client import CollectorRegistry
@@ -45,12 +48,24 @@ _DEFAULT_PROCFS = AgentConfig().procfs_path
 CLOSE_TIMEOUT = 5.0
 
 
+#: The entry-point group of NVML backends other than the driver (pyproject.toml: ``fake``, the simulator's).
+BACKENDS_GROUP = "gpufleet.nvml_backends"
+
+
+def plugin_backend(name: str) -> Callable[[str], NvmlBackend]:
+    """The ``name`` backend factory of :data:`BACKENDS_GROUP`; ValueError in one line when none is installed."""
+    found = [ep for ep in entry_points(group=BACKENDS_GROUP) if ep.name == name]
+    if not found:
+        raise ValueError(f"no {name!r} NVML backend is installed (entry point group {BACKENDS_GROUP}): "
+                         "reinstall gpufleet")
+    factory: Callable[[str], NvmlBackend] = found[0].load()
+    return factory
+
+
 def build_backend(fake_spec: str) -> NvmlBackend:
     """The NVML backend for ``--nvml.fake`` (empty: the real libnvidia-ml); ValueError on a bad spec."""
     if fake_spec:
-        from gpufleet.agent.fake.spec import fake_backend
-
-        return fake_backend(fake_spec)
+        return plugin_backend("fake")(fake_spec)
     return NvmlBackend()
 
 

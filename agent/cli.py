@@ -20,8 +20,8 @@ import sys
 from collections.abc import Sequence
 
 from gpufleet.agent import modes
-from gpufleet.agent.serving.logs import log_logfmt
 from gpufleet.agent.settings import PROG, UsageError, record_index, resolve
+from gpufleet.serving.logs import log_logfmt
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 from gpufleet.agent import __version__
 from gpufleet.agent.config import AgentConfig
-from gpufleet.agent.serving import sdnotify
-from gpufleet.agent.serving.files import write_atomic
 from gpufleet.agent.settings import PROG, Settings, UsageError
+from gpufleet.serving import sdnotify
+from gpufleet.serving.files import write_atomic
 
 if TYPE_CHECKING:
     from gpufleet.agent.app import Agent
@@ -103,8 +103,8 @@ def _serving_problem(thread: threading.Thread, loop_stalled: float, limit: float
 
 
 def serve(cfg: AgentConfig) -> int:
-    from gpufleet.agent.serving.server import MetricsServer
-    from gpufleet.agent.serving.webconfig import WebConfigError, load_web_config
+    from gpufleet.serving.server import MetricsServer
+    from gpufleet.serving.webconfig import WebConfigError, load_web_config
 
     try:
         web = load_web_config(cfg.web_config_file)

@@ -53,8 +53,8 @@ from gpufleet.agent.nvml.reading import GpmRates, Reading, blank_sample
 from gpufleet.agent.nvml.record_reads import CALL_TIMEOUT, GpuRead, LineReader
 from gpufleet.agent.nvml.record_usage import UsageRecorder
 from gpufleet.agent.nvml.trace import TraceWriter
-from gpufleet.agent.serving.argtypes import positive_float, positive_int
-from gpufleet.agent.serving.logs import LOG_FORMAT, LOG_LEVELS, log_level
+from gpufleet.serving.argtypes import positive_float, positive_int
+from gpufleet.serving.logs import LOG_FORMAT, LOG_LEVELS, log_level
 
 log = logging.getLogger(__name__)
 

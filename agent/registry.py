@@ -39,7 +39,7 @@ from gpufleet.agent.collectors import Collector
 from gpufleet.agent.collectors import budget as budgets
 from gpufleet.agent.exposition import TEXT, Format, encode_text
 from gpufleet.agent.nvml.lanes import Lanes, Outcome, staggered
-from gpufleet.agent.vocab import catalog
+from gpufleet.vocab import catalog
 
 __all__ = ["AgentCollector", "encode_text", "new_registry"]
 

@@ -54,8 +54,8 @@ from typing import Any, NoReturn
 
 from gpufleet.agent import __version__
 from gpufleet.agent.config import COLLECTORS, AgentConfig
-from gpufleet.agent.serving.listen import ListenAddressError, parse_listen_address
-from gpufleet.agent.serving.logs import log_level
+from gpufleet.serving.listen import ListenAddressError, parse_listen_address
+from gpufleet.serving.logs import log_level
 
 PROG = "gpufleet-agent"
 

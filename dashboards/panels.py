@@ -1,6 +1,6 @@
 """Shared building blocks for the gpufleet Grafana dashboards (grafanalib).
 
-Every panel is built from a metric of :mod:`gpufleet.agent.vocab.catalog` (or, for the
+Every panel is built from a metric of :mod:`gpufleet.vocab.catalog` (or, for the
 dcgm flavour, from :data:`DCGM`): its unit, its description (the catalog help
 text) and its default legend (the metric's labels) come from there, so nothing is
 typed twice. Panels record the metric they show in their description as
@@ -21,8 +21,8 @@ from typing import Any, Literal
 import attr
 from grafanalib import core as g
 
-from gpufleet.agent.vocab import boards, exporters
-from gpufleet.agent.vocab.catalog import MetricSpec, spec
+from gpufleet.vocab import boards, exporters
+from gpufleet.vocab.catalog import MetricSpec, spec
 
 #: Grafana 10/11 dashboard schema; current Grafana imports it without migration.
 SCHEMA_VERSION = 39
@@ -48,7 +48,7 @@ Op = Literal["value", "rate", "increase", "count", "age"]
 @dataclass(frozen=True)
 class ExternalSeries:
     """How the dcgm flavour shows another exporter's metric (not exported by gpufleet), from
-    :mod:`gpufleet.agent.vocab.exporters`: the sample name queried, Grafana unit, panel description and
+    :mod:`gpufleet.vocab.exporters`: the sample name queried, Grafana unit, panel description and
     the labels on its series (dcgm-exporter's plus ``hpc_job`` while a job holds the GPU)."""
 
     name: str

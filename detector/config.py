@@ -60,13 +60,13 @@ except its 4-hour PUE baseline)::
     it_power = { metric = "ipmi_dcmi_power_consumption_watts", labels = { site = "dc1" } }  # summed
     outdoor_temperature = { metric = "gpufleet_site_outdoor_temperature_celsius", labels = { site = "dc1" } }
 
-    [kubernetes]                  # how pods become training jobs (gpufleet.detector.jobs); defaults need no setup
+    [kubernetes]                  # how pods become training jobs (gpufleet.detector.frame.jobs); defaults need no setup
     job_labels = ["label_training_kubeflow_org_job_name", "label_jobset_sigs_k8s_io_jobset_name", ...]
     training_kinds = ["PyTorchJob", "MPIJob", "JobSet", "LeaderWorkerSet", "Job", ...]  # owner kinds: synchronous
     service_kinds = ["ReplicaSet", "Deployment", "StatefulSet", "DaemonSet", ...]     # never straggler peers
     worker_pattern = "^(?P<job>.+?)-(?:worker|master|launcher|leader|chief|ps)-\\d+$"  # pod-name fallback
 
-    [exclude]                     # taken out of judgement (gpufleet.detector.exclude); shell patterns
+    [exclude]                     # taken out of judgement (gpufleet.detector.incidents.exclude); shell patterns
     nodes = []                    # node names
     jobs = []                     # training job ids
     gpus = []                     # "node/gpu", e.g. "node-003/5"
@@ -80,16 +80,17 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from gpufleet.detector import exclude, shard
-from gpufleet.detector.causes import CauseParams
-from gpufleet.detector.findings import Tracker
-from gpufleet.detector.jobs import JobRules
-from gpufleet.detector.network import NetworkParams
-from gpufleet.detector.profiles import PROFILES, Query
-from gpufleet.detector.pue import PueParams
-from gpufleet.detector.shard import Shard
-from gpufleet.detector.straggler import StragglerParams
-from gpufleet.detector.throttling import ThrottleParams
+from gpufleet.detector.frame.jobs import JobRules
+from gpufleet.detector.incidents import exclude
+from gpufleet.detector.incidents.tracker import Tracker
+from gpufleet.detector.rules.causes import CauseParams
+from gpufleet.detector.rules.network import NetworkParams
+from gpufleet.detector.rules.pue import PueParams
+from gpufleet.detector.rules.straggler import StragglerParams
+from gpufleet.detector.rules.throttling import ThrottleParams
+from gpufleet.detector.sharding import shard
+from gpufleet.detector.sharding.shard import Shard
+from gpufleet.detector.sources.profiles import PROFILES, Query
 
 
 class ConfigError(ValueError):

@@ -3,25 +3,25 @@
 :class:`Detector` is shared by the service (live Prometheus source), replay (recording source) and the quality
 harness. Each evaluation reads the fleet once and moves its data one way:
 
-1. **frame** (:func:`~gpufleet.detector.features.collect`): every query of the profile at ``t`` over the window,
+1. **frame** (:func:`~gpufleet.detector.frame.features.collect`): every query of the profile at ``t`` over the window,
    as per-GPU, per-NIC, per-node and per-site features;
-2. **jobs** (:func:`~gpufleet.detector.jobs.resolve`): each GPU's training job (Slurm job ids, Kubernetes pods
+2. **jobs** (:func:`~gpufleet.detector.frame.jobs.resolve`): each GPU's training job (Slurm job ids, Kubernetes pods
    grouped by their owners), then this replica's share (``--shard``);
 3. **peers**: who a GPU is compared with (its job, model and configured power limit, from the
-   :class:`~gpufleet.detector.baseline.Baseline`), and which jobs are at a job-wide phase edge
-   (:class:`~gpufleet.detector.phases.JobEdges`) or in a lighter phase;
+   :class:`~gpufleet.detector.rules.baseline.Baseline`), and which jobs are at a job-wide phase edge
+   (:class:`~gpufleet.detector.rules.phases.JobEdges`) or in a lighter phase;
 4. **candidates**: network (each NIC against its own capability and the ports of its own job, alike ports
    fleet-wide for ports without one), stragglers (whole
    GPUs and MIG slices against their peers), throttling, NVL72 racks (an NVLink domain's GPUs as peers:
-   :mod:`~gpufleet.detector.fabric`), PUE drift;
+   :mod:`~gpufleet.detector.rules.fabric`), PUE drift;
 5. **causes**: every straggler candidate's cause from the one table of cause rules
-   (:mod:`~gpufleet.detector.cause_rules`), fed by the NIC flags and the node evidence
-   (:func:`~gpufleet.detector.causes.node_causes`); pods named on every candidate
-   (:func:`~gpufleet.detector.jobs.attribute`); stragglers with no hardware evidence that simply do more work
-   routed to their job's owner, one ticket per job and pattern (:mod:`~gpufleet.detector.workload`);
-6. **incidents** (:class:`~gpufleet.detector.findings.Tracker`): candidates that persist become findings with
+   (:mod:`~gpufleet.detector.rules.cause_rules`), fed by the NIC flags and the node evidence
+   (:func:`~gpufleet.detector.rules.causes.node_causes`); pods named on every candidate
+   (:func:`~gpufleet.detector.frame.jobs.attribute`); stragglers with no hardware evidence that simply do more work
+   routed to their job's owner, one ticket per job and pattern (:mod:`~gpufleet.detector.rules.workload`);
+6. **incidents** (:class:`~gpufleet.detector.incidents.tracker.Tracker`): candidates that persist become findings with
    hysteresis, grouped into incidents, given what this evaluation could judge (a
-   :class:`~gpufleet.detector.judgement.Judgement`).
+   :class:`~gpufleet.detector.incidents.judgement.Judgement`).
 
 The detector keeps between evaluations: the tracker's findings, the baselines, the job-edge state and each
 site's PUE model.
@@ -37,36 +37,26 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpufleet.detector import (
-    cadence,
-    causes,
-    fabric,
-    jobs,
-    memo,
-    mig,
-    network,
-    phases,
-    policy,
-    shard,
-    straggler,
-    throttling,
-)
-from gpufleet.detector import exclude as exclusions
-from gpufleet.detector.backend_guard import Verdict
-from gpufleet.detector.baseline import Baseline
-from gpufleet.detector.candidate import Candidate, Evidence
 from gpufleet.detector.config import DetectorConfig
-from gpufleet.detector.features import FeatureFrame, GpuFrame, NodeNaming, collect
-from gpufleet.detector.findings import Key, Tracker
-from gpufleet.detector.impact import ImpactTracker
-from gpufleet.detector.judgement import Judgement
-from gpufleet.detector.numeric import median, nan_to_zero
-from gpufleet.detector.profiles import Query, queries, site_queries
-from gpufleet.detector.pue import PueMonitor, PueState
-from gpufleet.detector.source import Source
-from gpufleet.detector.straggler import StragglerResult
-from gpufleet.detector.summary import summarize
-from gpufleet.detector.workload import WorkloadRouter
+from gpufleet.detector.core import memo
+from gpufleet.detector.core.candidate import Candidate, Evidence
+from gpufleet.detector.core.numeric import median, nan_to_zero
+from gpufleet.detector.frame import cadence, jobs
+from gpufleet.detector.frame.backend_guard import Verdict
+from gpufleet.detector.frame.features import FeatureFrame, GpuFrame, NodeNaming, collect
+from gpufleet.detector.incidents import exclude as exclusions
+from gpufleet.detector.incidents.impact import ImpactTracker
+from gpufleet.detector.incidents.judgement import Judgement
+from gpufleet.detector.incidents.summary import summarize
+from gpufleet.detector.incidents.tracker import Key, Tracker
+from gpufleet.detector.rules import causes, fabric, mig, network, phases, policy, straggler, throttling
+from gpufleet.detector.rules.baseline import Baseline
+from gpufleet.detector.rules.pue import PueMonitor, PueState
+from gpufleet.detector.rules.straggler import StragglerResult
+from gpufleet.detector.rules.workload import WorkloadRouter
+from gpufleet.detector.sharding import shard
+from gpufleet.detector.sources.profiles import Query, queries, site_queries
+from gpufleet.detector.sources.source import Source
 
 #: A GPU busy for less of the window than this cannot be judged clear of a straggler or throttling finding
 #: (it idled: a checkpoint, its job down or restarting); the finding neither closes nor goes on meanwhile.
@@ -118,7 +108,7 @@ class Detector:
         site_qs: tuple[Query, ...] = tuple(q for s in cfg.sites for q in s.queries) if cfg.sites else site_queries()
         self.queries: tuple[Query, ...] = queries(cfg.profile) + site_qs
         self.naming = NodeNaming(cfg.node_label, cfg.strip_port)
-        # NVL72 racks: each node's rack and tray as last seen, for the summaries (detector.fabric)
+        # NVL72 racks: each node's rack and tray as last seen, for the summaries (detector.rules.fabric)
         self.places: fabric.Places = {}
         self.tracker = tracker or Tracker(cfg.findings.open_after, cfg.findings.close_after,
                                           cfg.findings.stale_after, fabric.placed(summarize, self.places),
@@ -127,16 +117,16 @@ class Detector:
         self.baseline = Baseline()
         self.edges = phases.JobEdges(cfg.straggler.min_peers)
         self.workload = WorkloadRouter(cfg.window_seconds)
-        self.impact = ImpactTracker(cfg.interval_seconds)  # each open finding's cost (detector.impact)
+        self.impact = ImpactTracker(cfg.interval_seconds)  # each open finding's cost (detector.incidents.impact)
         self._gpu_index = _EntityIndex()
         self._fleet_index = _EntityIndex()  # the whole fleet's GPUs (before this replica's share is taken)
         self._nic_index = _EntityIndex()
         self._nic_ids = _NicIds()
         self.last: Evaluation | None = None
         self._memos: memo.Store = {}  # derived tables kept between evaluations (this detector's own)
-        self._cadence_read = False  # the window checked against the fleet's scrape interval (detector.cadence)
+        self._cadence_read = False  # the window checked against the fleet's scrape interval (detector.frame.cadence)
         self._first_t: float | None = None  # the first evaluation's time
-        #: The live service's check of the backend's answers (:mod:`~gpufleet.detector.backend_guard`): it raises
+        #: The live service's check of the backend's answers (:mod:`~gpufleet.detector.frame.backend_guard`): it raises
         #: before anything is judged on a fleet-wide fault, and names nodes whose findings are held; None (replay,
         #: the quality harness): every answer is judged.
         self.guard: Callable[[FeatureFrame, float], Verdict] | None = None

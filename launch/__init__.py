@@ -19,8 +19,8 @@ from importlib.metadata import PackageNotFoundError, requires, version
 #: command -> (the extra it needs, "module:function")
 COMMANDS: dict[str, tuple[str, str]] = {
     "gpufleet-agent": ("agent", "gpufleet.agent.cli:main"),
-    "gpufleet-detector": ("detector", "gpufleet.detector.cli:main"),
-    "gpufleet-sim": ("sim", "gpufleet.agent.sim.cli:main"),
+    "gpufleet-detector": ("detector", "gpufleet.detector.service.cli:main"),
+    "gpufleet-sim": ("sim", "gpufleet.sim.cli:main"),
     "gpufleet-dashboards": ("dashboards", "gpufleet.dashboards.generate:main"),
 }
 _REQ = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[([^\]]*)\])?[^;]*;\s*extra\s*==\s*['\"]([^'\"]+)['\"]")

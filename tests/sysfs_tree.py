@@ -1,6 +1,6 @@
 """Build fake sysfs trees for tests: an 8x H100 host's PCI hierarchy, GPU functions and InfiniBand devices.
 
-The tree is written by the agent's one fake-sysfs writer (:mod:`gpufleet.agent.fake.sysfs`), in
+The tree is written by the agent's one fake-sysfs writer (:mod:`gpufleet.sim.fake.sysfs`), in
 the kernel's layout: every PCI function is a directory nested under ``devices/pci<domain>:<bus>/``
 below its bridges; ``bus/pci/devices/<addr>`` is a relative symlink ``../../../devices/...``; an
 InfiniBand device lives in ``<pci function>/infiniband/<name>/``, ``class/infiniband/<name>`` links
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpufleet.agent.fake import sysfs
+from gpufleet.sim.fake import sysfs
 
 
 def add_pci_function(root: Path, chain: list[str], *, absolute: bool = False) -> Path:

@@ -13,7 +13,7 @@ class Collector(Protocol):
 
     ``describe()`` must not touch hardware (it is called at registration);
     ``collect()`` reads the source and yields metric families built from the
-    catalog (:meth:`gpufleet.agent.vocab.catalog.MetricSpec.family`). It may raise: the
+    catalog (:meth:`gpufleet.vocab.catalog.MetricSpec.family`). It may raise: the
     registry times every collector, reports ``gpufleet_scrape_collector_success``
     0 for one that raised, and still serves the others. A missing subsystem
     (no InfiniBand, no mapping directory) yields nothing and does not raise.

@@ -37,7 +37,7 @@ from prometheus_client.samples import Sample
 
 from gpufleet.agent.collectors.ethtool_stats import Kind, Malformed, Stat, base_value, parse_ethtool_s, plan
 from gpufleet.agent.collectors.series import FrozenLabels, SeriesCache, StickySample
-from gpufleet.agent.vocab import catalog
+from gpufleet.vocab import catalog
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from prometheus_client.samples import Sample
 from gpufleet.agent.collectors.series import FrozenLabels, SeriesCache
 from gpufleet.agent.nvml.backend import NvmlBackend
 from gpufleet.agent.nvml.fabric_reader import FabricReader, FabricReading, LinkCounters
-from gpufleet.agent.vocab import catalog
-from gpufleet.agent.vocab import fabric as fb
-from gpufleet.agent.vocab.fabric import NVLINK5_EVENTS
+from gpufleet.vocab import catalog
+from gpufleet.vocab import fabric as fb
+from gpufleet.vocab.fabric import NVLINK5_EVENTS
 
 _SPECS = catalog.by_group("fabric")
 _CACHE = SeriesCache(_SPECS)

@@ -34,8 +34,8 @@ from gpufleet.agent.nvml.hardware import architecture_label
 from gpufleet.agent.nvml.lanes import NODE, Lanes, staggered
 from gpufleet.agent.nvml.reader import read_gpu
 from gpufleet.agent.nvml.reading import Reading
-from gpufleet.agent.vocab import catalog
-from gpufleet.agent.vocab.nvml import CLOCK_EVENT_BITS
+from gpufleet.vocab import catalog
+from gpufleet.vocab.nvml import CLOCK_EVENT_BITS
 
 #: A metric family being filled.
 Fam = GaugeMetricFamily | CounterMetricFamily

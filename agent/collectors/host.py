@@ -25,7 +25,7 @@ from typing import Any, cast
 import psutil
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from gpufleet.agent.vocab import catalog
+from gpufleet.vocab import catalog
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from gpufleet.agent.cgroups import SLURM_JOB, slurm_job_exists
 from gpufleet.agent.collectors.series import SeriesCache
-from gpufleet.agent.vocab import catalog
+from gpufleet.vocab import catalog
 
 if TYPE_CHECKING:
     from gpufleet.agent.collectors.usage import GpuUsage

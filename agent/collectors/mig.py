@@ -18,7 +18,7 @@ from prometheus_client.core import Metric
 from gpufleet.agent.collectors.series import FrozenLabels, SeriesCache
 from gpufleet.agent.collectors.usage import GpuUsage
 from gpufleet.agent.nvml.mig import MigDevice
-from gpufleet.agent.vocab import catalog
+from gpufleet.vocab import catalog
 
 _MODE = catalog.spec("gpufleet_gpu_mig_mode_enabled")
 _INFO = catalog.spec("gpufleet_mig_device_info")

@@ -29,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from gpufleet.agent.collectors.nccl_trace import FILE_NAME, TraceSummary, bus_factor, parse_trace
 from gpufleet.agent.collectors.series import SeriesCache
-from gpufleet.agent.vocab import catalog
+from gpufleet.vocab import catalog
 
 log = logging.getLogger(__name__)
 

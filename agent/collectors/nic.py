@@ -18,7 +18,7 @@ What a scrape costs (the agent's own CPU per scrape has a budget): the devices' 
 the same one (its inode: a driver reload or firmware reset re-creates it) and, on a regular-file
 tree, while ``ports/`` is unchanged (:func:`os.stat`); on sysfs the ports of a device never change
 after it registered them (they are listed again only in its first :data:`~.sysfsfiles.RACY_SECONDS`).
-A tree whose root holds :data:`~gpufleet.agent.vocab.sysfs.IN_PLACE_MARKER` (the simulated host's: its
+A tree whose root holds :data:`~gpufleet.vocab.sysfs.IN_PLACE_MARKER` (the simulated host's: its
 writer changes files in place, as sysfs does) is read as sysfs (:func:`read_as_sysfs`).
 A scrape lists ``class/infiniband``, stats each device and reads the kept files; each file has
 a slot with its series' label set, its last text and its last sample, so a file whose text did not
@@ -39,8 +39,8 @@ from prometheus_client.samples import Sample
 
 from gpufleet.agent.collectors.series import FrozenLabels, SeriesCache, StickySample
 from gpufleet.agent.collectors.sysfsfiles import RACY_SECONDS, SysfsFiles, sysfs_devices
-from gpufleet.agent.vocab import catalog
-from gpufleet.agent.vocab.sysfs import IN_PLACE_MARKER
+from gpufleet.vocab import catalog
+from gpufleet.vocab.sysfs import IN_PLACE_MARKER
 
 log = logging.getLogger(__name__)
 

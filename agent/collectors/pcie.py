@@ -54,7 +54,7 @@ from gpufleet.agent.collectors.topology import (
     resolve_in_root,
     sysfs_pci_address,
 )
-from gpufleet.agent.vocab import catalog
+from gpufleet.vocab import catalog
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, cast
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gpufleet.agent.kubelet.devices import GpuIds, resolve
-from gpufleet.agent.vocab import catalog
+from gpufleet.vocab import catalog
 
 if TYPE_CHECKING:
     from gpufleet.agent.kubelet.lister import PodResourcesLister

@@ -32,7 +32,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 
 from gpufleet.agent.collectors.series import SeriesCache
 from gpufleet.agent.collectors.sysfsfiles import SysfsFiles, default_max_fds
-from gpufleet.agent.vocab import catalog
+from gpufleet.vocab import catalog
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from gpufleet.agent.cgroups import Owner
 from gpufleet.agent.collectors.series import FrozenLabels, SeriesCache
 from gpufleet.agent.collectors.usage import GpuUsage
 from gpufleet.agent.nvml.processes import GpuProcess
-from gpufleet.agent.vocab import catalog
+from gpufleet.vocab import catalog
 
 _COUNT = catalog.spec("gpufleet_gpu_processes")
 _OWNER = catalog.spec("gpufleet_gpu_owner_processes")

@@ -16,7 +16,7 @@ from typing import Protocol
 
 from prometheus_client.samples import Sample
 
-from gpufleet.agent.vocab import catalog
+from gpufleet.vocab import catalog
 
 
 class SampleSink(Protocol):

@@ -17,7 +17,7 @@ for the file at its path:
   walk of the whole path): the parent's check made sure that descriptor is the directory at its path now;
 * a directory on sysfs itself (its device is one of a ``sysfs`` mount's in ``/proc/self/mountinfo``), or in a
   tree whose writer writes as sysfs does (``is_sysfs``: the simulated host's, see
-  :data:`~gpufleet.agent.vocab.sysfs.IN_PLACE_MARKER`), needs none of that: sysfs never replaces an attribute
+  :data:`~gpufleet.vocab.sysfs.IN_PLACE_MARKER`), needs none of that: sysfs never replaces an attribute
   file while its directory exists, and a removed one answers ENODEV, so such a directory is stat'ed only when
   its entry is made, is trusted at once, and its reads are preads alone;
 * every :data:`RESCAN_SECONDS` everything is opened again anyway (and a sysfs directory listed again).
@@ -175,7 +175,7 @@ class SysfsFiles:
         self.rescan_seconds = rescan_seconds
         self._clock = clock
         #: Whether a directory (its path and ``st_dev``) is read as sysfs: by default when it is on a sysfs mount
-        #: (a collector may add a tree written as sysfs is, see :data:`~gpufleet.agent.vocab.sysfs.IN_PLACE_MARKER`;
+        #: (a collector may add a tree written as sysfs is, see :data:`~gpufleet.vocab.sysfs.IN_PLACE_MARKER`;
         #: tests may pretend).
         self.is_sysfs: Callable[[str, int], bool] = is_sysfs or (lambda path, dev: dev in sysfs_devices())
         self._dirs: dict[str, _Dir] = {}

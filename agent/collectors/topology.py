@@ -24,7 +24,7 @@ from typing import NamedTuple, cast
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from gpufleet.agent.vocab import catalog
+from gpufleet.vocab import catalog
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from prometheus_client.core import Metric
 
 from gpufleet.agent.nvml.backend import LOST_CODES, NvmlBackend, error_name
 from gpufleet.agent.nvml.model import XidEvent
-from gpufleet.agent.vocab import catalog
+from gpufleet.vocab import catalog
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ into "no value":
   the others).
 
 Given a ``fake`` library (``--nvml.fake``: the composition root builds one with
-:func:`gpufleet.agent.fake.spec.fake_backend`; this module never imports the fake),
+:func:`gpufleet.sim.fake.spec.fake_backend`, found by entry point; this module never imports the fake),
 the backend installs it into pynvml before ``nvmlInit``, so the very same pynvml
 calls answer from the fake's device source.
 """

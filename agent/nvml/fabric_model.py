@@ -3,7 +3,7 @@
 :class:`PlatformInfo` is static (``nvmlDeviceGetPlatformInfo``: on :class:`~gpufleet.agent.nvml.model.GpuInventory`);
 :class:`FabricSample` is what ``nvmlDeviceGetGpuFabricInfoV`` answers now (on
 :class:`~gpufleet.agent.nvml.model.GpuSample`). ``None`` where they sit means NOT_SUPPORTED (no series).
-The health mask is NVML's own bit layout (:mod:`gpufleet.agent.vocab.fabric`).
+The health mask is NVML's own bit layout (:mod:`gpufleet.vocab.fabric`).
 """
 
 from __future__ import annotations

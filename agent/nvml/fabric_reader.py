@@ -4,7 +4,7 @@ One :class:`FabricReader` per backend; :meth:`FabricReader.read` answers a :clas
 device: the fabric registration and health (``nvmlDeviceGetGpuFabricInfoV``, v3 struct), the thermal margin
 (``nvmlDeviceGetMarginTemperature``), repair status, C2C mode and NVLink bandwidth mode every call, the rack
 placement (``nvmlDeviceGetPlatformInfo``, v2 struct) once per device, the NVLink 5 per-link counters
-(``nvmlDeviceGetFieldValues``, :data:`~gpufleet.agent.vocab.fabric.NVLINK5_COUNTERS`, scopeId = link) at most
+(``nvmlDeviceGetFieldValues``, :data:`~gpufleet.vocab.fabric.NVLINK5_COUNTERS`, scopeId = link) at most
 every ``slow_interval``.
 
 A call the driver answers NOT_SUPPORTED, or that the library lacks (FUNCTION_NOT_FOUND, an older driver), gives
@@ -28,7 +28,7 @@ from gpufleet.agent.nvml.backend import Device, GpuLost, NvmlBackend
 from gpufleet.agent.nvml.fabric_model import FabricSample, PlatformInfo
 from gpufleet.agent.nvml.fieldvalues import FIELD_ABSENT, FieldValue, field_results, field_values, words
 from gpufleet.agent.nvml.model import GpuSample
-from gpufleet.agent.vocab.fabric import NVLINK5_COUNTERS, NVLINK5_EVENTS
+from gpufleet.vocab.fabric import NVLINK5_COUNTERS, NVLINK5_EVENTS
 
 #: Codes that mean "this driver has no such reading for this GPU": no series, and no further calls.
 _ABSENT = frozenset({pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND})

@@ -3,7 +3,7 @@
 The request is a plain ctypes array built once per device (and NVLink link set); the results
 are read through a 64-bit word view of it instead of pynvml's per-attribute hooks. Every
 scrape reads memory temperature, the clock-event time counters and NVLink TX/RX of every link
-(ids from :mod:`gpufleet.agent.vocab.nvml`) in one call.
+(ids from :mod:`gpufleet.vocab.nvml`) in one call.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pynvml
 from gpufleet.agent.nvml.backend import Device, GpuLost, NvmlBackend
 from gpufleet.agent.nvml.model import GpuSample, NvLinkSample
 from gpufleet.agent.nvml.reading import ReaderState
-from gpufleet.agent.vocab import nvml as nv
+from gpufleet.vocab import nvml as nv
 
 #: Field ids read with nvmlDeviceGetFieldValues (NVML's table: vocab.nvml).
 FI_MEMORY_TEMP = nv.FI_MEMORY_TEMP.value

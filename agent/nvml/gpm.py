@@ -1,7 +1,7 @@
 """GPM (Hopper and newer): activity between two samples, from a per-device double buffer.
 
 The reader keeps the previous GPM sample per device and computes the metrics
-(ids from :mod:`gpufleet.agent.vocab.nvml`) between it and the current one, so the first
+(ids from :mod:`gpufleet.vocab.nvml`) between it and the current one, so the first
 reading of a device has no GPM rates; two samples with the same time keep the older one as
 the start of the interval and report the last rates again.
 """
@@ -17,7 +17,7 @@ import pynvml
 
 from gpufleet.agent.nvml.backend import Device, GpuLost, NvmlBackend
 from gpufleet.agent.nvml.reading import GpmRates, ReaderState
-from gpufleet.agent.vocab import nvml as nv
+from gpufleet.vocab import nvml as nv
 
 #: GPM metric ids (nvmlGpmMetricId_t) -> GpmRates attribute.
 GPM_METRICS: tuple[tuple[int, str], ...] = tuple((m.value, m.attr) for m in nv.GPM_METRICS)

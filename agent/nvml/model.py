@@ -3,7 +3,7 @@
 This is the contract between everything that produces GPU state and everything
 that serves it:
 
-* the fake NVML (:mod:`gpufleet.agent.fake.library`) answers pynvml's C calls from a
+* the fake NVML (:mod:`gpufleet.sim.fake.library`) answers pynvml's C calls from a
   :class:`DeviceSource`;
 * sources are the built-in simulated H100 host, a recorded trace
   (:mod:`gpufleet.agent.nvml.trace`), a live snapshot file written by the fleet
@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol, TypeVar
 
 from gpufleet.agent.nvml.fabric_model import FabricSample, PlatformInfo
-from gpufleet.agent.serving.files import write_atomic
+from gpufleet.serving.files import write_atomic
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 State, replay, recovery and flit CRC come from one ``nvmlDeviceGetFieldValues`` call with
 link-scoped field ids (scopeId = link, as DCGM reads them on Hopper; ids from
-:mod:`gpufleet.agent.vocab.nvml`); a field the driver answers NOT_SUPPORTED for is read with
+:mod:`gpufleet.vocab.nvml`); a field the driver answers NOT_SUPPORTED for is read with
 nvmlDeviceGetNvLinkState / nvmlDeviceGetNvLinkErrorCounter instead. Data CRC has no scoped
 field: it is read per link (not at all on a GPU where no link supported it on the first read).
 """
@@ -18,7 +18,7 @@ from gpufleet.agent.nvml.backend import LOST_CODES, Device, GpuLost, NvmlBackend
 from gpufleet.agent.nvml.fieldvalues import FIELD_ABSENT, FieldValue, field_results, field_values, words
 from gpufleet.agent.nvml.model import GpuSample, NvLinkSample
 from gpufleet.agent.nvml.reading import ReaderState, Reading
-from gpufleet.agent.vocab import nvml as nv
+from gpufleet.vocab import nvml as nv
 
 #: Link-scoped (scopeId = link) slow-tier fields, as DCGM reads them on Hopper: (NvLinkSample attribute, field id,
 #: the nvmlNvLinkErrorCounter_t to fall back to when the field answers NOT_SUPPORTED; None: nvmlDeviceGetNvLinkState).

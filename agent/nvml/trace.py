@@ -32,7 +32,7 @@ previous line (the first line that has ``ib`` lists them all); a file keeps its
 last content until a later line changes it. A line without ``ib`` changes
 nothing.
 
-Replay (:class:`gpufleet.agent.fake.trace_source.TraceSource`) maps wall-clock time onto trace time and loops:
+Replay (:class:`gpufleet.sim.fake.trace_source.TraceSource`) maps wall-clock time onto trace time and loops:
 one loop lasts ``t_last - t_first + interval_s``; in each new loop the
 cumulative counters (energy, clock-event time, NVLink/PCIe/GPM integrals, error
 counters, numeric IB counters) continue from where the previous loop ended

@@ -1,16 +1,16 @@
 """Straggler view for fleets on dcgm-exporter + node_exporter (the detector's `dcgm` profile).
 
 Same story as the job view, from DCGM_FI_* series; jobs come from dcgm-exporter's hpc_job label. Every
-series name and label comes from :mod:`gpufleet.agent.vocab.exporters`.
+series name and label comes from :mod:`gpufleet.vocab.exporters`.
 """
 
 from __future__ import annotations
 
 from grafanalib import core as g
 
-from gpufleet.agent.vocab import exporters
 from gpufleet.dashboards import panels as p
 from gpufleet.dashboards.panels import DET_NODE, NAMESPACE, SITE, Q
+from gpufleet.vocab import exporters
 
 
 def _sample(name: str) -> str:

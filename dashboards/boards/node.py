@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from grafanalib import core as g
 
-from gpufleet.agent.vocab.catalog import MetricSpec, by_group
 from gpufleet.dashboards import panels as p
 from gpufleet.dashboards.panels import GPU, NODE, SITE
+from gpufleet.vocab.catalog import MetricSpec, by_group
 
 GROUPS = (
     ("GPU", "gpu"), ("XID", "xid"), ("Jobs", "jobs"), ("InfiniBand / RoCE and Ethernet", "nic"),

@@ -19,14 +19,14 @@ from support import BIN
 from gpufleet.agent import cli, settings
 from gpufleet.agent.collectors.gpu import GpuCollector
 from gpufleet.agent.collectors.jobs import JobsCollector
-from gpufleet.agent.fake.live_source import LiveSource
-from gpufleet.agent.fake.sim_source import SimSource
-from gpufleet.agent.fake.smi_xml import builtin_host
-from gpufleet.agent.fake.spec import fake_backend
 from gpufleet.agent.nvml.model import Snapshot, write_snapshot
 from gpufleet.agent.nvml.trace import TraceError, TraceWriter, read_trace
 from gpufleet.agent.registry import AgentCollector
-from gpufleet.detector.cli import main as detector_main
+from gpufleet.detector.service.cli import main as detector_main
+from gpufleet.sim.fake.live_source import LiveSource
+from gpufleet.sim.fake.sim_source import SimSource
+from gpufleet.sim.fake.smi_xml import builtin_host
+from gpufleet.sim.fake.spec import fake_backend
 
 
 def one_line_error(err: str, *needles: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from gpufleet.agent.vocab import catalog
+from gpufleet.vocab import catalog
 
 UNIT_SUFFIX = {
     "celsius": "_celsius", "watts": "_watts", "joules": "_joules", "hertz": "_hertz", "bytes": "_bytes",
@@ -59,7 +59,7 @@ def test_docs_metric_reference_matches_the_catalog() -> None:
 
     doc = (REPO / "docs" / "metrics.md").read_text(encoding="utf-8")
     assert catalog.readme_section() in doc, (
-        "docs/metrics.md is stale: run python -m gpufleet.agent.vocab.catalog --readme docs/metrics.md"
+        "docs/metrics.md is stale: run python -m gpufleet.vocab.catalog --readme docs/metrics.md"
     )
     guide = (REPO / "docs" / "README.md").read_text(encoding="utf-8")
     assert "(metrics.md)" in guide and "(docs/README.md)" in (REPO / "README.md").read_text(encoding="utf-8")

@@ -29,10 +29,10 @@ from support import FIXTURES
 from gpufleet.agent.app import Agent
 from gpufleet.agent.config import AgentConfig
 from gpufleet.agent.exposition import TEXT, encode_openmetrics, encode_text, negotiate
-from gpufleet.agent.serving.http import Request
-from gpufleet.agent.serving.responder import Responder
-from gpufleet.agent.serving.webconfig import WebConfig
-from gpufleet.agent.vocab import catalog
+from gpufleet.serving.http import Request
+from gpufleet.serving.responder import Responder
+from gpufleet.serving.webconfig import WebConfig
+from gpufleet.vocab import catalog
 
 #: What Prometheus 3.x sends (scrape_protocols default, metric_name_escaping_scheme allow-utf-8) ...
 PROMETHEUS_3 = ("application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,"

@@ -13,14 +13,14 @@ from support import FIXTURES, Series, key, scrape
 from test_gpu_collector import FakeHost
 
 from gpufleet.agent.collectors.fabric import FabricCollector
-from gpufleet.agent.fake.library import FakeNvml
-from gpufleet.agent.fake.smi_xml import load_smi_xml
-from gpufleet.agent.fake.spec import fake_backend
 from gpufleet.agent.nvml import reader as gpu_reader
 from gpufleet.agent.nvml.backend import NvmlBackend
 from gpufleet.agent.nvml.fabric_model import FabricSample, PlatformInfo
-from gpufleet.agent.vocab import catalog
-from gpufleet.agent.vocab import fabric as fb
+from gpufleet.sim.fake.library import FakeNvml
+from gpufleet.sim.fake.smi_xml import load_smi_xml
+from gpufleet.sim.fake.spec import fake_backend
+from gpufleet.vocab import catalog
+from gpufleet.vocab import fabric as fb
 
 CAPTURES = FIXTURES / "nvidia-smi"
 CLUSTER = "00000001-0000-0000-0000-000000000001"
@@ -234,7 +234,7 @@ def test_the_smi_reader_maps_degraded_words_and_na() -> None:
     text = text[:first] + "<bandwidth>Degraded</bandwidth>" + text[first + len("<bandwidth>Full</bandwidth>"):]
     text = text.replace("<summary>Healthy</summary>", "<summary>Limited Capacity</summary>", 1)
     text = text.replace("<c2c_mode>Enabled</c2c_mode>", "<c2c_mode>N/A</c2c_mode>", 1)
-    from gpufleet.agent.fake.smi_xml import parse_smi_xml
+    from gpufleet.sim.fake.smi_xml import parse_smi_xml
 
     host = parse_smi_xml(text)
     fab = host.samples[0].fabric

@@ -11,7 +11,6 @@ from typing import Any, TypeVar
 import pynvml
 import pytest
 
-from gpufleet.agent.fake.library import FakeNvml
 from gpufleet.agent.nvml.model import (
     DriverInfo,
     GpmCounters,
@@ -20,6 +19,7 @@ from gpufleet.agent.nvml.model import (
     NvLinkSample,
     XidEvent,
 )
+from gpufleet.sim.fake.library import FakeNvml
 
 
 class StaticSource:
@@ -540,7 +540,7 @@ class _CountingSim:
     """Wraps a SimSource and counts poll_xid calls."""
 
     def __init__(self) -> None:
-        from gpufleet.agent.fake.sim_source import SimSource
+        from gpufleet.sim.fake.sim_source import SimSource
 
         self.sim = SimSource(2)
         self.polls = 0

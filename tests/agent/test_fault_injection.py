@@ -19,9 +19,9 @@ from test_gpu_collector import FakeHost, expected_series, pick, value
 
 from gpufleet.agent.collectors.gpu import GpuCollector
 from gpufleet.agent.collectors.xid import XidCollector
-from gpufleet.agent.fake.library import FakeNvml
 from gpufleet.agent.nvml.backend import NvmlBackend
 from gpufleet.agent.nvml.model import XidEvent
+from gpufleet.sim.fake.library import FakeNvml
 
 KINDS = {
     "NOT_SUPPORTED": pynvml.NVML_ERROR_NOT_SUPPORTED,

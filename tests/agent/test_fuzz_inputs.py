@@ -24,13 +24,13 @@ from hypothesis import strategies as st
 
 from gpufleet.agent import settings as agent_settings
 from gpufleet.agent.collectors.jobs import JobsCollector, Skipped, read_jobs
-from gpufleet.agent.fake.live_source import LiveSource
-from gpufleet.agent.fake.trace_source import TraceSource
 from gpufleet.agent.nvml.model import GpmCounters, GpuInventory, GpuSample, NvLinkSample, to_dict
 from gpufleet.agent.nvml.plausible import BOUNDS
 from gpufleet.agent.nvml.trace import TraceError, read_trace
-from gpufleet.agent.serving.webconfig import WebConfigError, parse_web_config
-from gpufleet.detector.source_recording import RecordingError, RecordingSource
+from gpufleet.detector.sources.recording import RecordingError, RecordingSource
+from gpufleet.serving.webconfig import WebConfigError, parse_web_config
+from gpufleet.sim.fake.live_source import LiveSource
+from gpufleet.sim.fake.trace_source import TraceSource
 
 FUZZ = settings(derandomize=True, max_examples=150, deadline=2000, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

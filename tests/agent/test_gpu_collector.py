@@ -15,7 +15,6 @@ from support import Series, scrape
 
 from gpufleet.agent.collectors.gpu import GpuCollector
 from gpufleet.agent.collectors.xid import XidCollector
-from gpufleet.agent.fake.library import FakeNvml
 from gpufleet.agent.nvml.backend import NvmlBackend
 from gpufleet.agent.nvml.model import (
     DriverInfo,
@@ -25,8 +24,9 @@ from gpufleet.agent.nvml.model import (
     NvLinkSample,
     XidEvent,
 )
-from gpufleet.agent.vocab import catalog
-from gpufleet.agent.vocab.nvml import CLOCK_EVENT_BITS
+from gpufleet.sim.fake.library import FakeNvml
+from gpufleet.vocab import catalog
+from gpufleet.vocab.nvml import CLOCK_EVENT_BITS
 
 
 class FakeHost:

@@ -22,12 +22,12 @@ from support import BIN, FIXTURES, need_binary
 
 from gpufleet.agent.collectors.gpu import GpuCollector
 from gpufleet.agent.collectors.topology import nic_gpu_mapping
-from gpufleet.agent.fake.library import FakeNvml
-from gpufleet.agent.fake.sim_source import SimSource
-from gpufleet.agent.fake.smi_xml import SmiHost, load_smi_xml, parse_smi_xml
-from gpufleet.agent.fake.spec import source_from_spec
 from gpufleet.agent.nvml import hardware
 from gpufleet.agent.nvml.backend import NvmlBackend
+from gpufleet.sim.fake.library import FakeNvml
+from gpufleet.sim.fake.sim_source import SimSource
+from gpufleet.sim.fake.smi_xml import SmiHost, load_smi_xml, parse_smi_xml
+from gpufleet.sim.fake.spec import source_from_spec
 
 SMI = FIXTURES / "nvidia-smi"
 T0 = 1_700_000_000.0

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpufleet.agent.serving.server import MetricsServer
+from gpufleet.serving.server import MetricsServer
 
 STATUS_LINE = re.compile(rb"HTTP/1\.1 [1-5]\d\d [A-Za-z][A-Za-z -]*\r\n")
 

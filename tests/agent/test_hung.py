@@ -18,14 +18,14 @@ from support import parse
 from gpufleet.agent.app import Agent
 from gpufleet.agent.collectors import budget as budgets
 from gpufleet.agent.config import AgentConfig
-from gpufleet.agent.fake.library import FakeNvml
-from gpufleet.agent.fake.spec import fake_backend, fake_library
-from gpufleet.agent.fake.stalls import parse_rules, split_spec
 from gpufleet.agent.nvml.lanes import Lanes, staggered
 from gpufleet.agent.registry import AgentCollector
-from gpufleet.agent.serving.http import Request
-from gpufleet.agent.serving.responder import Responder, scrape_timeout
-from gpufleet.agent.serving.webconfig import WebConfig
+from gpufleet.serving.http import Request
+from gpufleet.serving.responder import Responder, scrape_timeout
+from gpufleet.serving.webconfig import WebConfig
+from gpufleet.sim.fake.library import FakeNvml
+from gpufleet.sim.fake.spec import fake_backend, fake_library
+from gpufleet.sim.fake.stalls import parse_rules, split_spec
 
 # ---------------------------------------------------------------------------- lanes
 

@@ -16,12 +16,12 @@ from test_gpu_collector import FakeHost
 from gpufleet.agent.collectors.gpu import GpuCollector
 from gpufleet.agent.collectors.mig import MigCollector
 from gpufleet.agent.collectors.usage import GpuUsage
-from gpufleet.agent.fake.library import FakeNvml
-from gpufleet.agent.fake.shared_source import parse_layout
 from gpufleet.agent.kubelet.devices import GpuIds, Holder, resolve
 from gpufleet.agent.nvml.backend import NvmlBackend
 from gpufleet.agent.nvml.mig import profile_from_name
 from gpufleet.agent.nvml.model import GpmCounters, MigDeviceInventory, MigSample
+from gpufleet.sim.fake.library import FakeNvml
+from gpufleet.sim.fake.shared_source import parse_layout
 
 GOLDEN = FIXTURES / "golden" / "agent-mig.prom"
 UPDATE = os.environ.get("GPUFLEET_UPDATE_GOLDEN", "") not in ("", "0")

@@ -12,7 +12,7 @@ import pytest
 from support import FIXTURES, Series, scrape
 
 from gpufleet.agent.collectors.nic import NicCollector, parse_rate, parse_state
-from gpufleet.agent.vocab import catalog
+from gpufleet.vocab import catalog
 
 IB_FIXTURE = FIXTURES / "sysfs-infiniband-h100"
 #: counters/ files the collector turns into their own series: file -> (metric, multiplier).

@@ -18,9 +18,9 @@ from support import scrape
 from test_gpu_collector import FakeHost, assert_series_equal, expected_series, pick, value
 
 from gpufleet.agent.collectors.gpu import GpuCollector
-from gpufleet.agent.fake.library import FakeNvml
 from gpufleet.agent.nvml import fieldvalues, reader
 from gpufleet.agent.nvml.backend import NvmlBackend
+from gpufleet.sim.fake.library import FakeNvml
 
 SXM = 2  # FakeHost: GPUs 0 and 2 have 4 NVLinks each, GPU 1 none
 ERRORS = "gpufleet_gpu_nvlink_errors_total"

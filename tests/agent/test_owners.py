@@ -34,10 +34,10 @@ from gpufleet.agent.cli import main as cli_main
 from gpufleet.agent.collectors.jobs import JobsCollector
 from gpufleet.agent.collectors.processes import ProcessesCollector
 from gpufleet.agent.collectors.usage import GpuUsage
-from gpufleet.agent.fake.library import FakeNvml
 from gpufleet.agent.nvml.backend import NvmlBackend
 from gpufleet.agent.nvml.model import MigDeviceInventory, MigSample, ProcessSample
-from gpufleet.agent.sim.live_agents import agent_command
+from gpufleet.sim.fake.library import FakeNvml
+from gpufleet.sim.live_agents import agent_command
 
 POD_UID = "0e1f2a3b-4c5d-6e7f-8091-a2b3c4d5e6f7"
 #: Real-format /proc/PID/cgroup contents.
@@ -313,7 +313,7 @@ def unprivileged_agent(args: list[str], tmpdir: Path) -> tuple[int, str, str]:
 def test_unprivileged_agent_counts_an_unreadable_cgroup_and_exits_0(open_dir: Path) -> None:
     """``gpufleet-agent once`` as an unprivileged user, one GPU process' cgroup file unreadable."""
     proc = open_dir / "proc"
-    # procs:2:4: pids 10000, 10014 on GPU 0 and 10007, 10021 on GPU 1 (agent/fake/shared_source.py)
+    # procs:2:4: pids 10000, 10014 on GPU 0 and 10007, 10021 on GPU 1 (sim/fake/shared_source.py)
     write_proc(proc, {10000: "0::/system.slice/slurmstepd.scope/job_4200/step_0/user/task_0\n",
                       10007: "0::/system.slice/slurmstepd.scope/job_4200/step_0/user/task_1\n",
                       10014: "0::/system.slice/slurmstepd.scope/job_77/step_0/user/task_0\n",

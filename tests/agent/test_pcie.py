@@ -11,7 +11,7 @@ from support import Series, key, scrape
 from sysfs_tree import H100_GPUS, H100_NICS, Node, add_pci_function, build_h100_node, nvml_bus_id
 
 from gpufleet.agent.collectors.pcie import PcieCollector, parse_aer, parse_speed, parse_width
-from gpufleet.agent.fake import sysfs
+from gpufleet.sim.fake import sysfs
 
 
 def named(series: Series, name: str) -> dict[frozenset[tuple[str, str]], float]:

@@ -28,7 +28,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpufleet.agent.app import Agent
 from gpufleet.agent.collectors.pods import PodsCollector, backend_gpu_ids
 from gpufleet.agent.config import AgentConfig
-from gpufleet.agent.fake.spec import fake_backend
 from gpufleet.agent.kubelet.devices import GpuIds, Holder, resolve
 from gpufleet.agent.kubelet.lister import PodResourcesLister
 from gpufleet.agent.kubelet.podresources.v1 import api_pb2, api_pb2_grpc
@@ -36,6 +35,7 @@ from gpufleet.agent.nvml.backend import NvmlBackend
 from gpufleet.agent.registry import AgentCollector
 from gpufleet.agent.settings import UsageError
 from gpufleet.agent.settings import resolve as resolve_settings
+from gpufleet.sim.fake.spec import fake_backend
 
 GPU = "nvidia.com/gpu"
 RESOURCES = ("nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig-*", "gpu.nvidia.com")

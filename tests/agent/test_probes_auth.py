@@ -1,6 +1,6 @@
 """With basic auth on, the probes answer a plain GET as a kubelet sends it; everything else still needs credentials.
 
-The server both daemons use (agent/serving): the detector's exposer has a readiness state (not ready until its
+The server both daemons use (serving): the detector's exposer has a readiness state (not ready until its
 state is rebuilt), the agent's has none; both are served here through a real listening socket.
 """
 
@@ -13,9 +13,9 @@ import pytest
 import requests
 from test_web_abuse import Static, serving
 
-from gpufleet.agent.serving.responder import PROBE_PATHS
-from gpufleet.agent.serving.server import MetricsServer
-from gpufleet.agent.serving.webconfig import parse_web_config
+from gpufleet.serving.responder import PROBE_PATHS
+from gpufleet.serving.server import MetricsServer
+from gpufleet.serving.webconfig import parse_web_config
 
 HASH = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4)).decode()
 AUTH = "Basic " + base64.b64encode(b"prometheus:s3cret").decode()

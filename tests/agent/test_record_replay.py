@@ -17,13 +17,13 @@ from support import FIXTURES, running, scrape
 from test_gpu_collector import FakeHost, assert_series_equal, expected_series, pick, value
 
 from gpufleet.agent.collectors.gpu import GpuCollector
-from gpufleet.agent.fake.library import FakeNvml
-from gpufleet.agent.fake.spec import fake_backend
-from gpufleet.agent.fake.trace_source import TraceSource
 from gpufleet.agent.nvml.backend import OPEN_TIMEOUT, NvmlBackend
 from gpufleet.agent.nvml.model import GpuSample, XidEvent
 from gpufleet.agent.nvml.trace import read_trace
 from gpufleet.agent.recorder import build_parser, read_ib_files, record_main
+from gpufleet.sim.fake.library import FakeNvml
+from gpufleet.sim.fake.spec import fake_backend
+from gpufleet.sim.fake.trace_source import TraceSource
 
 TRACE = FIXTURES / "traces" / "h100x8-sim.jsonl.gz"
 IB_FIXTURE = FIXTURES / "sysfs-infiniband-h100"

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpufleet.agent import __version__
 from gpufleet.agent.registry import AgentCollector, new_registry
-from gpufleet.agent.vocab import catalog
+from gpufleet.vocab import catalog
 
 
 class FakeGpu:
@@ -234,7 +234,7 @@ def test_text_encoding_is_shared_by_concurrent_scrapes() -> None:
 def test_app_wires_collectors_in_order_and_the_fake_sysfs_root() -> None:
     from gpufleet.agent.app import Agent
     from gpufleet.agent.config import COLLECTORS, AgentConfig
-    from gpufleet.agent.fake.sim_source import SimSource
+    from gpufleet.sim.fake.sim_source import SimSource
 
     cfg = AgentConfig(nvml_fake="sim:2")
     cfg.collectors["host"] = False

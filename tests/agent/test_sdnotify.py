@@ -22,13 +22,13 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from support import BIN, free_port, running
 
 from gpufleet.agent import modes
-from gpufleet.agent.fake.smi_xml import builtin_host
 from gpufleet.agent.nvml.model import Snapshot, write_snapshot
 from gpufleet.agent.registry import AgentCollector
-from gpufleet.agent.serving import sdnotify
-from gpufleet.detector.liveness import Liveness
-from gpufleet.detector.profiles import Query
-from gpufleet.detector.source import Result, SourceError
+from gpufleet.detector.service.liveness import Liveness
+from gpufleet.detector.sources.profiles import Query
+from gpufleet.detector.sources.source import Result, SourceError
+from gpufleet.serving import sdnotify
+from gpufleet.sim.fake.smi_xml import builtin_host
 
 
 class NotifySocket:

@@ -9,8 +9,8 @@ import pynvml
 import pytest
 from support import FIXTURES, REPO
 
-from gpufleet.agent.fake.smi_xml import SmiXmlError, builtin_host, load_smi_xml, parse_smi_xml
 from gpufleet.agent.nvml import hardware
+from gpufleet.sim.fake.smi_xml import SmiXmlError, builtin_host, load_smi_xml, parse_smi_xml
 
 XML = FIXTURES / "nvidia-smi" / "h100-8gpu-idle.xml"
 
@@ -67,7 +67,7 @@ def test_fixture_inventory_matches_the_file() -> None:
 
 
 def test_builtin_copy_is_the_fixture() -> None:
-    packaged = REPO / "agent" / "fake" / "data" / "h100-8gpu-idle.xml"
+    packaged = REPO / "sim" / "fake" / "data" / "h100-8gpu-idle.xml"
     assert packaged.read_bytes() == XML.read_bytes()
     assert "k8s-test-infra" in (packaged.parent / "NOTICE.md").read_text()
     assert [g.uuid for g in builtin_host().gpus] == [g.uuid for g in load_smi_xml(XML).gpus]

@@ -10,12 +10,12 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from gpufleet.agent.fake.library import FakeNvml
-from gpufleet.agent.fake.live_source import LiveSource, SourceUnavailable
-from gpufleet.agent.fake.sim_source import SimSource
-from gpufleet.agent.fake.smi_xml import builtin_host
-from gpufleet.agent.fake.spec import source_from_spec
 from gpufleet.agent.nvml.model import GpuSample, Snapshot, XidEvent, write_snapshot
+from gpufleet.sim.fake.library import FakeNvml
+from gpufleet.sim.fake.live_source import LiveSource, SourceUnavailable
+from gpufleet.sim.fake.sim_source import SimSource
+from gpufleet.sim.fake.smi_xml import builtin_host
+from gpufleet.sim.fake.spec import source_from_spec
 
 T0 = 1_700_000_000.0
 

@@ -22,9 +22,9 @@ from test_gpu_collector import FakeHost, expected_series, pick, value
 
 from gpufleet.agent.collectors import budget as budgets
 from gpufleet.agent.collectors.gpu import GpuCollector
-from gpufleet.agent.fake.library import FakeNvml
 from gpufleet.agent.nvml.backend import NvmlBackend
 from gpufleet.agent.nvml.lanes import NODE
+from gpufleet.sim.fake.library import FakeNvml
 
 #: Seconds a scrape of these tests may take.
 BUDGET = 0.3

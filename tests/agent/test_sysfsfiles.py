@@ -320,14 +320,14 @@ def test_value_writer_writes_in_place_and_the_nic_reads_its_tree_as_sysfs(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fake's writer changes files as sysfs does (same inode, never a rename) and says so at its root; the
     NIC collector then reads the tree as sysfs: per scrape a listdir, a stat per device, the preads."""
-    from gpufleet.agent.fake.sysfs import (
+    from gpufleet.sim.fake.sysfs import (
         IB_COUNTER_FILES,
         ValueWriter,
         add_ib_device,
         add_pci_function,
         add_port,
     )
-    from gpufleet.agent.vocab.sysfs import IN_PLACE_MARKER
+    from gpufleet.vocab.sysfs import IN_PLACE_MARKER
 
     monkeypatch.setattr(psutil, "net_io_counters", lambda pernic=False: {})
     root = tmp_path / "sys"

@@ -10,12 +10,12 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from gpufleet.agent.fake.library import FakeNvml
-from gpufleet.agent.fake.sim_source import SimSource
-from gpufleet.agent.fake.spec import source_from_spec
-from gpufleet.agent.fake.trace_source import TraceSource
 from gpufleet.agent.nvml.model import XidEvent
 from gpufleet.agent.nvml.trace import Trace, TraceError, TraceWriter, read_trace
+from gpufleet.sim.fake.library import FakeNvml
+from gpufleet.sim.fake.sim_source import SimSource
+from gpufleet.sim.fake.spec import source_from_spec
+from gpufleet.sim.fake.trace_source import TraceSource
 
 T0 = 1_763_780_000.0
 IB_DATA = "mlx5_0/ports/1/counters/port_xmit_data"

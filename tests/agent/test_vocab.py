@@ -6,9 +6,9 @@ import pynvml
 import pytest
 
 from gpufleet.agent.nvml import fieldvalues, gpm
-from gpufleet.agent.vocab import catalog, exporters
-from gpufleet.agent.vocab import nvml as nv
-from gpufleet.detector import profiles
+from gpufleet.detector.sources import profiles
+from gpufleet.vocab import catalog, exporters
+from gpufleet.vocab import nvml as nv
 
 
 def test_clock_event_reasons_match_pynvml() -> None:

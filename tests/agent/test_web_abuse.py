@@ -25,8 +25,8 @@ import requests
 import trustme
 from support import BIN, cpu_seconds, free_port, proc_status, running, wait_http
 
-from gpufleet.agent.serving.server import MetricsServer
-from gpufleet.agent.serving.webconfig import WebConfig, parse_web_config
+from gpufleet.serving.server import MetricsServer
+from gpufleet.serving.webconfig import WebConfig, parse_web_config
 
 AGENT = str(BIN / "gpufleet-agent")
 #: The agent's memory target on an 8-GPU host.

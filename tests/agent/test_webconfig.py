@@ -15,8 +15,8 @@ import bcrypt
 import pytest
 import trustme
 
-from gpufleet.agent.serving import webconfig
-from gpufleet.agent.serving.webconfig import (
+from gpufleet.serving import webconfig
+from gpufleet.serving.webconfig import (
     WebConfigError,
     load_web_config,
     parse_basic_auth,

@@ -11,9 +11,9 @@ from support import scrape
 from test_gpu_collector import FakeHost, pick, value
 
 from gpufleet.agent.collectors.xid import XidCollector
-from gpufleet.agent.fake.library import FakeNvml
 from gpufleet.agent.nvml.backend import NvmlBackend
 from gpufleet.agent.nvml.model import XidEvent
+from gpufleet.sim.fake.library import FakeNvml
 
 
 def wait_for(cond: Callable[[], object], timeout: float = 5.0) -> None:

@@ -255,9 +255,9 @@ def formats_child(n: int, scrapes: int, interval: float) -> dict[str, Any]:
     import threading
 
     import gpufleet.agent
-    from gpufleet.agent.serving.http import Request
-    from gpufleet.agent.serving.responder import Responder
-    from gpufleet.agent.serving.webconfig import WebConfig
+    from gpufleet.serving.http import Request
+    from gpufleet.serving.responder import Responder
+    from gpufleet.serving.webconfig import WebConfig
 
     agent = _agent(n)
     tick = _virtual_clock(agent, interval)
@@ -385,7 +385,7 @@ def _code_path(tree: str, root: str) -> str:
 
     root = tempfile.mkdtemp(dir=root)
     os.mkdir(os.path.join(root, "gpufleet"))
-    for pkg in ("agent", "detector", "dashboards", "alerts"):
+    for pkg in ("vocab", "serving", "agent", "sim", "detector", "dashboards", "alerts"):
         if os.path.isdir(os.path.join(tree, pkg)):
             os.symlink(os.path.abspath(os.path.join(tree, pkg)), os.path.join(root, "gpufleet", pkg))
     return root

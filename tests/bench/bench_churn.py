@@ -32,7 +32,7 @@ from bench_detector import MemorySource
 
 from gpufleet.detector.config import parse
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.source import Result
+from gpufleet.detector.sources.source import Result
 
 KINDS = ("steady", "node replaced", "node drained", "node back", "job restarted")
 
@@ -86,6 +86,13 @@ class ChangingFleet:
             self.results[q] = Result(self.table, ids, r.values)
 
 
+def _trees(root: Path, rev: str) -> list[str]:
+    """The folders of ``rev`` a detector needs (before the house move vocab/ and serving/ were inside agent/)."""
+    return [p for p in ("vocab", "serving", "agent", "detector")
+            if subprocess.run(["git", "-C", str(root), "cat-file", "-e", f"{rev}:{p}"],
+                              capture_output=True).returncode == 0]
+
+
 def bench(n: int, rounds: int) -> dict[str, list[float]]:
     fleet = ChangingFleet(n)
     det = Detector(parse({"findings": {"open_after": 1}}), fleet.src)
@@ -125,7 +132,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             pkg = Path(d) / "gpufleet"
             pkg.mkdir()
-            archive = subprocess.run(["git", "-C", str(root), "archive", args.before, "detector", "agent"],
+            archive = subprocess.run(["git", "-C", str(root), "archive", args.before, *_trees(root, args.before)],
                                      capture_output=True, check=True).stdout
             subprocess.run(["tar", "-x", "-C", str(pkg)], input=archive, check=True)
             print(f"--- before ({args.before})", flush=True)

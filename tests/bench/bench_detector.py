@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "detector"))
 
 from gpufleet.detector.config import parse
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.profiles import Query, queries
-from gpufleet.detector.source import Pairs, Result, SeriesTable
+from gpufleet.detector.sources.profiles import Query, queries
+from gpufleet.detector.sources.source import Pairs, Result, SeriesTable
 
 BASE = {"util": 0.97, "samples": 20, "sm_clock": 1.98e9, "mem_clock": 2.6e9, "power": 600.0, "temp": 62.0,
         "mem_temp": 55.0, "tensor": 0.55, "sm_active": 0.8, "dram": 0.4, "thr_thermal": 0.0, "thr_power": 0.0,
@@ -44,6 +44,12 @@ BASE = {"util": 0.97, "samples": 20, "sm_clock": 1.98e9, "mem_clock": 2.6e9, "po
 NOISE = {"sm_clock": 5e6, "power": 10.0, "temp": 2.0, "tensor": 0.02, "sm_active": 0.02, "util": 0.01,
          "nic_xmit_wait": 2e5, "nic_tx": 1e8}
 
+
+def _trees(root: Path, rev: str) -> list[str]:
+    """The folders of ``rev`` a detector needs (before the house move vocab/ and serving/ were inside agent/)."""
+    return [p for p in ("vocab", "serving", "agent", "detector")
+            if subprocess.run(["git", "-C", str(root), "cat-file", "-e", f"{rev}:{p}"],
+                              capture_output=True).returncode == 0]
 
 
 def fleet_labels(q: Query, g: int, nodes: list[str]) -> dict[str, str]:
@@ -159,9 +165,9 @@ def _before(sizes: list[int], n: int) -> int | None:
 def bench_storm(counts: list[int], repeat: int) -> None:
     """Findings opening and closing by the thousand (a fleet-wide event): the tracker's CPU per finding, medians
     (the collector paused, as during an evaluation)."""
-    from gpufleet.detector.candidate import Candidate, Evidence
+    from gpufleet.detector.core.candidate import Candidate, Evidence
     from gpufleet.detector.engine import gc_paused
-    from gpufleet.detector.findings import Tracker
+    from gpufleet.detector.incidents.tracker import Tracker
 
     for n in counts:
         opens, closes = [], []
@@ -197,7 +203,7 @@ def bench_replay(nodes: int, repeat: int) -> None:
         found = ""
         for i in range(repeat):
             w0, c0 = time.perf_counter(), _children_cpu()
-            out = subprocess.run([sys.executable, "-m", "gpufleet.detector.cli", "replay", str(rec), "--config",
+            out = subprocess.run([sys.executable, "-m", "gpufleet.detector.service.cli", "replay", str(rec), "--config",
                                   str(cfg)], capture_output=True, text=True, check=True)
             ours.append(time.perf_counter() - w0)
             ours_cpu.append(_children_cpu() - c0)
@@ -238,7 +244,7 @@ def before_and_after(rev: str, sizes: list[int], repeat: int, mixed: bool = Fals
     with tempfile.TemporaryDirectory() as d:
         pkg = Path(d) / "gpufleet"
         pkg.mkdir()
-        archive = subprocess.run(["git", "-C", str(root), "archive", rev, "detector", "agent"], capture_output=True,
+        archive = subprocess.run(["git", "-C", str(root), "archive", rev, *_trees(root, rev)], capture_output=True,
                                  check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(pkg)], input=archive, check=True)
         for label, env in ((f"before ({rev})", {**os.environ, "PYTHONPATH": d}), ("after (this tree)", None)):

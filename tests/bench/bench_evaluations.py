@@ -25,7 +25,7 @@ from pathlib import Path
 
 _CHILD = r"""
 import json, sys, time
-import gpufleet.detector.replay as R
+import gpufleet.detector.service.replay as R
 from gpufleet.detector.config import DetectorConfig, load
 from gpufleet.detector.engine import Detector
 rec, profile, config, rounds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
@@ -52,8 +52,9 @@ def _checkout_path(checkout: Path, d: Path) -> str:
     """A directory that makes ``import gpufleet...`` load ``checkout``'s packages (for PYTHONPATH)."""
     pkg = d / "before-path" / "gpufleet"
     pkg.mkdir(parents=True, exist_ok=True)
-    for sub in ("agent", "detector", "dashboards", "alerts"):
-        (pkg / sub).symlink_to(checkout.resolve() / sub)
+    for sub in ("vocab", "serving", "agent", "sim", "detector", "dashboards", "alerts"):
+        if (checkout / sub).is_dir():  # an older checkout holds sim, vocab and serving inside agent/
+            (pkg / sub).symlink_to(checkout.resolve() / sub)
     return str(pkg.parent)
 
 

@@ -31,8 +31,8 @@ from test_nccl import trace
 
 from gpufleet.agent.app import Agent
 from gpufleet.agent.config import COLLECTORS, AgentConfig
-from gpufleet.agent.fake.ethtool import SimEthtool, mlx5_stat_names
 from gpufleet.agent.modes import tune_gc
+from gpufleet.sim.fake.ethtool import SimEthtool, mlx5_stat_names
 
 NEW = ("ethtool", "nccl")
 

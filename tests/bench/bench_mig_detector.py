@@ -26,14 +26,14 @@ import time
 import tomllib
 from pathlib import Path
 
-from gpufleet.agent.sim.recording import iter_profiles, record
-from gpufleet.agent.sim.scenario import parse_scenario
-from gpufleet.agent.sim.simulator import Simulator
-from gpufleet.detector import profiles
 from gpufleet.detector.config import parse
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.replay import replay
-from gpufleet.detector.source_recording import RecordingSource
+from gpufleet.detector.service.replay import replay
+from gpufleet.detector.sources import profiles
+from gpufleet.detector.sources.recording import RecordingSource
+from gpufleet.sim.recording import iter_profiles, record
+from gpufleet.sim.scenario import parse_scenario
+from gpufleet.sim.simulator import Simulator
 
 SEVERITIES = (0.1, 0.2, 0.3, 0.5, 1.0)
 

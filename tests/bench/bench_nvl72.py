@@ -53,8 +53,8 @@ def collector_alone(spec: str, calls: int, interval: float) -> tuple[float, floa
     """(mean, median) ms of CPU per FabricCollector.collect() on ``spec``, the fake NVML's own CPU excluded, the
     slow tier's clock (the NVLink 5 counters' re-read) moved on by ``interval`` before each call."""
     from gpufleet.agent.collectors.fabric import FabricCollector
-    from gpufleet.agent.fake.spec import fake_backend
     from gpufleet.agent.nvml import reader
+    from gpufleet.sim.fake.spec import fake_backend
 
     now = [time.time()]
     saved = reader.slow_clock

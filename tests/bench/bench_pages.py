@@ -24,7 +24,7 @@ from bench_detector import MemorySource
 
 from gpufleet.detector.config import parse
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.pages import FindingsPages, LiveEvidence
+from gpufleet.detector.outputs.pages import FindingsPages, LiveEvidence
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ from test_detector_core import T0, Fault, Synth, synth
 
 from gpufleet.detector.config import parse
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.source_prometheus import PrometheusSource
+from gpufleet.detector.sources.prometheus import PrometheusSource
 
 
 def query_stats(url: str, expr: str, t: float) -> dict[str, Any]:

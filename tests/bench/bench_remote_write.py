@@ -10,7 +10,7 @@ scrape target; Prometheus (Debian's ``prometheus``, on a free 127.0.0.1 port) sc
 seconds. Phases of ``--phase`` seconds, in rounds, so a change of the machine's load falls on all alike:
 
 * ``scrape``: nothing but the scrapes (the backend's scrape-ingest cost);
-* ``query xN``: N shard detectors (``--shard i/N``, :mod:`gpufleet.detector.shard_source`) each evaluating every
+* ``query xN``: N shard detectors (``--shard i/N``, :mod:`gpufleet.detector.sharding.shard_source`) each evaluating every
   interval through the query API;
 * ``rw xN``: Prometheus remote-writing the keep-list ``remote-write-config`` prints to N receivers (reloaded
   config, SIGHUP), N detectors evaluating from their streams every interval.
@@ -45,13 +45,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "detector"))
 from support import free_port, need_binary, running, wait_http
 from test_detector_core import Fault, Synth, synth
 
-from gpufleet.detector import remote_write_config, shard_source
 from gpufleet.detector.config import DetectorConfig, parse
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.remote_write_server import RemoteWriteReceiver
-from gpufleet.detector.source import Source
-from gpufleet.detector.source_prometheus import PrometheusSource
-from gpufleet.detector.source_remote_write import StreamStore
+from gpufleet.detector.receiver import prometheus_config as remote_write_config
+from gpufleet.detector.receiver.server import RemoteWriteReceiver
+from gpufleet.detector.sharding import shard_source
+from gpufleet.detector.sources.prometheus import PrometheusSource
+from gpufleet.detector.sources.remote_write import StreamStore
+from gpufleet.detector.sources.source import Source
 
 
 def exposition(gpus: int, other: int, tmp: Path) -> bytes:
@@ -223,7 +224,7 @@ def main() -> None:
 
 
 def parse_shard(i: int, n: int) -> Any:
-    from gpufleet.detector.shard import Shard
+    from gpufleet.detector.sharding.shard import Shard
 
     return Shard(i, n) if n > 1 else None
 

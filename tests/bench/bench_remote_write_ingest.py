@@ -25,9 +25,9 @@ from test_detector_core import Fault, Synth, synth
 
 from gpufleet.detector.config import parse
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.remote_write_config import sample_names
-from gpufleet.detector.remote_write_proto import decode, encode
-from gpufleet.detector.source_remote_write import StreamStore
+from gpufleet.detector.receiver.prometheus_config import sample_names
+from gpufleet.detector.receiver.proto import decode, encode
+from gpufleet.detector.sources.remote_write import StreamStore
 
 BATCH = 2000
 

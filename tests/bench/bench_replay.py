@@ -73,7 +73,7 @@ def make(shape: str, d: Path) -> tuple[Path, list[str]]:
     if shape.startswith("dcgm192"):
         scen = d / "scenario.toml"
         scen.write_text(SCENARIO)
-        subprocess.run([sys.executable, "-m", "gpufleet.agent.sim.cli", "generate", "--scenario", str(scen), "--out",
+        subprocess.run([sys.executable, "-m", "gpufleet.sim.cli", "generate", "--scenario", str(scen), "--out",
                         str(d / "sim"), "--profile", "dcgm", "--series", "core", "--quiet"], check=True,
                        stdout=subprocess.DEVNULL)
         rec = d / "sim" / "metrics.dcgm.om"
@@ -91,8 +91,8 @@ def make(shape: str, d: Path) -> tuple[Path, list[str]]:
 def _inputs_only(rec: Path, out: Path) -> Path:
     """``rec`` with only the metric families the dcgm profile (and the site queries) read."""
     from gpufleet.detector.config import DetectorConfig
-    from gpufleet.detector.profiles import sample_names
-    from gpufleet.detector.replay import _site_metrics
+    from gpufleet.detector.service.replay import _site_metrics
+    from gpufleet.detector.sources.profiles import sample_names
 
     cfg = DetectorConfig()
     cfg.profile = "dcgm"
@@ -115,9 +115,9 @@ def _checkout_path(checkout: Path, d: Path) -> str:
     """A directory that makes ``import gpufleet...`` load ``checkout``'s packages (for PYTHONPATH)."""
     pkg = d / "before-path" / "gpufleet"
     pkg.mkdir(parents=True, exist_ok=True)
-    for sub in ("agent", "detector", "dashboards", "alerts"):
+    for sub in ("vocab", "serving", "agent", "sim", "detector", "dashboards", "alerts"):
         link = pkg / sub
-        if not link.exists():
+        if not link.exists() and (checkout / sub).is_dir():  # older checkouts: sim, vocab, serving in agent/
             link.symlink_to(checkout.resolve() / sub)
     return str(pkg.parent)
 
@@ -182,7 +182,7 @@ def main() -> None:
             for i in range(args.repeat):
                 for kind in kinds:
                     path = files[kind.removeprefix("before ")]
-                    wall, cpu, out = timed([sys.executable, "-m", "gpufleet.detector.cli", "replay", str(path), *extra,
+                    wall, cpu, out = timed([sys.executable, "-m", "gpufleet.detector.service.cli", "replay", str(path), *extra,
                                             "--format", "json"], before_env if kind.startswith("before ") else env)
                     runs[kind].append((wall, cpu))
                     outputs[kind] = out
@@ -209,7 +209,7 @@ def main() -> None:
 
 
 #: What a replay imports (its bytecode is compiled before the timed runs).
-_IMPORTS = ("import gpufleet.detector.cli, gpufleet.detector.replay, gpufleet.detector.report; "
+_IMPORTS = ("import gpufleet.detector.service.cli, gpufleet.detector.service.replay, gpufleet.detector.outputs.report; "
             "import sklearn.tree._criterion, sklearn.tree._splitter, sklearn.tree._tree, sklearn.utils.random")
 
 
@@ -220,9 +220,9 @@ def _head(path: Path) -> bytes:
 
 def _evaluations(rec: Path, extra: list[str]) -> int:
     """How many evaluations the replay runs (from the recording's time range, the window and the interval)."""
-    from gpufleet.detector.cli import _config
-    from gpufleet.detector.profiles import sample_names
-    from gpufleet.detector.source_recording import RecordingSource
+    from gpufleet.detector.service.cli import _config
+    from gpufleet.detector.sources.profiles import sample_names
+    from gpufleet.detector.sources.recording import RecordingSource
 
     cfg = _config(extra[1] if extra[0] == "--config" else None, extra[1] if extra[0] == "--profile" else None)
     lo, hi = RecordingSource.load([rec], sample_names(cfg.profile)).time_range()

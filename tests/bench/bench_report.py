@@ -5,7 +5,7 @@ Run: ``.venv/bin/python tests/bench/bench_report.py [--repeat 3] [--file REC.om[
 Default recording: test_detector_core's synthetic fleet, 16 nodes x 8 GPUs (4 jobs), 6 h of 15 s scrapes, with 62
 faults (clock, thermal, power: a straggler and its throttling each) on different GPUs, 10 minutes each, spread over
 the recording. Replay runs once (its cost is replay's: bench_replay.py); then, ``--repeat`` times, the report stage
-alone (detector.evidence.traces: every finding's evidence from the detector's own frames, and the HTML page) is
+alone (detector.outputs.evidence.traces: every finding's evidence from the detector's own frames, and the HTML page) is
 timed, and the median is printed with the findings plotted. ``--file`` times a recording of your own.
 ``--scenarios NAME...`` instead generates each of the simulator's scenarios (``gpufleet-sim generate --profile
 both --series core``) and prints, per scenario and profile, how many of its findings the report plots.
@@ -25,10 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "detector"))
 
 from test_detector_core import Fault, Synth, synth
 
-from gpufleet.detector import shard_source
 from gpufleet.detector.config import DetectorConfig
-from gpufleet.detector.replay import replay
-from gpufleet.detector.report import render
+from gpufleet.detector.outputs.report import render
+from gpufleet.detector.service.replay import replay
+from gpufleet.detector.sharding import shard_source
 
 
 def _recording(tmp: Path) -> Path:

@@ -23,9 +23,10 @@ from bench_shards import StatsSource, prometheus_cpu, prometheus_pid
 from support import backfilled_prometheus
 from test_detector_core import T0, Fault, Synth, synth
 
-from gpufleet.detector import shard, shard_map, shard_source
 from gpufleet.detector.config import parse
-from gpufleet.detector.profiles import queries
+from gpufleet.detector.sharding import job_map as shard_map
+from gpufleet.detector.sharding import shard, shard_source
+from gpufleet.detector.sources.profiles import queries
 
 WINDOW = 120.0
 

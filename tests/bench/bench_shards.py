@@ -5,12 +5,12 @@ Run: ``.venv/bin/python tests/bench/bench_shards.py [--gpus 10000] [--jobs 40] [
 A synthetic fleet recording (8-GPU nodes, ``--jobs`` training jobs over the nodes, two idle nodes, a clock
 straggler, a thermal straggler and a degraded link) is backfilled with ``promtool tsdb create-blocks-from
 openmetrics`` into a Prometheus (Debian's ``prometheus``) on a free 127.0.0.1 port, stopped afterwards. Each shard
-(``--shard i/N``, reading through :mod:`gpufleet.detector.shard_source`) evaluates the same instant; every query
+(``--shard i/N``, reading through :mod:`gpufleet.detector.sharding.shard_source`) evaluates the same instant; every query
 is sent with ``stats=all``: samples touched is the sum of ``totalQueryableSamples``, Prometheus' evaluation time
 the sum of ``evalTotalTime``, Prometheus CPU the change of its process' user + system time (``/proc``) across the
 shard's evaluation (Prometheus does nothing else meanwhile). Each shard (and the one detector) is one Detector
 evaluating successive instants 15 s apart, as a running one does: its first evaluation (not measured) reads the
-full job map, the others keep it (:mod:`gpufleet.detector.shard_map`); the full map's own cost is measured apart
+full job map, the others keep it (:mod:`gpufleet.detector.sharding.job_map`); the full map's own cost is measured apart
 and shown amortized over ``REFRESH_EVERY`` evaluations. The evaluations run in rounds (one detector, then every
 shard of each N, once per round), so a change of load on the machine falls on all alike. Figures are medians of
 ``--repeat`` rounds; the ratio is also given as the median of each round's ratio.
@@ -33,11 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "detector"))
 from support import backfilled_prometheus
 from test_detector_core import T0, Fault, Synth, synth
 
-from gpufleet.detector import shard_source
 from gpufleet.detector.config import parse
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.source import SourceError
-from gpufleet.detector.source_prometheus import PrometheusSource
+from gpufleet.detector.sharding import shard_source
+from gpufleet.detector.sources.prometheus import PrometheusSource
+from gpufleet.detector.sources.source import SourceError
 
 
 class StatsSource(PrometheusSource):

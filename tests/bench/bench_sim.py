@@ -30,9 +30,9 @@ TARGET_S = 60.0
 
 def one_run(gpus: int, hours: float, step: float, series: str, profile: str, out: Path | None,
             scrape: str = "prometheus") -> dict[str, float]:
-    from gpufleet.agent.sim.recording import run, write_profile
-    from gpufleet.agent.sim.scenario import parse_scenario
-    from gpufleet.agent.sim.simulator import Simulator
+    from gpufleet.sim.recording import run, write_profile
+    from gpufleet.sim.scenario import parse_scenario
+    from gpufleet.sim.simulator import Simulator
 
     doc = {"name": "bench", "hours": hours, "step": step, "seed": 1,
            "sites": [{"name": "site-a", "nodes": gpus // 8}], "jobs": {"auto": True}}

@@ -2,8 +2,8 @@
 
 Run: ``.venv/bin/python tests/bench/bench_warmstart.py [--gpus 1000 10000] [--repeat 3]``.
 
-The detector side of a restart, end to end: :func:`gpufleet.detector.warmstart.rebuild` through
-:class:`~gpufleet.detector.source_range.RangeSource` (the ``query_range`` requests, their JSON decoding, the
+The detector side of a restart, end to end: :func:`gpufleet.detector.service.warmstart.rebuild` through
+:class:`~gpufleet.detector.sources.prometheus_range.RangeSource` (the ``query_range`` requests, their JSON decoding, the
 matrices) with the default configuration (15 s interval, 120 s window), on a fleet of 8-GPU nodes in
 256-GPU jobs with one NIC per GPU and one site, healthy (so one replay, the first horizon, is enough). The HTTP
 session is a stand-in that answers each range query with the JSON Prometheus would send (one series per GPU,
@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_detector import BASE, fleet_labels
 
-from gpufleet.detector import warmstart
 from gpufleet.detector.config import parse
-from gpufleet.detector.profiles import Query, queries, site_queries
-from gpufleet.detector.source_prometheus import PrometheusSource
-from gpufleet.detector.source_range import RangeSource
+from gpufleet.detector.service import warmstart
+from gpufleet.detector.sources.profiles import Query, queries, site_queries
+from gpufleet.detector.sources.prometheus import PrometheusSource
+from gpufleet.detector.sources.prometheus_range import RangeSource
 
 AT = 1_800_000_000.0
 SCRAPE = 15.0

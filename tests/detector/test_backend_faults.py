@@ -30,16 +30,16 @@ from support import (
     wait_http,
 )
 
-from gpufleet.agent.sim.quality import _config
-from gpufleet.agent.sim.recording import record
-from gpufleet.agent.sim.scenario import parse_scenario
-from gpufleet.agent.sim.simulator import Simulator
-from gpufleet.detector.backend_guard import Degraded, guard_for
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.exporter import Exposer, Health, registry_for
-from gpufleet.detector.source import SourceError
-from gpufleet.detector.source_prometheus import PrometheusSource
+from gpufleet.detector.frame.backend_guard import Degraded, guard_for
+from gpufleet.detector.outputs.exporter import Exposer, Health, registry_for
+from gpufleet.detector.sources.prometheus import PrometheusSource
+from gpufleet.detector.sources.source import SourceError
+from gpufleet.sim.quality import _config
+from gpufleet.sim.recording import record
+from gpufleet.sim.scenario import parse_scenario
+from gpufleet.sim.simulator import Simulator
 
 pytestmark = pytest.mark.slow
 
@@ -273,10 +273,10 @@ def test_frozen_stale_and_gap_open_nothing_and_close_nothing(broken: str) -> Non
 
 
 def test_health_and_metrics_say_degraded_and_why() -> None:
-    from gpufleet.agent.serving.http import Request
-    from gpufleet.agent.serving.responder import Responder
-    from gpufleet.agent.serving.webconfig import WebConfig
-    from gpufleet.detector.source_memory import MemorySource
+    from gpufleet.detector.sources.memory import MemorySource
+    from gpufleet.serving.http import Request
+    from gpufleet.serving.responder import Responder
+    from gpufleet.serving.webconfig import WebConfig
 
     det = Detector(config(), MemorySource())
     health = Health()

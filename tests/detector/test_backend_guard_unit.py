@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpufleet.detector.backend_guard import BackendGuard, Degraded
-from gpufleet.detector.frames import FeatureFrame, GpuFrame, NicFrame, NodeNaming
-from gpufleet.detector.profiles import Query
-from gpufleet.detector.source import Result, SeriesTable
+from gpufleet.detector.frame.backend_guard import BackendGuard, Degraded
+from gpufleet.detector.frame.frames import FeatureFrame, GpuFrame, NicFrame, NodeNaming
+from gpufleet.detector.sources.profiles import Query
+from gpufleet.detector.sources.source import Result, SeriesTable
 
 NODES = ["n0", "n1", "n2", "n3", "n4"]
 

@@ -1,14 +1,14 @@
-"""Fabric and host evidence of a straggler's cause (detector/causes.py) and how the straggler scoring uses it."""
+"""Fabric and host evidence of a straggler's cause (detector/rules/causes.py) and how the straggler scoring uses it."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from gpufleet.detector import straggler
-from gpufleet.detector.causes import CauseParams, collective_z, node_causes
-from gpufleet.detector.features import GpuFrame
-from gpufleet.detector.straggler import StragglerParams
+from gpufleet.detector.frame.features import GpuFrame
+from gpufleet.detector.rules import straggler
+from gpufleet.detector.rules.causes import CauseParams, collective_z, node_causes
+from gpufleet.detector.rules.straggler import StragglerParams
 
 NODES = [f"n{i}" for i in range(4)]
 
@@ -116,7 +116,7 @@ def test_collective_timing_names_the_rank_its_peers_wait_for() -> None:
 
 def test_leave_one_out_medians_match_the_definition() -> None:
     """The one-sort leave-one-out median equals the median of the others, computed one by one (NaN = no value)."""
-    from gpufleet.detector.causes import _loo_median
+    from gpufleet.detector.rules.causes import _loo_median
 
     rng = np.random.default_rng(7)
     for n in (1, 2, 3, 4, 5, 8, 33):

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from gpufleet.agent.settings import build_parser
-from gpufleet.agent.sim.recording import record
-from gpufleet.agent.sim.scenario import parse_scenario
-from gpufleet.agent.sim.simulator import Simulator
-from gpufleet.detector import cli
+from gpufleet.detector.service import cli
+from gpufleet.sim.recording import record
+from gpufleet.sim.scenario import parse_scenario
+from gpufleet.sim.simulator import Simulator
 
 START = 1_750_000_000.0
 SCENARIO = {
@@ -33,7 +33,7 @@ def recordings(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def test_version_is_the_package_metadata() -> None:
-    out = subprocess.run([sys.executable, "-m", "gpufleet.detector.cli", "--version"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "gpufleet.detector.service.cli", "--version"], capture_output=True,
                          text=True, check=True).stdout
     assert out == f"gpufleet-detector {version('gpufleet')}\n"
 
@@ -87,7 +87,7 @@ def test_the_fake_nvml_help_lists_its_specs() -> None:
 
 
 def test_the_simulator_start_takes_unix_seconds_and_rfc3339(tmp_path: Path) -> None:
-    from gpufleet.agent.sim.cli import main as sim_main
+    from gpufleet.sim.cli import main as sim_main
 
     for value in ("1750000000", "2025-06-15T15:06:40Z"):
         out = tmp_path / value.replace(":", "")

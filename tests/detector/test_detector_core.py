@@ -15,17 +15,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpufleet.detector import robust, straggler
-from gpufleet.detector.candidate import Candidate
-from gpufleet.detector.cli import main as cli_main
 from gpufleet.detector.config import DetectorConfig, parse
-from gpufleet.detector.features import GpuFrame
-from gpufleet.detector.findings import Tracker
-from gpufleet.detector.profiles import Query
-from gpufleet.detector.replay import replay
-from gpufleet.detector.source import SourceError
-from gpufleet.detector.source_prometheus import PrometheusSource
-from gpufleet.detector.straggler import StragglerParams
+from gpufleet.detector.core.candidate import Candidate
+from gpufleet.detector.frame.features import GpuFrame
+from gpufleet.detector.incidents.tracker import Tracker
+from gpufleet.detector.rules import robust, straggler
+from gpufleet.detector.rules.straggler import StragglerParams
+from gpufleet.detector.service.cli import main as cli_main
+from gpufleet.detector.service.replay import replay
+from gpufleet.detector.sources.profiles import Query
+from gpufleet.detector.sources.prometheus import PrometheusSource
+from gpufleet.detector.sources.source import SourceError
 
 STEP = 15.0
 T0 = 1_700_000_000.0
@@ -383,14 +383,14 @@ def test_replay_json_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
             assert isinstance(obj[k], typ), (k, obj[k])
     strag = [o for o in lines if o["kind"] == "straggler"]
     assert strag[0]["node"] == "node-000" and strag[0]["gpu"] == "1" and strag[0]["cause"] == "clock"
-    assert set(strag[0]["impact"]) == {"slowdown", "gpu_hours_lost", "job_gpus"}  # detector.impact
+    assert set(strag[0]["impact"]) == {"slowdown", "gpu_hours_lost", "job_gpus"}  # detector.incidents.impact
     assert strag[0]["end"] is not None and 1200 <= strag[0]["end"] - T0 <= 1200 + 240
     assert strag[0]["start"] <= strag[0]["detected"] <= strag[0]["start"] + 2 * 60 and strag[0]["incident"]
 
 
 def test_replay_entry_point_reports_missing_inputs(tmp_path: Path) -> None:
     rec = synth(tmp_path / "r.om", Synth(seconds=600.0))
-    out = subprocess.run([sys.executable, "-m", "gpufleet.detector.cli", "replay", str(rec), "--step", "60",
+    out = subprocess.run([sys.executable, "-m", "gpufleet.detector.service.cli", "replay", str(rec), "--step", "60",
                           "--format", "json"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "gpufleet_gpu_dram_active_ratio" in out.stderr  # the synthetic fleet has no DRAM activity

@@ -1,13 +1,13 @@
-"""detector/fabric.py (issue 21) on hand-made inputs: the domain threshold, nodes outside a multi-node NVLink
+"""detector/rules/fabric.py (issue 21) on hand-made inputs: the domain threshold, nodes outside a multi-node NVLink
 domain, the dcgm profile's health mask, and the place (rack, tray) in summaries."""
 
 from __future__ import annotations
 
-from gpufleet.agent.vocab import fabric as fb
-from gpufleet.detector import fabric
-from gpufleet.detector.candidate import Candidate
-from gpufleet.detector.features import NodeNaming
-from gpufleet.detector.source import Result
+from gpufleet.detector.core.candidate import Candidate
+from gpufleet.detector.frame.features import NodeNaming
+from gpufleet.detector.rules import fabric
+from gpufleet.detector.sources.source import Result
+from gpufleet.vocab import fabric as fb
 
 NAMING = NodeNaming()
 CLUSTER = "00000001-0000-0000-0000-000000000001"

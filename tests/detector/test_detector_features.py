@@ -9,9 +9,9 @@ import numpy as np
 
 from gpufleet.detector.config import parse
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.features import NodeNaming, collect
-from gpufleet.detector.profiles import Query
-from gpufleet.detector.source import Pairs, Result, SeriesTable, SourceError
+from gpufleet.detector.frame.features import NodeNaming, collect
+from gpufleet.detector.sources.profiles import Query
+from gpufleet.detector.sources.source import Pairs, Result, SeriesTable, SourceError
 
 Q_SAMPLES = Query("samples", "m_util", "count")
 Q_UTIL = Query("util", "m_util", "avg")

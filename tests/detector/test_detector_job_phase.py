@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.agent.sim.quality import _config
-from gpufleet.agent.sim.recording import record
-from gpufleet.agent.sim.scenario import parse_scenario
-from gpufleet.agent.sim.simulator import Simulator
-from gpufleet.detector.replay import replay
+from gpufleet.detector.service.replay import replay
+from gpufleet.sim.quality import _config
+from gpufleet.sim.recording import record
+from gpufleet.sim.scenario import parse_scenario
+from gpufleet.sim.simulator import Simulator
 
 START = 1_750_000_000.0
 
@@ -65,9 +65,9 @@ def test_an_evaluation_pass_longer_than_the_merge_window_keeps_one_finding(tmp_p
 def test_held_evaluations_neither_close_nor_stale_a_finding_and_the_job_reference_adapts() -> None:
     import numpy as np
 
-    from gpufleet.detector.baseline import DecayingMax
-    from gpufleet.detector.candidate import Candidate, Evidence
-    from gpufleet.detector.findings import Tracker
+    from gpufleet.detector.core.candidate import Candidate, Evidence
+    from gpufleet.detector.incidents.tracker import Tracker
+    from gpufleet.detector.rules.baseline import DecayingMax
 
     tr = Tracker(open_after=1, close_after=2, stale_after=3, merge_seconds=60)
     c = Candidate("n0", "0", "job", "s", "thermal", 5.0, Evidence(fractions={"thr_thermal": 0.6}))

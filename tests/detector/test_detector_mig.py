@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 from test_detector_features import Q_JOB, Q_SAMPLES, Q_UTIL, Fixed, lab
 
-from gpufleet.detector.features import collect
-from gpufleet.detector.profiles import GPUFLEET, Query
-from gpufleet.detector.straggler import StragglerParams, _groups
+from gpufleet.detector.frame.features import collect
+from gpufleet.detector.rules.straggler import StragglerParams, _groups
+from gpufleet.detector.sources.profiles import GPUFLEET, Query
 
 Q_MODEL = next(q for q in GPUFLEET if q.feature == "@model")
 Q_MIG = next(q for q in GPUFLEET if q.feature == "@mig")
@@ -33,7 +33,7 @@ def test_mig_layout_joins_the_model_and_mig_gpus_are_no_whole_gpu_peers() -> Non
                       ("a", "1"): f"{h100} MIG 1g.10gb*4+3g.40gb", ("b", "1"): h100}
     groups = _groups(frame.gpu, np.ones(4, dtype=bool), StragglerParams(min_peers=1))
     by = dict(zip(zip(frame.gpu.nodes, frame.gpu.gpus, strict=True), groups.tolist(), strict=True))
-    # GPUs in MIG mode are never whole-GPU peers (their slices are, in detector.mig); the whole GPU is
+    # GPUs in MIG mode are never whole-GPU peers (their slices are, in detector.rules.mig); the whole GPU is
     assert by == {("a", "0"): -1, ("b", "0"): -1, ("a", "1"): -1, ("b", "1"): 0}
     assert "gpufleet_mig_device_info" not in frame.missing
 

@@ -1,4 +1,4 @@
-"""MIG slices from dcgm-exporter's GPU-instance series (detector.mig, the dcgm profile): each GPU_I_ID is a slice
+"""MIG slices from dcgm-exporter's GPU-instance series (detector.rules.mig, the dcgm profile): each GPU_I_ID is a slice
 with its GPU_I_PROFILE; its job is the hpc_job on its series, else the pod holding the MIG device (the exporter's own
 pod label set aside when Prometheus renamed the workload's to exported_pod); the parent GPU is a GPU entity with
 its device readings and its MIG layout, and a whole GPU beside it is untouched."""
@@ -9,10 +9,10 @@ import math
 
 from test_detector_features import Fixed, lab
 
-from gpufleet.agent.vocab import exporters
-from gpufleet.detector.features import NodeNaming, collect
-from gpufleet.detector.mig import slice_frame
-from gpufleet.detector.profiles import DCGM, DCGM_MIG, Query, queries
+from gpufleet.detector.frame.features import NodeNaming, collect
+from gpufleet.detector.rules.mig import slice_frame
+from gpufleet.detector.sources.profiles import DCGM, DCGM_MIG, Query, queries
+from gpufleet.vocab import exporters
 
 H100 = "NVIDIA H100 80GB HBM3"
 GI, PROF = exporters.DCGM_MIG_INSTANCE_LABEL, exporters.DCGM_MIG_PROFILE_LABEL

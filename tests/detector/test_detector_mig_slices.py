@@ -1,4 +1,4 @@
-"""MIG slices as detector entities (detector.mig): a slice lagging the slices of its job and profile is a
+"""MIG slices as detector entities (detector.rules.mig): a slice lagging the slices of its job and profile is a
 straggler named by node, GPU and GPU instance; slices of other profiles, jobs below min_peers and jobless slices
 are never peers; a GPU in MIG mode is not a whole-GPU straggler; throttling stays on the parent GPU."""
 
@@ -10,10 +10,10 @@ from test_detector_core import fast_cfg
 from test_detector_features import Fixed, lab
 
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.exporter import Health, registry_for
-from gpufleet.detector.features import NodeNaming, collect
-from gpufleet.detector.mig import slice_frame
-from gpufleet.detector.profiles import GPUFLEET, KUBE, MIG, Query
+from gpufleet.detector.frame.features import NodeNaming, collect
+from gpufleet.detector.outputs.exporter import Health, registry_for
+from gpufleet.detector.rules.mig import slice_frame
+from gpufleet.detector.sources.profiles import GPUFLEET, KUBE, MIG, Query
 
 H100 = "NVIDIA H100 80GB HBM3"
 PARENTS = [("a", "0"), ("a", "1"), ("b", "0"), ("b", "1"), ("b", "2")]

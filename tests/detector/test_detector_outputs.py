@@ -10,10 +10,10 @@ import pytest
 from prometheus_client import generate_latest
 from test_detector_core import T0, Fault, Synth, fast_cfg, synth
 
-from gpufleet.detector.cli import main as cli_main
-from gpufleet.detector.exporter import Exposer, Health, registry_for
-from gpufleet.detector.pue import PueMonitor, PueParams
-from gpufleet.detector.replay import replay
+from gpufleet.detector.outputs.exporter import Exposer, Health, registry_for
+from gpufleet.detector.rules.pue import PueMonitor, PueParams
+from gpufleet.detector.service.cli import main as cli_main
+from gpufleet.detector.service.replay import replay
 
 HOUR = 3600.0
 

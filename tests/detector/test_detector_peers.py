@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpufleet.detector.baseline import Baseline
-from gpufleet.detector.features import GpuFrame, NicFrame
-from gpufleet.detector.network import NetworkParams, find
-from gpufleet.detector.straggler import StragglerParams, peer_key
+from gpufleet.detector.frame.features import GpuFrame, NicFrame
+from gpufleet.detector.rules.baseline import Baseline
+from gpufleet.detector.rules.network import NetworkParams, find
+from gpufleet.detector.rules.straggler import StragglerParams, peer_key
 
 GB = 1e9 / 8
 
@@ -119,8 +119,8 @@ def test_a_flapping_link_stays_suspect_between_its_flaps() -> None:
 
 
 def test_several_gpus_of_a_node_throttled_for_one_reason_are_one_node_candidate() -> None:
-    from gpufleet.detector.throttling import ThrottleParams
-    from gpufleet.detector.throttling import find as throttled
+    from gpufleet.detector.rules.throttling import ThrottleParams
+    from gpufleet.detector.rules.throttling import find as throttled
 
     g = _gpus(nodes=2, rails=4)
     n = len(g)
@@ -134,7 +134,7 @@ def test_several_gpus_of_a_node_throttled_for_one_reason_are_one_node_candidate(
 def test_peer_groups_are_the_partition_peer_key_defines() -> None:
     """The array-based peer grouping gives exactly the groups of peer_key (jobs, namespaces, models, MIG mode,
     power-limit buckets, inference pods, min_peers), on a random mixed frame."""
-    from gpufleet.detector.straggler import _groups, peer_key
+    from gpufleet.detector.rules.straggler import _groups, peer_key
 
     rng = np.random.default_rng(11)
     n = 400
@@ -159,7 +159,7 @@ def test_peer_groups_are_the_partition_peer_key_defines() -> None:
 def test_running_max_is_the_max_of_each_entitys_history() -> None:
     """The array-backed running maximum equals a plain per-key maximum over the values seen (NaN: no value),
     through changing entity sets, and forgets keys not seen for forget_seconds."""
-    from gpufleet.detector.baseline import RunningMax
+    from gpufleet.detector.rules.baseline import RunningMax
 
     rng = np.random.default_rng(5)
     rm = RunningMax(forget_seconds=7200.0)

@@ -20,10 +20,10 @@ from support import backfilled_prometheus, free_port, running, wait_http
 from test_detector_core import STEP, T0, Fault, Synth, fast_cfg, synth
 
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.profiles import queries, sample_names
-from gpufleet.detector.source import SourceError
-from gpufleet.detector.source_prometheus import PrometheusSource
-from gpufleet.detector.source_recording import RecordingSource
+from gpufleet.detector.sources.profiles import queries, sample_names
+from gpufleet.detector.sources.prometheus import PrometheusSource
+from gpufleet.detector.sources.recording import RecordingSource
+from gpufleet.detector.sources.source import SourceError
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_serve_exports_findings_and_health(backfilled: tuple[Path, str], tmp_pat
     cfg = tmp_path / "d.toml"
     cfg.write_text(f'[detector]\ninterval_seconds = 0.5\nwindow_seconds = 60\nlisten = "127.0.0.1:{port}"\n'
                    f'[prometheus]\nurl = "{url}"\n')
-    with running([sys.executable, "-m", "gpufleet.detector.cli", "serve", "--config", str(cfg)],
+    with running([sys.executable, "-m", "gpufleet.detector.service.cli", "serve", "--config", str(cfg)],
                  log=tmp_path / "serve.log"):
         wait_http(f"http://127.0.0.1:{port}/metrics", timeout=30)
         body = ""
@@ -108,7 +108,7 @@ def test_serve_counts_failures_when_prometheus_is_down(tmp_path: Path) -> None:
     cfg = tmp_path / "d.toml"
     cfg.write_text(f'[detector]\ninterval_seconds = 0.3\nlisten = "127.0.0.1:{port}"\n'
                    f'[prometheus]\nurl = "http://127.0.0.1:{free_port()}"\ntimeout_seconds = 1\n')
-    with running([sys.executable, "-m", "gpufleet.detector.cli", "serve", "--config", str(cfg)],
+    with running([sys.executable, "-m", "gpufleet.detector.service.cli", "serve", "--config", str(cfg)],
                  log=tmp_path / "serve.log") as proc:
         wait_http(f"http://127.0.0.1:{port}/metrics", timeout=30)
         body = ""
@@ -129,6 +129,6 @@ def test_serve_counts_failures_when_prometheus_is_down(tmp_path: Path) -> None:
 def test_serve_rejects_bad_config(tmp_path: Path) -> None:
     cfg = tmp_path / "d.toml"
     cfg.write_text('[detector]\nlisten = "127.0.0.1:notaport"\n')
-    out = subprocess.run([sys.executable, "-m", "gpufleet.detector.cli", "serve", "--config", str(cfg)],
+    out = subprocess.run([sys.executable, "-m", "gpufleet.detector.service.cli", "serve", "--config", str(cfg)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "error" in out.stderr

@@ -16,14 +16,14 @@ import pytest
 from support import backfilled_prometheus, imported_victoria_metrics
 from test_detector_core import T0, Fault, Synth, fast_cfg, synth
 
-from gpufleet.detector import shard, shard_source
-from gpufleet.detector.cli import main
 from gpufleet.detector.config import ConfigError, DetectorConfig, parse
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.findings import Finding
-from gpufleet.detector.profiles import queries
-from gpufleet.detector.source import Source
-from gpufleet.detector.source_prometheus import PrometheusSource
+from gpufleet.detector.incidents.tracker import Finding
+from gpufleet.detector.service.cli import main
+from gpufleet.detector.sharding import shard, shard_source
+from gpufleet.detector.sources.profiles import queries
+from gpufleet.detector.sources.prometheus import PrometheusSource
+from gpufleet.detector.sources.source import Source
 
 pytestmark = pytest.mark.slow
 

@@ -6,9 +6,9 @@ import random
 
 import numpy as np
 
-from gpufleet.detector.entities import EntityFrame
-from gpufleet.detector.frames import NodeNaming
-from gpufleet.detector.source import Result, SeriesTable
+from gpufleet.detector.frame.entities import EntityFrame
+from gpufleet.detector.frame.frames import NodeNaming
+from gpufleet.detector.sources.source import Result, SeriesTable
 
 NAMING = NodeNaming()
 

@@ -1,4 +1,4 @@
-"""The report plots every finding's evidence (detector.evidence, detector.report): on Kubernetes recordings
+"""The report plots every finding's evidence (detector.outputs.evidence, detector.outputs.report): on Kubernetes recordings
 whose jobs come from pod owners (the detector's own job resolution gives the peers), on both profiles, plain and
 compressed, and from a real Prometheus over a range (``report --prometheus URL --from --to``)."""
 
@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpufleet.agent.sim import kubernetes
-from gpufleet.agent.sim.recording import FILES
-from gpufleet.detector.cli import main as cli_main
 from gpufleet.detector.config import DetectorConfig
-from gpufleet.detector.evidence import BEFORE, features_of, grid, quantiles, traces
-from gpufleet.detector.findings import Finding
-from gpufleet.detector.replay import replay
+from gpufleet.detector.incidents.tracker import Finding
+from gpufleet.detector.outputs.evidence import BEFORE, features_of, grid, quantiles, traces
+from gpufleet.detector.service.cli import main as cli_main
+from gpufleet.detector.service.replay import replay
+from gpufleet.sim import kubernetes
+from gpufleet.sim.recording import FILES
 
 START = 1_767_225_600.0
 #: A slow GPU in pod llama-worker-2 and a degraded rail NIC of llama-worker-4 (the PyTorchJob "llama": its pods
@@ -155,9 +155,9 @@ def test_quantiles_are_numpys_on_the_finite_values() -> None:
 def test_an_nvlink_domain_finding_plots_its_racks_share_of_faulted_gpus(tmp_path: Path) -> None:
     import tomllib
 
-    from gpufleet.agent.sim.recording import record
-    from gpufleet.agent.sim.scenario import builtin_text, parse_scenario
-    from gpufleet.agent.sim.simulator import Simulator
+    from gpufleet.sim.recording import record
+    from gpufleet.sim.scenario import builtin_text, parse_scenario
+    from gpufleet.sim.simulator import Simulator
 
     data = tomllib.loads(builtin_text("nvswitch_tray_failure"))
     data["hours"] = 0.75

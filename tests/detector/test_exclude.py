@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.agent.sim.recording import record
-from gpufleet.agent.sim.scenario import parse_scenario
-from gpufleet.agent.sim.simulator import Simulator
 from gpufleet.detector.config import ConfigError, DetectorConfig, parse
-from gpufleet.detector.replay import replay
+from gpufleet.detector.service.replay import replay
+from gpufleet.sim.recording import record
+from gpufleet.sim.scenario import parse_scenario
+from gpufleet.sim.simulator import Simulator
 
 START = 1_750_000_000.0
 

@@ -12,7 +12,7 @@ import pytest
 from support import backfilled_prometheus, free_port, need_binary
 from test_detector_core import T0, Fault, Synth, synth
 
-from gpufleet.detector import cli
+from gpufleet.detector.service import cli
 
 
 @pytest.fixture(scope="module")

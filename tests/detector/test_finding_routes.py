@@ -8,10 +8,10 @@ from pathlib import Path
 from prometheus_client import generate_latest
 from test_detector_core import Fault, Synth, fast_cfg, synth
 
-from gpufleet.agent.vocab.catalog import BY_NAME, FINDING_CAUSES, FINDING_ROUTES, WORKLOAD_PATTERNS
-from gpufleet.detector.exporter import Health, IncidentRoutes, registry_for
-from gpufleet.detector.findings import Finding
-from gpufleet.detector.replay import replay
+from gpufleet.detector.incidents.tracker import Finding
+from gpufleet.detector.outputs.exporter import Health, IncidentRoutes, registry_for
+from gpufleet.detector.service.replay import replay
+from gpufleet.vocab.catalog import BY_NAME, FINDING_CAUSES, FINDING_ROUTES, WORKLOAD_PATTERNS
 
 
 def _finding(route: str = "hardware", owner: str = "", opened: float = 0.0, pattern: str = "") -> Finding:

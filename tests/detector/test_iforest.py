@@ -1,4 +1,4 @@
-"""The straggler's forest scores (detector.iforest) are scikit-learn's IsolationForest scores, bit for bit."""
+"""The straggler's forest scores (detector.rules.iforest) are scikit-learn's IsolationForest scores, bit for bit."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import sklearn
 
-from gpufleet.detector import iforest
+from gpufleet.detector.rules import iforest
 
 
 def _cases() -> list[tuple[np.ndarray, int]]:

@@ -1,6 +1,6 @@
-"""Impact per finding (detector.impact) against the simulator's truth: the job's real step time.
+"""Impact per finding (detector.incidents.impact) against the simulator's truth: the job's real step time.
 
-The simulator knows each job's step time (agent.sim.physics: a synchronous job steps at its slowest rank's
+The simulator knows each job's step time (sim.physics: a synchronous job steps at its slowest rank's
 pace). A twin of each run steps the same scenario in memory and reads it: the true slowdown is the job's mean
 step time while the finding is open over its mean step before the fault, minus one, and the true GPU-hours lost
 the job's GPUs x (1 - healthy step / step) integrated from the fault's onset to the end of the finding. The
@@ -15,14 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpufleet.agent.sim.recording import FILES, record
-from gpufleet.agent.sim.scenario import Scenario, builtin_text, parse_scenario
-from gpufleet.agent.sim.simulator import Simulator
 from gpufleet.detector.config import DetectorConfig
-from gpufleet.detector.features import GpuFrame
-from gpufleet.detector.findings import Finding
-from gpufleet.detector.impact import ImpactTracker, delay
-from gpufleet.detector.replay import replay
+from gpufleet.detector.frame.features import GpuFrame
+from gpufleet.detector.incidents.impact import ImpactTracker, delay
+from gpufleet.detector.incidents.tracker import Finding
+from gpufleet.detector.service.replay import replay
+from gpufleet.sim.recording import FILES, record
+from gpufleet.sim.scenario import Scenario, builtin_text, parse_scenario
+from gpufleet.sim.simulator import Simulator
 
 START = 1_767_225_600.0
 ONSET = 600.0

@@ -20,17 +20,18 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from gpufleet.detector import cadence, cause_rules, fabric, network, phases, policy, straggler, throttling
-from gpufleet.detector.candidate import DIRECT, Candidate, Evidence
 from gpufleet.detector.config import DetectorConfig
-from gpufleet.detector.findings import Tracker
-from gpufleet.detector.frames import GpuFrame, NicFrame
-from gpufleet.detector.network import NetworkParams
-from gpufleet.detector.profiles import Query, queries
-from gpufleet.detector.source import Result
-from gpufleet.detector.straggler import StragglerParams
-from gpufleet.detector.summary import summarize
-from gpufleet.detector.throttling import ThrottleParams
+from gpufleet.detector.core.candidate import DIRECT, Candidate, Evidence
+from gpufleet.detector.frame import cadence
+from gpufleet.detector.frame.frames import GpuFrame, NicFrame
+from gpufleet.detector.incidents.summary import summarize
+from gpufleet.detector.incidents.tracker import Tracker
+from gpufleet.detector.rules import cause_rules, fabric, network, phases, policy, straggler, throttling
+from gpufleet.detector.rules.network import NetworkParams
+from gpufleet.detector.rules.straggler import StragglerParams
+from gpufleet.detector.rules.throttling import ThrottleParams
+from gpufleet.detector.sources.profiles import Query, queries
+from gpufleet.detector.sources.source import Result
 
 
 def _gpus(nodes: int, per_node: int, jobs: Sequence[str | None], model: str = "NVIDIA B200") -> GpuFrame:

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpufleet.detector.job_labels import Jobs
+from gpufleet.detector.frame.job_labels import Jobs
 
 
 def oracle(names: list[str], n: int, p: np.ndarray, c: np.ndarray, v: np.ndarray, samples: np.ndarray,

@@ -7,16 +7,24 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from gpufleet.agent.vocab import exporters
-from gpufleet.detector import memo
-from gpufleet.detector.candidate import Candidate
 from gpufleet.detector.config import ConfigError, parse
+from gpufleet.detector.core import memo
+from gpufleet.detector.core.candidate import Candidate
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.features import GpuFrame, collect
-from gpufleet.detector.jobs import JOB_OWNER, POD_LABELS, POD_OWNER, JobRules, Resolver, attribute, resolve
-from gpufleet.detector.profiles import queries
-from gpufleet.detector.source import Result, SeriesTable
-from gpufleet.detector.source_memory import MemorySource
+from gpufleet.detector.frame.features import GpuFrame, collect
+from gpufleet.detector.frame.jobs import (
+    JOB_OWNER,
+    POD_LABELS,
+    POD_OWNER,
+    JobRules,
+    Resolver,
+    attribute,
+    resolve,
+)
+from gpufleet.detector.sources.memory import MemorySource
+from gpufleet.detector.sources.profiles import queries
+from gpufleet.detector.sources.source import Result, SeriesTable
+from gpufleet.vocab import exporters
 
 NS = "ml"
 
@@ -240,7 +248,7 @@ def test_a_job_restart_on_other_nodes_gives_no_findings() -> None:
 def test_without_kube_state_metrics_inference_pods_would_be_compared() -> None:
     """The control for the test above: the same fleet read without kube-state-metrics compares each inference
     pod's GPUs with each other (the pod is the job). Their bursty load (every GPU of the pod swinging in every
-    window) then reads as a job forever at a phase edge (detector/phases.py), so deviations alone raise no
+    window) then reads as a job forever at a phase edge (detector/rules/phases.py), so deviations alone raise no
     finding there either; but they are scored as peers, which only kube-state-metrics' owners prevent."""
     cfg = parse({"detector": {"profile": "dcgm", "window_seconds": 120.0},
                  "findings": {"open_after": 2, "close_after": 4}})

@@ -1,8 +1,8 @@
-"""detector.memo: one-entry memos kept per detector, only within an evaluation's scope."""
+"""detector.core.memo: one-entry memos kept per detector, only within an evaluation's scope."""
 
 from __future__ import annotations
 
-from gpufleet.detector import memo
+from gpufleet.detector.core import memo
 
 
 def test_outside_an_evaluation_nothing_is_kept() -> None:

@@ -9,9 +9,9 @@ from collections import defaultdict
 
 import numpy as np
 
-from gpufleet.detector.features import _natural, _nic_gpus
-from gpufleet.detector.frames import GpuFrame, NicFrame
-from gpufleet.detector.network import NetworkParams
+from gpufleet.detector.frame.features import _natural, _nic_gpus
+from gpufleet.detector.frame.frames import GpuFrame, NicFrame
+from gpufleet.detector.rules.network import NetworkParams
 
 
 def _plain(nkeys: list[tuple[str, str, str]], nicmap: dict[tuple[str, str], list[str]],
@@ -70,7 +70,7 @@ def _nic_peer_key(nic: NicFrame, i: int, capability: np.ndarray) -> str:
 
 def test_fabric_ports_are_those_the_role_rule_calls_fabric() -> None:
     """network.find's fabric mask (a few list passes) is the per-NIC role rule's answer for every NIC."""
-    from gpufleet.detector.network import _fabric
+    from gpufleet.detector.rules.network import _fabric
 
     rng = random.Random(5)
     for case in range(300):
@@ -88,7 +88,7 @@ def test_fabric_ports_are_those_the_role_rule_calls_fabric() -> None:
 
 def test_busy_ports_group_as_the_peer_key_says() -> None:
     """network.find's congestion peer groups (a sort) are the ports of one per-NIC peer key, ascending."""
-    from gpufleet.detector.network import _peer_groups
+    from gpufleet.detector.rules.network import _peer_groups
 
     rng = np.random.default_rng(3)
     for case in range(200):

@@ -12,14 +12,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gpufleet.agent.sim.quality import _config
-from gpufleet.agent.sim.recording import record
-from gpufleet.agent.sim.scenario import builtin_text, parse_scenario
-from gpufleet.agent.sim.simulator import Simulator
-from gpufleet.detector.causes import nic_fabric
-from gpufleet.detector.features import GpuFrame, NicFrame
-from gpufleet.detector.network import NetworkParams, find
-from gpufleet.detector.replay import replay
+from gpufleet.detector.frame.features import GpuFrame, NicFrame
+from gpufleet.detector.rules.causes import nic_fabric
+from gpufleet.detector.rules.network import NetworkParams, find
+from gpufleet.detector.service.replay import replay
+from gpufleet.sim.quality import _config
+from gpufleet.sim.recording import record
+from gpufleet.sim.scenario import builtin_text, parse_scenario
+from gpufleet.sim.simulator import Simulator
 
 START = 1_750_000_000.0
 ONSET = 1200.0

@@ -1,4 +1,4 @@
-"""detector.numeric gives numpy's values to the last bit (signed zeros, ties, NaN, infinities)."""
+"""detector.core.numeric gives numpy's values to the last bit (signed zeros, ties, NaN, infinities)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 import pytest
 
-from gpufleet.detector import numeric
+from gpufleet.detector.core import numeric
 
 
 def _cases(seed: int) -> list[np.ndarray]:

@@ -1,4 +1,4 @@
-"""The findings pages (detector.pages): the list and an incident's page with its evidence, JSON for tools,
+"""The findings pages (detector.outputs.pages): the list and an incident's page with its evidence, JSON for tools,
 every label value escaped (fuzzed), 404 for an unknown incident, bounded size, behind the server's auth."""
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_detector_core import Fault, Synth, fast_cfg, synth
 
-from gpufleet.agent.serving.server import MetricsServer
-from gpufleet.agent.serving.webconfig import load_web_config
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.exporter import Exposer, Health, evidence_url, registry_for
-from gpufleet.detector.findings import Finding
-from gpufleet.detector.impact import Impact
-from gpufleet.detector.pages import MAX_ROWS, FindingsPages, LiveEvidence
-from gpufleet.detector.profiles import sample_names
-from gpufleet.detector.source_recording import RecordingSource
+from gpufleet.detector.incidents.impact import Impact
+from gpufleet.detector.incidents.tracker import Finding
+from gpufleet.detector.outputs.exporter import Exposer, Health, evidence_url, registry_for
+from gpufleet.detector.outputs.pages import MAX_ROWS, FindingsPages, LiveEvidence
+from gpufleet.detector.sources.profiles import sample_names
+from gpufleet.detector.sources.recording import RecordingSource
+from gpufleet.serving.server import MetricsServer
+from gpufleet.serving.webconfig import load_web_config
 
 #: The tags (and attributes) a findings page may contain: no script, no external resource, no event handler.
 TAGS = {"html", "head", "meta", "title", "style", "body", "h1", "h2", "p", "b", "a", "table", "tr", "th", "td",

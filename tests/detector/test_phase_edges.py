@@ -1,4 +1,4 @@
-"""Job-wide phase edges read through staggered scrapes (detector/phases.py, issue 25).
+"""Job-wide phase edges read through staggered scrapes (detector/rules/phases.py, issue 25).
 
 A dcgm-exporter + node_exporter fleet, each target scraped at its own offset inside the 30 s interval: one
 training job on 6 nodes checkpoints (every rank idles together for 75 s while the storage bond bursts), then
@@ -14,12 +14,12 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from gpufleet.detector import phases
 from gpufleet.detector.config import parse
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.findings import Finding
-from gpufleet.detector.frames import GpuFrame
-from gpufleet.detector.source_memory import MemorySource
+from gpufleet.detector.frame.frames import GpuFrame
+from gpufleet.detector.incidents.tracker import Finding
+from gpufleet.detector.rules import phases
+from gpufleet.detector.sources.memory import MemorySource
 
 T0 = 1_800_000_000.0
 SCRAPE = 30.0

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpufleet.agent.vocab import exporters
-from gpufleet.detector import profiles
+from gpufleet.detector.sources import profiles
+from gpufleet.vocab import exporters
 
 
 def test_every_dcgm_query_names_a_vocabulary_sample() -> None:
@@ -30,7 +30,7 @@ def test_dcgm_labels_come_from_the_vocabulary() -> None:
 def test_dcgm_host_label_is_the_node_in_either_spelling() -> None:
     """Without an instance label the node is dcgm-exporter's host label: "Hostname", or "hostname" as
     dcgm-exporter writes it since May 2026."""
-    from gpufleet.detector.features import NodeNaming
+    from gpufleet.detector.frame.features import NodeNaming
 
     naming = NodeNaming()
     assert naming.node({"Hostname": "gpu-node-1"}) == "gpu-node-1"

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from test_detector_core import Fault, Synth, synth
 
-from gpufleet.detector.cli import main as detector_main
 from gpufleet.detector.config import DetectorConfig, parse
-from gpufleet.detector.replay import replay
-from gpufleet.detector.source_recording import RecordingError, RecordingSource
+from gpufleet.detector.service.cli import main as detector_main
+from gpufleet.detector.service.replay import replay
+from gpufleet.detector.sources.recording import RecordingError, RecordingSource
 
 
 def _cfg() -> DetectorConfig:

@@ -1,4 +1,4 @@
-"""Reading one recording in two processes (detector.recording_split) gives what one process reads: the same
+"""Reading one recording in two processes (detector.sources.recording_split) gives what one process reads: the same
 series, the same error message for a bad file, the strict reader for a file whose parts are fine but whole is
 not; plain and gzip files; a worker that dies leaves its part to this process."""
 
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from test_detector_core import Synth, synth
 
-from gpufleet.detector import recording_fast, recording_split
-from gpufleet.detector import source_recording as sr
-from gpufleet.detector.profiles import sample_names
+from gpufleet.detector.sources import recording as sr
+from gpufleet.detector.sources import recording_fast, recording_split
+from gpufleet.detector.sources.profiles import sample_names
 
 
 @pytest.fixture(scope="module")

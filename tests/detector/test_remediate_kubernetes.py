@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from gpufleet.detector.remediate_backends import CONDITION, TAINT_KEY, BackendError, Kubernetes
+from gpufleet.detector.remediate.backends import CONDITION, TAINT_KEY, BackendError, Kubernetes
 
 TOKEN = "s3cr3t-service-account-token"
 

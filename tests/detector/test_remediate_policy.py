@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from gpufleet.detector.remediate import RemediationConfigError, parse_config
-from gpufleet.detector.remediate_feed import read_metrics
-from gpufleet.detector.remediate_policy import Incident, NodeState, Rails, View, fence, resume
+from gpufleet.detector.remediate.feed import read_metrics
+from gpufleet.detector.remediate.policy import Incident, NodeState, Rails, View, fence, resume
+from gpufleet.detector.remediate.service import RemediationConfigError, parse_config
 
 NOW = 1_800_000_000.0
 PAGE = {"alertname": "GpufleetStragglerFound", "incident": "inc1", "node": "node-001", "route": "hardware"}
@@ -162,7 +162,7 @@ def test_the_documented_config_parses_to_the_documented_defaults() -> None:
 def test_remediate_is_off_by_default(tmp_path: object, caplog: pytest.LogCaptureFixture) -> None:
     from pathlib import Path
 
-    from gpufleet.detector import cli
+    from gpufleet.detector.service import cli
 
     cfg = Path(str(tmp_path)) / "r.toml"
     cfg.write_text("[remediation]\nbackend = \"slurm\"\n")

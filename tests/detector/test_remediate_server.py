@@ -13,11 +13,11 @@ import bcrypt
 import pytest
 import requests
 
-from gpufleet.agent.serving.webconfig import parse_web_config
-from gpufleet.detector.remediate import RemediationConfig, Remediator
-from gpufleet.detector.remediate_backends import Slurm
-from gpufleet.detector.remediate_policy import NodeState, Rails
-from gpufleet.detector.remediate_server import make_server
+from gpufleet.detector.remediate.backends import Slurm
+from gpufleet.detector.remediate.policy import NodeState, Rails
+from gpufleet.detector.remediate.server import make_server
+from gpufleet.detector.remediate.service import RemediationConfig, Remediator
+from gpufleet.serving.webconfig import parse_web_config
 
 PAYLOAD: dict[str, Any] = {"version": "4", "status": "firing", "receiver": "remediate", "groupKey": "{}:{incident=\"inc1\"}",
            "alerts": [{"status": "firing", "labels": {"alertname": "GpufleetStragglerFound", "incident": "inc1",

@@ -20,16 +20,17 @@ from prometheus_client.core import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from test_detector_core import T0, Fault, Synth, fast_cfg, synth
 
-from gpufleet.agent.serving.webconfig import load_web_config
-from gpufleet.detector import remote_write_config, shard_source
 from gpufleet.detector.config import DetectorConfig, parse
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.profiles import Query, queries
-from gpufleet.detector.remote_write_proto import WireError, WriteRequest, decode, encode, uncompressed_length
-from gpufleet.detector.remote_write_server import RemoteWriteReceiver
-from gpufleet.detector.source import Result
-from gpufleet.detector.source_recording import RecordingSource
-from gpufleet.detector.source_remote_write import StreamingSource, StreamStore
+from gpufleet.detector.receiver import prometheus_config as remote_write_config
+from gpufleet.detector.receiver.proto import WireError, WriteRequest, decode, encode, uncompressed_length
+from gpufleet.detector.receiver.server import RemoteWriteReceiver
+from gpufleet.detector.sharding import shard_source
+from gpufleet.detector.sources.profiles import Query, queries
+from gpufleet.detector.sources.recording import RecordingSource
+from gpufleet.detector.sources.remote_write import StreamingSource, StreamStore
+from gpufleet.detector.sources.source import Result
+from gpufleet.serving.webconfig import load_web_config
 
 HEADERS = {"Content-Type": "application/x-protobuf", "Content-Encoding": "snappy",
            "X-Prometheus-Remote-Write-Version": "0.1.0"}

@@ -30,15 +30,15 @@ import yaml
 from support import free_port, need_binary, running, wait_http
 from test_detector_core import STEP, T0, Fault, Synth, fast_cfg, synth
 
-from gpufleet.agent.serving.webconfig import load_web_config
-from gpufleet.detector import remote_write_config
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.profiles import queries
-from gpufleet.detector.remote_write_server import RemoteWriteReceiver
-from gpufleet.detector.source import Source
-from gpufleet.detector.source_prometheus import PrometheusSource
-from gpufleet.detector.source_remote_write import StreamStore
+from gpufleet.detector.receiver import prometheus_config as remote_write_config
+from gpufleet.detector.receiver.server import RemoteWriteReceiver
+from gpufleet.detector.sources.profiles import queries
+from gpufleet.detector.sources.prometheus import PrometheusSource
+from gpufleet.detector.sources.remote_write import StreamStore
+from gpufleet.detector.sources.source import Source
+from gpufleet.serving.webconfig import load_web_config
 
 pytestmark = pytest.mark.slow
 
@@ -281,7 +281,7 @@ def test_serve_warms_up_from_the_query_api_then_reads_the_stream(tmp_path: Path)
     cfg.write_text(f'[detector]\ninterval_seconds = 0.5\nwindow_seconds = 3\nlisten = "127.0.0.1:{port}"\n'
                    f'remote_write_listen = "127.0.0.1:{rw_port}"\n'
                    f'[prometheus]\nurl = "http://127.0.0.1:{prom_port}"\n')
-    printed = subprocess.run([sys.executable, "-m", "gpufleet.detector.cli", "remote-write-config", "--config",
+    printed = subprocess.run([sys.executable, "-m", "gpufleet.detector.service.cli", "remote-write-config", "--config",
                               str(cfg)], check=True, capture_output=True, text=True, timeout=60).stdout
     rw = yaml.safe_load(printed)["remote_write"]
     assert rw[0]["url"] == f"http://127.0.0.1:{rw_port}/api/v1/write"
@@ -292,7 +292,7 @@ def test_serve_warms_up_from_the_query_api_then_reads_the_stream(tmp_path: Path)
              "scrape_configs": [{"job_name": "fleet", "static_configs": [{"targets": [f"127.0.0.1:{live.port}"]}]}]}))
         prom = [need_binary("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
                 f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{prom_port}"]
-        serve = [sys.executable, "-m", "gpufleet.detector.cli", "serve", "--config", str(cfg)]
+        serve = [sys.executable, "-m", "gpufleet.detector.service.cli", "serve", "--config", str(cfg)]
         with running(prom, log=tmp_path / "prometheus.log"), running(serve, log=tmp_path / "serve.log") as proc:
             wait_http(f"http://127.0.0.1:{port}/metrics", timeout=30)
             text = ""

@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 from test_detector_core import Fault, Synth, synth
 
-from gpufleet.detector import recording_fast, recording_split, recording_strict, robust
-from gpufleet.detector import source_recording as sr
 from gpufleet.detector.config import DetectorConfig, parse
-from gpufleet.detector.findings import Finding
-from gpufleet.detector.profiles import queries, sample_names
-from gpufleet.detector.replay import replay
+from gpufleet.detector.incidents.tracker import Finding
+from gpufleet.detector.rules import robust
+from gpufleet.detector.service.replay import replay
+from gpufleet.detector.sources import recording as sr
+from gpufleet.detector.sources import recording_fast, recording_split, recording_strict
+from gpufleet.detector.sources.profiles import queries, sample_names
 
 
 def _cfg() -> DetectorConfig:
@@ -199,9 +200,9 @@ def test_a_daemonic_process_reads_the_file_itself(recording: Path) -> None:
 def test_peer_groups_follow_the_frames_jobs_when_they_change_in_place() -> None:
     """The peer groups' job/model codes are reused while the frame's jobs, namespaces and models are the same;
     a list changed in place (a job ends, a pod moves namespace) gives new groups."""
-    from gpufleet.detector import memo
-    from gpufleet.detector.features import GpuFrame
-    from gpufleet.detector.straggler import StragglerParams, _groups
+    from gpufleet.detector.core import memo
+    from gpufleet.detector.frame.features import GpuFrame
+    from gpufleet.detector.rules.straggler import StragglerParams, _groups
 
     n = 12
     jobs: list[str | None] = [*(["a"] * 6), *(["b"] * 6)]

@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 from test_detector_core import T0, Fault, Synth, fast_cfg, synth
 
-from gpufleet.detector import shard, shard_map, shard_source
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.findings import Finding
-from gpufleet.detector.profiles import Query, queries
-from gpufleet.detector.source import Result, SeriesTable, SourceError
-from gpufleet.detector.source_prometheus import PrometheusSource
-from gpufleet.detector.source_recording import RecordingSource
+from gpufleet.detector.incidents.tracker import Finding
+from gpufleet.detector.sharding import job_map as shard_map
+from gpufleet.detector.sharding import shard, shard_source
+from gpufleet.detector.sources.profiles import Query, queries
+from gpufleet.detector.sources.prometheus import PrometheusSource
+from gpufleet.detector.sources.recording import RecordingSource
+from gpufleet.detector.sources.source import Result, SeriesTable, SourceError
 
 TIMES = [T0 + 607.5 + 60.0 * i for i in range(8)]
 FAULTS = [Fault("clock", 1, 2, 540.0), Fault("thermal", 2, 5, 540.0), Fault("link", 6, 1, 540.0)]
@@ -190,7 +191,7 @@ def test_jobless_gpus_and_sites_belong_to_shard_0() -> None:
 def test_shards_on_a_simulated_dcgm_fleet_read_every_exporter(tmp_path: Path) -> None:
     """dcgm-exporter (:9400), node_exporter (:9100) and ipmi_exporter (:9290) name one node three ways: the job map
     finds each exporter's instance, so every shard reads its nodes' GPU, NIC and node series from all three."""
-    from gpufleet.agent.sim.cli import main as sim_main
+    from gpufleet.sim.cli import main as sim_main
 
     assert sim_main(["generate", "--scenario", "ib_link_degraded", "--out", str(tmp_path), "--profile", "dcgm",
                      "--hours", "0.75", "--quiet"]) == 0
@@ -221,7 +222,7 @@ def test_shards_on_a_simulated_dcgm_fleet_read_every_exporter(tmp_path: Path) ->
 
 
 def test_report_of_a_shard_plots_from_the_recording(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from gpufleet.detector.cli import main as cli_main
+    from gpufleet.detector.service.cli import main as cli_main
 
     rec = synth(tmp_path / "r.om", Synth(faults=[Fault("clock", 1, 3, 600.0)], seconds=1200.0))
     cfg = tmp_path / "d.toml"
@@ -259,7 +260,7 @@ def test_shards_without_the_metadata_endpoints_query_instead(source: RecordingSo
 
 
 def test_fleet_parts_are_read_by_every_shard_unrestricted() -> None:
-    from gpufleet.detector.profiles import DCGM_FABRIC, FABRIC
+    from gpufleet.detector.sources.profiles import DCGM_FABRIC, FABRIC
 
     # NVL72 fabric series: a rack's NVLink domain spans trays of any job (its findings go by node hash)
     assert all(shard_source.scope(q) == "fleet" for q in FABRIC + DCGM_FABRIC)
@@ -367,7 +368,7 @@ def test_a_kept_job_map_follows_jobs_that_start_end_and_move_at_the_next_evaluat
 
 
 def test_folded_queries_answer_each_query_exactly_what_it_alone_answers(source: RecordingSource) -> None:
-    from gpufleet.detector import shard_fold
+    from gpufleet.detector.sharding import fold as shard_fold
 
     qs = [q for q in queries("gpufleet") if shard_source.scope(q) == "nodes"]
     sent, into = shard_fold.fold(qs)

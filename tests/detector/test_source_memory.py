@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from gpufleet.detector.profiles import Query
-from gpufleet.detector.source import Source
-from gpufleet.detector.source_memory import MemorySource
-from gpufleet.detector.source_recording import RecordingSource, Series
+from gpufleet.detector.sources.memory import MemorySource
+from gpufleet.detector.sources.profiles import Query
+from gpufleet.detector.sources.recording import RecordingSource, Series
+from gpufleet.detector.sources.source import Source
 
 TARGET = {"instance": "node-001:9445", "job": "gpufleet-agent", "site": "site-a"}
 POWER = Query("power", "gpufleet_gpu_power_watts", "avg")

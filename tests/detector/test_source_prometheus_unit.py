@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import requests
 
-from gpufleet.detector.profiles import Query
-from gpufleet.detector.source import SourceError
-from gpufleet.detector.source_prometheus import PrometheusSource
+from gpufleet.detector.sources.profiles import Query
+from gpufleet.detector.sources.prometheus import PrometheusSource
+from gpufleet.detector.sources.source import SourceError
 
 Q = Query("power", "gpufleet_gpu_power_watts", "avg", scale=2.0)
 

@@ -11,9 +11,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_detector_core import Fault, Synth, synth
 
-from gpufleet.detector import recording_fast, recording_strict
-from gpufleet.detector import source_recording as sr
-from gpufleet.detector.profiles import sample_names
+from gpufleet.detector.sources import recording as sr
+from gpufleet.detector.sources import recording_fast, recording_strict
+from gpufleet.detector.sources.profiles import sample_names
 
 
 def strict(path: Path, wanted: set[str] | None) -> sr.RawSeries:

@@ -6,9 +6,9 @@ from collections import Counter
 
 import numpy as np
 
-from gpufleet.detector import kinds
-from gpufleet.detector.candidate import Candidate
-from gpufleet.detector.findings import Finding, Key, Tracker
+from gpufleet.detector.core import kinds
+from gpufleet.detector.core.candidate import Candidate
+from gpufleet.detector.incidents.tracker import Finding, Key, Tracker
 
 
 class _Scanning(Tracker):

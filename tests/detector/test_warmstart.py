@@ -16,19 +16,19 @@ from pathlib import Path
 import pytest
 from support import backfilled_prometheus
 
-from gpufleet.agent.sim.quality import _config
-from gpufleet.agent.sim.recording import record
-from gpufleet.agent.sim.scenario import parse_scenario
-from gpufleet.agent.sim.simulator import Simulator
-from gpufleet.detector import cli, warmstart
 from gpufleet.detector.config import parse
-from gpufleet.detector.findings import Finding
-from gpufleet.detector.identity import incident_id
-from gpufleet.detector.profiles import sample_names
-from gpufleet.detector.replay import replay
-from gpufleet.detector.source_prometheus import PrometheusSource
-from gpufleet.detector.source_range import RangeSource
-from gpufleet.detector.source_recording import RecordingSource
+from gpufleet.detector.core.identity import incident_id
+from gpufleet.detector.incidents.tracker import Finding
+from gpufleet.detector.service import cli, warmstart
+from gpufleet.detector.service.replay import replay
+from gpufleet.detector.sources.profiles import sample_names
+from gpufleet.detector.sources.prometheus import PrometheusSource
+from gpufleet.detector.sources.prometheus_range import RangeSource
+from gpufleet.detector.sources.recording import RecordingSource
+from gpufleet.sim.quality import _config
+from gpufleet.sim.recording import record
+from gpufleet.sim.scenario import parse_scenario
+from gpufleet.sim.simulator import Simulator
 
 START = 1_750_000_000.0
 MIN = 60.0
@@ -218,12 +218,12 @@ def test_a_restart_against_a_real_prometheus_rebuilds_what_the_recording_does(fl
 
 
 def test_ready_answers_503_until_the_state_is_rebuilt_and_health_stays_ok() -> None:
-    from gpufleet.agent.serving.http import Request
-    from gpufleet.agent.serving.responder import Responder
-    from gpufleet.agent.serving.webconfig import WebConfig
     from gpufleet.detector.engine import Detector
-    from gpufleet.detector.exporter import Exposer, Health, registry_for
-    from gpufleet.detector.source_memory import MemorySource
+    from gpufleet.detector.outputs.exporter import Exposer, Health, registry_for
+    from gpufleet.detector.sources.memory import MemorySource
+    from gpufleet.serving.http import Request
+    from gpufleet.serving.responder import Responder
+    from gpufleet.serving.webconfig import WebConfig
 
     health = Health()
     health.not_ready = "rebuilding its state from Prometheus"

@@ -1,4 +1,4 @@
-"""Slowness the workload causes goes to the job's owner, once per job and pattern (detector/workload.py, issue 19).
+"""Slowness the workload causes goes to the job's owner, once per job and pattern (detector/rules/workload.py, issue 19).
 
 A dcgm-exporter fleet scraped at staggered offsets: one synchronous job on 6 nodes x 8 GPUs. Its busier ranks do
 more work per step at full clocks (higher tensor activity and power, no reason, no error) while the others wait.
@@ -12,8 +12,8 @@ import numpy as np
 
 from gpufleet.detector.config import parse
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.findings import Finding
-from gpufleet.detector.source_memory import MemorySource
+from gpufleet.detector.incidents.tracker import Finding
+from gpufleet.detector.sources.memory import MemorySource
 
 T0 = 1_800_000_000.0
 SCRAPE = 30.0
@@ -100,8 +100,8 @@ def test_a_clock_stuck_gpu_in_the_busier_stage_is_still_paged_with_its_cause() -
 
 def _router_patterns(spans: dict[str, tuple[float, float]], until: float) -> set[str]:
     """WorkloadRouter alone: node -> (from, to) seconds of the job's start in which the node holds a busier spot."""
-    from gpufleet.detector.candidate import Candidate
-    from gpufleet.detector.workload import WorkloadRouter
+    from gpufleet.detector.core.candidate import Candidate
+    from gpufleet.detector.rules.workload import WorkloadRouter
 
     router, patterns = WorkloadRouter(120.0), set()
     for k in range(int(until // 15)):

@@ -81,7 +81,7 @@ def families(text: str, names: set[str] | None = None) -> dict[str, Family]:
 
 
 def compared_names() -> set[str]:
-    from gpufleet.agent.vocab import catalog
+    from gpufleet.vocab import catalog
 
     names = {s.name for g in GROUPS for s in catalog.by_group(g)} | set(EXTRA)
     return names | {n.removesuffix("_total") for n in names}  # the parser names counters without _total
@@ -231,7 +231,7 @@ def probe_cpu(spec: str, scrapes: int) -> dict[str, float]:
     """Median per-scrape CPU (ms) of the agent with all its collectors (the fake's own CPU counted apart)."""
     from gpufleet.agent.app import Agent
     from gpufleet.agent.config import AgentConfig
-    from gpufleet.agent.fake.library import FakeNvml
+    from gpufleet.sim.fake.library import FakeNvml
 
     cfg = AgentConfig(nvml_fake=spec)
     cfg.collectors["pods"] = False

@@ -18,7 +18,7 @@ from typing import Any
 
 import pynvml
 
-from gpufleet.agent.vocab import nvml as nv
+from gpufleet.vocab import nvml as nv
 
 ENERGY_FIELD = 83  # NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION
 PCIE_REPLAY_FIELD = 94  # NVML_FI_DEV_PCIE_REPLAY_COUNTER

@@ -17,15 +17,15 @@ from support import FIXTURES, parse
 
 from gpufleet.agent.app import Agent
 from gpufleet.agent.config import AgentConfig
-from gpufleet.agent.fake import smi_state
-from gpufleet.agent.fake.library import FakeNvml
-from gpufleet.agent.fake.smi_xml import load_smi_xml, parse_smi_xml
-from gpufleet.agent.fake.spec import fake_backend
 from gpufleet.agent.nvml import hardware
 from gpufleet.agent.nvml.reader import read_gpu
 from gpufleet.agent.nvml.trace import read_trace
 from gpufleet.agent.recorder import record_main
-from gpufleet.agent.vocab import nvml as nv
+from gpufleet.sim.fake import smi_state
+from gpufleet.sim.fake.library import FakeNvml
+from gpufleet.sim.fake.smi_xml import load_smi_xml, parse_smi_xml
+from gpufleet.sim.fake.spec import fake_backend
+from gpufleet.vocab import nvml as nv
 
 RESULTS = Path(__file__).parent / "results" / "h200-gvisor-580"
 XML = RESULTS / "nvidia-smi.xml"

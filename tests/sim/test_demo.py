@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from support import BIN
 
-from gpufleet.agent.sim import demo, live
-from gpufleet.agent.sim.live import LiveFleet, LiveFleetError
+from gpufleet.sim import demo, live
+from gpufleet.sim.live import LiveFleet, LiveFleetError
 
 
 def _fault(scenario: object) -> tuple[str | None, int | None]:

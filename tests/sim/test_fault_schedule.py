@@ -8,10 +8,10 @@ import sys
 
 import numpy as np
 
-from gpufleet.agent.sim.faults import Fault, FaultSchedule, HbmEcc
-from gpufleet.agent.sim.physics import Physics
-from gpufleet.agent.sim.scenario import load_scenario, parse_scenario
-from gpufleet.agent.sim.simulator import Simulator
+from gpufleet.sim.faults import Fault, FaultSchedule, HbmEcc
+from gpufleet.sim.physics import Physics
+from gpufleet.sim.scenario import load_scenario, parse_scenario
+from gpufleet.sim.simulator import Simulator
 
 
 @dataclasses.dataclass
@@ -69,12 +69,12 @@ def test_the_physics_steps_without_the_fault_model() -> None:
     code = """
 import sys
 import numpy as np
-from gpufleet.agent.sim.fleet import GPU_MODELS, Fleet, Node, Site
-from gpufleet.agent.sim.physics import Physics
+from gpufleet.sim.fleet import GPU_MODELS, Fleet, Node, Site
+from gpufleet.sim.physics import Physics
 p = Physics(Fleet([Site("site-a")], [Node("node-000", 0, next(iter(GPU_MODELS.values())), 8)]),
             np.random.default_rng(0), 0.0)
 p.step(1.0)
-sys.exit(3 if "gpufleet.agent.sim.faults" in sys.modules else 0)
+sys.exit(3 if "gpufleet.sim.faults" in sys.modules else 0)
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

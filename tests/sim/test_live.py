@@ -22,8 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from support import BIN, free_port, need_binary
 
 from gpufleet.agent.nvml.model import Snapshot
-from gpufleet.agent.sim.live import LiveFleet, LiveFleetError
-from gpufleet.agent.sim.simulator import Simulator
+from gpufleet.sim.live import LiveFleet, LiveFleetError
+from gpufleet.sim.simulator import Simulator
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -373,7 +373,7 @@ def test_bad_flags_are_clear_errors(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", port))
         s.listen()
         r = subprocess.run(
-            [sys.executable, "-m", "gpufleet.agent.sim.demo", "serve", "--scenario", "healthy", "--nodes", "1", "--base-port", str(port),
+            [sys.executable, "-m", "gpufleet.sim.demo", "serve", "--scenario", "healthy", "--nodes", "1", "--base-port", str(port),
              "--duration", "1"],
             capture_output=True, text=True, timeout=30,
         )
@@ -403,9 +403,9 @@ gpufleet_gpu_job_info{gpu="2",job_id="j1"} 1
 
 
 def test_demo_view_of_an_exposition() -> None:
-    from gpufleet.agent.sim.demo_detector import lagging_gpus
-    from gpufleet.agent.sim.demo_scrape import parse_node
-    from gpufleet.agent.sim.demo_view import log_lines
+    from gpufleet.sim.demo_detector import lagging_gpus
+    from gpufleet.sim.demo_scrape import parse_node
+    from gpufleet.sim.demo_view import log_lines
 
     view = parse_node("node-007", "http://127.0.0.1:1/metrics", EXPOSITION)
     assert list(view.gpus) == ["0", "1", "2"]

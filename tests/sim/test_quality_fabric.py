@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpufleet.agent.sim.quality import Run
-from gpufleet.agent.sim.quality_fabric import compare, markdown, summarize
 from gpufleet.detector import engine
+from gpufleet.sim.quality import Run
+from gpufleet.sim.quality_fabric import compare, markdown, summarize
 
 
 def test_pause_storm_is_found_only_with_the_new_evidence(tmp_path: Path) -> None:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.agent.sim.quality import Run
-from gpufleet.agent.sim.quality_remediation import score, simulate
-from gpufleet.detector.remediate_policy import Rails
+from gpufleet.detector.remediate.policy import Rails
+from gpufleet.sim.quality import Run
+from gpufleet.sim.quality_remediation import score, simulate
 
 pytestmark = pytest.mark.slow
 

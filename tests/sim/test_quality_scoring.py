@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpufleet.agent.sim.quality import Run, score_run, summarize
-from gpufleet.detector.findings import Finding
+from gpufleet.detector.incidents.tracker import Finding
+from gpufleet.sim.quality import Run, score_run, summarize
 
 T0 = 1_782_864_000.0
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from gpufleet.agent.sim import quality_workload as qw
-from gpufleet.agent.sim.quality import Run
-from gpufleet.detector.findings import Finding
+from gpufleet.detector.incidents.tracker import Finding
+from gpufleet.sim import quality_workload as qw
+from gpufleet.sim.quality import Run
 
 T0 = 1.75e9
 

@@ -7,8 +7,8 @@ import tomllib
 import numpy as np
 import pytest
 
-from gpufleet.agent.sim.scenario import ScenarioError, builtin_text, load_scenario, parse_scenario
-from gpufleet.agent.sim.simulator import Simulator
+from gpufleet.sim.scenario import ScenarioError, builtin_text, load_scenario, parse_scenario
+from gpufleet.sim.simulator import Simulator
 
 START = 1_750_000_000.0
 

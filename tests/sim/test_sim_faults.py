@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from gpufleet.agent.sim.faults import FAULTS
-from gpufleet.agent.sim.recording import record
-from gpufleet.agent.sim.scenario import builtin_text, parse_scenario
-from gpufleet.agent.sim.simulator import Simulator
+from gpufleet.sim.faults import FAULTS
+from gpufleet.sim.recording import record
+from gpufleet.sim.scenario import builtin_text, parse_scenario
+from gpufleet.sim.simulator import Simulator
 
 START = 1_750_000_000.0
 STEP = 30.0

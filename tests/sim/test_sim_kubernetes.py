@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpufleet.agent.sim import kubernetes, quality_kubernetes
-from gpufleet.agent.sim.quality import START, Run
-from gpufleet.agent.sim.scenario import parse_time
-from gpufleet.detector.profiles import PROFILES, Query
-from gpufleet.detector.source_recording import RecordingSource
+from gpufleet.detector.sources.profiles import PROFILES, Query
+from gpufleet.detector.sources.recording import RecordingSource
+from gpufleet.sim import kubernetes, quality_kubernetes
+from gpufleet.sim.quality import START, Run
+from gpufleet.sim.scenario import parse_time
 
 SERIES = re.compile(r'^(\w+)\{([^}]*)\} (\S+) (\S+)$')
 

@@ -10,11 +10,11 @@ from support import scrape
 
 from gpufleet.agent.collectors.mig import MigCollector
 from gpufleet.agent.collectors.usage import GpuUsage
-from gpufleet.agent.fake.library import FakeNvml
-from gpufleet.agent.fake.live_source import LiveSource
 from gpufleet.agent.nvml.backend import NvmlBackend
 from gpufleet.agent.nvml.model import write_snapshot
-from gpufleet.agent.sim.simulator import Simulator
+from gpufleet.sim.fake.library import FakeNvml
+from gpufleet.sim.fake.live_source import LiveSource
+from gpufleet.sim.simulator import Simulator
 
 LAYOUT = "3g.40gb+2g.20gb+1g.10gb*2"
 

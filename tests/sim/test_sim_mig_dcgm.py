@@ -17,18 +17,18 @@ import pytest
 from support import backfilled_prometheus
 from test_sim_mig_replay import FAULT, SCENARIO
 
-from gpufleet.agent.sim.recording import record
-from gpufleet.agent.sim.scenario import parse_scenario
-from gpufleet.agent.sim.simulator import Simulator
-from gpufleet.agent.vocab import exporters
 from gpufleet.detector.config import parse
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.features import NodeNaming, collect
-from gpufleet.detector.findings import Finding
-from gpufleet.detector.profiles import DCGM_MIG, queries, sample_names
-from gpufleet.detector.replay import replay
-from gpufleet.detector.source_prometheus import PrometheusSource
-from gpufleet.detector.source_recording import RecordingSource
+from gpufleet.detector.frame.features import NodeNaming, collect
+from gpufleet.detector.incidents.tracker import Finding
+from gpufleet.detector.service.replay import replay
+from gpufleet.detector.sources.profiles import DCGM_MIG, queries, sample_names
+from gpufleet.detector.sources.prometheus import PrometheusSource
+from gpufleet.detector.sources.recording import RecordingSource
+from gpufleet.sim.recording import record
+from gpufleet.sim.scenario import parse_scenario
+from gpufleet.sim.simulator import Simulator
+from gpufleet.vocab import exporters
 
 DCGM_CFG = {"detector": {"profile": "dcgm"}}
 Run = tuple[dict[str, Any], dict[str, list[Finding]], dict[str, Path]]

@@ -14,16 +14,16 @@ from typing import Any
 import pytest
 from support import backfilled_prometheus
 
-from gpufleet.agent.sim.recording import record
-from gpufleet.agent.sim.scenario import ScenarioError, parse_scenario
-from gpufleet.agent.sim.simulator import Simulator
 from gpufleet.detector.config import parse
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.findings import Finding
-from gpufleet.detector.profiles import MIG, sample_names
-from gpufleet.detector.replay import replay
-from gpufleet.detector.source_prometheus import PrometheusSource
-from gpufleet.detector.source_recording import RecordingSource
+from gpufleet.detector.incidents.tracker import Finding
+from gpufleet.detector.service.replay import replay
+from gpufleet.detector.sources.profiles import MIG, sample_names
+from gpufleet.detector.sources.prometheus import PrometheusSource
+from gpufleet.detector.sources.recording import RecordingSource
+from gpufleet.sim.recording import record
+from gpufleet.sim.scenario import ScenarioError, parse_scenario
+from gpufleet.sim.simulator import Simulator
 
 SCENARIO = """
 name = "mig-slices"

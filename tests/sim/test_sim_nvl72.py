@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.agent.sim.recording import record
-from gpufleet.agent.sim.scenario import builtin_text, parse_scenario
-from gpufleet.agent.sim.simulator import Simulator
 from gpufleet.detector.config import parse
-from gpufleet.detector.findings import Finding
-from gpufleet.detector.replay import replay
+from gpufleet.detector.incidents.tracker import Finding
+from gpufleet.detector.service.replay import replay
+from gpufleet.sim.recording import record
+from gpufleet.sim.scenario import builtin_text, parse_scenario
+from gpufleet.sim.simulator import Simulator
 
 START = 1_750_000_000.0
 STEP = 15.0
@@ -85,8 +85,8 @@ def test_live_agents_of_a_rack_serve_its_fabric(tmp_path: Path) -> None:
     from support import key, scrape
 
     from gpufleet.agent.collectors.fabric import FabricCollector
-    from gpufleet.agent.fake.spec import fake_backend
     from gpufleet.agent.nvml.model import write_snapshot
+    from gpufleet.sim.fake.spec import fake_backend
 
     data = tomllib.loads(builtin_text("nvswitch_tray_failure"))
     data["faults"][0]["onset"] = 30

@@ -1,4 +1,4 @@
-"""Physics invariants of the fleet simulator (gpufleet.agent.sim)."""
+"""Physics invariants of the fleet simulator (gpufleet.sim)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from gpufleet.agent.nvml.model import Snapshot
-from gpufleet.agent.sim.recording import Frames, run
-from gpufleet.agent.sim.scenario import Scenario, builtin_text, parse_scenario
-from gpufleet.agent.sim.simulator import Simulator
-from gpufleet.agent.vocab.nvml import CLOCK_EVENT_BITS
+from gpufleet.sim.recording import Frames, run
+from gpufleet.sim.scenario import Scenario, builtin_text, parse_scenario
+from gpufleet.sim.simulator import Simulator
+from gpufleet.vocab.nvml import CLOCK_EVENT_BITS
 
 START = 1_750_000_000.0
 

@@ -17,11 +17,11 @@ import pytest
 from support import REPO, need_binary
 from test_sim_faults import START, parse
 
-from gpufleet.agent.sim.quality import _config
-from gpufleet.agent.sim.recording import record
-from gpufleet.agent.sim.scenario import ScenarioError, builtin_text, parse_scenario
-from gpufleet.agent.sim.simulator import Simulator
-from gpufleet.detector.replay import replay
+from gpufleet.detector.service.replay import replay
+from gpufleet.sim.quality import _config
+from gpufleet.sim.recording import record
+from gpufleet.sim.scenario import ScenarioError, builtin_text, parse_scenario
+from gpufleet.sim.simulator import Simulator
 
 STEP = 15.0
 ONSET = 1800.0

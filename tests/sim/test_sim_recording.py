@@ -14,9 +14,9 @@ import pytest
 from support import need_binary
 
 from gpufleet.agent.nvml.model import Snapshot
-from gpufleet.agent.sim import cli
-from gpufleet.agent.sim.recording import RecordingResult, record
-from gpufleet.agent.sim.scenario import (
+from gpufleet.sim import cli
+from gpufleet.sim.recording import RecordingResult, record
+from gpufleet.sim.scenario import (
     Scenario,
     ScenarioError,
     builtin_names,
@@ -24,7 +24,7 @@ from gpufleet.agent.sim.scenario import (
     load_scenario,
     parse_scenario,
 )
-from gpufleet.agent.sim.simulator import Simulator
+from gpufleet.sim.simulator import Simulator
 
 START = 1_750_000_000.0
 
@@ -150,7 +150,7 @@ def test_cli_generate_and_errors(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('[[sites]]\nnodes = 2\n[[faults]]\nkind = "power_cap"\nnode = "node-000"\nseverity = "huge"\n')
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "gpufleet.agent.sim.cli", "generate", "--scenario", str(bad),
+    proc = subprocess.run([sys.executable, "-m", "gpufleet.sim.cli", "generate", "--scenario", str(bad),
                            "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2 and "severity" in proc.stderr and "Traceback" not in proc.stderr
     good = tmp_path / "good.toml"

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from test_sim_faults import Series, one, parse
 
-from gpufleet.agent.sim.recording import record
-from gpufleet.agent.sim.scenario import ScenarioError, parse_scenario
-from gpufleet.agent.sim.simulator import Simulator
+from gpufleet.sim.recording import record
+from gpufleet.sim.scenario import ScenarioError, parse_scenario
+from gpufleet.sim.simulator import Simulator
 
 START = 1_750_000_000.0
 STEP = 15.0
@@ -199,7 +199,7 @@ def test_bad_restart_component_is_an_error() -> None:
 
 
 def test_cli_generate_scrape_option(tmp_path: Path) -> None:
-    from gpufleet.agent.sim import cli
+    from gpufleet.sim import cli
 
     toml = tmp_path / "s.toml"
     toml.write_text('name = "s"\nduration = "5m"\nstep = 15\n[[sites]]\nname = "site-a"\nnodes = 2\ngpus_per_node = 1\n'
@@ -215,8 +215,8 @@ def test_cli_generate_scrape_option(tmp_path: Path) -> None:
 
 
 def test_every_builtin_scenario_and_the_harnesses_scrape_as_prometheus_by_default() -> None:
-    from gpufleet.agent.sim import kubernetes, quality
-    from gpufleet.agent.sim.scenario import builtin_names, load_scenario
+    from gpufleet.sim import kubernetes, quality
+    from gpufleet.sim.scenario import builtin_names, load_scenario
 
     for name in builtin_names():
         sc = load_scenario(name)
@@ -229,7 +229,7 @@ class _TwoTargets:
     """A timing of two targets ("a:1" at +1.5 s with its second scrape failed, "b:2" at +7.25 s)."""
 
     def __init__(self, times: np.ndarray) -> None:
-        from gpufleet.agent.sim.recording.scrape import _ms_text
+        from gpufleet.sim.recording.scrape import _ms_text
 
         stamps = [np.round((times + off) * 1000).astype(np.int64) for off in (1.5, 7.25)]
         self.ts = np.stack([_ms_text(s) for s in stamps])
@@ -248,7 +248,7 @@ def test_the_writer_stamps_each_series_with_its_targets_scrapes(values: list[lis
     """Both of the writer's paths (the fast one; negative values take the general one)."""
     import io
 
-    from gpufleet.agent.sim.recording.openmetrics import OmWriter, prefix
+    from gpufleet.sim.recording.openmetrics import OmWriter, prefix
 
     times = START + STEP * np.arange(1, 4)
     out = io.BytesIO()

@@ -1,4 +1,4 @@
-"""The simulated jobs as Slurm runs them (agent/sim/slurm.py), without agents: the processes a node's snapshot
+"""The simulated jobs as Slurm runs them (sim/slurm.py), without agents: the processes a node's snapshot
 lists, their /proc/PID/cgroup files as the agent parses them, and snapshots with and without processes through
 the fake NVML. (The live fleet with real agents: tests/sim/test_live.py.)"""
 
@@ -12,12 +12,12 @@ import pytest
 
 from gpufleet.agent.cgroups import K8S_POD, SLURM_JOB, Owner, parse_cgroup, slurm_job_exists
 from gpufleet.agent.collectors.pressure import read_pressure
-from gpufleet.agent.fake.library import FakeNvml
-from gpufleet.agent.fake.live_source import LiveSource
 from gpufleet.agent.nvml.model import Snapshot
-from gpufleet.agent.sim.live import make_simulator
-from gpufleet.agent.sim.simulator import Simulator
-from gpufleet.agent.sim.slurm import SlurmNodes, pod_uid, slurm_job_ids
+from gpufleet.sim.fake.library import FakeNvml
+from gpufleet.sim.fake.live_source import LiveSource
+from gpufleet.sim.live import make_simulator
+from gpufleet.sim.simulator import Simulator
+from gpufleet.sim.slurm import SlurmNodes, pod_uid, slurm_job_ids
 
 SCENARIO = """
 name = "slurm"

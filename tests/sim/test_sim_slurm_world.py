@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gpufleet.agent.sim import quality, quality_slurm, slurm_world
-from gpufleet.agent.sim.simulator import Simulator
-from gpufleet.agent.vocab.nvml import CLOCK_EVENT_BITS
+from gpufleet.sim import quality, quality_slurm, slurm_world
+from gpufleet.sim.simulator import Simulator
+from gpufleet.vocab.nvml import CLOCK_EVENT_BITS
 
 START = 1_782_864_000.0  # 2026-07-01T00:00:00Z
 STEP = 15.0
@@ -301,7 +301,7 @@ def test_the_world_records_from_the_command_line(tmp_path: Path, capsys: pytest.
 
 
 def test_job_status_and_processes_follow_the_requeued_instance() -> None:
-    from gpufleet.agent.sim.slurm import SlurmNodes
+    from gpufleet.sim.slurm import SlurmNodes
 
     sim = slurm_world.simulator(seed=1, step=60.0, start=START)
     for _ in range(25):  # 25 minutes: 40004 requeued on node-009 and node-011

@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gpufleet.agent.sim.scenario import ScenarioError, load_scenario, parse_scenario
-from gpufleet.agent.sim.simulator import Simulator
-from gpufleet.agent.vocab.nvml import CLOCK_EVENT_BITS
+from gpufleet.sim.scenario import ScenarioError, load_scenario, parse_scenario
+from gpufleet.sim.simulator import Simulator
+from gpufleet.vocab.nvml import CLOCK_EVENT_BITS
 
 
 def _doc(*workloads: dict[str, Any], nodes: int = 4, faults: tuple[dict[str, Any], ...] = ()) -> dict[str, Any]:

@@ -19,8 +19,8 @@ import requests
 import yaml
 from support import REPO, free_port, need_binary, running, wait_http
 
-from gpufleet.agent.vocab.catalog import BY_NAME
 from gpufleet.dashboards.panels import UIDS
+from gpufleet.vocab.catalog import BY_NAME
 
 ALERTS = REPO / "alerts"
 RULES = ALERTS / "gpufleet.rules.yml"
@@ -172,7 +172,7 @@ def test_metric_names_in_rules_exist() -> None:
         for name in re.findall(r"\b([a-z_][a-z0-9_]*:[a-z0-9_:]+)\b", expr):
             assert name in recorded, f"{name} is not a recording rule"
         for name in re.findall(r"(?<![:\w])gpufleet_[a-z0-9_]+(?![:\w])", expr):
-            assert name in BY_NAME, f"{name} is not in agent/vocab/catalog.py"
+            assert name in BY_NAME, f"{name} is not in vocab/catalog.py"
         for name in re.findall(r"(?<![:\w])([a-zA-Z_:][\w:]*)\{", expr):
             assert name in BY_NAME or name in recorded or name in PROMETHEUS_SERIES, name
 

@@ -14,8 +14,8 @@ import pytest
 import yaml
 from support import REPO, need_binary
 
-from gpufleet.agent.vocab.catalog import BY_NAME
 from gpufleet.dashboards import generate, panels
+from gpufleet.vocab.catalog import BY_NAME
 
 JSON_DIR = REPO / "dashboards" / "json"
 METRIC_RE = re.compile(r"\b(gpufleet_[a-z0-9_]+|DCGM_FI_[A-Z0-9_]+|node_infiniband_[a-z0-9_]+)\b")
@@ -155,7 +155,7 @@ def test_every_queried_metric_exists() -> None:
             for name in METRIC_RE.findall(text):
                 if dash["uid"] == panels.UIDS["dcgm"] and name in dcgm:
                     continue
-                assert name in BY_NAME, f"{dash['uid']}: {name} is not in agent/vocab/catalog.py"
+                assert name in BY_NAME, f"{dash['uid']}: {name} is not in vocab/catalog.py"
 
 
 def test_node_drilldown_covers_every_agent_metric_group() -> None:

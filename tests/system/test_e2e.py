@@ -33,8 +33,8 @@ from prometheus_client.core import CollectorRegistry, GaugeMetricFamily, Metric
 from prometheus_client.exposition import make_wsgi_app
 from support import BIN, REPO, free_port, need_binary, running, wait_http
 
-from gpufleet.agent.vocab.catalog import spec
 from gpufleet.dashboards import generate, panels
+from gpufleet.vocab.catalog import spec
 
 pytestmark = pytest.mark.slow
 
@@ -271,7 +271,7 @@ def alertmanager_config(receiver_url: str) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def stack(tmp_path: Path, scenario: str) -> Iterator[Stack]:
-    from gpufleet.agent.sim.live import LiveFleet
+    from gpufleet.sim.live import LiveFleet
 
     (tmp_path / "scenario.toml").write_text(scenario)
     received: list[tuple[str, dict[str, str]]] = []

@@ -89,7 +89,7 @@ def _check_plots(page: Any) -> list[str]:
 
 
 def test_findings_page_of_a_live_detector_shows_the_straggler(tmp_path: Path) -> None:
-    from gpufleet.agent.sim.live import LiveFleet
+    from gpufleet.sim.live import LiveFleet
 
     (tmp_path / "scenario.toml").write_text(SCENARIO + FAULT)
     with contextlib.ExitStack() as es:
@@ -149,16 +149,16 @@ def test_findings_page_of_a_live_detector_shows_the_straggler(tmp_path: Path) ->
 
 
 def _report(rec: Path, profile: str, out: Path) -> None:
-    from gpufleet.detector.cli import main as cli_main
+    from gpufleet.detector.service.cli import main as cli_main
 
     assert cli_main(["report", str(rec), "--profile", profile, "--html", str(out)]) == 0
 
 
 def test_report_html_reads_in_a_browser_on_validation_shaped_fleets(tmp_path: Path) -> None:
-    from gpufleet.agent.sim import kubernetes
-    from gpufleet.agent.sim.recording import FILES, record
-    from gpufleet.agent.sim.scenario import builtin_text, parse_scenario
-    from gpufleet.agent.sim.simulator import Simulator
+    from gpufleet.sim import kubernetes
+    from gpufleet.sim.recording import FILES, record
+    from gpufleet.sim.scenario import builtin_text, parse_scenario
+    from gpufleet.sim.simulator import Simulator
 
     start = 1_767_225_600.0
     k8s = tmp_path / "k8s"

@@ -363,4 +363,5 @@ def test_dockerfile_structure() -> None:
     ignore = [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
     assert ignore[0] == "*", "exclude everything first"
     allowed = {ln[1:].rstrip("/") for ln in ignore if ln.startswith("!")}
-    assert allowed == {"pyproject.toml", "MANIFEST.in", "README.md", "launch", "agent", "detector", "dashboards", "alerts"}
+    assert allowed == {"pyproject.toml", "MANIFEST.in", "README.md", "vocab", "serving", "agent", "sim", "detector",
+                       "dashboards", "alerts", "launch"}

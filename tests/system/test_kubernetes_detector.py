@@ -1,6 +1,6 @@
 """The detector on a Kubernetes cluster's series served by a real Prometheus (dcgm-exporter + kube-state-metrics).
 
-A simulated cluster (:mod:`gpufleet.agent.sim.kubernetes`) is recorded, backfilled with ``promtool tsdb
+A simulated cluster (:mod:`gpufleet.sim.kubernetes`) is recorded, backfilled with ``promtool tsdb
 create-blocks-from openmetrics`` and served by Prometheus on 127.0.0.1; the detector's Prometheus source must
 resolve the same training jobs and find the same slow pod as the recording source, naming namespace and pod.
 """
@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from support import backfilled_prometheus
 
-from gpufleet.agent.sim import kubernetes
 from gpufleet.detector.config import parse
 from gpufleet.detector.engine import Detector
-from gpufleet.detector.profiles import sample_names
-from gpufleet.detector.source_prometheus import PrometheusSource
-from gpufleet.detector.source_recording import RecordingSource
+from gpufleet.detector.sources.profiles import sample_names
+from gpufleet.detector.sources.prometheus import PrometheusSource
+from gpufleet.detector.sources.recording import RecordingSource
+from gpufleet.sim import kubernetes
 
 
 @pytest.mark.slow

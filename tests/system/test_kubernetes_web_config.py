@@ -18,7 +18,7 @@ import yaml
 from test_kubernetes import K8S_VERSIONS, KUBE, container, crd_schema, env, one, pod, tool
 
 from gpufleet.agent import settings as agent_settings
-from gpufleet.agent.serving.responder import PROBE_PATHS
+from gpufleet.serving.responder import PROBE_PATHS
 
 
 def test_the_web_config_component(tmp_path: Path) -> None:

@@ -18,10 +18,10 @@ from support import REPO
 
 #: Package data a user needs on an installed host, as paths inside the wheel.
 WHEEL_DATA = [
-    "gpufleet/agent/fake/data/h100-8gpu-idle.xml",  # the built-in nvidia-smi capture (--nvml.fake=sim)
-    "gpufleet/agent/fake/data/NOTICE.md",
-    "gpufleet/agent/sim/scenarios/demo.toml",
-    "gpufleet/agent/sim/scenarios/clock_stuck_low.toml",
+    "gpufleet/sim/fake/data/h100-8gpu-idle.xml",  # the built-in nvidia-smi capture (--nvml.fake=sim)
+    "gpufleet/sim/fake/data/NOTICE.md",
+    "gpufleet/sim/scenarios/demo.toml",
+    "gpufleet/sim/scenarios/clock_stuck_low.toml",
     "gpufleet/dashboards/boards/overview.py",
     "gpufleet/dashboards/json/gpufleet-overview.json",
     "gpufleet/alerts/__init__.py",
@@ -57,8 +57,8 @@ def test_the_wheel_carries_the_runtime_data(dist: Path) -> None:
     (wheel,) = dist.glob("gpufleet-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert [f for f in WHEEL_DATA if f not in names] == []
-    scenarios = {n for n in names if n.startswith("gpufleet/agent/sim/scenarios/")}
-    assert len(scenarios) == len(list((REPO / "agent/sim/scenarios").glob("*.toml")))
+    scenarios = {n for n in names if n.startswith("gpufleet/sim/scenarios/")}
+    assert len(scenarios) == len(list((REPO / "sim/scenarios").glob("*.toml")))
     dashboards = {n for n in names if n.startswith("gpufleet/dashboards/json/")}
     assert len(dashboards) == len(list((REPO / "dashboards/json").glob("*.json")))
     assert not [n for n in names if n.startswith(("tests/", "gpufleet/tests/", "packaging/"))]

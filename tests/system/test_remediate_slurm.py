@@ -25,18 +25,18 @@ import yaml
 from slurm_cluster import scontrol, slurm_cluster
 from support import free_port, need_binary, running, wait_http
 
-from gpufleet.agent.serving.server import MetricsServer
-from gpufleet.agent.serving.webconfig import WebConfig
-from gpufleet.agent.sim.quality import _config
-from gpufleet.agent.sim.recording import record
-from gpufleet.agent.sim.scenario import parse_scenario
-from gpufleet.agent.sim.simulator import Simulator
-from gpufleet.detector.exporter import Exposer, Health, registry_for
-from gpufleet.detector.remediate import RemediationConfig, Remediator
-from gpufleet.detector.remediate_backends import Slurm
-from gpufleet.detector.remediate_policy import Rails
-from gpufleet.detector.remediate_server import make_server
-from gpufleet.detector.replay import replay
+from gpufleet.detector.outputs.exporter import Exposer, Health, registry_for
+from gpufleet.detector.remediate.backends import Slurm
+from gpufleet.detector.remediate.policy import Rails
+from gpufleet.detector.remediate.server import make_server
+from gpufleet.detector.remediate.service import RemediationConfig, Remediator
+from gpufleet.detector.service.replay import replay
+from gpufleet.serving.server import MetricsServer
+from gpufleet.serving.webconfig import WebConfig
+from gpufleet.sim.quality import _config
+from gpufleet.sim.recording import record
+from gpufleet.sim.scenario import parse_scenario
+from gpufleet.sim.simulator import Simulator
 
 pytestmark = pytest.mark.slow
 

@@ -119,7 +119,7 @@ def logs(tmp_path: Path) -> str:
 
 @pytest.mark.timeout(300)
 def test_a_killed_detector_restarts_with_its_incident_and_pages_once(tmp_path: Path) -> None:
-    from gpufleet.agent.sim.live import LiveFleet
+    from gpufleet.sim.live import LiveFleet
 
     (tmp_path / "scenario.toml").write_text(SCENARIO + FAULT + PUE_FAULT)
     got: list[tuple[str, str, dict[str, str]]] = []

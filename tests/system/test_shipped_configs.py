@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from gpufleet.agent.config import AgentConfig
-from gpufleet.agent.serving.webconfig import parse_web_config
 from gpufleet.agent.settings import OPTIONS, TEXTFILE_OPTIONS, _config_values
 from gpufleet.detector.config import DetectorConfig, load
+from gpufleet.serving.webconfig import parse_web_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DETECTOR_CONFIGS = [ROOT / "packaging/detector.toml", ROOT / "packaging/kubernetes/base/detector.toml"]

@@ -16,8 +16,8 @@ from support import BIN, REPO
 
 from gpufleet.agent import settings
 from gpufleet.agent.config import COLLECTORS
-from gpufleet.agent.serving.webconfig import parse_web_config
 from gpufleet.detector import config as detector_config
+from gpufleet.serving.webconfig import parse_web_config
 
 UNIT = REPO / "packaging" / "systemd" / "gpufleet-agent.service"
 DETECTOR_UNIT = REPO / "packaging" / "systemd" / "gpufleet-detector.service"

@@ -1,1 +1,0 @@
-"""Names shared across gpufleet: our metric catalog, other exporters' metrics, NVML's tables."""

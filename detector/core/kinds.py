@@ -1,0 +1,65 @@
+"""The finding kinds, as one table: what each kind is about and how the tracker judges it.
+
+The names come from :data:`gpufleet.vocab.catalog.FINDING_KINDS` (the exported ``kind`` label); every
+behaviour that differs by kind is a field here, so no module tests kind strings of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from gpufleet.vocab.catalog import FINDING_KINDS
+
+#: When an entity counts as observed in an evaluation (so a clear evaluation counts towards closing):
+#: ``scored``: a busy GPU scored among busy peers; ``busy``: a busy GPU; ``nic``: the NIC is in the frame;
+#: ``site``: the site's PUE was evaluated.
+Judged = Literal["scored", "busy", "nic", "site", "fabric"]
+#: Who acts on a finding of the kind by default: the hardware on-call or the site's facilities team.
+Route = Literal["hardware", "facilities"]
+#: Which replica of a sharded detector reports it: the one that owns the GPU's job (``gpu``: only its own GPUs
+#: are scored), the one that owns its node (a NIC, a tray, a rack's ``rack <serial>``) or its site.
+ShardBy = Literal["gpu", "node", "site"]
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    name: str
+    judged: Judged
+    #: Held (neither cleared nor continued) while its job is in a lighter phase or at a job-wide edge.
+    held_in_job_phase: bool
+    #: Identified by its site (not by node, GPU and NIC).
+    by_site: bool
+    #: A node-level finding of the kind absorbs the node's per-GPU findings of the kind, and joins incidents.
+    on_nodes: bool
+    #: A finding of the kind on a link that went down recently is held between the link's downs.
+    held_on_flaps: bool
+    shard_by: ShardBy = "gpu"
+    route: Route = "hardware"
+    #: Consecutive evaluations a candidate needs to open (0: the tracker's ``open_after``). One for evidence that
+    #: corroborates itself within an evaluation (many GPUs of one domain reporting the same fabric fault).
+    open_after: int = 0
+
+
+STRAGGLER = KindSpec("straggler", "scored", held_in_job_phase=True, by_site=False, on_nodes=True, held_on_flaps=False)
+THROTTLING = KindSpec("throttling", "busy", held_in_job_phase=True, by_site=False, on_nodes=True,
+                      held_on_flaps=False)
+NETWORK = KindSpec("network", "nic", held_in_job_phase=False, by_site=False, on_nodes=True, held_on_flaps=True,
+                   shard_by="node")
+PUE_DRIFT = KindSpec("pue_drift", "site", held_in_job_phase=False, by_site=True, on_nodes=False, held_on_flaps=False,
+                     shard_by="site", route="facilities")
+#: NVL72 racks (detector.rules.fabric): a degraded NVLink domain, named by its rack; a tray's or GPU's fabric health.
+NVLINK_DOMAIN = KindSpec("nvlink_domain", "fabric", held_in_job_phase=False, by_site=False, on_nodes=False,
+                         held_on_flaps=False, shard_by="node", open_after=1)
+TRAY_HEALTH = KindSpec("tray_health", "fabric", held_in_job_phase=False, by_site=False, on_nodes=True,
+                       held_on_flaps=False, shard_by="node")
+
+KINDS: dict[str, KindSpec] = {k.name: k for k in (STRAGGLER, THROTTLING, NETWORK, PUE_DRIFT, NVLINK_DOMAIN,
+                                                   TRAY_HEALTH)}
+if tuple(KINDS) != FINDING_KINDS:  # the vocabulary and this table name the same kinds, in the same order
+    raise RuntimeError(f"detector kinds {tuple(KINDS)} differ from the catalog's {FINDING_KINDS}")
+
+
+def spec(kind: str) -> KindSpec:
+    """The spec of ``kind``; KeyError for a kind the vocabulary does not list."""
+    return KINDS[kind]
