@@ -28,98 +28,32 @@ events (:meth:`Physics.xid`, :meth:`Physics.row_remap`, :meth:`Physics.reboot`, 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from gpufleet.sim.fleet import Fleet, Job
-from gpufleet.vocab.catalog import IB_PORT_ERRORS
+from gpufleet.sim.physics_state import (
+    ECC_COL,
+    ECC_KEYS,
+    HOST_POWER_W,
+    NIC_ERRORS,
+    NIC_HW,
+    NVLINK_ERR,
+    PCIE_GBPS_PER_LANE,
+    PCIE_LANE,
+    REBOOT_DOWNTIME_S,
+    REMAP_CAUSES,
+    THROTTLE_COL,
+    Effects,
+    Heatwave,
+    JobTable,
+    Mods,
+)
 from gpufleet.vocab.nvml import CLOCK_EVENT_BITS, CLOCK_EVENT_COUNTED, NVLINK_ERRORS
 
-#: Columns of ``Physics.ecc`` (NVML's ECC counters: volatile resets at a reboot, aggregate persists).
-ECC_KEYS = ("volatile_corrected", "aggregate_corrected", "volatile_uncorrected", "aggregate_uncorrected")
-#: Columns of ``Physics.remapped`` (the ``cause`` label of remapped rows).
-REMAP_CAUSES = ("correctable", "uncorrectable")
-#: The port error counters the simulator models (columns of ``Physics.nic_err``).
-NIC_ERRORS = IB_PORT_ERRORS[:4]
-NIC_HW = ("np_ecn_marked_roce_packets", "np_cnp_sent", "rp_cnp_handled", "out_of_sequence")
-PCIE_GBPS_PER_LANE = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
-_PCIE_LANE = np.array([0.0, 0.25, 0.5, 0.985, 1.969, 3.938, 7.563])
-REBOOT_DOWNTIME_S = 180.0
-#: Column of each counted clock-event reason in ``Physics.throttle_s`` (vocab order).
-_THROTTLE_COL = {r: k for k, r in enumerate(CLOCK_EVENT_COUNTED)}
-_ECC = {k: i for i, k in enumerate(ECC_KEYS)}
-#: Column of each NVLink error counter in ``Physics.nvlink_err`` (per link).
-NVLINK_ERR = {e: i for i, e in enumerate(NVLINK_ERRORS)}
-#: What sets a tick's modifiers and one-off events before the tick is computed: ``effects(physics, t, dt)``.
-Effects = Callable[["Physics", float, float], None]
-HOST_POWER_W = 1500.0  # CPUs, memory, fans, NICs of an 8-GPU node, excluding GPUs
-
-
-@dataclass
-class Heatwave:
-    site: int
-    start: float
-    end: float
-    delta_c: float
-
-
-class Mods:
-    """Per-tick modifiers the active faults set (reset every tick)."""
-
-    def __init__(self, p: Physics) -> None:
-        g, n, s = p.fleet.n_gpus, p.fleet.n_nics, len(p.fleet.sites)
-        self.clock_cap = np.ones(g)
-        self.brake = np.zeros(g, bool)
-        self.hw_slowdown = np.zeros(g, bool)
-        self.limit_w = p.limit_default.copy()
-        self.r_mult = np.ones(g)
-        self.loader = np.zeros(g)
-        self.lost = np.zeros(g, bool)
-        self.pcie_gen = p.pcie_gen_max.copy()
-        self.pcie_width = p.pcie_width_max.copy()
-        self.pcie_replay_per_s = np.zeros(g)
-        self.nvlink_down = np.zeros(g, int)
-        self.ecc_per_s = np.full(g, 2e-7)
-        self.nic_rate_gbps = p.nic_rate_nominal.copy()
-        self.nic_factor = np.ones(n)
-        self.nic_down = np.zeros(n, bool)
-        self.symbol_errors_per_s = np.zeros(n)
-        self.congestion = np.zeros(n)
-        self.pue_add = np.zeros(s)
-        # Fabric and host evidence (issue 13): CPU pressure stall fraction added per node, PFC paused fraction
-        # and buffer drops per NIC, correctable PCIe AER reports per GPU.
-        self.cpu_pressure = np.zeros(len(p.fleet.nodes))
-        self.pfc_pause = np.zeros(n)
-        self.discards_per_s = np.zeros(n)
-        self.aer_cor_per_s = np.zeros(g)
-        # The workload's own unevenness (issue 19, gpufleet.sim.workload): each rank's compute per step
-        # relative to its job's (a busier pipeline stage, longer sequences, hot experts).
-        self.work = np.ones(g)
-        # NVLink domain and rack (issue 21, sim.nvl72): the fabric health conditions that hold per GPU
-        # (columns: vocab.fabric.HEALTH_CONDITIONS) and GPUs whose C2C link to their Grace CPU is down.
-        self.fabric = np.zeros((g, 5), bool)
-        self.c2c_off = np.zeros(g, bool)
-        # Issue 31 (sim.slurm_world): transmit wait per NIC that the job's own traffic pattern causes
-        # (all-to-all incast: the port waits, the job is not slowed, no ECN), and GPUs whose application clocks
-        # are set below their maximum (clock_cap holds the clock; the clock-event reason is
-        # applications_clocks_setting).
-        self.incast = np.zeros(n)
-        self.app_clocks = np.zeros(g, bool)
-
-
-@dataclass
-class _JobTable:
-    ids: tuple[str, ...] = ()
-    gpu_job: np.ndarray = field(default_factory=lambda: np.zeros(0, int))
-    compute_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    intensity: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    dram: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    inter_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    nvl_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    noise: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    mem: np.ndarray = field(default_factory=lambda: np.zeros(0))
+#: Names other modules import from here (defined in :mod:`gpufleet.sim.physics_state`).
+__all__ = ["ECC_KEYS", "HOST_POWER_W", "NIC_ERRORS", "NIC_HW", "NVLINK_ERR", "PCIE_GBPS_PER_LANE", "REBOOT_DOWNTIME_S",
+           "REMAP_CAUSES", "Effects", "Heatwave", "Mods", "Physics"]
 
 
 class Physics:
@@ -218,7 +152,7 @@ class Physics:
         self.job_step_s: dict[str, float] = {}
         self.job_baseline_s: dict[str, float] = {}  # step time of the job on healthy, unthrottled GPUs
         self.job_steps: dict[str, float] = {}
-        self._jobs = _JobTable(gpu_job=np.full(g, -1))  # no job yet: every GPU idle
+        self._jobs = JobTable(gpu_job=np.full(g, -1))  # no job yet: every GPU idle
         self._jobs_key: tuple[int, ...] = ()
         self.mods = Mods(self)
 
@@ -233,8 +167,8 @@ class Physics:
 
     def row_remap(self, g: int, t: float) -> None:
         """An uncorrectable ECC error whose row is remapped at the next reset (XID 63)."""
-        self.ecc[g, _ECC["volatile_uncorrected"]] += 1
-        self.ecc[g, _ECC["aggregate_uncorrected"]] += 1
+        self.ecc[g, ECC_COL["volatile_uncorrected"]] += 1
+        self.ecc[g, ECC_COL["aggregate_uncorrected"]] += 1
         self.remapped[g, REMAP_CAUSES.index("uncorrectable")] += 1
         self.remap_pending[g] = True
         self.xid(g, 63, t)
@@ -252,8 +186,8 @@ class Physics:
         self.throttle_s[g] = 0.0
         self.gpm_s[g] = 0.0
         self.pcie_bytes[g] = 0.0
-        self.ecc[g, _ECC["volatile_corrected"]] = 0
-        self.ecc[g, _ECC["volatile_uncorrected"]] = 0
+        self.ecc[g, ECC_COL["volatile_corrected"]] = 0
+        self.ecc[g, ECC_COL["volatile_uncorrected"]] = 0
         self.remap_pending[g] = False
         self.pcie_replay[g] = 0
         self.nvl_bytes[g] = 0.0
@@ -291,7 +225,7 @@ class Physics:
         return out
 
     # ---------------------------------------------------------------- jobs
-    def _job_table(self, t: float) -> _JobTable:
+    def _job_table(self, t: float) -> JobTable:
         active = [j for j in self.fleet.jobs if j.active(t)]
         ids = tuple(j.id for j in active)
         key = tuple(map(id, active))  # a requeued job keeps its id on other nodes: the table is of the objects
@@ -304,7 +238,7 @@ class Physics:
             for node in job.nodes:
                 gpus = f.node_gpus(node)
                 gpu_job[gpus[list(job.gpus)] if job.gpus else gpus] = k
-        self._jobs = _JobTable(
+        self._jobs = JobTable(
             ids=ids, gpu_job=gpu_job,
             compute_s=np.array([j.compute_s for j in active]),
             intensity=np.array([j.intensity for j in active]),
@@ -365,7 +299,7 @@ class Physics:
         nic = f.gpu_nic
         nic_bw = m.nic_rate_gbps[nic] * 1e9 / 8.0 * 0.92 * m.nic_factor[nic]
         nic_bw = np.where(m.nic_down[nic], nic_bw * 0.3, nic_bw)
-        pcie_bw = _PCIE_LANE[np.clip(m.pcie_gen, 1, 6)] * m.pcie_width * 1e9 * 0.85
+        pcie_bw = PCIE_LANE[np.clip(m.pcie_gen, 1, 6)] * m.pcie_width * 1e9 * 0.85
         links_up = np.maximum(self.nvl_links - m.nvlink_down, 1)
         nvl_bw = links_up * self.nvl_gbps * 1e9 * 0.8
         comm_rank = np.where(busy, inter / np.minimum(nic_bw, pcie_bw) + nvl / nvl_bw, 0.0)
@@ -438,8 +372,8 @@ class Physics:
             reasons |= np.where(on, CLOCK_EVENT_BITS[reason], 0)
         self.reasons = np.where(self.lost, 0, reasons)
         for reason, on in held.items():
-            if reason in _THROTTLE_COL:  # the reasons NVML counts time for
-                self.throttle_s[:, _THROTTLE_COL[reason]] += np.where(on, dt, 0.0)
+            if reason in THROTTLE_COL:  # the reasons NVML counts time for
+                self.throttle_s[:, THROTTLE_COL[reason]] += np.where(on, dt, 0.0)
         self.gpm_s += np.stack([self.sm_active, self.occupancy, self.tensor, self.dram], axis=1) * dt
         steps = np.where(busy, dt / step_g, 0.0)
         inter_b = inter * steps
@@ -516,7 +450,7 @@ class Physics:
         self.gpu_job = np.where(labelled & ~unlabelled, jt.gpu_job, -1)
         self.t = t
 
-    def _phase_masks(self, t: float, jt: _JobTable) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def _phase_masks(self, t: float, jt: JobTable) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Per GPU: its job checkpoints, evaluates, or serves a load of its own (an inference service, an
         interactive session) at ``t``; and whether it is an inference service's (no job label)."""
         g = self.fleet.n_gpus
