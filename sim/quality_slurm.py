@@ -42,6 +42,7 @@ from gpufleet.sim.quality import (
     START,
     Outcome,
     Run,
+    _fmt,
     _matches_entity,
     add_scrape_option,
     run_all,
@@ -177,14 +178,6 @@ def summarize(outs: Sequence[SlurmOutcome]) -> dict[str, Any]:
                 "faults": [dict(fa, seed=o.hw.run.seed) for o in os_ for fa in o.faults],
             }
     return table
-
-
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.3f}" if v < 100 else f"{v:.0f}"
-    return str(v)
 
 
 def slurm_markdown(summary: dict[str, Any]) -> str:
