@@ -28,6 +28,7 @@ except its 4-hour PUE baseline)::
 
     [findings]
     open_after = 2                # consecutive evaluations to open a finding
+    open_after_direct = 1         # ... whose cause direct evidence names (a clock-event reason, a PCIe link below max)
     close_after = 4               # consecutive clear evaluations to close it
     stale_after = 20              # evaluations without data before an open finding closes
     merge_seconds = 300           # an open finding stays open through gaps shorter than this (one incident)
@@ -106,6 +107,7 @@ class SiteConfig:
 @dataclass
 class FindingParams:
     open_after: int = 2
+    open_after_direct: int = 1
     close_after: int = 4
     stale_after: int = 20
     merge_seconds: float = 300.0
@@ -113,7 +115,7 @@ class FindingParams:
 
     def tracker(self) -> Tracker:
         return Tracker(self.open_after, self.close_after, self.stale_after, merge_seconds=self.merge_seconds,
-                       reopen_seconds=self.reopen_seconds)
+                       reopen_seconds=self.reopen_seconds, open_after_direct=self.open_after_direct)
 
 
 @dataclass

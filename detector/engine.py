@@ -112,7 +112,8 @@ class Detector:
         self.places: fabric.Places = {}
         self.tracker = tracker or Tracker(cfg.findings.open_after, cfg.findings.close_after,
                                           cfg.findings.stale_after, fabric.placed(summarize, self.places),
-                                          cfg.findings.merge_seconds, reopen_seconds=cfg.findings.reopen_seconds)
+                                          cfg.findings.merge_seconds, reopen_seconds=cfg.findings.reopen_seconds,
+                                          open_after_direct=cfg.findings.open_after_direct)
         self.pue: dict[str, PueMonitor] = {}
         self.baseline = Baseline()
         self.edges = phases.JobEdges(cfg.straggler.min_peers)

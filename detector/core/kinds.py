@@ -39,13 +39,18 @@ class KindSpec:
     #: Consecutive evaluations a candidate needs to open (0: the tracker's ``open_after``). One for evidence that
     #: corroborates itself within an evaluation (many GPUs of one domain reporting the same fabric fault).
     open_after: int = 0
+    #: Its evidence is always the entity's own report (a clock-event reason held the clocks, a port's own
+    #: counters), never a deviation from peers: it opens after ``[findings] open_after_direct`` evaluations and
+    #: counts as direct evidence for the remediation service. (A straggler is direct when a direct cause rule
+    #: named its cause: detector.rules.cause_rules.names_directly.)
+    direct: bool = False
 
 
 STRAGGLER = KindSpec("straggler", "scored", held_in_job_phase=True, by_site=False, on_nodes=True, held_on_flaps=False)
 THROTTLING = KindSpec("throttling", "busy", held_in_job_phase=True, by_site=False, on_nodes=True,
-                      held_on_flaps=False)
+                      held_on_flaps=False, direct=True)
 NETWORK = KindSpec("network", "nic", held_in_job_phase=False, by_site=False, on_nodes=True, held_on_flaps=True,
-                   shard_by="node")
+                   shard_by="node", direct=True)
 PUE_DRIFT = KindSpec("pue_drift", "site", held_in_job_phase=False, by_site=True, on_nodes=False, held_on_flaps=False,
                      shard_by="site", route="facilities")
 #: NVL72 racks (detector.rules.fabric): a degraded NVLink domain, named by its rack; a tray's or GPU's fabric health.

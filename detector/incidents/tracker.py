@@ -42,6 +42,7 @@ from gpufleet.detector.core.candidate import DIRECT, Candidate, Evidence
 from gpufleet.detector.core.identity import (
     incident_id,  # issue 24: ids from the problem (kind, entity, start)
 )
+from gpufleet.detector.rules import cause_rules
 
 if TYPE_CHECKING:
     from gpufleet.detector.incidents.impact import Impact
@@ -150,8 +151,9 @@ def _top(causes: dict[str, float], direct: set[str] | None = None) -> str:
 class Tracker:
     def __init__(self, open_after: int = 3, close_after: int = 3, stale_after: int = 10,
                  summarize: Callable[[str, Candidate], str] | None = None, merge_seconds: float = 300.0,
-                 history: int = HISTORY, reopen_seconds: float = 1800.0) -> None:
+                 history: int = HISTORY, reopen_seconds: float = 1800.0, open_after_direct: int | None = None) -> None:
         self.open_after = max(1, open_after)
+        self.open_after_direct = self.open_after if open_after_direct is None else max(1, open_after_direct)
         self.close_after = max(1, close_after)
         self.stale_after = max(1, stale_after)
         self.merge_seconds = max(0.0, merge_seconds)
@@ -222,7 +224,7 @@ class Tracker:
             p.count += 1
             _fold(p.causes, p.direct, c)
             p.cand = c if c.score >= p.cand.score else p.cand
-            if p.count >= (kinds.spec(kind).open_after or self.open_after):
+            if p.count >= self._needed(kind, c):
                 del self.pending[k]
                 if not self._reopen(k, c, p, t):
                     self._open(k, kind, c, p, t)
@@ -244,6 +246,19 @@ class Tracker:
                 n = self.unseen[k] = self.unseen.get(k, 0) + 1
                 if n >= self.stale_after:
                     self._close(k, self.clear_since.get(k, f.last_seen))
+
+    def _needed(self, kind: str, c: Candidate) -> int:
+        """Consecutive evaluations candidate ``c`` of ``kind`` needs to open: the kind's own count, else
+        ``open_after_direct`` where direct evidence names its cause (a kind whose evidence is always the entity's own
+        report, or a straggler named by a clock-event reason, a lowered limit, a PCIe link below its maximum, host
+        pressure: a state the hardware reports, which a one-evaluation blip of the peers' statistics is not), else
+        ``open_after``."""
+        spec = kinds.spec(kind)
+        if spec.open_after:
+            return spec.open_after
+        if spec.direct or cause_rules.names_directly(c.evidence.rules, c.cause):
+            return self.open_after_direct
+        return self.open_after
 
     def _reopen(self, k: Key, c: Candidate, p: _Pending, t: float) -> bool:
         """A fault that comes back on the same entity within ``reopen_seconds`` of its finding's end (an

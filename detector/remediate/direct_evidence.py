@@ -9,18 +9,16 @@ its deviations alone; a PUE drift, a workload ticket and an NVL72 rack finding n
 
 from __future__ import annotations
 
+from gpufleet.detector.core import kinds
 from gpufleet.detector.incidents.tracker import Finding
-from gpufleet.detector.rules.cause_rules import RULES
-
-#: The names of the rules whose evidence is direct.
-DIRECT_RULES = frozenset(r.what for r in RULES if r.kind != "inferred")
+from gpufleet.detector.rules.cause_rules import DIRECT_RULES
 
 
 def direct(f: Finding) -> bool:
     if f.route == "workload":
         return False
-    if f.kind in ("throttling", "network"):
+    if kinds.spec(f.kind).direct:
         return True
     if f.kind == "straggler":
-        return bool(DIRECT_RULES.intersection(f.evidence.rules))
+        return bool(DIRECT_RULES.keys() & set(f.evidence.rules))
     return False

@@ -152,7 +152,7 @@ def _nvlink_errors(v: GpuView) -> float:
 
 
 def _pcie_replays(v: GpuView) -> float:
-    return DIRECT + 1.0 if not v.has("pcie_gen") and v.val("pcie_replay") >= v.t.pcie_replays else 0.0
+    return DIRECT + 1.0 if v.val("pcie_replay") >= v.t.pcie_replays else 0.0
 
 
 def _more_work(v: GpuView) -> float:
@@ -254,6 +254,17 @@ def evaluate(v: GpuView) -> tuple[dict[str, float], dict[str, float], tuple[str,
 #: is at a phase edge (detector/rules/phases.py).
 OWN_DIRECT = frozenset(r.what for r in RULES if r.kind != "inferred" and r.scope == "gpu")
 _EXPLAINS = {r.what: r.explains for r in RULES if r.explains}
+
+
+#: The rules whose evidence names its cause by itself (``direct`` and ``link``), by name: the cause each names.
+DIRECT_RULES: dict[str, str] = {r.what: r.cause for r in RULES if r.kind != "inferred"}
+
+
+def names_directly(rules: tuple[str, ...], cause: str) -> bool:
+    """Does direct evidence (a rule of :data:`DIRECT_RULES`) name ``cause``? A clock-event reason, a lowered
+    power limit, a PCIe link below its maximum or replaying, a flagged NIC, host pressure: a state the hardware
+    or the node reports, not a deviation read from its peers."""
+    return any(DIRECT_RULES.get(r) == cause for r in rules)
 
 
 def vouched(rules: tuple[str, ...], deviations: dict[str, float], t: Thresholds) -> bool:

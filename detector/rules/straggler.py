@@ -343,7 +343,7 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
     # the per-GPU checks below would dominate the evaluation).
     with np.errstate(invalid="ignore"):
         maybe = ((nvl < 1) | (~np.isfinite(nvl) & (nvl_err >= 1)) | (gen < gen_max) | (width < width_max)
-                 | ((replays >= 1) & ~np.isfinite(gen)))
+                 | (replays >= 1))
     if "power_limit" in z:  # a limit set below its peers' (cause_rules: power_limit_below_peers)
         maybe |= nan_to_zero(z["power_limit"]) <= -p.cause_z
     if nic_flags:
