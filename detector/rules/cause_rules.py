@@ -36,7 +36,7 @@ Kind = Literal["direct", "inferred", "link"]
 class Thresholds:
     throttle_fraction: float = 0.1  # a clock-event reason active for this fraction of the window
     cause_z: float = 3.0  # a deviation that names a cause (robust z)
-    pcie_replays: float = 10.0  # PCIe replays in the window that stand for a degraded link (no link state)
+    pcie_replays: float = 10.0  # PCIe replays in the window that stand for a degraded link
     threshold: float = 4.0  # the straggler threshold (link stragglers score just above it)
 
 

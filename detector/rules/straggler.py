@@ -74,7 +74,7 @@ class StragglerParams:
     min_peers: int = 4
     compare_jobless: bool = False
     throttle_fraction: float = 0.1
-    #: PCIe replays in the window that count as a degraded link (without link state): isolated blips do not.
+    #: PCIe replays in the window that count as a degraded link: isolated blips do not.
     pcie_replays: float = 10.0
     cause_z: float = 3.0
     node_fraction: float = 0.75
@@ -322,8 +322,9 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
     A degraded, flapping or congested NIC (from the network detector), an NVLink link down, or a PCIe link
     trained below its maximum (GPUDirect traffic bound by PCIe) makes the rank a straggler even though its
     own activity does not stand out. Without NVLink link state (dcgm), NVLink errors (CRC, replay,
-    recovery) rising on a GPU more than on the median rank of its job stand in for a link down; without
-    PCIe link state, PCIe replays stand in for a degraded PCIe link. (NVLink bandwidth is exported as a
+    recovery) rising on a GPU more than on the median rank of its job stand in for a link down. A burst of PCIe
+    replays is a degraded PCIe link with or without link state (a link replays before it retrains to fewer
+    lanes; dcgm-exporter has no link state at all). (NVLink bandwidth is exported as a
     deviation but not used: in a synchronous job every rank's NVLink traffic follows the slowest link, so
     it does not single out the rank with a link down.)
     """

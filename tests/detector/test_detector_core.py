@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from gpufleet.detector.config import DetectorConfig, parse
-from gpufleet.detector.core.candidate import Candidate
+from gpufleet.detector.core.candidate import DIRECT, Candidate, Evidence
 from gpufleet.detector.frame.features import GpuFrame
 from gpufleet.detector.incidents.tracker import Tracker
 from gpufleet.detector.rules import robust, straggler
@@ -211,6 +211,35 @@ def test_findings_open_after_consecutive_and_close_after_clear() -> None:
     tr.update(540, [], seen)
     assert not tr.active and tr.closed[0].end == 480
     assert f.detected == 300 and f.to_json()["detected"] == 300 and f.to_json()["start"] == 180
+
+
+def test_direct_evidence_opens_after_open_after_direct_and_a_deviation_alone_after_open_after() -> None:
+    # issue 31: a state the hardware reports (here applications clocks set below the peers') is enough to open at
+    # its first evaluation; a cause read from deviations alone still needs open_after consecutive evaluations.
+    tr = Tracker(open_after=3, close_after=2, merge_seconds=0, open_after_direct=1)
+    seen = lambda k: True  # noqa: E731
+    direct = Candidate("node-001", "3", "job-a", "dc1", "clock", 9.0,
+                       Evidence(causes={"clock": DIRECT + 5.0}, rules=("thr_app", "sm_clock_low")))
+    inferred = Candidate("node-001", "4", "job-a", "dc1", "clock", 9.0,
+                         Evidence(causes={"clock": 6.0}, rules=("sm_clock_low",)))
+    # a direct rule naming another cause than the candidate's own does not count as direct for it
+    other = Candidate("node-001", "5", "job-a", "dc1", "clock", 9.0,
+                      Evidence(causes={"clock": 6.0, "power": DIRECT + 1.0}, rules=("sm_clock_low", "thr_power")))
+    tr.update(0, [("straggler", direct), ("straggler", inferred), ("straggler", other)], seen)
+    assert {f.gpu for f in tr.active.values()} == {"3"}
+    tr.update(60, [("straggler", direct), ("straggler", inferred), ("straggler", other)], seen)
+    assert {f.gpu for f in tr.active.values()} == {"3"}
+    tr.update(120, [("straggler", direct), ("straggler", inferred), ("straggler", other)], seen)
+    assert {f.gpu for f in tr.active.values()} == {"3", "4", "5"}
+    # kinds whose evidence is always the entity's own report (a throttle reason, a port's counters) open at once too
+    tr.update(180, [("throttling", _c(cause="thermal")), ("network", Candidate("node-002", "1", None, "dc1",
+                                                                             "network", 12.0, nic="mlx5_1/1"))],
+              seen)
+    assert {f.kind for f in tr.active.values()} >= {"throttling", "network"}
+    # and by default (open_after_direct unset) every finding waits for open_after
+    slow = Tracker(open_after=2, close_after=2, merge_seconds=0)
+    slow.update(0, [("straggler", direct)], seen)
+    assert not slow.active
 
 
 def test_an_intermittent_problem_is_one_finding_through_gaps_shorter_than_the_merge_window() -> None:

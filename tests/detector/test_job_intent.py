@@ -231,6 +231,24 @@ def test_a_limit_set_below_its_job_peers_makes_a_straggler_at_once() -> None:
     assert "power_limit" in got[0].evidence.deviations  # a deviation of its own, named in the summary
 
 
+def test_a_replay_burst_is_pcie_evidence_with_or_without_link_state() -> None:
+    # issue 31: a link that replays in bursts (before it retrains to x8) is cause pcie from the first burst,
+    # whether or not the exporter also reports the link's width; a few replays are no evidence.
+    g = _busy(32, ["j"] * 32)
+    g.values.update({"pcie_gen": np.full(32, 5.0), "pcie_gen_max": np.full(32, 5.0),
+                     "pcie_width": np.full(32, 16.0), "pcie_width_max": np.full(32, 16.0),
+                     "pcie_replay": np.zeros(32)})
+    g.values["pcie_replay"][13] = 3.0  # a blip
+    assert straggler.score(g, StragglerParams()).candidates == []
+    g.values["pcie_replay"][13] = 40.0  # a burst, the link still at x16
+    got = straggler.score(g, StragglerParams()).candidates
+    assert [(c.node, c.gpu, c.cause, c.evidence.rules) for c in got] == [("n1", "5", "pcie", ("pcie_replays",))]
+    assert cause_rules.names_directly(got[0].evidence.rules, "pcie")
+    g.values["pcie_width"][13] = 8.0  # retrained: the width below the maximum is the stronger evidence
+    (c,) = straggler.score(g, StragglerParams()).candidates
+    assert c.cause == "pcie" and c.evidence.rules == ("pcie_link_below_max",)
+
+
 # ---------------------------------------------------------------- time: the fleet's own interval
 
 
