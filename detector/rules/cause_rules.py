@@ -201,7 +201,8 @@ RULES: tuple[Rule, ...] = (
     # activity below theirs, if only by half the cause threshold): the pressure is the direct evidence, the GPU's
     # own dip says it is the one starved (opens as soon as the pressure shows, not once the dip is deep).
     Rule("host", "link", "host_starved",
-         lambda v: DIRECT + 3.0 if _node_is(v, "host") and min(v.zf("util"), v.zf("tensor")) <= -_cz(v) / 2
+         lambda v: DIRECT + 3.0 if _node_is(v, "host") and min(v.zf("util"), v.zf("tensor"), v.zf("util_last"))
+         <= -_cz(v) / 2
          else 0.0, _node_values, "node", ("util", "tensor")),
     Rule("power", "link", "power_limit_below_peers",
          lambda v: DIRECT + min(-v.zf("power_limit"), 10.0) / 2

@@ -203,6 +203,8 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
     n = len(frame)
     util = frame.get("util")
     active = nan_to_zero(util) >= p.busy_util
+    if edge is not None:  # at a job-wide edge (a checkpoint just ended) the window averages the idle phase in:
+        active |= np.asarray(edge, dtype=bool) & (nan_to_zero(frame.get("util_last")) >= p.busy_util)  # busy now
     # A GPU whose latest reading is idle stopped working (its rank crashed, its job ended): no straggler, unless
     # its host is under pressure (a starved GPU idles between the batches its host is late with).
     last = frame.get("util_last")
@@ -266,7 +268,13 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
         t = _thresholds(p)
         cands = [c for c in cands if (c.node, c.gpu) not in at_edge
                  or cause_rules.vouched(c.evidence.rules, c.evidence.deviations, t)]
-    cands += _link_stragglers(frame, scored & ~hit, p, flags, z, node_causes or {}, nic_links or {})
+    # The latest reading's utilization against the peers' latest (not a feature of the score: a scrape's reading
+    # is noisier than the window's): what a host starving its GPUs shows first (cause_rules: host_starved).
+    link_z = z
+    if "util" in z and (node_causes or {}):
+        (z_last,) = PeerGroups(groups).robust_zs([(frame.get("util_last"), *FEATURES["util"][:2])])
+        link_z = {**z, "util_last": z_last}
+    cands += _link_stragglers(frame, scored & ~hit, p, flags, link_z, node_causes or {}, nic_links or {})
     return StragglerResult(scored, combined, z, _collapse_nodes(frame, groups, cands, p))
 
 
@@ -360,7 +368,7 @@ def _link_stragglers(frame: GpuFrame, idx: FloatArray, p: StragglerParams,
     for i in np.flatnonzero(np.asarray(idx, dtype=bool) & maybe):
         if not frame.jobs[i]:
             continue
-        own_z: dict[str, float] = {f: v for f in ("power_limit", "power", "util", "tensor") if f in z
+        own_z: dict[str, float] = {f: v for f in ("power_limit", "power", "util", "tensor", "util_last") if f in z
                                    and math.isfinite(v := float(z[f][i]))}
         view = cause_rules.GpuView(frame, int(i), own_z, _thresholds(p), nic_flags, node_causes or {}, **refs)
         hit = cause_rules.link(view)
