@@ -249,6 +249,39 @@ def test_a_replay_burst_is_pcie_evidence_with_or_without_link_state() -> None:
     assert c.cause == "pcie" and c.evidence.rules == ("pcie_link_below_max",)
 
 
+def test_host_pressure_and_a_latest_reading_below_the_peers_is_starvation_from_the_first_scrape() -> None:
+    # issue 31: a stray process starves node n1's data loaders: its GPUs' latest utilization is below their peers'
+    # at once, while the window's average has barely moved; the node's CPU pressure names the cause.
+    g = _busy(32, ["j"] * 32)
+    g.values["util_last"] = np.full(32, 0.9)
+    g.values["util_last"][8:16] = 0.72
+    g.values["util"][8:16] -= 0.01  # one scrape of eight in the window
+    pressure = {"n1": ("host", {"cpu_pressure": 0.4})}
+    got = straggler.score(g, StragglerParams(), node_causes=pressure).candidates
+    assert [(c.node, c.gpu, c.cause, c.evidence.rules) for c in got] == [("n1", None, "host", ("host_starved",))]
+    # the control: without the pressure a low reading is no evidence (a scrape's reading is noisy); with the
+    # pressure but the GPUs' latest readings like their peers', nobody is starved
+    assert straggler.score(g, StragglerParams()).candidates == []
+    g.values["util_last"][8:16] = 0.9
+    assert straggler.score(g, StragglerParams(), node_causes=pressure).candidates == []
+
+
+def test_at_a_job_wide_edge_the_gpus_busy_now_are_judged() -> None:
+    # the whole job checkpointed until a scrape ago: every window average is below busy_util, the latest readings
+    # are busy again; a starved node shows among them (before, nobody was judged until the idle phase left the
+    # window)
+    g = _busy(32, ["j"] * 32)
+    g.values["util"] = np.full(32, 0.45)
+    g.values["util"][8:16] = 0.44
+    g.values["util_last"] = np.full(32, 0.9)
+    g.values["util_last"][8:16] = 0.7
+    pressure = {"n1": ("host", {"cpu_pressure": 0.4})}
+    edge = np.ones(32, dtype=bool)
+    got = straggler.score(g, StragglerParams(), node_causes=pressure, edge=edge).candidates
+    assert [(c.node, c.cause) for c in got] == [("n1", "host")]
+    assert straggler.score(g, StragglerParams(), node_causes=pressure).candidates == []  # no edge: idle, unjudged
+
+
 # ---------------------------------------------------------------- time: the fleet's own interval
 
 
