@@ -217,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="parallel worker processes")
     ap.add_argument("--out", default="quality-results", help="directory for quality-slurm.json")
     ap.add_argument("--from-json", metavar="FILE", help="only print the tables of an earlier run's JSON")
+    ap.add_argument("--dcgm-collect", type=float, default=slurm_world.DCGM_COLLECT_S, metavar="SECONDS",
+                    help="dcgm-exporter's collect interval (its -c, in s; default 30 as dcgm-exporter's own)")
     add_scrape_option(ap)
     args = ap.parse_args(argv)
     if args.from_json:
@@ -229,6 +231,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--seeds must be at least 1")
     if any(s <= 0 or s > 300 for s in args.steps):
         ap.error("--steps: scrape intervals must be in (0, 300] seconds")
+    if not 0 < args.dcgm_collect <= 300:
+        ap.error("--dcgm-collect must be in (0, 300] seconds")
+    slurm_world.DCGM_COLLECT_S = args.dcgm_collect  # read by the scenario of every run (worker processes fork)
     runs = plan(args.seeds or (1 if args.quick else 3), args.steps)
     for r in runs:
         r.scrape = args.scrape

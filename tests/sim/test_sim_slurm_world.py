@@ -340,3 +340,11 @@ def test_no_two_faults_of_a_variant_share_a_gpu() -> None:
         assert len(places) == len(set(places)), seed
         nodes = [f["node"] for f in slurm_world.variant(seed).faults]
         assert nodes[0] != nodes[1]  # the fine-tune's two faults on different nodes: one answer each
+
+
+@pytest.mark.parametrize("bad", ["0", "-15", "301", "x"])
+def test_the_harness_refuses_a_dcgm_collect_interval_out_of_range(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        quality_slurm.main(["--dcgm-collect", bad, "--out", "/nonexistent/never-written"])
+    assert e.value.code == 2 and "--dcgm-collect" in capsys.readouterr().err
+    assert slurm_world.DCGM_COLLECT_S == 30.0  # nothing changed for the runs that follow
