@@ -304,18 +304,22 @@ def report(r: dict[str, Any]) -> dict[str, Any]:
     rows = []
     hw_nodes = {t["node"] for t in r["truth"]}
     for t in r["truth"]:
-        pages = sorted((v[1], v[2], inc) for inc, v in seen.pages.items() if v[0] == t["node"])
+        pages = sorted((v[1], inc) for inc, v in seen.pages.items() if v[0] == t["node"])
+        inc = pages[0][1] if pages else None
+        delivered = [at for at, path, a in r["notifications"] if inc and path == "/page"
+                     and a["labels"].get("incident") == inc and a.get("status") == "firing"]
+        # the page: the alert seen firing or its notification delivered (to the service's webhook and the
+        # harness's receiver at once), whichever came first; its evaluation: the count read last before it
+        page_t = min([pages[0][0], *delivered]) if pages else None
+        page_eval = None if page_t is None else max(
+            (n for at, n in seen.evaluation_log if at <= page_t), default=0)
         drain = seen.drains.get(t["node"])
-        page_eval = pages[0][1] if pages else None
         drain_eval = drain[2] if drain else None
         after = drain_eval - page_eval if page_eval is not None and drain_eval is not None else None
-        delivered = [at for at, path, a in r["notifications"] if path == "/page" and pages
-                     and a["labels"].get("incident") == pages[0][2] and a.get("status") == "firing"]
-        rows.append({"kind": t["kind"], "node": t["node"], "incident": pages[0][2] if pages else None,
-                     "seconds_page_to_webhook": round(min(delivered) - pages[0][0], 1) if delivered else None,
+        rows.append({"kind": t["kind"], "node": t["node"], "incident": inc,
                      "page_eval": page_eval, "drain_eval": drain_eval, "evaluations_after_page": after,
-                     "seconds_after_page": round(drain[1] - pages[0][0], 1) if pages and drain else None,
-                     "seconds_onset_to_page": round(pages[0][0] - t["t"], 1) if pages else None})
+                     "seconds_after_page": round(drain[1] - page_t, 1) if page_t and drain else None,
+                     "seconds_onset_to_page": round(page_t - t["t"], 1) if page_t else None})
     false = {n: v[0] for n, v in seen.drains.items() if n not in hw_nodes}
     drain_calls: dict[str, int] = {}
     for c in r["scontrol_calls"]:

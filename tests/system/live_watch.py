@@ -27,6 +27,7 @@ class Observed:
     """What the monitor saw, each with the detector's evaluation count at the time."""
 
     evaluations: int = 0
+    evaluation_log: list[tuple[float, int]] = field(default_factory=list)  # (time read, count) of every read
     pages: dict[str, tuple[str, float, int]] = field(default_factory=dict)  # incident -> (node, t, evaluation)
     drains: dict[str, tuple[str, float, int]] = field(default_factory=dict)  # node -> (reason, t, evaluation)
     incidents: dict[str, dict[str, str]] = field(default_factory=dict)  # incident -> labels (first seen)
@@ -102,6 +103,8 @@ class Monitor:
                     elif s.name == "gpufleet_detector_degraded" and s.value > 0:
                         seen.degraded.add(s.labels.get("reason", ""))
             seen.evaluations = max(seen.evaluations, int(evals))
+            # read back by then: every evaluation it counts completed before this time
+            seen.evaluation_log.append((time.time(), seen.evaluations))
         except requests.RequestException:
             pass
 
