@@ -212,7 +212,7 @@ def run_live(d: Path, short: bool = False, say: Any = None) -> dict[str, Any]:
         (d / "detector.toml").write_text(DETECTOR.format(interval=INTERVAL, port=det_port, prometheus=prom))
         (d / "remediate.toml").write_text(REMEDIATE.format(detector=det, alertmanager=am, port=rem_port, d=d,
                                                            min_open=round(120 * SCALE, 3)))
-        time.sleep(8)  # most of a window of samples before the detector starts (it takes a few seconds to)
+        time.sleep(4)  # samples before the detector starts (it takes a few seconds more to evaluate)
         es.enter_context(running([str(BIN / "gpufleet-detector"), "serve", "--config", str(d / "detector.toml")],
                                  log=d / "detector.log"))
         wait_http(f"{det}/ready", timeout=60)
@@ -280,7 +280,7 @@ def run_live(d: Path, short: bool = False, say: Any = None) -> dict[str, Any]:
              fail=False)
         finished.set()
         killer.join(timeout=20)
-        time.sleep(3 * INTERVAL)  # a few more rounds: anything repeated or fenced late would show
+        time.sleep(4)  # three more rounds of the service at least: anything repeated or fenced late would show
         event("done")
         metrics = requests.get(f"http://127.0.0.1:{rem_port}/metrics", timeout=5).text
         am_alerts = requests.get(f"{am}/api/v2/alerts", timeout=5).json()
