@@ -423,6 +423,13 @@ class FaultSchedule:
         self._started = [False] * len(self.faults)
         self._ended = [False] * len(self.faults)
 
+    def add(self, fault: Fault) -> None:
+        """A fault injected while the run goes (a live fleet, :meth:`gpufleet.sim.live.LiveFleet.inject`): it
+        starts at its onset and ends at its end like the scenario's."""
+        self.faults.append(fault)
+        self._started.append(False)
+        self._ended.append(False)
+
     def __call__(self, p: Physics, t: float, dt: float) -> None:
         for i, fault in enumerate(self.faults):
             if fault.in_precursor(t):

@@ -184,6 +184,8 @@ class LiveFleet:
         self.simulator_start = 0.0
         #: The last error of the ticker thread (the fleet stops advancing when set).
         self.error: BaseException | None = None
+        #: Nodes whose published state is not refreshed (:meth:`freeze`: their agents serve the same readings).
+        self.frozen: set[str] = set()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -385,6 +387,33 @@ class LiveFleet:
             self._kept_logs[a.node] = kept
         return kept
 
+    # ------------------------------------------------------------------ faults at run time
+    def inject(self, kind: str, node: str, gpu: int | None = None, severity: float = 0.5,
+               duration: float | None = None) -> float:
+        """Start a fault of ``kind`` (:data:`gpufleet.sim.faults.FAULTS`) on ``node`` (``gpu``: one GPU of it) now,
+        in the running fleet, for ``duration`` simulated seconds (None: until the fleet stops); its onset, in
+        simulated unix time. Needs the fleet simulator (:mod:`gpufleet.sim.simulator`)."""
+        from gpufleet.sim.faults import FAULTS
+        from gpufleet.sim.simulator import Simulator
+
+        sim = self.simulator
+        if not isinstance(sim, Simulator):
+            raise LiveFleetError("inject needs the fleet simulator (gpufleet.sim.simulator)")
+        if kind not in FAULTS:
+            raise ValueError(f"unknown fault kind {kind!r}")
+        with self.lock:
+            onset = sim.elapsed
+            fault = FAULTS[kind](onset=onset, end=None if duration is None else onset + duration,
+                                 severity=severity, node=list(sim.nodes).index(node), gpu=gpu)
+            sim.fault_schedule.add(fault)
+            return sim.start + onset
+
+    def freeze(self, node: str, frozen: bool = True) -> None:
+        """Stop (or resume) publishing ``node``'s state: its agent keeps serving the readings it had, as a hung
+        exporter or a stuck device snapshot does."""
+        with self.lock:
+            (self.frozen.add if frozen else self.frozen.discard)(node)
+
     # ------------------------------------------------------------------ ticking
     def _run(self) -> None:
         next_tick = time.monotonic() + self.tick
@@ -417,6 +446,8 @@ class LiveFleet:
         sim = self.simulator
         jobs = getattr(sim, "write_node_job_mapping", None)
         for i, a in enumerate(self.agents):
+            if a.node in self.frozen:
+                continue
             if self.slurm is not None and a.procfs is not None and a.cgroupfs is not None:
                 self.slurm.publish(i, sim.node_snapshot(i), a.snapshot, a.procfs, a.cgroupfs)
             else:

@@ -78,3 +78,14 @@ sys.exit(3 if "gpufleet.sim.faults" in sys.modules else 0)
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_a_fault_added_while_the_run_goes_starts_at_its_onset_and_ends_once() -> None:
+    sim = Simulator("demo", seed=1, start=0.0)
+    schedule = FaultSchedule([])
+    schedule(sim.physics, 10.0, 10.0)
+    fault = _Logged(onset=20.0, end=40.0, node=0)
+    schedule.add(fault)
+    for t in np.arange(20.0, 70.0, 10.0):
+        schedule(sim.physics, float(t), 10.0)
+    assert fault.log == [("start", 20.0), ("apply", 20.0), ("apply", 30.0), ("end", 40.0)]

@@ -421,3 +421,41 @@ def test_demo_view_of_an_exposition() -> None:
     lines = log_lines([view], slow)
     assert "power - W" in lines[0] and "throttle: HW slowdown" in lines[0]
     assert "slow GPU: node-007 gpu 2 sm_clock 990 MHz vs peers 1980 MHz (hw_slowdown)" in lines[1]
+
+
+def test_a_fault_injected_into_a_running_fleet_and_a_frozen_node(tmp_path: Path) -> None:
+    from gpufleet.sim.live_agents import AgentProcess
+
+    sim = Simulator("demo", seed=1, start=1_750_000_000.0)
+    fleet = LiveFleet(simulator=sim, tick=1.0)
+    nodes = list(sim.nodes)
+    fleet.agents = [AgentProcess(n, 0, tmp_path / n / "snap.json", tmp_path / n / "sysfs", tmp_path / n / "jobs",
+                                 tmp_path / f"{n}.log") for n in nodes[:2]]
+    for a in fleet.agents:
+        a.sysfs.mkdir(parents=True)
+        a.job_mapping.mkdir(parents=True)
+    def clock(g: int) -> int:
+        mhz = sim.gpu_sample(g).clock_sm_mhz
+        assert mhz is not None
+        return mhz
+
+    fleet.advance(30.0)
+    busy = [g for g in range(sim.fleet.gpus_per_node) if clock(g) > 1500]
+    assert busy, "node 0 has busy GPUs at full clocks"
+    onset = fleet.inject("clock_stuck_low", nodes[0], busy[0], 1.0, duration=20.0)
+    assert onset == sim.t
+    fleet.advance(5.0)
+    assert clock(busy[0]) <= 0.45 * 1980  # held at 40 % of its clock (severity 1)
+    fleet.advance(30.0)  # past its end: the clock comes back
+    assert clock(busy[0]) > 1500
+
+    fleet.freeze(nodes[1])
+    frozen, moving = fleet.agents[1].snapshot.read_bytes(), fleet.agents[0].snapshot.read_bytes()
+    fleet.advance(5.0)
+    assert fleet.agents[1].snapshot.read_bytes() == frozen  # its agent serves the readings it had
+    assert fleet.agents[0].snapshot.read_bytes() != moving
+    fleet.freeze(nodes[1], False)
+    fleet.advance(5.0)
+    assert fleet.agents[1].snapshot.read_bytes() != frozen
+    with pytest.raises(ValueError, match="unknown fault kind"):
+        fleet.inject("no_such_fault", nodes[0])
