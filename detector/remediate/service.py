@@ -178,16 +178,20 @@ class Journal:
                 continue
         return out
 
-    def unfinished(self) -> set[tuple[str, str]]:
-        """(node, incident) of the fences begun and not recorded done: the service stopped mid-action."""
-        begun: set[tuple[str, str]] = set()
+    def unfinished(self) -> dict[tuple[str, str], float]:
+        """(node, incident) -> the intent's time, of the fences begun and not recorded done: the service stopped
+        mid-action."""
+        begun: dict[tuple[str, str], float] = {}
         for rec in self.records():
             key = (str(rec.get("node", "")), str(rec.get("incident", "")))
             if rec.get("action") == "fence":
                 if rec.get("phase", "intent") == "intent":
-                    begun.add(key)
+                    try:
+                        begun[key] = float(rec.get("t", 0.0))
+                    except (TypeError, ValueError):
+                        begun[key] = 0.0
                 else:
-                    begun.discard(key)
+                    begun.pop(key, None)
         return begun
 
     def write(self, rec: dict[str, Any]) -> None:
@@ -261,7 +265,7 @@ class Remediator:
             fenced = []
         self.fenced_now = fenced
         decisions: list[Decision] = []
-        unfinished = self.journal.unfinished() if leader else set()
+        unfinished = self.journal.unfinished() if leader else {}
         for state in fenced:  # begun before a restart and found done on the node: reported now, not repeated
             if (state.node, state.incident) in unfinished:
                 self.journal.write({"t": now, "action": "fence", "phase": "done", "node": state.node,
@@ -274,6 +278,13 @@ class Remediator:
                 state = self.backend.state(node) if node else NodeState(node)
             except BackendError as e:
                 decisions.append(self._report(Decision("fence", node, inc, False, "backend_error", "", str(e))))
+                continue
+            begun = unfinished.get((node, inc))
+            if begun is not None and not state.fenced and now - begun < self.cfg.timeout_seconds:
+                # A fence begun by a process that stopped mid-action (its scontrol or API call may outlive it):
+                # not repeated until that call has had the time it was given (then it failed, and is begun again).
+                decisions.append(self._report(Decision("fence", node, inc, False, "in_flight", labels.get("job", ""),
+                                                       f"begun {now - begun:.0f} s ago before a restart")))
                 continue
             d = fence(labels, view, state, fenced, self.journal.fences_since(now - 3600.0), now, self.cfg.rails,
                       leader)

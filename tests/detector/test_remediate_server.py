@@ -109,3 +109,26 @@ def test_a_restart_mid_action_repeats_nothing_and_loses_nothing(tmp_path: Path) 
     assert [d for d in rem.tick() if d.allowed] == [] and rem.counts[("fence", "done", "ok")] == 1
     phases = [json.loads(x)["phase"] for x in journal.read_text().splitlines()]
     assert phases == ["intent", "done"]
+
+
+def test_a_fence_begun_before_a_restart_is_not_repeated_while_its_call_may_be_under_way(tmp_path: Path) -> None:
+    """The service was killed while its scontrol ran: the intent is in the journal and the node not drained yet
+    (the orphaned call may still drain it). The restarted service waits the time it gives a call before it decides
+    again; then the page is judged as any other (here: refused, the detector being unreachable)."""
+    sched = MemoryScheduler()
+    cfg = RemediationConfig(rails=Rails(enabled=True, dry_run=False), detectors=[["http://127.0.0.1:9"]],
+                            lock_file=str(tmp_path / "lock"), journal=str(tmp_path / "journal"), timeout_seconds=10.0)
+    (tmp_path / "journal").write_text(json.dumps({"t": 1000.0, "action": "fence", "phase": "intent",
+                                                  "node": "node-001", "incident": "inc1", "job": "train"}) + "\n")
+    rem = Remediator(cfg, sched)
+    rem.webhook(PAYLOAD)
+    (d,) = rem.tick(now=1003.0)
+    assert (d.allowed, d.reason) == (False, "in_flight") and "before a restart" in d.detail
+    assert sched.calls == []
+    (d,) = rem.tick(now=1011.0)  # the call has had its time: no longer held as in flight
+    assert d.reason == "unreachable" and sched.calls == []
+    # and once the orphaned call's drain shows on the node, it is reported done, not repeated
+    sched.nodes["node-001"] = NodeState("node-001", True, True, "inc1", "train")
+    assert [(x.reason, x.detail) for x in rem.tick(now=1012.0) if x.allowed] == \
+        [("ok", "found done on the node after a restart")]
+    assert sched.calls == []
