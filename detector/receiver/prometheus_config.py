@@ -13,8 +13,7 @@ whole NIC frame): which nodes those are changes with the jobs, and a sender's ``
 labels cannot follow it (most GPU series carry no job label; a job spans nodes of every hash). Splitting the
 stream by ``hashmod`` would give each replica a part of each job's peers and change the findings, so the
 detector does not offer it; each replica instead holds the window in memory and selects its share itself,
-exactly as a sharded replay does. :func:`hashmod` (Prometheus' own function) is kept for the
-bench that measures what such a split would cost the sender.
+exactly as a sharded replay does.
 """
 
 from __future__ import annotations
