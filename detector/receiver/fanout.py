@@ -30,6 +30,8 @@ PROGRAM = "vmagent"
 DATA_PATH = "/var/lib/gpufleet-fanout"
 #: Each replica's on-disk backlog at most (vmagent writes it in chunks of about 500 MB).
 MAX_DISK_PER_URL = "1GiB"
+#: The certificate and key vmagent serves when the backend reaches it by ``https`` (put yours there).
+TLS_CERT, TLS_KEY = "/etc/gpufleet/fanout.crt", "/etc/gpufleet/fanout.key"
 
 
 def write_url(fanout: str, path: str) -> str:
@@ -54,11 +56,14 @@ def listen_address(fanout: str) -> str:
 
 
 def vmagent_args(fanout: str, replicas: list[str], data_path: str = DATA_PATH) -> list[str]:
-    """vmagent's command line: listen where ``fanout`` points, copy every request to each of ``replicas``."""
+    """vmagent's command line: listen where ``fanout`` points (TLS when it is ``https``), copy every request to each
+    of ``replicas``."""
     if not replicas:
         raise ValueError("the fan-out needs at least one replica")
-    argv = [PROGRAM, f"-httpListenAddr={listen_address(fanout)}", f"-remoteWrite.tmpDataPath={data_path}",
-            f"-remoteWrite.maxDiskUsagePerURL={MAX_DISK_PER_URL}"]
+    argv = [PROGRAM, f"-httpListenAddr={listen_address(fanout)}"]
+    if urlsplit(fanout).scheme == "https":
+        argv += ["-tls", f"-tlsCertFile={TLS_CERT}", f"-tlsKeyFile={TLS_KEY}"]
+    argv += [f"-remoteWrite.tmpDataPath={data_path}", f"-remoteWrite.maxDiskUsagePerURL={MAX_DISK_PER_URL}"]
     return argv + [f"-remoteWrite.url={u}" for u in replicas]
 
 

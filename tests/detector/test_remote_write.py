@@ -260,6 +260,9 @@ def test_fanout_config_sends_once_and_prints_the_fanouts_command_line() -> None:
     assert comments == fanout.command_line(argv)  # the command line in the block is the one --fanout-args prints
     assert fanout.listen_address("http://127.0.0.1:9001/api/v1/write") == "127.0.0.1:9001"
     assert fanout.listen_address("https://[::1]:9001") == "[::1]:9001"
+    tls = fanout.vmagent_args("https://vmagent:8429", ["https://det-0:9447/api/v1/write"])
+    assert {"-tls", f"-tlsCertFile={fanout.TLS_CERT}", f"-tlsKeyFile={fanout.TLS_KEY}"} <= set(tls)
+    assert "-tls" not in argv
     assert fanout.write_url("http://127.0.0.1:9001/prometheus/api/v1/write", "/api/v1/write") == \
         "http://127.0.0.1:9001/prometheus/api/v1/write"
     with pytest.raises(ValueError, match="--shard"):
