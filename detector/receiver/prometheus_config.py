@@ -3,7 +3,9 @@
 The block sends only the series the detector reads: a ``write_relabel_configs`` keep-list of exactly the sample
 names of its queries (the profile's, :mod:`gpufleet.detector.sources.profiles`, and the configured sites'), one regular
 expression of literal names (matched by Prometheus as a set lookup), so the rest of the scrape never leaves the
-backend. With ``--shards N`` it prints one entry per replica (``--url`` may hold ``{shard}``).
+backend. With ``--shards N`` it prints one entry per replica (``--url`` may hold ``{shard}``); with ``--fanout URL``
+as well, one entry to a fan-out (vmagent, :mod:`~gpufleet.detector.receiver.fanout`) and the fan-out's command line
+that copies the stream to every replica: the backend then sends the families once, whatever the replica count.
 
 Every replica is sent the whole keep-list. A replica scores the GPUs of the training jobs it owns
 (:mod:`gpufleet.detector.sharding.shard`) against each other, and reads every series of the nodes they run on (and the
@@ -11,8 +13,7 @@ whole NIC frame): which nodes those are changes with the jobs, and a sender's ``
 labels cannot follow it (most GPU series carry no job label; a job spans nodes of every hash). Splitting the
 stream by ``hashmod`` would give each replica a part of each job's peers and change the findings, so the
 detector does not offer it; each replica instead holds the window in memory and selects its share itself,
-exactly as a sharded replay does. :func:`hashmod` (Prometheus' own function) is kept for the
-bench that measures what such a split would cost the sender.
+exactly as a sharded replay does.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 from collections.abc import Iterable
 
 from gpufleet.detector.config import DetectorConfig
+from gpufleet.detector.receiver import fanout as fan_out
 from gpufleet.detector.sources.profiles import Query, queries, site_queries
 
 #: The receiver's path (Prometheus' own receiver's).
@@ -46,33 +48,61 @@ def _q(s: str) -> str:
     return json.dumps(s)  # a JSON string is a YAML double-quoted scalar
 
 
-def render(cfg: DetectorConfig, url: str, shards: int = 1, *, only: int | None = None,
-           batch_send_deadline: str = "5s") -> str:
-    """The ``remote_write:`` YAML for ``shards`` replicas at ``url`` (``{shard}`` replaced by each index);
-    ``only``: replica ``only``'s entry alone."""
+def replica_urls(url: str, shards: int) -> list[str]:
+    """Each replica's receiver URL: ``url`` with ``{shard}`` replaced by its index."""
     if shards < 1:
         raise ValueError(f"--shards must be at least 1, got {shards}")
-    if only is not None and not 0 <= only < shards:
-        raise ValueError(f"--shard {only}: need 0 <= I < --shards ({shards})")
     if shards > 1 and "{shard}" not in url:
         raise ValueError("--url needs {shard} where the replica's index goes when --shards is above 1")
+    return [url.replace("{shard}", str(i)) for i in range(shards)]
+
+
+def _entry(url: str, name: str, names: list[str], batch_send_deadline: str) -> list[str]:
+    return [
+        f"  - url: {_q(url)}",
+        f"    name: {_q(name)}",
+        "    remote_timeout: 30s",
+        "    queue_config:",
+        f"      batch_send_deadline: {batch_send_deadline}",
+        "    write_relabel_configs:",
+        "      - source_labels: [__name__]",
+        f"        regex: {_q(keep_regex(names))}",
+        "        action: keep",
+    ]
+
+
+def render(cfg: DetectorConfig, url: str, shards: int = 1, *, only: int | None = None,
+           batch_send_deadline: str = "5s", fanout: str | None = None,
+           fanout_data: str = fan_out.DATA_PATH) -> str:
+    """The ``remote_write:`` YAML for ``shards`` replicas at ``url`` (``{shard}`` replaced by each index);
+    ``only``: replica ``only``'s entry alone; ``fanout``: one entry, to the fan-out at that URL, and the fan-out's
+    command line (YAML comments) that copies the stream to each replica."""
+    urls = replica_urls(url, shards)
+    if only is not None and not 0 <= only < shards:
+        raise ValueError(f"--shard {only}: need 0 <= I < --shards ({shards})")
     names = sample_names(cfg)
+    if fanout is not None:
+        if only is not None:
+            raise ValueError("--shard: with --fanout the backend has one entry, the fan-out's, for every replica")
+        argv = fan_out.vmagent_args(fanout, urls, fanout_data)
+        lines = [f"# gpufleet-detector: the {len(names)} families profile {cfg.profile!r} reads, sent once to the "
+                 f"fan-out, which copies them to {shards} replica(s) (each selects its shard itself).",
+                 "# The fan-out (vmagent), run beside the detector:",
+                 *("#   " + line for line in fan_out.command_line(argv).splitlines()),
+                 "remote_write:",
+                 *_entry(fan_out.write_url(fanout, PATH), "gpufleet-detector-fanout", names, batch_send_deadline)]
+        return "\n".join(lines) + "\n"
     lines = [f"# gpufleet-detector: the {len(names)} families profile {cfg.profile!r} reads; "
              f"{shards} replica(s), each sent all of them (it selects its shard itself).", "remote_write:"]
     for i in range(shards) if only is None else (only,):
-        target = url.replace("{shard}", str(i))
-        lines += [
-            f"  - url: {_q(target)}",
-            f"    name: {_q(f'gpufleet-detector-{i}' if shards > 1 else 'gpufleet-detector')}",
-            "    remote_timeout: 30s",
-            "    queue_config:",
-            f"      batch_send_deadline: {batch_send_deadline}",
-            "    write_relabel_configs:",
-            "      - source_labels: [__name__]",
-            f"        regex: {_q(keep_regex(names))}",
-            "        action: keep",
-        ]
+        lines += _entry(urls[i], f"gpufleet-detector-{i}" if shards > 1 else "gpufleet-detector", names,
+                        batch_send_deadline)
     return "\n".join(lines) + "\n"
+
+
+def fanout_args(url: str, shards: int, fanout: str, fanout_data: str = fan_out.DATA_PATH) -> list[str]:
+    """The fan-out's command line alone (``--fanout-args``), for replicas at ``url``."""
+    return fan_out.vmagent_args(fanout, replica_urls(url, shards), fanout_data)
 
 
 def default_url(cfg: DetectorConfig) -> str:

@@ -49,9 +49,11 @@
     Missing inputs are reported on stderr. Exit status 0 on success, 2 on bad
     arguments, configuration or recordings.
 
-``remote-write-config [--profile P] [--config FILE] [--url URL] [--shards N [--shard I]]``
+``remote-write-config [--profile P] [--config FILE] [--url URL] [--shards N [--shard I | --fanout URL [--fanout-args]]]``
     Print the ``remote_write`` block a Prometheus needs to feed ``serve`` with
-    ``remote_write_listen``: a keep-list of exactly the families the profile reads.
+    ``remote_write_listen``: a keep-list of exactly the families the profile reads. ``--fanout``: one entry, to a
+    vmagent at URL that copies the stream to the N replicas, and vmagent's command line (as comments);
+    ``--fanout-args``: that command line alone, an argument a line.
 ``remediate --config FILE [--once]``
     The remediation service (issue 34, docs/remediation.md): fence the node of a confirmed hardware fault in
     Slurm or Kubernetes, behind guard rails; off unless ``[remediation] enabled = true``, dry-run until
@@ -108,6 +110,10 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--url", help="the receiver's URL ({shard}: the replica's index; default: remote_write_listen)")
     w.add_argument("--shards", type=int, default=1, help="replicas to send to (each gets every family)")
     w.add_argument("--shard", type=int, help="print only replica I's entry (0 <= I < --shards)")
+    w.add_argument("--fanout", metavar="URL", help="send once, to a vmagent at URL that copies to every replica")
+    w.add_argument("--fanout-data", metavar="DIR", help="the fan-out's queue directory (its -remoteWrite.tmpDataPath)")
+    w.add_argument("--fanout-args", action="store_true", help="print only the fan-out's command line, an argument "
+                   "a line")
     m = sub.add_parser("remediate", help="fence the nodes of confirmed hardware faults (docs/remediation.md)")
     m.add_argument("--config", required=True, help="TOML configuration file with a [remediation] table")
     m.add_argument("--once", action="store_true", help="decide one round, print the decisions and exit")
@@ -189,11 +195,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cfg.shard = parse_shard_option("--shard", args.shard)
             return serve(cfg, args.once)
         if args.command == "remote-write-config":
+            from gpufleet.detector.receiver import fanout
             from gpufleet.detector.receiver import prometheus_config as remote_write_config
 
             cfg = _config(args.config, args.profile)
-            sys.stdout.write(remote_write_config.render(cfg, args.url or remote_write_config.default_url(cfg),
-                                                        args.shards, only=args.shard))
+            url = args.url or remote_write_config.default_url(cfg)
+            data = args.fanout_data or fanout.DATA_PATH
+            if (args.fanout_args or args.fanout_data) and not args.fanout:
+                raise ValueError("--fanout-args and --fanout-data go with --fanout URL")
+            if args.fanout_args:
+                sys.stdout.write("".join(a + "\n" for a in remote_write_config.fanout_args(url, args.shards,
+                                                                                           args.fanout, data)))
+                return 0
+            sys.stdout.write(remote_write_config.render(cfg, url, args.shards, only=args.shard, fanout=args.fanout,
+                                                        fanout_data=data))
             return 0
 
         if args.command == "remediate":

@@ -1,5 +1,6 @@
 """What feeding the detector costs the metrics backend: query path against remote write, 1, 2 and 4 shards, beside
-the backend's own cost of ingesting the scrapes. One real Prometheus, every phase side by side in one run.
+the backend's own cost of ingesting the scrapes, and remote write through the fan-out (vmagent) that sends shards
+the stream once. One real Prometheus, every phase side by side in one run.
 
 Run: ``.venv/bin/python tests/bench/bench_remote_write.py [--gpus 2000] [--other 200] [--interval 5]
 [--phase 40] [--repeat 2] [--shards 1 2 4]``.
@@ -13,12 +14,19 @@ seconds. Phases of ``--phase`` seconds, in rounds, so a change of the machine's 
 * ``query xN``: N shard detectors (``--shard i/N``, :mod:`gpufleet.detector.sharding.shard_source`) each evaluating every
   interval through the query API;
 * ``rw xN``: Prometheus remote-writing the keep-list ``remote-write-config`` prints to N receivers (reloaded
-  config, SIGHUP), N detectors evaluating from their streams every interval.
+  config, SIGHUP), N detectors evaluating from their streams every interval;
+* ``fanout xN``: Prometheus remote-writing the one entry ``remote-write-config --fanout`` prints to the vmagent
+  it prints (Debian's ``vmagent``, on a free 127.0.0.1 port), which copies the stream to N receivers; N detectors
+  evaluating from their streams every interval.
 
 Per phase: Prometheus' CPU (user + system, ``/proc``) per second, its RSS at the end, and the bytes that went
-to the detector (query answers' bodies; remote write request bodies as sent, snappy-compressed). The detector's
-share is the phase's CPU less the median ``scrape`` phase's; the ratio is N shards' share over one detector's.
-At the end one detector on each path evaluates the same instant: their findings are compared.
+to the detector (query answers' bodies; remote write request bodies as sent, snappy-compressed: for ``rw`` as the
+receivers counted them, for ``fanout`` as Prometheus counted them, ``prometheus_remote_storage_*bytes_total``).
+The detector's share is the phase's CPU less the median ``scrape`` phase's; the ratio is N shards' share over
+one detector's on the same path, and for ``fanout`` over ``rw x1``'s (one detector fed directly). The fan-out's
+own CPU, RSS and the bytes it sent on to the replicas are the detector side's cost, in columns of their own.
+At the end one detector on each path evaluates the same instant: their findings are compared, and the fan-out's
+shards' candidates together with one detector's.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from test_detector_core import Fault, Synth, synth
 
 from gpufleet.detector.config import DetectorConfig, parse
 from gpufleet.detector.engine import Detector
+from gpufleet.detector.receiver import fanout
 from gpufleet.detector.receiver import prometheus_config as remote_write_config
 from gpufleet.detector.receiver.server import RemoteWriteReceiver
 from gpufleet.detector.sharding import shard_source
@@ -112,6 +121,20 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
+def sent_bytes(url: str, remote_name: str) -> float:
+    """The bytes (samples and metadata, as sent) Prometheus counts for its remote write queue ``remote_name``."""
+    total = 0.0
+    for line in requests.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(("prometheus_remote_storage_bytes_total{", "prometheus_remote_storage_metadata_bytes_total{")) \
+                and f'remote_name="{remote_name}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def candidates(det: Detector, at: float) -> list[tuple[Any, ...]]:
+    return sorted((k, c.node, c.gpu, c.cause) for k, c in det.evaluate(at).candidates)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gpus", type=int, default=2000)
@@ -150,9 +173,11 @@ def main() -> None:
                 os.kill(pid, signal.SIGHUP)
                 time.sleep(iv)  # the reload and the WAL watcher's start are not measured
 
-            def phase(name: str, sources: list[tuple[Source, Any, DetectorConfig]], counted: Callable[[], int]) -> None:
+            def phase(name: str, sources: list[tuple[Source, Any, DetectorConfig]], counted: Callable[[], float],
+                      fan: tuple[int, Callable[[], float]] | None = None) -> list[Detector]:
                 dets = [Detector(cfg_sh, shard_source.view(src, cfg_sh)) for src, _, cfg_sh in sources]
                 b0, c0, t0 = counted(), cpu(pid), time.monotonic()
+                f0 = (cpu(fan[0]), fan[1]()) if fan else (0.0, 0.0)
                 evals = 0
                 while time.monotonic() - t0 < args.phase:
                     at = time.time() - iv  # an instant the sender has flushed
@@ -163,9 +188,47 @@ def main() -> None:
                 secs = time.monotonic() - t0
                 row = {"cpu": (cpu(pid) - c0) / secs, "rss": rss_mb(pid), "bytes": (counted() - b0) / secs,
                        "evals": evals}
+                if fan:
+                    row |= {"fan_cpu": (cpu(fan[0]) - f0[0]) / secs, "fan_rss": rss_mb(fan[0]),
+                            "fan_bytes": (fan[1]() - f0[1]) / secs}
                 rows.setdefault(name, []).append(row)
+                extra = (f"  fan-out CPU {row['fan_cpu'] * 100:5.1f} %  RSS {row['fan_rss']:5.0f} MB  "
+                         f"to the replicas {row['fan_bytes'] / 1e3:7.1f} kB/s") if fan else ""
                 print(f"  {name:9s} Prometheus CPU {row['cpu'] * 100:6.1f} %  RSS {row['rss']:7.0f} MB  "
-                      f"to the detector {row['bytes'] / 1e3:9.1f} kB/s  ({evals} evaluations)", flush=True)
+                      f"to the detector {row['bytes'] / 1e3:9.1f} kB/s  ({evals} evaluations){extra}", flush=True)
+                return dets
+
+            def fanout_phase(n: int, r: int) -> None:
+                stores = [StreamStore(remote_write_config.sample_names(cfg), 6 * iv) for _ in range(n)]
+                rxs = [RemoteWriteReceiver("127.0.0.1:0", s) for s in stores]
+                for rx in rxs:
+                    rx.serve_in_thread()
+                fan_url = f"http://127.0.0.1:{free_port()}"
+                argv = fanout.vmagent_args(fan_url, [rx.url for rx in rxs], str(tmp / f"fanout-{r}-{n}"))
+                argv[0] = need_binary(argv[0])
+                try:
+                    with running([*argv, "-loggerLevel=ERROR"], log=tmp / "vmagent.log") as fan:
+                        wait_http(f"{fan_url}/health", timeout=60)
+                        template = "http://replica-{shard}:9447" + remote_write_config.PATH  # not in the entry
+                        [entry] = yaml.safe_load(remote_write_config.render(
+                            cfg, template, n, fanout=fan_url, batch_send_deadline="1s"))["remote_write"]
+                        reload([entry])
+                        time.sleep(4 * iv)  # the streams fill a window
+                        shard_stores: list[tuple[Source, Any, DetectorConfig]] = [
+                            (s, parse_shard(i, n), with_shard(cfg, i, n)) for i, s in enumerate(stores)]
+                        dets = phase(f"fanout x{n}", shard_stores, lambda: sent_bytes(url, entry["name"]),
+                                     (fan.pid, lambda: float(sum(rx.stats.bytes for rx in rxs))))
+                        if n == max(args.shards):
+                            at = time.time() - 2 * iv
+                            one = candidates(Detector(cfg, CountingSource(url)), at)
+                            parts = [candidates(det, at) for det in dets]
+                            same = sorted(c for p in parts for c in p) == one
+                            print(f"  candidates at one instant, one detector (query path) vs {n} shards through "
+                                  f"the fan-out: {'identical' if same else 'DIFFERENT'} ({len(one)} candidates)")
+                        reload([])
+                finally:
+                    for rx in rxs:
+                        rx.shutdown()
 
             for r in range(args.repeat):
                 print(f"round {r + 1}", flush=True)
@@ -205,22 +268,34 @@ def main() -> None:
                         reload([])
                         for rx in rxs:
                             rx.shutdown()
+                    fanout_phase(n, r)  # beside rw xN: the two ways of feeding N shards, one after the other
         base_cpu = statistics.median(x["cpu"] for x in rows["scrape"])
         print(f"\nmedians of {args.repeat} round(s); scrape ingest alone: Prometheus CPU {base_cpu * 100:.1f} %, "
               f"RSS {statistics.median(x['rss'] for x in rows['scrape']):.0f} MB")
-        print("| path | Prometheus CPU % | detector's share, CPU % | x one detector | RSS MB | to the detector kB/s |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: |")
-        for kind in ("query", "rw"):
-            one = None
+        print("| path | Prometheus CPU % | detector's share, CPU % | x one detector | RSS MB | to the detector kB/s "
+              "| fan-out CPU % | fan-out RSS MB | fan-out to the replicas kB/s |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        ones: dict[str, float] = {}
+        for kind in ("query", "rw", "fanout"):
             for n in args.shards:
                 xs = rows[f"{kind} x{n}"]
                 c = statistics.median(x["cpu"] for x in xs)
                 share = c - base_cpu
-                one = share if one is None else one
+                one = ones.setdefault("rw" if kind == "fanout" else kind, share)
+                fan = (f"{statistics.median(x['fan_cpu'] for x in xs) * 100:.1f} | "
+                       f"{statistics.median(x['fan_rss'] for x in xs):.0f} | "
+                       f"{statistics.median(x['fan_bytes'] for x in xs) / 1e3:.1f}") if kind == "fanout" else "- | - | -"
                 print(f"| {kind} x{n} | {c * 100:.1f} | {share * 100:.1f} | "
                       f"{share / one if one > 0 else float('nan'):.2f} | "
                       f"{statistics.median(x['rss'] for x in xs):.0f} | "
-                      f"{statistics.median(x['bytes'] for x in xs) / 1e3:.1f} |")
+                      f"{statistics.median(x['bytes'] for x in xs) / 1e3:.1f} | {fan} |")
+        if 1 in args.shards:  # round by round, each against its own round's scrape and rw x1 phases
+            for kind in ("rw", "fanout"):
+                for n in (m for m in args.shards if (kind, m) != ("rw", 1)):
+                    ratios = [(f["cpu"] - b["cpu"]) / (o["cpu"] - b["cpu"]) for f, b, o in
+                              zip(rows[f"{kind} x{n}"], rows["scrape"], rows["rw x1"], strict=True)]
+                    print(f"{kind} x{n} over rw x1, detector's share of Prometheus CPU, by round: "
+                          + ", ".join(f"{x:.2f}" for x in ratios))
 
 
 def parse_shard(i: int, n: int) -> Any:

@@ -22,6 +22,7 @@ from test_detector_core import T0, Fault, Synth, fast_cfg, synth
 
 from gpufleet.detector.config import DetectorConfig, parse
 from gpufleet.detector.engine import Detector
+from gpufleet.detector.receiver import fanout
 from gpufleet.detector.receiver import prometheus_config as remote_write_config
 from gpufleet.detector.receiver.proto import WireError, WriteRequest, decode, encode, uncompressed_length
 from gpufleet.detector.receiver.server import RemoteWriteReceiver
@@ -239,6 +240,65 @@ def test_config_keeps_exactly_the_profiles_families(profile: str) -> None:
     assert [b["url"] for b in one["remote_write"]] == ["https://det-1:9447/api/v1/write"]
     with pytest.raises(ValueError, match="shard"):
         remote_write_config.render(cfg, "https://det:9447/api/v1/write", 2)
+
+
+def test_fanout_config_sends_once_and_prints_the_fanouts_command_line() -> None:
+    import yaml
+
+    cfg = DetectorConfig(profile="dcgm")
+    url = "https://det-{shard}:9447/api/v1/write"
+    text = remote_write_config.render(cfg, url, 3, fanout="http://vmagent:8429")
+    [entry] = yaml.safe_load(text)["remote_write"]
+    assert entry["url"] == "http://vmagent:8429/api/v1/write"
+    direct = yaml.safe_load(remote_write_config.render(cfg, url, 3))["remote_write"]
+    assert all(entry["write_relabel_configs"] == d["write_relabel_configs"] for d in direct)  # the same keep-list
+    argv = remote_write_config.fanout_args(url, 3, "http://vmagent:8429")
+    assert argv[0] == "vmagent" and "-httpListenAddr=:8429" in argv
+    assert [a.split("=", 1)[1] for a in argv if a.startswith("-remoteWrite.url=")] == \
+        [f"https://det-{i}:9447/api/v1/write" for i in range(3)]
+    comments = "\n".join(line.removeprefix("#   ") for line in text.splitlines() if line.startswith("#   "))
+    assert comments == fanout.command_line(argv)  # the command line in the block is the one --fanout-args prints
+    assert fanout.listen_address("http://127.0.0.1:9001/api/v1/write") == "127.0.0.1:9001"
+    assert fanout.listen_address("https://[::1]:9001") == "[::1]:9001"
+    tls = fanout.vmagent_args("https://vmagent:8429", ["https://det-0:9447/api/v1/write"])
+    assert {"-tls", f"-tlsCertFile={fanout.TLS_CERT}", f"-tlsKeyFile={fanout.TLS_KEY}"} <= set(tls)
+    assert "-tls" not in argv
+    assert fanout.write_url("http://127.0.0.1:9001/prometheus/api/v1/write", "/api/v1/write") == \
+        "http://127.0.0.1:9001/prometheus/api/v1/write"
+    with pytest.raises(ValueError, match="--shard"):
+        remote_write_config.render(cfg, url, 3, only=1, fanout="http://vmagent:8429")
+    with pytest.raises(ValueError, match="--fanout"):
+        remote_write_config.render(cfg, url, 3, fanout="vmagent:8429")
+    with pytest.raises(ValueError, match="shard"):
+        remote_write_config.render(cfg, "https://det:9447/api/v1/write", 2, fanout="http://vmagent:8429")
+
+
+def test_cli_prints_the_fanouts_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    from gpufleet.detector.service.cli import main
+
+    url = "http://127.0.0.1:900{shard}/api/v1/write"
+    assert main(["remote-write-config", "--shards", "2", "--url", url, "--fanout", "http://127.0.0.1:8429",
+                 "--fanout-args", "--fanout-data", "/srv/fanout"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "vmagent", "-httpListenAddr=127.0.0.1:8429", "-remoteWrite.tmpDataPath=/srv/fanout",
+        f"-remoteWrite.maxDiskUsagePerURL={fanout.MAX_DISK_PER_URL}",
+        "-remoteWrite.url=http://127.0.0.1:9000/api/v1/write", "-remoteWrite.url=http://127.0.0.1:9001/api/v1/write"]
+    assert main(["remote-write-config", "--shards", "2", "--url", url, "--fanout", "http://127.0.0.1:8429"]) == 0
+    assert "remote_write:\n  - url: \"http://127.0.0.1:8429/api/v1/write\"" in capsys.readouterr().out
+    assert main(["remote-write-config", "--fanout-args"]) == 2
+    assert "--fanout URL" in capsys.readouterr().err
+
+
+def test_a_resent_request_is_harmless(receiver: RemoteWriteReceiver) -> None:
+    """A sender (or the fan-out) sends a request again when it timed out waiting for the answer: the receiver
+    answers 204 and keeps the samples once."""
+    body = encode([(gpu(1, g), [(1000, 0.5), (2000, 0.25 * g)]) for g in range(4)])
+    q = Query("n", UTIL, "count")
+    for _ in range(3):
+        assert post(receiver, body).status_code == 204
+        assert sorted(v for _, v in receiver.store.query(q, 2.0, 10.0)) == [2.0] * 4
+    assert receiver.stats.samples["accepted"] == 8 and receiver.stats.samples["out_of_order"] == 0
+    assert receiver.stats.requests["ok"] == 3
 
 
 def test_config_follows_configured_sites() -> None:
