@@ -60,6 +60,17 @@ def key(name: str, **labels: str) -> tuple[str, frozenset[tuple[str, str]]]:
     return (name, frozenset(labels.items()))
 
 
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a process if it still runs: SIGTERM, then SIGKILL after 10 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -123,13 +134,7 @@ def running(
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+        stop(proc)
         if log:
             out.close()  # type: ignore[union-attr]
 

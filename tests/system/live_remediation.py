@@ -44,9 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import requests
 import yaml
-from live_watch import Monitor, Observed, Service, health, http_sink, stop, wait
+from live_watch import Monitor, Observed, Service, health, http_sink, wait
 from slurm_cluster import slurm_cluster
-from support import BIN, REPO, free_port, need_binary, running, wait_http
+from support import BIN, REPO, free_port, need_binary, running, stop, wait_http
 from test_e2e import fast_rules
 
 from gpufleet.sim.faults import SEVERITY_WORDS

@@ -190,11 +190,3 @@ class Service:
         return (self.d / f"remediate-{run}.log").read_text(errors="replace")
 
 
-def stop(p: subprocess.Popen[bytes]) -> None:
-    if p.poll() is None:
-        p.terminate()
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=10)
