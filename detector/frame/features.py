@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import re
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -201,7 +201,7 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
             churn[i] |= len(pcs) > 1 or max(pcs.values()) < coverage * samples[i]
     g_nodes, g_gpus = gpus.columns(2)
     gpu = GpuFrame(g_nodes, g_gpus, gpus.site_list(), job_list, models.tolist(), values, valid, churn,
-                   pod_list, ns_list)
+                   pod_list, ns_list, codes=gpus.codes, node_ids=gpus.node_ids, space=gpus.space)
 
     # NICs: every (node, device, port) any NIC query returns.
     nics = EntityFrame(naming, ("device", "port"), ("", "1"), [res for _, _, res in nic_rs])
@@ -228,7 +228,8 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
         if cache is not None:
             cache["nic_gpus_for"], cache["nic_gpus"] = (nics.keys, gpus.keys, nicmap), served
     n_nodes, n_devices, n_ports = nics.columns(3)
-    nic = NicFrame(n_nodes, n_devices, n_ports, nics.site_list(), nvalues, list(served), layers)
+    nic = NicFrame(n_nodes, n_devices, n_ports, nics.site_list(), nvalues, list(served), layers, codes=nics.codes,
+                   node_ids=nics.node_ids, space=nics.space)
     return FeatureFrame(t, gpu, nic, dict(node_vals), dict(site_vals), missing, errors, meta)
 
 
@@ -259,7 +260,7 @@ def _interface_features(rs: list[tuple[str, Query, Result]], keys: Sequence[tupl
         accumulate(arr, pos, res.values, q.agg)
 
 
-def _nicmap(results: list[Result], naming: NodeNaming) -> dict[tuple[str, str], list[str]]:
+def _nicmap(results: list[Result], naming: NodeNaming) -> dict[tuple[str, str], tuple[str, ...]]:
     """(node, device) -> the GPUs it serves, from gpufleet_nic_gpu_info; the same object while the series are."""
     if len(results) == 1:
         res = results[0]
@@ -267,17 +268,19 @@ def _nicmap(results: list[Result], naming: NodeNaming) -> dict[tuple[str, str], 
         last = res.table.derived.get(key)
         ids = res.ids.tobytes()
         if isinstance(last, tuple) and last[0] == ids:
-            out: dict[tuple[str, str], list[str]] = last[1]
+            out: dict[tuple[str, str], tuple[str, ...]] = last[1]
             return out
-    nicmap: dict[tuple[str, str], list[str]] = defaultdict(list)
+    lists: dict[tuple[str, str], list[str]] = defaultdict(list)
     for res in results:
         col = node_column(res.table, naming)
         devs, gpus_ = res.table.column("device"), res.table.column("gpu")
         for i in res.ids.tolist():
             node, dev, g = col[i], devs[i], gpus_[i]
             if node is not None and dev and g:
-                nicmap[(node, dev)].append(g)
-    nicmap = dict(nicmap)
+                lists[(node, dev)].append(g)
+    # tuples: a tuple of strings leaves the cyclic collector's lists at its first collection, where 100k lists kept
+    # (one per NIC) would each be a tracked object, and rebuilt on every change of the fleet, a full collection
+    nicmap: dict[tuple[str, str], tuple[str, ...]] = {k: tuple(v) for k, v in lists.items()}
     if len(results) == 1:
         results[0].table.derived[key] = (ids, nicmap)
     return nicmap
@@ -289,7 +292,7 @@ def _natural(s: str) -> tuple[tuple[int, str], ...]:
     return tuple((int(p), "") if p.isdigit() else (-1, p) for p in re.split(r"(\d+)", s))
 
 
-def _nic_gpus(nkeys: Sequence[tuple[str, ...]], nicmap: dict[tuple[str, str], list[str]],
+def _nic_gpus(nkeys: Sequence[tuple[str, ...]], nicmap: Mapping[tuple[str, str], Sequence[str]],
               gpu: GpuFrame) -> list[tuple[str, ...]]:
     """GPUs each NIC ((node, device, port) keys) serves: from gpufleet_nic_gpu_info, else rail order (i-th NIC of
     a node -> i-th GPU). One pass over the NICs where the map covers them. Tuples: the frames of later evaluations

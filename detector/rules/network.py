@@ -45,11 +45,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpufleet.detector.core import memo
 from gpufleet.detector.core.candidate import DIRECT, Candidate, Evidence
 from gpufleet.detector.core.numeric import nan_to_zero
 from gpufleet.detector.frame.features import GpuFrame, NicFrame
 from gpufleet.detector.rules.causes import nic_fabric
+from gpufleet.detector.rules.nic_jobs import nic_jobs
 from gpufleet.detector.rules.robust import nanmedian, robust_z
 
 FloatArray = np.ndarray
@@ -116,32 +116,6 @@ def _peer_groups(nic: NicFrame, busy_idx: np.ndarray, cap: FloatArray, job: IntA
             code = (jb + 1) * (int(code.max(initial=0)) + 1) + code
     order = np.argsort(code, kind="stable")
     return np.split(busy_idx[order], np.flatnonzero(np.diff(code[order])) + 1)
-
-
-def nic_jobs(nic: NicFrame, gpu: GpuFrame) -> IntArray:
-    """Per NIC: a code of the job whose traffic it carries (-1: none known): the job of the GPUs it serves
-    (topology or rail order) where they have one job; a NIC that serves no GPU, its node's job where the node's
-    GPUs have one job. Kept while the NICs, their GPUs and the GPUs' jobs stay the same."""
-    return memo.last("network.nic_jobs", (nic.nodes, nic.gpus, gpu.nodes, gpu.gpus, gpu.jobs),
-                     lambda: _nic_jobs(nic, gpu),
-                     keep=lambda k: (list(k[0]), list(k[1]), list(k[2]), list(k[3]), list(k[4])))
-
-
-def _nic_jobs(nic: NicFrame, gpu: GpuFrame) -> IntArray:
-    job_of: dict[tuple[str, str], str] = {}
-    node_jobs: dict[str, set[str]] = defaultdict(set)
-    for nd, g, j in zip(gpu.nodes, gpu.gpus, gpu.jobs, strict=True):
-        if j:
-            job_of[(nd, g)] = j
-            node_jobs[nd].add(j)
-    codes: dict[str, int] = {}
-    out = np.full(len(nic.devices), -1, dtype=np.int64)
-    for i, (nd, gs) in enumerate(zip(nic.nodes, nic.gpus, strict=True)):
-        js = {job_of[(nd, g)] for g in gs if (nd, g) in job_of} if gs else node_jobs.get(nd, set())
-        if len(js) == 1:
-            out[i] = codes.setdefault(next(iter(js)), len(codes))
-    out.flags.writeable = False
-    return out
 
 
 def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray | None = None,
