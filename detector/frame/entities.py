@@ -166,8 +166,10 @@ class Entities:
         last = self.present
         added = removed = np.zeros(0, dtype=np.int64)
         if last is not None:
-            added = np.setdiff1d(present, last, assume_unique=True)
-            removed = np.setdiff1d(last, present, assume_unique=True)
+            was, now = np.zeros(len(self.keys), dtype=bool), np.zeros(len(self.keys), dtype=bool)
+            was[last] = True
+            now[present] = True
+            added, removed = np.flatnonzero(now & ~was), np.flatnonzero(was & ~now)
         if last is None or len(added) + len(removed) > max(64, len(present) // 16):
             order = sorted(present.tolist(), key=self.keys.__getitem__)
             codes = np.array(order, dtype=np.int64)
