@@ -265,13 +265,8 @@ class Detector:
         """Per GPU: its job (two or more busy GPUs) is in a low-activity phase (see :data:`JOB_ACTIVITY_DROP`)."""
         low = np.zeros(len(g.nodes), dtype=bool)
         ok = busy & g.valid.astype(bool)
-        by_job: dict[str, list[int]] = {}
-        jobs = g.jobs
-        for i in np.flatnonzero(ok).tolist():
-            job = jobs[i]
-            if job:
-                by_job.setdefault(job, []).append(i)
-        members = {j: np.array(ix, dtype=np.int64) for j, ix in by_job.items() if len(ix) >= 2}
+        members = memo.last("engine.phase_members", (ok.tobytes(), g.jobs), lambda: _job_members(g.jobs, ok),
+                            keep=lambda k: (k[0], list(k[1])))
         if not members:
             return low
         keys: list[tuple[str, str]] = []
@@ -288,6 +283,16 @@ class Detector:
         for job in lowjobs:
             low[members[job]] = True
         return low
+
+
+def _job_members(jobs: list[str | None], ok: np.ndarray) -> dict[str, np.ndarray]:
+    """Each job's GPUs where ``ok`` (the jobs with two or more)."""
+    by_job: dict[str, list[int]] = {}
+    for i in np.flatnonzero(ok).tolist():
+        job = jobs[i]
+        if job:
+            by_job.setdefault(job, []).append(i)
+    return {j: np.array(ix, dtype=np.int64) for j, ix in by_job.items() if len(ix) >= 2}
 
 
 def _holding(held: Callable[[Key], bool], nodes: set[str]) -> Callable[[Key], bool]:
