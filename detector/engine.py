@@ -196,7 +196,7 @@ class Detector:
         capability = self.baseline.nic_capability(nic.nodes, nic.devices, nic.ports, nic.get("nic_rate"), t,
                                                   nic.codes, nic.space)
         flaps = self.baseline.nic_flaps(nic.nodes, nic.devices, nic.ports, nic.get("nic_link_downed"), t,
-                                        cfg.network.flap_hours * 3600.0)
+                                        cfg.network.flap_hours * 3600.0, nic.codes, nic.space)
         quiet = _quiet_nodes(g, cfg.straggler.busy_util, self._fleet_index)
         nets = network.find(nic, g, cfg.network, capability, flaps, quiet)
         # A link that went down within the flap horizon may go down again at any time: between its downs it

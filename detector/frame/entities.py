@@ -29,11 +29,13 @@ class Growing:
         self.array: np.ndarray = np.zeros(0, dtype=dtype)
 
     def get(self, table: SeriesTable) -> np.ndarray:
-        if len(self.items) < len(table):
-            self.items.extend(self.fn(lb) for lb in table.labels[len(self.items):])
-            arr = np.empty(len(self.items), dtype=self.dtype)
-            arr[:] = self.items
-            self.array = arr
+        have = len(self.items)
+        if have < len(table):
+            self.items.extend(self.fn(lb) for lb in table.labels[have:])
+            arr = np.empty(len(self.items) - len(self.array), dtype=self.dtype)
+            arr[:] = self.items[len(self.array):]
+            # only the new ids' part made (a node replaced adds a few series to a table of millions)
+            self.array = np.concatenate((self.array, arr)) if len(self.array) else arr
         return self.array
 
 

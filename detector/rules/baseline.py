@@ -254,9 +254,15 @@ class Baseline:
         return self.nic_rate.update(self._nic_keys.get(nodes, devices, ports), rate, t)
 
     def nic_flaps(self, nodes: Sequence[str], devices: Sequence[str], ports: Sequence[str], downed: FloatArray,
-                  t: float, horizon: float) -> FloatArray:
+                  t: float, horizon: float, codes: np.ndarray | None = None, space: object = None) -> FloatArray:
         """Per NIC: episodes of link downs that began within ``horizon`` seconds (a flapping link)."""
-        return self.link_downs.update(self._nic_keys.get(nodes, devices, ports), nan_to_zero(downed) > 0, t, horizon)
+        ents = space_of(space, codes, codes)
+        keys: Sequence[Hashable]
+        if ents is not None and codes is not None and len(ents.key_array) >= len(ents.keys):
+            keys = ents.key_array[codes].tolist()  # (the entities' own key tuples: none made)
+        else:
+            keys = self._nic_keys.get(nodes, devices, ports)
+        return self.link_downs.update(keys, nan_to_zero(downed) > 0, t, horizon)
 
     def job_activity_ratio(self, jobs: Sequence[tuple[str, str]], level: FloatArray, t: float) -> FloatArray:
         """Per (job, activity feature): this evaluation's level over the job's recent reference (NaN: no level
