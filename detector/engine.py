@@ -44,6 +44,7 @@ from gpufleet.detector.core.numeric import median, nan_to_zero
 from gpufleet.detector.frame import cadence, jobs
 from gpufleet.detector.frame.backend_guard import Verdict
 from gpufleet.detector.frame.features import FeatureFrame, GpuFrame, NodeNaming, collect
+from gpufleet.detector.frame.positions import EntityIndex, NicIds
 from gpufleet.detector.incidents import exclude as exclusions
 from gpufleet.detector.incidents.impact import ImpactTracker
 from gpufleet.detector.incidents.judgement import Judgement
@@ -119,10 +120,10 @@ class Detector:
         self.edges = phases.JobEdges(cfg.straggler.min_peers)
         self.workload = WorkloadRouter(cfg.window_seconds)
         self.impact = ImpactTracker(cfg.interval_seconds)  # each open finding's cost (detector.incidents.impact)
-        self._gpu_index = _EntityIndex()
-        self._fleet_index = _EntityIndex()  # the whole fleet's GPUs (before this replica's share is taken)
-        self._nic_index = _EntityIndex()
-        self._nic_ids = _NicIds()
+        self._gpu_index = EntityIndex()
+        self._fleet_index = EntityIndex()  # the whole fleet's GPUs (before this replica's share is taken)
+        self._nic_index = EntityIndex(nic=True)
+        self._nic_ids = NicIds()
         self.last: Evaluation | None = None
         self._memos: memo.Store = {}  # derived tables kept between evaluations (this detector's own)
         self._cadence_read = False  # the window checked against the fleet's scrape interval (detector.frame.cadence)
@@ -193,9 +194,10 @@ class Detector:
         """NIC candidates against each NIC's own capability and its job's ports (alike ports fleet-wide for a port
         without a job), and the GPUs they serve."""
         cfg, g, nic = self.cfg, snap.gpu, snap.nic
-        capability = self.baseline.nic_capability(nic.nodes, nic.devices, nic.ports, nic.get("nic_rate"), t)
+        capability = self.baseline.nic_capability(nic.nodes, nic.devices, nic.ports, nic.get("nic_rate"), t,
+                                                  nic.codes, nic.space)
         flaps = self.baseline.nic_flaps(nic.nodes, nic.devices, nic.ports, nic.get("nic_link_downed"), t,
-                                        cfg.network.flap_hours * 3600.0)
+                                        cfg.network.flap_hours * 3600.0, nic.codes, nic.space)
         quiet = _quiet_nodes(g, cfg.straggler.busy_util, self._fleet_index)
         nets = network.find(nic, g, cfg.network, capability, flaps, quiet)
         # A link that went down within the flap horizon may go down again at any time: between its downs it
@@ -214,7 +216,7 @@ class Detector:
         return _Network(nets, nic_flags, nic_links, nics_flapped, gpus_flapped)
 
     def _peers(self, g: GpuFrame, t: float) -> _Peers:
-        limit_ref = self.baseline.gpu_power_limit(g.nodes, g.gpus, g.get("power_limit"), t)
+        limit_ref = self.baseline.gpu_power_limit(g.nodes, g.gpus, g.get("power_limit"), t, g.codes, g.space)
         g.policy_cap = policy.capped_by_policy(g, limit_ref)  # a site's cap on a whole job: context, not a fault
         edge = g.edge if g.edge is not None else np.zeros(len(g), dtype=bool)
         valid = np.asarray(g.valid, dtype=bool)
@@ -248,13 +250,15 @@ class Detector:
         g = snap.gpu
         valid = np.asarray(g.valid, dtype=bool)
         judged = peers.busy & np.asarray(st.scored, dtype=bool)
-        gpu_pos, gpu_nodes = self._gpu_index.get(g.nodes, g.gpus)
-        nic_pos, _ = self._nic_index.get(snap.nic.nodes, self._nic_ids.get(snap.nic.devices, snap.nic.ports))
+        gpu_pos, gpu_nodes = self._gpu_index.get(g.nodes, g.gpus, g.codes, g.node_ids, g.space)
+        nic = snap.nic
+        nic_ids = self._nic_ids.get(nic.devices, nic.ports) if nic.codes is None else []
+        nic_pos, _ = self._nic_index.get(nic.nodes, nic_ids, nic.codes, nic.node_ids, nic.space)
         gpus_low = {(g.nodes[i], g.gpus[i]) for i in np.flatnonzero(peers.low).tolist()}
         busy_not_low = peers.busy & ~peers.low  # a node is low only when none of its busy GPUs works normally
         nodes_low = {n for n, _ in gpus_low if not bool(busy_not_low[gpu_nodes[n]].any())}
         open_causes = {k: f.cause for k, f in self.tracker.active.items()} if net.gpus_flapped else {}
-        return Judgement({"scored": judged, "busy": peers.busy, "valid": valid}, gpu_pos, gpu_nodes, set(nic_pos),
+        return Judgement({"scored": judged, "busy": peers.busy, "valid": valid}, gpu_pos, gpu_nodes, nic_pos,
                          sites, slices, gpus_low, nodes_low, net.nics_flapped, net.gpus_flapped, open_causes,
                          fab.observed)
 
@@ -262,13 +266,8 @@ class Detector:
         """Per GPU: its job (two or more busy GPUs) is in a low-activity phase (see :data:`JOB_ACTIVITY_DROP`)."""
         low = np.zeros(len(g.nodes), dtype=bool)
         ok = busy & g.valid.astype(bool)
-        by_job: dict[str, list[int]] = {}
-        jobs = g.jobs
-        for i in np.flatnonzero(ok).tolist():
-            job = jobs[i]
-            if job:
-                by_job.setdefault(job, []).append(i)
-        members = {j: np.array(ix, dtype=np.int64) for j, ix in by_job.items() if len(ix) >= 2}
+        members = memo.last("engine.phase_members", (ok.tobytes(), g.jobs), lambda: _job_members(g.jobs, ok),
+                            keep=lambda k: (k[0], list(k[1])))
         if not members:
             return low
         keys: list[tuple[str, str]] = []
@@ -287,66 +286,35 @@ class Detector:
         return low
 
 
+def _job_members(jobs: list[str | None], ok: np.ndarray) -> dict[str, np.ndarray]:
+    """Each job's GPUs where ``ok`` (the jobs with two or more)."""
+    by_job: dict[str, list[int]] = {}
+    for i in np.flatnonzero(ok).tolist():
+        job = jobs[i]
+        if job:
+            by_job.setdefault(job, []).append(i)
+    return {j: np.array(ix, dtype=np.int64) for j, ix in by_job.items() if len(ix) >= 2}
+
+
 def _holding(held: Callable[[Key], bool], nodes: set[str]) -> Callable[[Key], bool]:
     """``held``, and every finding on one of ``nodes``."""
     return lambda k: k[1] in nodes or held(k)
 
 
-def _quiet_nodes(g: GpuFrame, busy_util: float, index: _EntityIndex | None = None) -> set[str]:
+def _quiet_nodes(g: GpuFrame, busy_util: float, index: EntityIndex | None = None) -> set[str]:
     """Nodes whose GPUs did not compute steadily through the window: a job-wide phase edge on any of them (a
     checkpoint, an evaluation pass, a restart), or none busy. Their ports' traffic then is no collective
     traffic (a checkpoint's burst to storage is no congestion), so they are not judged for congestion."""
     edge = g.edge if g.edge is not None else np.zeros(len(g), dtype=bool)
     busy = nan_to_zero(g.get("util")) >= busy_util
-    index = index or _EntityIndex()  # the detector keeps one while the fleet's GPUs stay the same
-    index.get(g.nodes, g.gpus)
+    index = index or EntityIndex()  # the detector keeps one while the fleet's GPUs stay the same
+    index.get(g.nodes, g.gpus, g.codes, g.node_ids, g.space)
     code, names = index.node_code, index.node_names  # per node, not a set built from every GPU
     computing = np.zeros(len(names), dtype=bool)
     computing[code[busy]] = True
     at_edge = np.zeros(len(names), dtype=bool)
     at_edge[code[np.asarray(edge, dtype=bool)]] = True
     return {names[j] for j in np.flatnonzero(at_edge | ~computing).tolist()}
-
-
-class _EntityIndex:
-    """(node, id) -> position, and node -> positions, of a frame's entities; rebuilt only when they change."""
-
-    def __init__(self) -> None:
-        self.nodes: list[str] = []
-        self.ids: list[str] = []
-        self.pos: dict[tuple[str, str], int] = {}
-        self.by_node: dict[str, np.ndarray] = {}
-        self.node_names: list[str] = []  # the distinct nodes, in order of their first entity
-        self.node_code = np.zeros(0, dtype=np.int64)  # per entity: its node's position in node_names
-
-    def get(self, nodes: list[str], ids: list[str]) -> tuple[dict[tuple[str, str], int], dict[str, np.ndarray]]:
-        if nodes != self.nodes or ids != self.ids:
-            self.nodes, self.ids = list(nodes), list(ids)
-            self.pos = {k: i for i, k in enumerate(zip(nodes, ids, strict=True))}
-            groups: dict[str, list[int]] = {}
-            for i, n in enumerate(nodes):
-                groups.setdefault(n, []).append(i)
-            self.by_node = {n: np.array(ix, dtype=np.int64) for n, ix in groups.items()}
-            self.node_names = list(groups)
-            self.node_code = np.zeros(len(nodes), dtype=np.int64)
-            for j, ix in enumerate(self.by_node.values()):
-                self.node_code[ix] = j
-        return self.pos, self.by_node
-
-
-class _NicIds:
-    """Each NIC's "device/port", rebuilt only when the frame's devices or ports change."""
-
-    def __init__(self) -> None:
-        self.devices: list[str] = []
-        self.ports: list[str] = []
-        self.ids: list[str] = []
-
-    def get(self, devices: list[str], ports: list[str]) -> list[str]:
-        if devices != self.devices or ports != self.ports:
-            self.devices, self.ports = list(devices), list(ports)
-            self.ids = [f"{d}/{p}" for d, p in zip(devices, ports, strict=True)]
-        return self.ids
 
 
 @contextmanager
@@ -365,3 +333,15 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
+
+
+def settle_heap() -> None:
+    """Collect the cyclic garbage once, then leave every object alive to the collector's permanent generation.
+
+    For a long-running process after its first evaluation (``serve`` does): what is alive then is the source's
+    series table (a label dict per series, its label columns, each a list as long as the table) and the per-table
+    caches, kept for the process's life. Every full collection would walk them again (at 100k GPUs about 0.1 s,
+    falling on whichever evaluation comes after one: most often one after the fleet changed, which keeps more new
+    objects); frozen, a collection walks only what was made since. Lists that grow in place stay frozen."""
+    gc.collect()
+    gc.freeze()

@@ -48,3 +48,15 @@ def last(name: str, key: K, derive: Callable[[], V], *, keep: Callable[[K], K] |
     value = derive()
     store[name] = (keep(key) if keep is not None else key, value)
     return value
+
+
+def kept(name: str, make: Callable[[], V]) -> V | None:
+    """A mutable object of the evaluating detector's, kept under ``name`` between evaluations (made by ``make`` on
+    first use); None outside an evaluation (nothing is kept)."""
+    store = _store.get()
+    if store is None:
+        return None
+    hit = store.get(name)
+    if hit is None:
+        hit = store[name] = (None, make())
+    return cast(V, hit[1])

@@ -29,11 +29,13 @@ class Growing:
         self.array: np.ndarray = np.zeros(0, dtype=dtype)
 
     def get(self, table: SeriesTable) -> np.ndarray:
-        if len(self.items) < len(table):
-            self.items.extend(self.fn(lb) for lb in table.labels[len(self.items):])
-            arr = np.empty(len(self.items), dtype=self.dtype)
-            arr[:] = self.items
-            self.array = arr
+        have = len(self.items)
+        if have < len(table):
+            self.items.extend(self.fn(lb) for lb in table.labels[have:])
+            arr = np.empty(len(self.items) - len(self.array), dtype=self.dtype)
+            arr[:] = self.items[len(self.array):]
+            # only the new ids' part made (a node replaced adds a few series to a table of millions)
+            self.array = np.concatenate((self.array, arr)) if len(self.array) else arr
         return self.array
 
 
@@ -64,8 +66,42 @@ def first_label_column(table: SeriesTable, names: tuple[str, ...]) -> np.ndarray
                    lambda: Growing(lambda lb: next((lb[m] for m in names if lb.get(m)), ""), object))
 
 
+class NodeIds:
+    """Per table and node naming: a number per node name, in order of first appearance (shared by the GPU and the NIC
+    entities of the table, so that their frames' nodes compare as integers)."""
+
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}
+        self.names: list[str] = []
+
+    def id(self, node: str) -> int:
+        i = self.index.get(node)
+        if i is None:
+            i = self.index[node] = len(self.names)
+            self.names.append(node)
+        return i
+
+
+def node_ids(table: SeriesTable, naming: NodeNaming) -> NodeIds:
+    found = table.derived.get(("node_ids", naming))
+    if not isinstance(found, NodeIds):
+        found = table.derived[("node_ids", naming)] = NodeIds()
+    return found
+
+
+def _objects(items: Sequence[object]) -> np.ndarray:
+    """``items`` as a 1-d object array (tuples kept as elements, not unpacked)."""
+    arr = np.empty(len(items), dtype=object)
+    for i, x in enumerate(items):
+        arr[i] = x
+    return arr
+
+
 class Entities:
-    """Per table: each series id's entity code (-1: not an entity), the entity keys, and the last frame order."""
+    """Per table: each series id's entity code (-1: not an entity), the entity keys, and the last frame order.
+
+    Per entity code besides its key: its node's number (:class:`NodeIds`) and its key's columns as object arrays,
+    so that a frame's keys, columns and node numbers are gathered by array indexing of its codes."""
 
     def __init__(self, naming: NodeNaming, ident: tuple[str, ...], defaults: tuple[str, ...] | None) -> None:
         self.naming = naming
@@ -75,10 +111,15 @@ class Entities:
         self.keys: list[tuple[str, ...]] = []
         self.codes: list[int] = []
         self.array = np.zeros(0, dtype=np.int64)
+        self.node_of = np.zeros(0, dtype=np.int64)  # per entity code: its node's number
+        self.key_array = np.zeros(0, dtype=object)  # per entity code: its key
+        self.key_columns: list[np.ndarray] = []  # per key column (node, then the identifying labels): per code
+        self.node_space: NodeIds | None = None  # the node numbers' names (the table's)
         # The last frame built from this table alone: its entity codes and each code's position.
         self.present: IntArray | None = None
         self.frame_keys: list[tuple[str, ...]] = []
         self.frame_codes = np.zeros(0, dtype=np.int64)  # the entity code at each frame position
+        self.frame_nodes = np.zeros(0, dtype=np.int64)  # the node number (NodeIds) at each frame position
         self.code_pos = np.zeros(0, dtype=np.int64)
         self.memo: dict[str, Any] = {}
 
@@ -101,7 +142,22 @@ class Entities:
                             self.keys.append(key)
                 self.codes.append(code)
             self.array = np.array(self.codes, dtype=np.int64)
+            self._grow(node_ids(table, self.naming))
         return self.array
+
+    def _grow(self, ids: NodeIds) -> None:
+        """The per-code arrays extended to the keys added since."""
+        self.node_space = ids
+        have = len(self.key_array)
+        if have == len(self.keys):
+            return
+        new = self.keys[have:]
+        width = 1 + len(self.ident)
+        self.node_of = np.concatenate((self.node_of, np.array([ids.id(k[0]) for k in new], dtype=np.int64)))
+        self.key_array = np.concatenate((self.key_array, _objects(new)))
+        cols = [_objects([k[j] for k in new]) for j in range(width)]
+        self.key_columns = cols if not self.key_columns else [
+            np.concatenate((a, b)) for a, b in zip(self.key_columns, cols, strict=True)]
 
     def reorder(self, present: IntArray) -> None:
         """Make the frame the entities of ``present`` (sorted distinct codes), in key order: a new list of keys
@@ -112,8 +168,10 @@ class Entities:
         last = self.present
         added = removed = np.zeros(0, dtype=np.int64)
         if last is not None:
-            added = np.setdiff1d(present, last, assume_unique=True)
-            removed = np.setdiff1d(last, present, assume_unique=True)
+            was, now = np.zeros(len(self.keys), dtype=bool), np.zeros(len(self.keys), dtype=bool)
+            was[last] = True
+            now[present] = True
+            added, removed = np.flatnonzero(now & ~was), np.flatnonzero(was & ~now)
         if last is None or len(added) + len(removed) > max(64, len(present) // 16):
             order = sorted(present.tolist(), key=self.keys.__getitem__)
             codes = np.array(order, dtype=np.int64)
@@ -125,13 +183,16 @@ class Entities:
                 keep[self.code_pos[removed]] = False
                 codes = codes[keep]
             if len(added):
-                kept = [self.keys[c] for c in codes.tolist()]
+                kept = self.key_array[codes].tolist()
                 new = sorted(added.tolist(), key=self.keys.__getitem__)
                 at = [bisect.bisect_left(kept, self.keys[c]) for c in new]
                 codes = np.insert(codes, at, new)
-            keys = [self.keys[c] for c in codes.tolist()]
+            keys = self.key_array[codes].tolist()
         self.frame_keys = keys
+        codes.flags.writeable = False
         self.frame_codes = codes
+        self.frame_nodes = self.node_of[codes]
+        self.frame_nodes.flags.writeable = False
         self.code_pos = np.full(len(self.keys), -1, dtype=np.int64)
         self.code_pos[codes] = np.arange(len(codes), dtype=np.int64)
         self.present = present
@@ -158,6 +219,10 @@ class EntityFrame:
             if ents.present is None or not np.array_equal(present, ents.present):
                 ents.reorder(present)
             self.keys = ents.frame_keys
+            #: the entities the keys are of, each position's entity code and node number (single-table frames)
+            self.space: Entities | None = ents
+            self.codes: IntArray | None = ents.frame_codes
+            self.node_ids: IntArray | None = ents.frame_nodes
             self._index: dict[tuple[str, ...], int] | None = None
             self._pos_by_table[id(table)] = ents.code_pos
             #: Per-table memo of things derived from this frame's entities (valid while ``keys`` is the same list).
@@ -169,6 +234,7 @@ class EntityFrame:
                 codes = ents.get(r.table)[r.ids]
                 found.update(ents.keys[c] for c in np.unique(codes[codes >= 0]).tolist())
             self.keys = sorted(found)
+            self.space = self.codes = self.node_ids = None
             self._index = {k: i for i, k in enumerate(self.keys)}
             self.cache = None
         self.sites = np.full(len(self.keys), None, dtype=object)
@@ -215,7 +281,10 @@ class EntityFrame:
         """The entity keys as ``width`` lists (node, then the identifying labels); fresh lists each call."""
         cols = self.cache.get("columns") if self.cache is not None else None
         if cols is None or cols[0] is not self.keys:
-            cols = (self.keys, [[k[j] for k in self.keys] for j in range(width)])
+            if self.space is not None and self.codes is not None and width <= len(self.space.key_columns):
+                cols = (self.keys, [self.space.key_columns[j][self.codes].tolist() for j in range(width)])
+            else:
+                cols = (self.keys, [[k[j] for k in self.keys] for j in range(width)])
             if self.cache is not None:
                 self.cache["columns"] = cols
         return [list(c) for c in cols[1]]

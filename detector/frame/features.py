@@ -10,13 +10,12 @@ at all is reported in ``missing``; an entity without a value has NaN, never 0.
 
 from __future__ import annotations
 
-import functools
-import re
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 
 import numpy as np
 
+from gpufleet.detector.frame import nic_map
 from gpufleet.detector.frame.entities import (
     EntityFrame,
     Growing,
@@ -201,7 +200,7 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
             churn[i] |= len(pcs) > 1 or max(pcs.values()) < coverage * samples[i]
     g_nodes, g_gpus = gpus.columns(2)
     gpu = GpuFrame(g_nodes, g_gpus, gpus.site_list(), job_list, models.tolist(), values, valid, churn,
-                   pod_list, ns_list)
+                   pod_list, ns_list, codes=gpus.codes, node_ids=gpus.node_ids, space=gpus.space)
 
     # NICs: every (node, device, port) any NIC query returns.
     nics = EntityFrame(naming, ("device", "port"), ("", "1"), [res for _, _, res in nic_rs])
@@ -218,17 +217,10 @@ def collect(source: Source, queries: Sequence[Query], t: float, window: float, *
                     layers[i] = layer or ""
     if nicif_rs:
         _interface_features(nicif_rs, nics.keys, nvalues, naming)
-    nicmap = _nicmap(nicmap_rs, naming)
-    cache = nics.cache
-    served: list[tuple[str, ...]] | None = None
-    if cache is not None and cache.get("nic_gpus_for") == (nics.keys, gpus.keys, nicmap):
-        served = cache["nic_gpus"]  # the same NICs, GPUs and map as last time
-    if served is None:
-        served = _nic_gpus(nics.keys, nicmap, gpu)
-        if cache is not None:
-            cache["nic_gpus_for"], cache["nic_gpus"] = (nics.keys, gpus.keys, nicmap), served
+    served = nic_map.nic_gpus_kept(nics, gpus, nic_map.nicmap_of(nicmap_rs, naming), gpu)  # (the same list while nothing changed)
     n_nodes, n_devices, n_ports = nics.columns(3)
-    nic = NicFrame(n_nodes, n_devices, n_ports, nics.site_list(), nvalues, list(served), layers)
+    nic = NicFrame(n_nodes, n_devices, n_ports, nics.site_list(), nvalues, list(served), layers, codes=nics.codes,
+                   node_ids=nics.node_ids, space=nics.space)
     return FeatureFrame(t, gpu, nic, dict(node_vals), dict(site_vals), missing, errors, meta)
 
 
@@ -257,67 +249,3 @@ def _interface_features(rs: list[tuple[str, Query, Result]], keys: Sequence[tupl
                         lambda: Growing(lambda lb: (naming.node(lb), lb.get("interface")), object))
         pos = np.array([index.get(port_of.get(k, ()), -1) for k in ifkey[res.ids].tolist()], dtype=np.int64)
         accumulate(arr, pos, res.values, q.agg)
-
-
-def _nicmap(results: list[Result], naming: NodeNaming) -> dict[tuple[str, str], list[str]]:
-    """(node, device) -> the GPUs it serves, from gpufleet_nic_gpu_info; the same object while the series are."""
-    if len(results) == 1:
-        res = results[0]
-        key = ("nicmap", naming)
-        last = res.table.derived.get(key)
-        ids = res.ids.tobytes()
-        if isinstance(last, tuple) and last[0] == ids:
-            out: dict[tuple[str, str], list[str]] = last[1]
-            return out
-    nicmap: dict[tuple[str, str], list[str]] = defaultdict(list)
-    for res in results:
-        col = node_column(res.table, naming)
-        devs, gpus_ = res.table.column("device"), res.table.column("gpu")
-        for i in res.ids.tolist():
-            node, dev, g = col[i], devs[i], gpus_[i]
-            if node is not None and dev and g:
-                nicmap[(node, dev)].append(g)
-    nicmap = dict(nicmap)
-    if len(results) == 1:
-        results[0].table.derived[key] = (ids, nicmap)
-    return nicmap
-
-
-@functools.lru_cache(maxsize=65536)
-def _natural(s: str) -> tuple[tuple[int, str], ...]:
-    """Sort key of a device or GPU name with its numbers compared as numbers (mlx5_10 after mlx5_9)."""
-    return tuple((int(p), "") if p.isdigit() else (-1, p) for p in re.split(r"(\d+)", s))
-
-
-def _nic_gpus(nkeys: Sequence[tuple[str, ...]], nicmap: dict[tuple[str, str], list[str]],
-              gpu: GpuFrame) -> list[tuple[str, ...]]:
-    """GPUs each NIC ((node, device, port) keys) serves: from gpufleet_nic_gpu_info, else rail order (i-th NIC of
-    a node -> i-th GPU). One pass over the NICs where the map covers them. Tuples: the frames of later evaluations
-    share them while the NICs, GPUs and map are the same."""
-    unmapped_nic: tuple[str, ...] = ("",)  # (marks a NIC the map does not cover, by identity)
-    out: list[tuple[str, ...]] = []
-    unmapped: set[str] = set()
-    for k in nkeys:
-        v = nicmap.get((k[0], k[1]))
-        if v:
-            out.append(tuple(v) if len(v) == 1 else tuple(sorted(set(v), key=_natural)))
-        else:
-            out.append(unmapped_nic)
-            unmapped.add(k[0])
-    if not unmapped:
-        return out
-    rail: dict[tuple[str, str], tuple[str, ...]] = {}
-    node_gpus: dict[str, list[str]] = defaultdict(list)
-    for n, g in zip(gpu.nodes, gpu.gpus, strict=True):
-        if n in unmapped:
-            node_gpus[n].append(g)
-    node_nics: dict[str, dict[str, None]] = defaultdict(dict)
-    for k in nkeys:
-        if k[0] in unmapped:
-            node_nics[k[0]][k[1]] = None
-    for n, devs in node_nics.items():
-        gs = node_gpus.get(n, [])
-        if gs and len(devs) == len(gs):
-            for d, g in zip(sorted(devs, key=_natural), sorted(gs, key=_natural), strict=True):
-                rail[(n, d)] = (g,)
-    return [v if v is not unmapped_nic else rail.get((k[0], k[1]), ()) for k, v in zip(nkeys, out, strict=True)]

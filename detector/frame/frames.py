@@ -16,6 +16,7 @@ from gpufleet.detector.sources.source import Result
 from gpufleet.vocab import exporters
 
 FloatArray = np.ndarray
+IntArray = np.ndarray
 
 GPU_FEATURES = ("util", "samples", "util_last", "util_min", "util_max", "power_min", "power_max", "sm_clock", "mem_clock", "power", "temp", "mem_temp", "tensor", "sm_active",
                 "dram", "thr_thermal", "thr_power", "thr_brake", "thr_hw", "thr_app", "pcie_replay", "pcie_gen",
@@ -79,6 +80,12 @@ class GpuFrame:
     independent: FloatArray | None = None
     #: bool per GPU: its power limit is a cap set alike on its whole job (detector.rules.policy; None: not known)
     policy_cap: FloatArray | None = None
+    #: Where the frame came from one table's entities (detector.frame.entities): each GPU's entity code there and its
+    #: node's number, and those entities (their identity: what the codes mean). None: not known (then the caches
+    #: kept between evaluations compare the label lists instead).
+    codes: IntArray | None = None
+    node_ids: IntArray | None = None
+    space: object | None = None
 
     def __len__(self) -> int:
         return len(self.gpus)
@@ -97,6 +104,10 @@ class NicFrame:
     values: dict[str, FloatArray]
     gpus: list[tuple[str, ...]]  # GPUs each NIC serves (topology or rail order)
     link_layers: list[str] = field(default_factory=list)  # "InfiniBand", "Ethernet", "" unknown (empty: none)
+    #: as GpuFrame's: each NIC's entity code, its node's number, the entities they are of (None: not known)
+    codes: IntArray | None = None
+    node_ids: IntArray | None = None
+    space: object | None = None
 
     def get(self, feature: str) -> FloatArray:
         v = self.values.get(feature)

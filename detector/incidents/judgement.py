@@ -15,7 +15,7 @@ Built by the engine from the evaluation's frames (data only, no call back into t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,9 +30,9 @@ BoolArray = np.ndarray
 class Judgement:
     #: per judged-kind ("scored", "busy", "valid"): a bool per GPU position
     gpu_masks: dict[str, BoolArray]
-    gpu_pos: dict[tuple[str, str], int]
-    gpus_of_node: dict[str, np.ndarray]
-    nics: set[tuple[str, str]]
+    gpu_pos: Mapping[tuple[str, str], int]
+    gpus_of_node: Mapping[str, np.ndarray]
+    nics: Container[tuple[str, str]]  # (node, "device/port") of the NICs in the frame
     sites: set[str]
     #: (node, GPU) of the MIG slices' parents observed in this evaluation, and their nodes
     slices: set[tuple[str, str]] = field(default_factory=set)

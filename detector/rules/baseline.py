@@ -27,6 +27,8 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 
 from gpufleet.detector.core.numeric import nan_to_zero
+from gpufleet.detector.frame.entities import Entities
+from gpufleet.detector.frame.positions import space_of
 
 FloatArray = np.ndarray
 
@@ -46,22 +48,55 @@ class RunningMax:
         self._keys: list[Hashable] | None = None
         self._idx = np.zeros(0, dtype=np.int64)
         self._pruned = float("-inf")
+        # by entity code (detector.frame.entities): each code's slot (-1: not looked up yet), for the entities
+        # ``_code_space`` (their identity), and the last codes and their slots
+        self._code_slot = np.zeros(0, dtype=np.int64)
+        self._code_space: Entities | None = None
+        self._codes: np.ndarray | None = None
 
     def _slots(self, keys: Sequence[Hashable]) -> np.ndarray:
         if self._keys is not None and len(keys) == len(self._keys) and list(keys) == self._keys:
             return self._idx
         slot = self.slot
         idx = np.fromiter((slot.setdefault(k, len(slot)) for k in keys), dtype=np.int64, count=len(keys))
-        grow = len(slot) - len(self.maxv)
+        self._grow()
+        self._keys, self._idx, self._codes = list(keys), idx, None
+        return idx
+
+    def _grow(self) -> None:
+        grow = len(self.slot) - len(self.maxv)
         if grow > 0:
             self.maxv = np.concatenate((self.maxv, np.full(grow, np.nan)))
             self.seen = np.concatenate((self.seen, np.full(grow, -np.inf)))
-        self._keys, self._idx = list(keys), idx
+
+    def _code_slots(self, codes: np.ndarray, space: Entities) -> np.ndarray:
+        """The slots of the entities of ``codes`` (their keys are the entities' keys): looked up once per code, so
+        a changed fleet (a node replaced) looks up only its new entities' keys."""
+        if self._codes is not None and space is self._code_space and np.array_equal(codes, self._codes):
+            return self._idx
+        if space is not self._code_space:
+            self._code_space, self._code_slot = space, np.zeros(0, dtype=np.int64)
+        if len(self._code_slot) < len(space.keys):
+            self._code_slot = np.concatenate(
+                (self._code_slot, np.full(len(space.keys) - len(self._code_slot), -1, dtype=np.int64)))
+        idx: np.ndarray = self._code_slot[codes]
+        todo = np.flatnonzero(idx < 0)
+        if len(todo):
+            slot, keys = self.slot, space.keys
+            new = codes[todo]
+            got = np.fromiter((slot.setdefault(keys[c], len(slot)) for c in new.tolist()), dtype=np.int64,
+                              count=len(new))
+            self._code_slot[new] = got
+            idx[todo] = got
+            self._grow()
+        self._keys, self._idx, self._codes = None, idx, codes
         return idx
 
-    def update(self, keys: Sequence[Hashable], values: FloatArray, t: float) -> FloatArray:
-        """Fold this evaluation's ``values`` (NaN: none) in; the reference per key (NaN: never seen a value)."""
-        idx = self._slots(keys)
+    def update(self, keys: Sequence[Hashable], values: FloatArray, t: float, codes: np.ndarray | None = None,
+               space: Entities | None = None) -> FloatArray:
+        """Fold this evaluation's ``values`` (NaN: none) in; the reference per key (NaN: never seen a value).
+        ``codes``/``space``: the keys are those entities' keys at these codes (then looked up by code)."""
+        idx = self._code_slots(codes, space) if codes is not None and space is not None else self._slots(keys)
         v = np.asarray(values, dtype=float)
         has = ~np.isnan(v)
         out: FloatArray = np.where(has, np.fmax(self.maxv[idx], v), self.maxv[idx])
@@ -80,7 +115,8 @@ class RunningMax:
         order = np.array([i for _, i in keep], dtype=np.int64)
         self.slot = {k: j for j, (k, _) in enumerate(keep)}
         self.maxv, self.seen = self.maxv[order], self.seen[order]
-        self._keys = None  # slots renumbered
+        self._keys = self._codes = self._code_space = None  # slots renumbered
+        self._code_slot = np.zeros(0, dtype=np.int64)
 
     @property
     def store(self) -> dict[Hashable, tuple[float, float]]:
@@ -202,17 +238,31 @@ class Baseline:
         self._gpu_keys = _Zipped()
         self._nic_keys = _Zipped()
 
-    def gpu_power_limit(self, nodes: Sequence[str], gpus: Sequence[str], limit: FloatArray, t: float) -> FloatArray:
+    def gpu_power_limit(self, nodes: Sequence[str], gpus: Sequence[str], limit: FloatArray, t: float,
+                        codes: np.ndarray | None = None, space: object = None) -> FloatArray:
+        """``codes``/``space``: the frame's entity codes and entities (detector.frame.positions), if it has them."""
+        ents = space_of(space, codes, codes)
+        if ents is not None:
+            return self.power_limit.update([], limit, t, codes, ents)
         return self.power_limit.update(self._gpu_keys.get(nodes, gpus), limit, t)
 
     def nic_capability(self, nodes: Sequence[str], devices: Sequence[str], ports: Sequence[str], rate: FloatArray,
-                       t: float) -> FloatArray:
+                       t: float, codes: np.ndarray | None = None, space: object = None) -> FloatArray:
+        ents = space_of(space, codes, codes)
+        if ents is not None:
+            return self.nic_rate.update([], rate, t, codes, ents)
         return self.nic_rate.update(self._nic_keys.get(nodes, devices, ports), rate, t)
 
     def nic_flaps(self, nodes: Sequence[str], devices: Sequence[str], ports: Sequence[str], downed: FloatArray,
-                  t: float, horizon: float) -> FloatArray:
+                  t: float, horizon: float, codes: np.ndarray | None = None, space: object = None) -> FloatArray:
         """Per NIC: episodes of link downs that began within ``horizon`` seconds (a flapping link)."""
-        return self.link_downs.update(self._nic_keys.get(nodes, devices, ports), nan_to_zero(downed) > 0, t, horizon)
+        ents = space_of(space, codes, codes)
+        keys: Sequence[Hashable]
+        if ents is not None and codes is not None and len(ents.key_array) >= len(ents.keys):
+            keys = ents.key_array[codes].tolist()  # (the entities' own key tuples: none made)
+        else:
+            keys = self._nic_keys.get(nodes, devices, ports)
+        return self.link_downs.update(keys, nan_to_zero(downed) > 0, t, horizon)
 
     def job_activity_ratio(self, jobs: Sequence[tuple[str, str]], level: FloatArray, t: float) -> FloatArray:
         """Per (job, activity feature): this evaluation's level over the job's recent reference (NaN: no level

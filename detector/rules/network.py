@@ -50,6 +50,7 @@ from gpufleet.detector.core.candidate import DIRECT, Candidate, Evidence
 from gpufleet.detector.core.numeric import nan_to_zero
 from gpufleet.detector.frame.features import GpuFrame, NicFrame
 from gpufleet.detector.rules.causes import nic_fabric
+from gpufleet.detector.rules.nic_jobs import nic_jobs
 from gpufleet.detector.rules.robust import nanmedian, robust_z
 
 FloatArray = np.ndarray
@@ -80,7 +81,19 @@ class NetworkParams:
 def _fabric(nic: NicFrame, p: NetworkParams) -> np.ndarray:
     """Per NIC: it is a GPU-fabric port (a GPU's path to its peers), not a storage/front-end one (see Roles in
     the module's docstring): it serves a GPU, or it is no Ethernet port and no port of its node serves one; and
-    its device is not named in ``storage_devices``."""
+    its device is not named in ``storage_devices`` (kept while the NICs, their GPUs and layers are the same)."""
+    key = (nic.gpus, nic.nodes, nic.link_layers, nic.devices, p.storage_devices)
+    out: np.ndarray = memo.last("network.fabric", key, lambda: _frozen(_fabric_ports(nic, p)),
+                                keep=lambda k: (list(k[0]), list(k[1]), list(k[2]), list(k[3]), k[4]))
+    return out
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+def _fabric_ports(nic: NicFrame, p: NetworkParams) -> np.ndarray:
     serves = [bool(g) for g in nic.gpus]
     mapped = {nd for nd, g in zip(nic.nodes, serves, strict=True) if g}
     layers = nic.link_layers or [""] * len(serves)
@@ -105,8 +118,7 @@ def _peer_groups(nic: NicFrame, busy_idx: np.ndarray, cap: FloatArray, job: IntA
     names: dict[str, int] = {}  # (capabilities apart by less than 2 digits are one group)
     code = np.array([names.setdefault(f"{float(c):.2g}" if c >= 0 else "?", len(names)) for c in uniq])[inv]
     if nic.link_layers:
-        layer_codes: dict[str, int] = {}
-        layers = np.array([layer_codes.setdefault(nic.link_layers[j], len(layer_codes)) for j in busy_idx.tolist()])
+        layers = _layer_codes(nic.link_layers, busy_idx)
         code = layers * len(names) + code
     if job is not None:
         jb = np.asarray(job, dtype=np.int64)[busy_idx]
@@ -118,29 +130,16 @@ def _peer_groups(nic: NicFrame, busy_idx: np.ndarray, cap: FloatArray, job: IntA
     return np.split(busy_idx[order], np.flatnonzero(np.diff(code[order])) + 1)
 
 
-def nic_jobs(nic: NicFrame, gpu: GpuFrame) -> IntArray:
-    """Per NIC: a code of the job whose traffic it carries (-1: none known): the job of the GPUs it serves
-    (topology or rail order) where they have one job; a NIC that serves no GPU, its node's job where the node's
-    GPUs have one job. Kept while the NICs, their GPUs and the GPUs' jobs stay the same."""
-    return memo.last("network.nic_jobs", (nic.nodes, nic.gpus, gpu.nodes, gpu.gpus, gpu.jobs),
-                     lambda: _nic_jobs(nic, gpu),
-                     keep=lambda k: (list(k[0]), list(k[1]), list(k[2]), list(k[3]), list(k[4])))
+def _layer_codes(link_layers: list[str], busy_idx: np.ndarray) -> np.ndarray:
+    """Per busy port: a code of its link layer, in order of first appearance (kept while the layers and the busy
+    ports are the same)."""
+    def derive() -> np.ndarray:
+        codes: dict[str, int] = {}
+        return _frozen(np.array([codes.setdefault(link_layers[j], len(codes)) for j in busy_idx.tolist()],
+                                dtype=np.int64))
 
-
-def _nic_jobs(nic: NicFrame, gpu: GpuFrame) -> IntArray:
-    job_of: dict[tuple[str, str], str] = {}
-    node_jobs: dict[str, set[str]] = defaultdict(set)
-    for nd, g, j in zip(gpu.nodes, gpu.gpus, gpu.jobs, strict=True):
-        if j:
-            job_of[(nd, g)] = j
-            node_jobs[nd].add(j)
-    codes: dict[str, int] = {}
-    out = np.full(len(nic.devices), -1, dtype=np.int64)
-    for i, (nd, gs) in enumerate(zip(nic.nodes, nic.gpus, strict=True)):
-        js = {job_of[(nd, g)] for g in gs if (nd, g) in job_of} if gs else node_jobs.get(nd, set())
-        if len(js) == 1:
-            out[i] = codes.setdefault(next(iter(js)), len(codes))
-    out.flags.writeable = False
+    out: np.ndarray = memo.last("network.layer_codes", (link_layers, busy_idx.tobytes()), derive,
+                                keep=lambda k: (list(k[0]), k[1]))
     return out
 
 
@@ -177,20 +176,23 @@ def find(nic: NicFrame, gpu: GpuFrame, p: NetworkParams, capability: FloatArray 
     tx = nan_to_zero(nic.get("nic_tx"))
     steady = np.array([nd not in quiet for nd in nic.nodes], dtype=bool) if quiet else np.ones(n, dtype=bool)
     busy = fabric & steady & (tx >= p.busy_bytes_per_second)
+    congestion = {feat: nic.get(feat) for feat in ("nic_xmit_wait", "nic_ecn")}
     for idx in _peer_groups(nic, np.flatnonzero(busy), cap, nic_jobs(nic, gpu), p.min_peers):
         if len(idx) < p.min_peers:
             continue
         for feat, floor in (("nic_xmit_wait", p.xmit_wait_floor), ("nic_ecn", p.ecn_floor)):
-            x = nic.get(feat)[idx]
+            x = congestion[feat][idx]
             if np.isfinite(x).sum() < p.min_peers:
                 continue
             per_mb = x / np.maximum(tx[idx], 1.0) * 1e6  # per MB sent
             med = nanmedian(per_mb)
-            z = np.zeros(n)
-            z[idx] = nan_to_zero(robust_z(per_mb, abs_floor=max(0.1 * floor, 0.05 * abs(med)), rel_floor=0.25))
-            above = np.zeros(n, dtype=bool)
-            above[idx] = nan_to_zero(per_mb) >= floor
-            flag((z >= p.threshold) & above, z, feat.removeprefix("nic_"))
+            z = nan_to_zero(robust_z(per_mb, abs_floor=max(0.1 * floor, 0.05 * abs(med)), rel_floor=0.25))
+            # (the group's own positions only: an array of every NIC per group would be quadratic in the fleet)
+            hit = (z >= p.threshold) & (nan_to_zero(per_mb) >= floor)
+            what = feat.removeprefix("nic_")
+            for i, zi in zip(idx[hit].tolist(), z[hit].tolist(), strict=True):
+                score[i] = max(score[i], zi)
+                cause_detail[i].append(what)
     # RoCE: PFC pause, discards and pause storms of the NIC's netdev against its rail (detector/rules/causes.py);
     # storage/front-end ports burst and pause by design (checkpoints): only the GPU fabric is judged
     for mask, value, what in nic_fabric(nic, p.min_peers, p.pause_min):

@@ -25,6 +25,7 @@ from collections import defaultdict, deque
 
 import numpy as np
 
+from gpufleet.detector.core import memo
 from gpufleet.detector.frame.frames import GpuFrame
 
 BoolArray = np.ndarray
@@ -86,10 +87,7 @@ class JobEdges:
         n = len(frame)
         out = np.zeros(n, dtype=bool)
         swing = swings(frame) if n else out
-        members: dict[str, list[int]] = defaultdict(list)
-        for i, job in enumerate(frame.jobs):
-            if job:
-                members[job].append(i)
+        members = memo.last("phases.members", frame.jobs, lambda: _members(frame.jobs), keep=list)
         now: set[str] = set()
         swung_gpu: list[bool] = swing.tolist()  # (read per GPU below: as Python bools)
         gpu_node = frame.nodes
@@ -128,3 +126,12 @@ class JobEdges:
         if not self.replicas:
             return np.zeros(len(frame), dtype=bool)
         return np.array([j in self.replicas for j in frame.jobs], dtype=bool)
+
+
+def _members(jobs: list[str | None]) -> dict[str, list[int]]:
+    """Each job's GPU positions (kept while the jobs are the same list)."""
+    members: dict[str, list[int]] = defaultdict(list)
+    for i, job in enumerate(jobs):
+        if job:
+            members[job].append(i)
+    return dict(members)

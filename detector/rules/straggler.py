@@ -428,6 +428,15 @@ def _candidate(frame: GpuFrame, i: int, s: float, z: dict[str, FloatArray], p: S
     return Candidate(frame.nodes[i], frame.gpus[i], frame.jobs[i], frame.sites[i], ev.strongest(), float(s), ev)
 
 
+def _per_node_job(nodes: list[str], jobs: list[str | None], scored: np.ndarray) -> dict[tuple[str, str | None], int]:
+    """How many GPUs of each (node, job) are scored (kept while the GPUs, their jobs and which are scored are the
+    same)."""
+    out: dict[tuple[str, str | None], int] = defaultdict(int)
+    for i in np.flatnonzero(scored).tolist():
+        out[(nodes[i], jobs[i])] += 1
+    return out
+
+
 def _collapse_nodes(frame: GpuFrame, groups: FloatArray, cands: list[Candidate],
                     p: StragglerParams) -> list[Candidate]:
     """A node whose GPUs of one job mostly straggle (whatever each GPU's own cause), or two or more of them for
@@ -435,10 +444,10 @@ def _collapse_nodes(frame: GpuFrame, groups: FloatArray, cands: list[Candidate],
     others stay in the evidence)."""
     if not cands:
         return []
-    per_node_job: dict[tuple[str, str | None], int] = defaultdict(int)
-    nodes, jobs = frame.nodes, frame.jobs
-    for i in np.flatnonzero(groups >= 0).tolist():
-        per_node_job[(nodes[i], jobs[i])] += 1
+    scored = groups >= 0
+    per_node_job = memo.last("straggler.per_node_job", (scored.tobytes(), frame.nodes, frame.jobs),
+                             lambda: _per_node_job(frame.nodes, frame.jobs, scored),
+                             keep=lambda k: (k[0], list(k[1]), list(k[2])))
     by: dict[tuple[str, str | None], list[Candidate]] = defaultdict(list)
     for c in cands:
         by[(c.node, c.job)].append(c)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from gpufleet.detector.config import ConfigError, DetectorConfig
-from gpufleet.detector.engine import Detector, Evaluation
+from gpufleet.detector.engine import Detector, Evaluation, settle_heap
 from gpufleet.detector.frame.backend_guard import Degraded, guard_for, missing_core
 from gpufleet.detector.outputs.exporter import Exposer, Health, registry_for
 from gpufleet.detector.outputs.pages import FindingsPages, LiveEvidence
@@ -102,6 +102,7 @@ def serve(cfg: DetectorConfig, once: bool) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     last_at = -math.inf
+    settled = False
     while not stop.is_set():
         # Evaluate at instants on the interval's grid: the two replicas of a shard (an HA pair) then evaluate the
         # same instants and open identical findings with identical incident ids, which Alertmanager deduplicates.
@@ -115,6 +116,9 @@ def serve(cfg: DetectorConfig, once: bool) -> int:
         try:
             state.before(at)  # not ready yet: rebuild the state; missed instants: evaluate them first
             ev = det.evaluate(at)
+            if not settled:  # the first evaluation's series table and caches: never walked by the collector again
+                settle_heap()
+                settled = True
             state.done = at
             _observe(evidence, det, ev)
             degraded = dict(guard.last.reasons)

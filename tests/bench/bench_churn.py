@@ -93,6 +93,16 @@ def _trees(root: Path, rev: str) -> list[str]:
                               capture_output=True).returncode == 0]
 
 
+def _settle() -> None:
+    """What ``serve`` does after its first evaluation (engine.settle_heap: the heap alive then frozen), where the
+    detector under test has it."""
+    import gpufleet.detector.engine as engine
+
+    settle = getattr(engine, "settle_heap", None)
+    if callable(settle):
+        settle()
+
+
 def bench(n: int, rounds: int) -> dict[str, list[float]]:
     fleet = ChangingFleet(n)
     det = Detector(parse({"findings": {"open_after": 1}}), fleet.src)
@@ -100,6 +110,7 @@ def bench(n: int, rounds: int) -> dict[str, list[float]]:
     for _ in range(2):
         det.evaluate(t)
         t += 60.0
+    _settle()
     cpu: dict[str, list[float]] = {k: [] for k in KINDS}
     nodes = sorted({str(x) for x in fleet.inst[next(iter(fleet.inst))].tolist()})
     drained: str | None = None

@@ -9,8 +9,8 @@ from collections import defaultdict
 
 import numpy as np
 
-from gpufleet.detector.frame.features import _natural, _nic_gpus
 from gpufleet.detector.frame.frames import GpuFrame, NicFrame
+from gpufleet.detector.frame.nic_map import _natural, _nic_gpus
 from gpufleet.detector.rules.network import NetworkParams
 
 
