@@ -209,7 +209,10 @@ class FindingsPages:
 
     def _evidence_json(self, f: Finding) -> dict[str, Any]:
         tr = self.live.trace(f)
+        # evaluations: how many instants its trace holds (a plot is drawn from two: a finding that direct evidence
+        # opened at its first evaluation has one until the next)
         return {"kind": f.kind, "peers": tr.peers, "features": [p.feature for p in tr.panels],
+                "evaluations": max((len(p.t) for p in tr.panels), default=0),
                 "deviations": _finite(f.evidence.deviations), "values": _finite(f.evidence.values),
                 "direct_causes": direct_causes(f), "other_causes": f.other_causes(), **self._path(f)}
 

@@ -86,6 +86,7 @@ def test_list_and_incident_page_show_the_straggler_with_its_evidence(live: tuple
     assert api["url"] == evidence_url("https://det.example:9446/", f.incident)
     evid = next(e for e in api["evidence"] if e["kind"] == "straggler")
     assert evid["features"] == [p for p in feats if p in evid["features"]] and evid["peers"] == 31
+    assert evid["evaluations"] >= 2  # the instants traced: what the plots are drawn from
     assert api["findings"][0]["incident"] == f.incident
     listed = json.loads((pages.page("/api/findings?kind=straggler") or (0, b"{}", ""))[1])
     assert [i["incident"] for i in listed["incidents"]] == [f.incident]
