@@ -202,12 +202,12 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
     a GPU was flagged for (its straggler's evidence names it)."""
     n = len(frame)
     util = frame.get("util")
+    last = frame.get("util_last")
     active = nan_to_zero(util) >= p.busy_util
     if edge is not None:  # at a job-wide edge (a checkpoint just ended) the window averages the idle phase in:
-        active |= np.asarray(edge, dtype=bool) & (nan_to_zero(frame.get("util_last")) >= p.busy_util)  # busy now
+        active |= np.asarray(edge, dtype=bool) & (nan_to_zero(last) >= p.busy_util)  # busy now
     # A GPU whose latest reading is idle stopped working (its rank crashed, its job ended): no straggler, unless
     # its host is under pressure (a starved GPU idles between the batches its host is late with).
-    last = frame.get("util_last")
     with np.errstate(invalid="ignore"):
         stopped = np.isfinite(last) & (last < p.busy_util)
     host = {node for node, (cause, _) in (node_causes or {}).items() if cause == "host"}
@@ -271,8 +271,8 @@ def score(frame: GpuFrame, p: StragglerParams, nic_flags: dict[tuple[str, str], 
     # The latest reading's utilization against the peers' latest (not a feature of the score: a scrape's reading
     # is noisier than the window's): what a host starving its GPUs shows first (cause_rules: host_starved).
     link_z = z
-    if "util" in z and (node_causes or {}):
-        (z_last,) = PeerGroups(groups).robust_zs([(frame.get("util_last"), *FEATURES["util"][:2])])
+    if "util" in z and host:  # (only host_starved reads it, on a node under host pressure)
+        (z_last,) = PeerGroups(groups).robust_zs([(last, *FEATURES["util"][:2])])
         link_z = {**z, "util_last": z_last}
     cands += _link_stragglers(frame, scored & ~hit, p, flags, link_z, node_causes or {}, nic_links or {})
     return StragglerResult(scored, combined, z, _collapse_nodes(frame, groups, cands, p))
