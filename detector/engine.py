@@ -40,7 +40,7 @@ import numpy as np
 from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.core import memo
 from gpufleet.detector.core.candidate import Candidate, Evidence
-from gpufleet.detector.core.numeric import median, nan_to_zero
+from gpufleet.detector.core.numeric import median, nan_to_zero, positions_by
 from gpufleet.detector.frame import cadence, jobs
 from gpufleet.detector.frame.backend_guard import Verdict
 from gpufleet.detector.frame.features import FeatureFrame, GpuFrame, NodeNaming, collect
@@ -287,13 +287,8 @@ class Detector:
 
 
 def _job_members(jobs: list[str | None], ok: np.ndarray) -> dict[str, np.ndarray]:
-    """Each job's GPUs where ``ok`` (the jobs with two or more)."""
-    by_job: dict[str, list[int]] = {}
-    for i in np.flatnonzero(ok).tolist():
-        job = jobs[i]
-        if job:
-            by_job.setdefault(job, []).append(i)
-    return {j: np.array(ix, dtype=np.int64) for j, ix in by_job.items() if len(ix) >= 2}
+    """Each job's GPUs where ``ok`` (the jobs with two or more), in order of each job's first such GPU."""
+    return {str(j): ix for j, ix in positions_by(jobs, ok).items() if len(ix) >= 2}
 
 
 def _holding(held: Callable[[Key], bool], nodes: set[str]) -> Callable[[Key], bool]:

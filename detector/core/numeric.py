@@ -7,9 +7,14 @@ values to the last bit (signed zeros included), with a few ufunc calls each.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+from typing import TypeVar
+
 import numpy as np
 
 FloatArray = np.ndarray
+IntArray = np.ndarray
+H = TypeVar("H", bound=Hashable)
 
 _BIG = float(np.finfo(np.float64).max)
 
@@ -35,3 +40,32 @@ def nan_to_zero(a: FloatArray) -> FloatArray:
     np.minimum(out, _BIG, out=out)
     np.maximum(out, -_BIG, out=out)
     return out
+
+
+def codes(values: Sequence[H]) -> tuple[IntArray, list[H]]:
+    """Per value: a code per distinct value, numbered in order of first appearance, and the distinct values (one
+    pass in C over the list, not a Python statement per entry: the per-GPU tables made again after a change of
+    the fleet are made with it)."""
+    index: dict[H, int] = dict.fromkeys(values, 0)
+    for k, key in enumerate(index):
+        index[key] = k
+    return np.fromiter(map(index.__getitem__, values), dtype=np.int64, count=len(values)), list(index)
+
+
+def positions_by(values: Sequence[H], where: np.ndarray | None = None) -> dict[H, IntArray]:
+    """Each distinct truthy value's positions (ascending; only where ``where``, when given), the values in order
+    of their first such position: array passes, as :func:`codes`."""
+    code, distinct = codes(values)
+    truthy = np.array([bool(v) for v in distinct], dtype=bool)
+    keep = truthy[code] if len(distinct) else np.zeros(0, dtype=bool)
+    if where is not None:
+        keep &= np.asarray(where, dtype=bool)
+    sel = np.flatnonzero(keep)
+    if not len(sel):
+        return {}
+    order = np.argsort(code[sel], kind="stable")  # by value, each value's positions ascending
+    by, ix = code[sel][order], sel[order]
+    starts = np.flatnonzero(np.r_[True, by[1:] != by[:-1]])
+    ends = np.r_[starts[1:], len(by)].tolist()
+    spans = sorted(zip(ix[starts].tolist(), starts.tolist(), ends, strict=True))  # by first position
+    return {distinct[int(by[a])]: ix[a:b] for _, a, b in spans}

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gpufleet.detector.core import memo
+from gpufleet.detector.core.numeric import codes, positions_by
 from gpufleet.detector.frame.frames import GpuFrame
 
 if TYPE_CHECKING:
@@ -100,19 +102,22 @@ class ImpactTracker:
             return
         valid = np.asarray(g.valid, dtype=bool)
         sync = np.ones(len(g), dtype=bool) if g.sync is None else np.asarray(g.sync, dtype=bool)
-        wanted = {f.job for f in todo}
-        rows: dict[str | None, list[int]] = {}
-        for i, j in enumerate(g.jobs):  # one pass for every open finding's job
-            if j in wanted:
-                rows.setdefault(j, []).append(i)
-        by_job = {j: (ix := np.array(r, dtype=np.int64))[valid[ix]] for j, r in rows.items()}
+        # each job's rows and each row's node code (kept while the frame's jobs and nodes are the same lists)
+        rows = memo.last("impact.job_rows", g.jobs, lambda: positions_by(g.jobs), keep=list)
+        node_code, code_of = memo.last("impact.node_codes", g.nodes, lambda: _node_codes(g.nodes), keep=list)
+        by_job: dict[str, np.ndarray] = {}
+        for j in {f.job for f in todo}:
+            ix = rows.get(j)
+            if ix is not None:
+                by_job[j or ""] = ix[valid[ix]]
         for f in todo:
             members = by_job.get(f.job or "")
             if members is None or not len(members) or not bool(sync[members].all()):
                 continue
-            on_node = np.array([g.nodes[i] == f.node for i in members.tolist()], dtype=bool)
+            on_node = node_code[members] == code_of.get(f.node or "", -1)
             if f.gpu is not None:
-                me = on_node & np.array([g.gpus[i] == f.gpu for i in members.tolist()], dtype=bool)
+                me = on_node.copy()
+                me[on_node] = [g.gpus[i] == f.gpu for i in members[on_node].tolist()]
                 mine, peers = members[me], members[~me]
             else:
                 mine, peers = members[on_node], members[~on_node]
@@ -129,6 +134,11 @@ class ImpactTracker:
             imp.gpu_hours_lost += len(members) * d * max(gap, 0.0) / 3600.0
             imp.updated = t
             imp.recent.append(d / (1.0 - d))
+
+
+def _node_codes(nodes: list[str]) -> tuple[np.ndarray, dict[str, int]]:
+    code, names = codes(nodes)
+    return code, {str(n): k for k, n in enumerate(names)}
 
 
 def sort_key(f: Finding) -> tuple[float, float]:

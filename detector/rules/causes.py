@@ -27,11 +27,12 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
+from operator import methodcaller
 
 import numpy as np
 
 from gpufleet.detector.core import memo
-from gpufleet.detector.core.numeric import median, nan_to_zero
+from gpufleet.detector.core.numeric import codes, median, nan_to_zero
 from gpufleet.detector.frame.features import GpuFrame, NicFrame
 
 FloatArray = np.ndarray
@@ -64,17 +65,27 @@ def _node_groups(names: list[str], frame: GpuFrame) -> np.ndarray:
 
 
 def _count_node_groups(names: list[str], frame: GpuFrame) -> np.ndarray:
-    counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    for nd, job in zip(frame.nodes, frame.jobs, strict=True):
-        if job:
-            counts[nd][job] += 1
-    codes: dict[str, int] = {}
+    """Array passes: each (node, job) pair's GPUs counted, each node's most frequent job (of a tie the one that
+    appears first on it), the jobs numbered in the order of ``names``."""
     out = np.full(len(names), -1, dtype=np.int64)
-    for i, n in enumerate(names):
-        jobs = counts.get(n)
-        if jobs:
-            job = max(jobs, key=lambda j: jobs[j])
-            out[i] = codes.setdefault(job, len(codes))
+    node, nodes = codes(frame.nodes)
+    job, jobs = codes(frame.jobs)
+    has = np.array([bool(j) for j in jobs], dtype=bool)[job] if len(jobs) else np.zeros(0, dtype=bool)
+    sel = np.flatnonzero(has)
+    if not len(sel) or not len(names):
+        return out
+    pair, first, count = np.unique(node[sel] * len(jobs) + job[sel], return_index=True, return_counts=True)
+    pnode, pjob = pair // len(jobs), pair % len(jobs)
+    order = np.lexsort((first, -count, pnode))  # per node: the most GPUs, then the first to appear
+    pnode, pjob = pnode[order], pjob[order]
+    head = np.r_[True, pnode[1:] != pnode[:-1]]
+    chosen = np.full(len(nodes), -1, dtype=np.int64)
+    chosen[pnode[head]] = pjob[head]
+    at = {nd: k for k, nd in enumerate(nodes)}
+    picked = np.array([chosen[at[nd]] if nd in at else -1 for nd in names], dtype=np.int64)
+    some = picked >= 0
+    if some.any():
+        out[some] = codes(picked[some].tolist())[0]
     return out
 
 
@@ -134,8 +145,8 @@ def node_causes(node: Mapping[str, Mapping[str, float]], frame: GpuFrame, p: Cau
 
     rows = [node[n] for n in names]  # each node's values looked up once, not once per feature
 
-    def col(f: str) -> FloatArray:
-        return np.array([float(v) if (v := r.get(f)) is not None else np.nan for r in rows])
+    def col(f: str) -> FloatArray:  # (map in C: a Python statement per node cost 20 ms a feature at 500k GPUs)
+        return np.fromiter(map(methodcaller("get", f, np.nan), rows), dtype=np.float64, count=len(rows))
 
     groups = _node_groups(names, frame)
     cpus, steal_s = col("host_cpus"), col("host_steal")

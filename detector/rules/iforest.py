@@ -19,6 +19,7 @@ import logging
 import numpy as np
 
 FloatArray = np.ndarray
+IntArray = np.ndarray
 
 #: scikit-learn releases (major.minor) whose IsolationForest this module reproduces bit for bit (the test checks).
 VERIFIED = ("1.9",)
@@ -32,37 +33,44 @@ _INT32_MAX = np.iinfo(np.int32).max
 _broken: list[str] = []  # why the fast path was given up in this process (a private interface changed)
 
 
-def scores(x: FloatArray, n_estimators: int, seed: int) -> FloatArray:
-    """``-IsolationForest(n_estimators, max_samples=min(256, n), random_state=seed).fit(x).score_samples(x)``.
+def scores(x: FloatArray, n_estimators: int, seed: int, rows: IntArray | None = None) -> FloatArray:
+    """``-IsolationForest(n_estimators, max_samples=min(256, n), random_state=seed).fit(x).score_samples(x[rows])``.
+
+    The forest is fitted on every row of ``x``; only ``rows`` (all when None) are scored: walking each tree costs
+    every scored row (0.8 s of a 1.1 s forest at 500,000 rows), fitting it only its 256 draws.
 
     The fast path uses scikit-learn's private tree classes: a patch release that changes one of them (a
     constructor's arguments, a module moved) makes it raise, and this process then uses the IsolationForest
     itself from there on (logged once) rather than failing the evaluation."""
     import sklearn
 
+    if rows is not None and len(rows) == 0:
+        return np.empty(0)
     if _broken or ".".join(sklearn.__version__.split(".")[:2]) not in VERIFIED:
-        return sklearn_scores(x, n_estimators, seed)
+        return sklearn_scores(x, n_estimators, seed, rows)
     try:
-        return fast_scores(x, n_estimators, seed)
+        return fast_scores(x, n_estimators, seed, rows)
     except (TypeError, AttributeError, ImportError, ValueError) as e:
         _broken.append(f"{type(e).__name__}: {e}")
         logging.getLogger(__name__).warning(
             "scikit-learn %s: its private tree interface differs from what gpufleet builds forests with (%s); "
             "using IsolationForest itself (the same scores, slower)", sklearn.__version__, _broken[0])
-        return sklearn_scores(x, n_estimators, seed)
+        return sklearn_scores(x, n_estimators, seed, rows)
 
 
-def sklearn_scores(x: FloatArray, n_estimators: int, seed: int) -> FloatArray:
+def sklearn_scores(x: FloatArray, n_estimators: int, seed: int, rows: IntArray | None = None) -> FloatArray:
     """The same through scikit-learn's IsolationForest (any release)."""
     from sklearn.ensemble import IsolationForest
 
+    if rows is not None and len(rows) == 0:
+        return np.empty(0)
     forest = IsolationForest(n_estimators=n_estimators, max_samples=min(256, x.shape[0]), random_state=seed)
     forest.fit(x)
-    out: FloatArray = -forest.score_samples(x)
+    out: FloatArray = -forest.score_samples(x if rows is None else x[rows])
     return out
 
 
-def fast_scores(x: FloatArray, n_estimators: int, seed: int) -> FloatArray:
+def fast_scores(x: FloatArray, n_estimators: int, seed: int, rows: IntArray | None = None) -> FloatArray:
     """The same from the trees directly (what IsolationForest.fit and score_samples do, in scikit-learn 1.9).
 
     Each tree is what ``ExtraTreeRegressor(max_features=1, splitter="random", max_depth=d).fit`` builds: its
@@ -85,7 +93,8 @@ def fast_scores(x: FloatArray, n_estimators: int, seed: int) -> FloatArray:
     rs.seed(seed)
     seeds = rs.randint(_INT32_MAX, size=n_estimators)
     outputs = np.array([1], dtype=np.intp)
-    depths = np.zeros(n, order="F")
+    walked = x32 if rows is None else np.ascontiguousarray(x32[rows])  # the rows scored (tree.apply keeps the layout)
+    depths = np.zeros(walked.shape[0], order="F")
     for s in seeds:
         rs.seed(s)
         tree_seed = rs.randint(_INT32_MAX)  # the ensemble's _set_random_states
@@ -98,7 +107,7 @@ def fast_scores(x: FloatArray, n_estimators: int, seed: int) -> FloatArray:
         splitter = RandomSplitter(MSE(1, n), 1, 1, min_weight_leaf, rs, None)
         tree = Tree(n_features, outputs, 1)
         DepthFirstTreeBuilder(splitter, 2, 1, min_weight_leaf, max_depth, 0.0).build(tree, x32, y2, weight, None)
-        leaves = tree.apply(x32)
+        leaves = tree.apply(walked)
         path = _average_path_length(tree.n_node_samples)
         depths += tree.compute_node_depths()[leaves] + path[leaves] - 1.0
     denominator = n_estimators * _average_path_length(np.asarray([max_samples]))

@@ -21,11 +21,12 @@ cannot tell a fault from the edge, and a finding already open is held (neither c
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import deque
 
 import numpy as np
 
 from gpufleet.detector.core import memo
+from gpufleet.detector.core.numeric import positions_by
 from gpufleet.detector.frame.frames import GpuFrame
 
 BoolArray = np.ndarray
@@ -130,8 +131,4 @@ class JobEdges:
 
 def _members(jobs: list[str | None]) -> dict[str, list[int]]:
     """Each job's GPU positions (kept while the jobs are the same list)."""
-    members: dict[str, list[int]] = defaultdict(list)
-    for i, job in enumerate(jobs):
-        if job:
-            members[job].append(i)
-    return dict(members)
+    return {str(j): ix.tolist() for j, ix in positions_by(jobs).items()}

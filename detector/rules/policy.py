@@ -18,11 +18,10 @@ reference to be held below (:mod:`gpufleet.detector.rules.throttling`).
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import numpy as np
 
 from gpufleet.detector.core import memo
+from gpufleet.detector.core.numeric import codes
 from gpufleet.detector.frame.frames import GpuFrame
 
 BoolArray = np.ndarray
@@ -50,31 +49,37 @@ def _frozen(a: BoolArray) -> BoolArray:
 
 
 def _capped(g: GpuFrame, limit_ref: FloatArray | None) -> BoolArray:
+    """Arrays over every GPU: the model's usual limit (highest in the frame), each (job, model) group's median
+    limit, which of its GPUs are set to it, and the group's reference (the usual limit or its own history's)."""
     n = len(g)
     out = np.zeros(n, dtype=bool)
-    lim = g.get("power_limit")
+    lim = np.asarray(g.get("power_limit"), dtype=float)
     known = np.isfinite(lim) & (lim > 0)
     if not known.any():
         return out
-    usual: dict[str, float] = {}
-    for i in np.flatnonzero(known).tolist():
-        m = g.models[i]
-        usual[m] = max(usual.get(m, 0.0), float(lim[i]))
-    by_job: dict[tuple[str, str], list[int]] = defaultdict(list)
-    for i in np.flatnonzero(known).tolist():
-        if g.jobs[i]:
-            by_job[(g.jobs[i] or "", g.models[i])].append(i)
-    ref = np.asarray(limit_ref, dtype=float) if limit_ref is not None else np.full(n, np.nan)
-    for (_, model), ix in by_job.items():
-        if len(ix) < 2:
-            continue  # one GPU: nothing says its limit is the job's
-        members = np.asarray(ix)
-        v = lim[members]
-        set_to = float(np.median(v))
-        alike = np.abs(v - set_to) <= SAME * set_to
-        if 2 * int(alike.sum()) <= len(ix):
-            continue  # no setting most of the job shares
-        default = max(usual[model], float(np.nanmax(ref[members])) if np.isfinite(ref[members]).any() else 0.0)
-        if set_to < (1.0 - SAME) * default:
-            out[members[alike]] = True  # a GPU set below the rest of its job is not: that is a fault
+    model, models = codes(g.models)
+    usual = np.zeros(len(models))
+    np.maximum.at(usual, model[known], lim[known])
+    job, jobs = codes(g.jobs)
+    has_job = np.array([bool(j) for j in jobs], dtype=bool)[job]
+    sel = np.flatnonzero(known & has_job)
+    if not len(sel):
+        return out
+    group = job[sel] * len(models) + model[sel]
+    order = np.lexsort((lim[sel], group))  # by group, each group's limits ascending
+    members, grp, v = sel[order], group[order], lim[sel][order]
+    starts = np.flatnonzero(np.r_[True, grp[1:] != grp[:-1]])
+    count = np.diff(np.r_[starts, len(grp)])
+    mid = starts + count // 2
+    set_to = np.where(count % 2 == 1, v[mid], (v[mid - 1] + v[mid]) / 2.0)  # np.median's, per group
+    each = np.repeat(np.arange(len(starts)), count)
+    alike = np.abs(v - set_to[each]) <= SAME * set_to[each]
+    shared = 2 * np.add.reduceat(alike.astype(np.int64), starts) > count  # a setting most of the job shares
+    ref = np.asarray(limit_ref, dtype=float)[members] if limit_ref is not None else np.full(len(members), np.nan)
+    # the group's own highest limit in its history (0 where none of its GPUs' is known)
+    known_ref = np.add.reduceat(np.isfinite(ref).astype(np.int64), starts) > 0
+    own = np.where(known_ref, np.fmax.reduceat(ref, starts), 0.0)
+    default = np.fmax(usual[model[members[starts]]], own)
+    capped = (count >= 2) & shared & (set_to < (1.0 - SAME) * default)  # one GPU: nothing says it is the job's
+    out[members[capped[each] & alike]] = True  # a GPU set below the rest of its job is not: that is a fault
     return out

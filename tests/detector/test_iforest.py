@@ -68,3 +68,16 @@ def test_a_changed_private_interface_falls_back_to_the_forest(monkeypatch: pytes
     assert np.array_equal(iforest.scores(x, 50, seed), want)
     assert len(calls) == 1, "given up once, not tried on every evaluation"
     assert caplog.text.count("private tree interface differs") == 1
+
+
+@pytest.mark.parametrize("path", ["fast", "sklearn"])
+def test_scoring_some_rows_gives_those_rows_scores(path: str) -> None:
+    # the straggler fits on every scored GPU and walks only those the forest can bring to the threshold
+    x, seed = _cases()[15]
+    if path == "fast" and ".".join(sklearn.__version__.split(".")[:2]) not in iforest.VERIFIED:
+        pytest.skip(f"scikit-learn {sklearn.__version__} not verified for iforest.fast_scores")
+    fn = iforest.fast_scores if path == "fast" else iforest.sklearn_scores
+    rows = np.array([3, 0, 699, 350, 3])
+    whole = iforest.sklearn_scores(x, 50, seed)
+    assert np.array_equal(fn(x, 50, seed, rows), whole[rows])
+    assert fn(x, 50, seed, np.array([], dtype=np.intp)).shape == (0,)

@@ -1,0 +1,92 @@
+"""The per-GPU tables made again after every change of the fleet, made in array passes, are the tables their
+rules describe (each checked against the plain reading, a Python pass per GPU, on fleets hypothesis draws)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpufleet.detector import engine
+from gpufleet.detector.frame.frames import GpuFrame
+from gpufleet.detector.rules import causes, phases, straggler
+
+JOBS = st.sampled_from(["j1", "j2", "j3", "", None])
+FLEET = st.lists(st.tuples(st.sampled_from(["n0", "n1", "n2", "n3"]), JOBS,
+                           st.sampled_from(["H200", "B200", "H200 MIG 1g.18gb"]), st.sampled_from(["ns", "", None])),
+                 min_size=0, max_size=50)
+
+
+def _frame(gpus: list[tuple[str, str | None, str, str | None]]) -> GpuFrame:
+    n = len(gpus)
+    return GpuFrame([g[0] for g in gpus], [str(i) for i in range(n)], [""] * n, [g[1] for g in gpus],
+                    [g[2] for g in gpus], {}, np.ones(n, dtype=bool), np.zeros(n, dtype=bool))
+
+
+@settings(max_examples=200, deadline=None)
+@given(FLEET, st.booleans())
+def test_job_model_codes(gpus: list[tuple[str, str | None, str, str | None]], jobless: bool) -> None:
+    jobs, models, spaces = [g[1] for g in gpus], [g[2] for g in gpus], [g[3] for g in gpus]
+    index: dict[tuple[str, str, str], int] = {}
+    want_code, want_peerless = [], []
+    for job, space, model in zip(jobs, spaces, models, strict=True):
+        want_peerless.append(" MIG " in model or (not job and not jobless))
+        want_code.append(index.setdefault((job or "", (space or "") if job else "", model), len(index)))
+    code, peerless = straggler._count_job_model_codes(jobs, spaces, models, jobless)
+    assert code.tolist() == want_code and peerless.tolist() == want_peerless
+
+
+@settings(max_examples=200, deadline=None)
+@given(FLEET, st.lists(st.sampled_from(["n0", "n1", "n2", "n3", "n9"]), max_size=6))
+def test_node_groups(gpus: list[tuple[str, str | None, str, str | None]], names: list[str]) -> None:
+    frame = _frame(gpus)
+    counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for nd, job in zip(frame.nodes, frame.jobs, strict=True):
+        if job:
+            counts[nd][job] += 1
+    index: dict[str, int] = {}
+    want = []
+    for nd in names:
+        jobs = counts.get(nd)
+        want.append(index.setdefault(max(jobs, key=lambda j: jobs[j]), len(index)) if jobs else -1)
+    assert causes._count_node_groups(names, frame).tolist() == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(FLEET, st.data())
+def test_job_members(gpus: list[tuple[str, str | None, str, str | None]], data: st.DataObject) -> None:
+    jobs = [g[1] for g in gpus]
+    ok = np.array(data.draw(st.lists(st.booleans(), min_size=len(jobs), max_size=len(jobs))), dtype=bool)
+    by_job: dict[str, list[int]] = {}
+    for i in np.flatnonzero(ok).tolist():
+        if jobs[i]:
+            by_job.setdefault(jobs[i] or "", []).append(i)
+    want = {j: ix for j, ix in by_job.items() if len(ix) >= 2}
+    got = engine._job_members(jobs, ok)
+    assert list(got) == list(want)  # the same order: the phase check's keys follow it
+    assert {j: v.tolist() for j, v in got.items()} == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(FLEET, st.data())
+def test_per_node_job_counts(gpus: list[tuple[str, str | None, str, str | None]], data: st.DataObject) -> None:
+    nodes, jobs = [g[0] for g in gpus], [g[1] for g in gpus]
+    scored = np.array(data.draw(st.lists(st.booleans(), min_size=len(jobs), max_size=len(jobs))), dtype=bool)
+    want: dict[tuple[str, str | None], int] = defaultdict(int)
+    for i in np.flatnonzero(scored).tolist():
+        want[(nodes[i], jobs[i])] += 1
+    assert straggler._per_node_job(nodes, jobs, scored) == dict(want)
+
+
+@settings(max_examples=200, deadline=None)
+@given(FLEET)
+def test_phase_members(gpus: list[tuple[str, str | None, str, str | None]]) -> None:
+    jobs = [g[1] for g in gpus]
+    want: dict[str, list[int]] = {}
+    for i, job in enumerate(jobs):
+        if job:
+            want.setdefault(job, []).append(i)
+    got = phases._members(jobs)
+    assert list(got) == list(want) and got == want
