@@ -288,7 +288,7 @@ class Detector:
 
 def _job_members(jobs: list[str | None], ok: np.ndarray) -> dict[str, np.ndarray]:
     """Each job's GPUs where ``ok`` (the jobs with two or more), in order of each job's first such GPU."""
-    return {str(j): ix for j, ix in positions_by(jobs, ok).items() if len(ix) >= 2}
+    return {str(j): ix for j, ix in positions_by(jobs, ok, name="jobs").items() if len(ix) >= 2}
 
 
 def _holding(held: Callable[[Key], bool], nodes: set[str]) -> Callable[[Key], bool]:

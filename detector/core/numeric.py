@@ -12,6 +12,8 @@ from typing import TypeVar
 
 import numpy as np
 
+from gpufleet.detector.core import memo
+
 FloatArray = np.ndarray
 IntArray = np.ndarray
 H = TypeVar("H", bound=Hashable)
@@ -52,10 +54,22 @@ def codes(values: Sequence[H]) -> tuple[IntArray, list[H]]:
     return np.fromiter(map(index.__getitem__, values), dtype=np.int64, count=len(values)), list(index)
 
 
-def positions_by(values: Sequence[H], where: np.ndarray | None = None) -> dict[H, IntArray]:
+def codes_of(name: str, values: Sequence[H]) -> tuple[IntArray, list[H]]:
+    """:func:`codes` of the frame's list ``name`` (``jobs``, ``nodes``, ``models``), kept while it is the same list
+    (:mod:`~gpufleet.detector.core.memo`): after a change of the fleet the tables made of them code each list once,
+    not once a table. The codes are read-only (shared by those tables)."""
+    def derive() -> tuple[IntArray, list[H]]:
+        code, distinct = codes(values)
+        code.flags.writeable = False
+        return code, distinct
+
+    return memo.last(f"codes.{name}", values, derive, keep=list)
+
+
+def positions_by(values: Sequence[H], where: np.ndarray | None = None, name: str | None = None) -> dict[H, IntArray]:
     """Each distinct truthy value's positions (ascending; only where ``where``, when given), the values in order
-    of their first such position: array passes, as :func:`codes`."""
-    code, distinct = codes(values)
+    of their first such position: array passes, as :func:`codes` (:func:`codes_of` ``name``, when given)."""
+    code, distinct = codes(values) if name is None else codes_of(name, values)
     truthy = np.array([bool(v) for v in distinct], dtype=bool)
     keep = truthy[code] if len(distinct) else np.zeros(0, dtype=bool)
     if where is not None:

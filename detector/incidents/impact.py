@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gpufleet.detector.core import memo
-from gpufleet.detector.core.numeric import codes, positions_by
+from gpufleet.detector.core.numeric import codes_of, positions_by
 from gpufleet.detector.frame.frames import GpuFrame
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ class ImpactTracker:
         valid = np.asarray(g.valid, dtype=bool)
         sync = np.ones(len(g), dtype=bool) if g.sync is None else np.asarray(g.sync, dtype=bool)
         # each job's rows and each row's node code (kept while the frame's jobs and nodes are the same lists)
-        rows = memo.last("impact.job_rows", g.jobs, lambda: positions_by(g.jobs), keep=list)
+        rows = memo.last("impact.job_rows", g.jobs, lambda: positions_by(g.jobs, name="jobs"), keep=list)
         node_code, code_of = memo.last("impact.node_codes", g.nodes, lambda: _node_codes(g.nodes), keep=list)
         by_job: dict[str, np.ndarray] = {}
         for j in {f.job for f in todo}:
@@ -137,7 +137,7 @@ class ImpactTracker:
 
 
 def _node_codes(nodes: list[str]) -> tuple[np.ndarray, dict[str, int]]:
-    code, names = codes(nodes)
+    code, names = codes_of("nodes", nodes)
     return code, {str(n): k for k, n in enumerate(names)}
 
 

@@ -32,7 +32,7 @@ from operator import methodcaller
 import numpy as np
 
 from gpufleet.detector.core import memo
-from gpufleet.detector.core.numeric import codes, median, nan_to_zero
+from gpufleet.detector.core.numeric import codes, codes_of, median, nan_to_zero
 from gpufleet.detector.frame.features import GpuFrame, NicFrame
 
 FloatArray = np.ndarray
@@ -68,8 +68,8 @@ def _count_node_groups(names: list[str], frame: GpuFrame) -> np.ndarray:
     """Array passes: each (node, job) pair's GPUs counted, each node's most frequent job (of a tie the one that
     appears first on it), the jobs numbered in the order of ``names``."""
     out = np.full(len(names), -1, dtype=np.int64)
-    node, nodes = codes(frame.nodes)
-    job, jobs = codes(frame.jobs)
+    node, nodes = codes_of("nodes", frame.nodes)
+    job, jobs = codes_of("jobs", frame.jobs)
     has = np.array([bool(j) for j in jobs], dtype=bool)[job] if len(jobs) else np.zeros(0, dtype=bool)
     sel = np.flatnonzero(has)
     if not len(sel) or not len(names):

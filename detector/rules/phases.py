@@ -131,4 +131,4 @@ class JobEdges:
 
 def _members(jobs: list[str | None]) -> dict[str, list[int]]:
     """Each job's GPU positions (kept while the jobs are the same list)."""
-    return {str(j): ix.tolist() for j, ix in positions_by(jobs).items()}
+    return {str(j): ix.tolist() for j, ix in positions_by(jobs, name="jobs").items()}

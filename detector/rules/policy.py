@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpufleet.detector.core import memo
-from gpufleet.detector.core.numeric import codes
+from gpufleet.detector.core.numeric import codes_of
 from gpufleet.detector.frame.frames import GpuFrame
 
 BoolArray = np.ndarray
@@ -57,10 +57,10 @@ def _capped(g: GpuFrame, limit_ref: FloatArray | None) -> BoolArray:
     known = np.isfinite(lim) & (lim > 0)
     if not known.any():
         return out
-    model, models = codes(g.models)
+    model, models = codes_of("models", g.models)
     usual = np.zeros(len(models))
     np.maximum.at(usual, model[known], lim[known])
-    job, jobs = codes(g.jobs)
+    job, jobs = codes_of("jobs", g.jobs)
     has_job = np.array([bool(j) for j in jobs], dtype=bool)[job]
     sel = np.flatnonzero(known & has_job)
     if not len(sel):

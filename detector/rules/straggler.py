@@ -46,7 +46,7 @@ import numpy as np
 
 from gpufleet.detector.core import memo
 from gpufleet.detector.core.candidate import DIRECT, Candidate, Evidence
-from gpufleet.detector.core.numeric import codes, median, nan_to_zero
+from gpufleet.detector.core.numeric import codes, codes_of, median, nan_to_zero
 from gpufleet.detector.frame.features import NVLINK_ERROR_FEATURES, GpuFrame
 from gpufleet.detector.rules import cause_rules, causes, iforest
 from gpufleet.detector.rules.robust import PeerGroups, nanmedian
@@ -129,15 +129,24 @@ def _job_model_codes(jobs: list[str | None], namespaces: list[str | None], model
 def _count_job_model_codes(jobs: list[str | None], namespaces: list[str | None], models: list[str],
                            compare_jobless: bool) -> tuple[IntArray, BoolArray]:
     n = len(jobs)
-    ns = namespaces if len(namespaces) == n else list(namespaces) + [None] * (n - len(namespaces))
-    raw, distinct = codes(list(zip(jobs, ns, models, strict=True)))  # a pass in C; then one per distinct triple
+    if len(models) != n or len(namespaces) > n:
+        raise ValueError(f"{n} jobs, {len(models)} models, {len(namespaces)} namespaces")
+    job, job_names = codes_of("jobs", jobs)
+    model, model_names = codes_of("models", models)
+    space, space_names = codes(list(namespaces) + [None] * (n - len(namespaces))) if namespaces else (
+        np.zeros(n, dtype=np.int64), [None])
+    raw = (job * len(space_names) + space) * len(model_names) + model  # each (job, namespace, model) as one int
+    distinct, first, inverse = np.unique(raw, return_index=True, return_inverse=True)
     index: dict[tuple[str, str, str], int] = {}
     code_of = np.empty(len(distinct), dtype=np.int64)
     peerless_of = np.zeros(len(distinct), dtype=bool)
-    for k, (job, space, model) in enumerate(distinct):
-        peerless_of[k] = " MIG " in model or (not job and not compare_jobless)
-        code_of[k] = index.setdefault((job or "", (space or "") if job else "", model), len(index))
-    code, peerless = code_of[raw], peerless_of[raw]
+    for k in np.argsort(first, kind="stable").tolist():  # the triples in order of first appearance
+        rest, m = divmod(int(distinct[k]), len(model_names))
+        j, sp = divmod(rest, len(space_names))
+        job_, space_, model_ = job_names[j], space_names[sp], model_names[m]
+        peerless_of[k] = " MIG " in model_ or (not job_ and not compare_jobless)
+        code_of[k] = index.setdefault((job_ or "", (space_ or "") if job_ else "", model_), len(index))
+    code, peerless = code_of[inverse], peerless_of[inverse]
     code.flags.writeable = False
     peerless.flags.writeable = False
     return code, peerless
@@ -441,8 +450,8 @@ def _per_node_job(nodes: list[str], jobs: list[str | None], scored: np.ndarray) 
     sel = np.flatnonzero(scored)
     if not len(sel):
         return {}
-    node, node_names = codes(nodes)
-    job, job_names = codes(jobs)
+    node, node_names = codes_of("nodes", nodes)
+    job, job_names = codes_of("jobs", jobs)
     pair, count = np.unique(node[sel] * len(job_names) + job[sel], return_counts=True)
     return {(node_names[p // len(job_names)], job_names[p % len(job_names)]): c
             for p, c in zip(pair.tolist(), count.tolist(), strict=True)}

@@ -36,6 +36,10 @@ def test_job_model_codes(gpus: list[tuple[str, str | None, str, str | None]], jo
         want_code.append(index.setdefault((job or "", (space or "") if job else "", model), len(index)))
     code, peerless = straggler._count_job_model_codes(jobs, spaces, models, jobless)
     assert code.tolist() == want_code and peerless.tolist() == want_peerless
+    # no namespaces at all (not Kubernetes): as if every GPU's were None
+    index.clear()
+    want_code = [index.setdefault((job or "", "", model), len(index)) for job, model in zip(jobs, models, strict=True)]
+    assert straggler._count_job_model_codes(jobs, [], models, jobless)[0].tolist() == want_code
 
 
 @settings(max_examples=200, deadline=None)
