@@ -47,7 +47,7 @@ import numpy as np
 
 from gpufleet.detector.core import memo
 from gpufleet.detector.core.candidate import DIRECT, Candidate, Evidence
-from gpufleet.detector.core.numeric import nan_to_zero
+from gpufleet.detector.core.numeric import codes, nan_to_zero
 from gpufleet.detector.frame.features import GpuFrame, NicFrame
 from gpufleet.detector.rules.causes import nic_fabric
 from gpufleet.detector.rules.nic_jobs import nic_jobs
@@ -94,13 +94,20 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 
 
 def _fabric_ports(nic: NicFrame, p: NetworkParams) -> np.ndarray:
-    serves = [bool(g) for g in nic.gpus]
-    mapped = {nd for nd, g in zip(nic.nodes, serves, strict=True) if g}
-    layers = nic.link_layers or [""] * len(serves)
-    out = np.array([g or not (layer == "Ethernet" or nd in mapped)
-                    for g, layer, nd in zip(serves, layers, nic.nodes, strict=True)], dtype=bool)
+    """Array passes (made again over every NIC after a change of the fleet): each NIC's node coded once, each
+    distinct device name matched once."""
+    n = len(nic.nodes)
+    serves = np.fromiter(map(bool, nic.gpus), dtype=bool, count=n)
+    node, nodes = codes(nic.nodes)
+    has_mapped = np.zeros(len(nodes), dtype=bool)
+    has_mapped[node[serves]] = True  # a node some of whose ports serve a GPU
+    ethernet = (np.fromiter(map("Ethernet".__eq__, nic.link_layers), dtype=bool, count=n) if nic.link_layers
+                else np.zeros(n, dtype=bool))
+    out: np.ndarray = serves | ~(ethernet | has_mapped[node])
     if p.storage_devices:
-        out &= np.array([re.fullmatch(p.storage_devices, d) is None for d in nic.devices], dtype=bool)
+        dev, devices = codes(nic.devices)
+        storage = np.array([re.fullmatch(p.storage_devices, d) is not None for d in devices], dtype=bool)
+        out &= ~storage[dev]
     return out
 
 

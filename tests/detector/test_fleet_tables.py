@@ -3,6 +3,7 @@ rules describe (each checked against the plain reading, a Python pass per GPU, o
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 
 import numpy as np
@@ -10,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpufleet.detector import engine
-from gpufleet.detector.frame.frames import GpuFrame
-from gpufleet.detector.rules import causes, phases, straggler
+from gpufleet.detector.frame.frames import GpuFrame, NicFrame
+from gpufleet.detector.rules import causes, network, phases, straggler
+from gpufleet.detector.rules.network import NetworkParams
 
 JOBS = st.sampled_from(["j1", "j2", "j3", "", None])
 FLEET = st.lists(st.tuples(st.sampled_from(["n0", "n1", "n2", "n3"]), JOBS,
@@ -94,3 +96,23 @@ def test_phase_members(gpus: list[tuple[str, str | None, str, str | None]]) -> N
             want.setdefault(job, []).append(i)
     got = phases._members(jobs)
     assert list(got) == list(want) and got == want
+
+
+NICS = st.lists(st.tuples(st.sampled_from(["n0", "n1", "n2"]), st.sampled_from(["mlx5_0", "mlx5_1", "bond0", "eth0"]),
+                          st.sampled_from([(), ("0",), ("0", "1")]), st.sampled_from(["Ethernet", "InfiniBand", ""])),
+                max_size=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(NICS, st.booleans(), st.sampled_from(["", "bond.*|eth0"]))
+def test_fabric_ports(nics: list[tuple[str, str, tuple[str, ...], str]], with_layers: bool, storage: str) -> None:
+    nodes, devices, gpus, layers = ([x[k] for x in nics] for k in range(4))
+    frame = NicFrame(nodes, devices, ["1"] * len(nics), [""] * len(nics), {}, gpus, layers if with_layers else [])
+    serves = [bool(g) for g in gpus]
+    mapped = {nd for nd, g in zip(nodes, serves, strict=True) if g}
+    lay = layers if with_layers else [""] * len(nics)
+    want = [g or not (layer == "Ethernet" or nd in mapped) for g, layer, nd in zip(serves, lay, nodes, strict=True)]
+    if storage:
+        want = [w and re.fullmatch(storage, d) is None for w, d in zip(want, devices, strict=True)]
+    got = network._fabric_ports(frame, NetworkParams(storage_devices=storage))
+    assert got.dtype == bool and got.tolist() == want
