@@ -106,7 +106,8 @@ NICS = st.lists(st.tuples(st.sampled_from(["n0", "n1", "n2"]), st.sampled_from([
 @settings(max_examples=200, deadline=None)
 @given(NICS, st.booleans(), st.sampled_from(["", "bond.*|eth0"]))
 def test_fabric_ports(nics: list[tuple[str, str, tuple[str, ...], str]], with_layers: bool, storage: str) -> None:
-    nodes, devices, gpus, layers = ([x[k] for x in nics] for k in range(4))
+    nodes, devices = [x[0] for x in nics], [x[1] for x in nics]
+    gpus, layers = [x[2] for x in nics], [x[3] for x in nics]
     frame = NicFrame(nodes, devices, ["1"] * len(nics), [""] * len(nics), {}, gpus, layers if with_layers else [])
     serves = [bool(g) for g in gpus]
     mapped = {nd for nd, g in zip(nodes, serves, strict=True) if g}
