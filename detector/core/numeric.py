@@ -17,6 +17,7 @@ from gpufleet.detector.core import memo
 FloatArray = np.ndarray
 IntArray = np.ndarray
 H = TypeVar("H", bound=Hashable)
+A = TypeVar("A", bound=np.ndarray)
 
 _BIG = float(np.finfo(np.float64).max)
 
@@ -44,6 +45,12 @@ def nan_to_zero(a: FloatArray) -> FloatArray:
     return out
 
 
+def read_only(a: A) -> A:
+    """``a``, made read-only: a table kept between evaluations and handed to every reader (none may change it)."""
+    a.flags.writeable = False
+    return a
+
+
 def codes(values: Sequence[H]) -> tuple[IntArray, list[H]]:
     """Per value: a code per distinct value, numbered in order of first appearance, and the distinct values (one
     pass in C over the list, not a Python statement per entry: the per-GPU tables made again after a change of
@@ -60,18 +67,21 @@ def codes_of(name: str, values: Sequence[H]) -> tuple[IntArray, list[H]]:
     not once a table. The codes are read-only (shared by those tables)."""
     def derive() -> tuple[IntArray, list[H]]:
         code, distinct = codes(values)
-        code.flags.writeable = False
-        return code, distinct
+        return read_only(code), distinct
 
     return memo.last(f"codes.{name}", values, derive, keep=list)
+
+
+def truthy(code: IntArray, distinct: Sequence[object]) -> np.ndarray:
+    """Per entry of :func:`codes`' ``code``: its value is truthy (a job that is set, not None or "")."""
+    return np.array([bool(v) for v in distinct], dtype=bool)[code] if len(distinct) else np.zeros(0, dtype=bool)
 
 
 def positions_by(values: Sequence[H], where: np.ndarray | None = None, name: str | None = None) -> dict[H, IntArray]:
     """Each distinct truthy value's positions (ascending; only where ``where``, when given), the values in order
     of their first such position: array passes, as :func:`codes` (:func:`codes_of` ``name``, when given)."""
     code, distinct = codes(values) if name is None else codes_of(name, values)
-    truthy = np.array([bool(v) for v in distinct], dtype=bool)
-    keep = truthy[code] if len(distinct) else np.zeros(0, dtype=bool)
+    keep = truthy(code, distinct)
     if where is not None:
         keep &= np.asarray(where, dtype=bool)
     sel = np.flatnonzero(keep)

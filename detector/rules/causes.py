@@ -32,7 +32,7 @@ from operator import methodcaller
 import numpy as np
 
 from gpufleet.detector.core import memo
-from gpufleet.detector.core.numeric import codes, codes_of, median, nan_to_zero
+from gpufleet.detector.core.numeric import codes, codes_of, median, nan_to_zero, read_only, truthy
 from gpufleet.detector.frame.features import GpuFrame, NicFrame
 
 FloatArray = np.ndarray
@@ -55,12 +55,8 @@ class CauseParams:
 def _node_groups(names: list[str], frame: GpuFrame) -> np.ndarray:
     """Per node of ``names``: a code for the job most of its GPUs run (-1: none), so nodes of one job are peers
     (kept while the nodes, GPU nodes and jobs are the same lists, as between most evaluations)."""
-    def derive() -> np.ndarray:
-        out = _count_node_groups(names, frame)
-        out.flags.writeable = False
-        return out
-
-    return memo.last("causes.node_groups", (names, frame.nodes, frame.jobs), derive,
+    return memo.last("causes.node_groups", (names, frame.nodes, frame.jobs),
+                     lambda: read_only(_count_node_groups(names, frame)),
                      keep=lambda k: (list(k[0]), list(k[1]), list(k[2])))
 
 
@@ -70,8 +66,7 @@ def _count_node_groups(names: list[str], frame: GpuFrame) -> np.ndarray:
     out = np.full(len(names), -1, dtype=np.int64)
     node, nodes = codes_of("nodes", frame.nodes)
     job, jobs = codes_of("jobs", frame.jobs)
-    has = np.array([bool(j) for j in jobs], dtype=bool)[job] if len(jobs) else np.zeros(0, dtype=bool)
-    sel = np.flatnonzero(has)
+    sel = np.flatnonzero(truthy(job, jobs))
     if not len(sel) or not len(names):
         return out
     pair, first, count = np.unique(node[sel] * len(jobs) + job[sel], return_index=True, return_counts=True)

@@ -44,8 +44,6 @@ def scores(x: FloatArray, n_estimators: int, seed: int, rows: IntArray | None = 
     itself from there on (logged once) rather than failing the evaluation."""
     import sklearn
 
-    if rows is not None and len(rows) == 0:
-        return np.empty(0)
     if _broken or ".".join(sklearn.__version__.split(".")[:2]) not in VERIFIED:
         return sklearn_scores(x, n_estimators, seed, rows)
     try:

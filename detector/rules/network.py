@@ -47,7 +47,7 @@ import numpy as np
 
 from gpufleet.detector.core import memo
 from gpufleet.detector.core.candidate import DIRECT, Candidate, Evidence
-from gpufleet.detector.core.numeric import codes, nan_to_zero
+from gpufleet.detector.core.numeric import codes, nan_to_zero, read_only
 from gpufleet.detector.frame.features import GpuFrame, NicFrame
 from gpufleet.detector.rules.causes import nic_fabric
 from gpufleet.detector.rules.nic_jobs import nic_jobs
@@ -83,14 +83,9 @@ def _fabric(nic: NicFrame, p: NetworkParams) -> np.ndarray:
     the module's docstring): it serves a GPU, or it is no Ethernet port and no port of its node serves one; and
     its device is not named in ``storage_devices`` (kept while the NICs, their GPUs and layers are the same)."""
     key = (nic.gpus, nic.nodes, nic.link_layers, nic.devices, p.storage_devices)
-    out: np.ndarray = memo.last("network.fabric", key, lambda: _frozen(_fabric_ports(nic, p)),
+    out: np.ndarray = memo.last("network.fabric", key, lambda: read_only(_fabric_ports(nic, p)),
                                 keep=lambda k: (list(k[0]), list(k[1]), list(k[2]), list(k[3]), k[4]))
     return out
-
-
-def _frozen(a: np.ndarray) -> np.ndarray:
-    a.flags.writeable = False
-    return a
 
 
 def _fabric_ports(nic: NicFrame, p: NetworkParams) -> np.ndarray:
@@ -142,7 +137,7 @@ def _layer_codes(link_layers: list[str], busy_idx: np.ndarray) -> np.ndarray:
     ports are the same)."""
     def derive() -> np.ndarray:
         codes: dict[str, int] = {}
-        return _frozen(np.array([codes.setdefault(link_layers[j], len(codes)) for j in busy_idx.tolist()],
+        return read_only(np.array([codes.setdefault(link_layers[j], len(codes)) for j in busy_idx.tolist()],
                                 dtype=np.int64))
 
     out: np.ndarray = memo.last("network.layer_codes", (link_layers, busy_idx.tobytes()), derive,

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gpufleet.detector.core import memo
+from gpufleet.detector.core.numeric import read_only
 from gpufleet.detector.frame.entities import Entities
 from gpufleet.detector.frame.frames import GpuFrame, NicFrame
 from gpufleet.detector.frame.positions import changed_nodes, objects, space_of
@@ -32,13 +33,8 @@ def nic_jobs(nic: NicFrame, gpu: GpuFrame) -> IntArray:
         if state is not None:
             return state.get(nic, gpu, gs, ns)
     return memo.last("network.nic_jobs", (nic.nodes, nic.gpus, gpu.nodes, gpu.gpus, gpu.jobs),
-                     lambda: _frozen(_codes(nic, gpu, range(len(nic.devices)), range(len(gpu.gpus)), {})),
+                     lambda: read_only(_codes(nic, gpu, range(len(nic.devices)), range(len(gpu.gpus)), {})),
                      keep=lambda k: (list(k[0]), list(k[1]), list(k[2]), list(k[3]), list(k[4])))
-
-
-def _frozen(a: IntArray) -> IntArray:
-    a.flags.writeable = False
-    return a
 
 
 def _codes(nic: NicFrame, gpu: GpuFrame, nics: Sequence[int], gpus: Sequence[int], codes: dict[str, int]) -> IntArray:
@@ -90,14 +86,14 @@ class _ByNode:
             served_moved = np.flatnonzero(nk)[served[nk] != last.served[nback[nk]]]  # a NIC's GPUs changed
             dirty = np.unique(np.concatenate((gone, nic_gone, gpu.node_ids[job_moved], nic.node_ids[served_moved])))
             if not len(dirty):
-                out = last.out if np.array_equal(nback, np.arange(len(nback))) else _frozen(last.out[nback])
+                out = last.out if np.array_equal(nback, np.arange(len(nback))) else read_only(last.out[nback])
             elif len(dirty) <= max(64, len(np.unique(nic.node_ids)) // 16):
                 out = np.where(nk, last.out[np.maximum(nback, 0)], -1)
                 at_nics = np.flatnonzero(np.isin(nic.node_ids, dirty)).tolist()
                 at_gpus = np.flatnonzero(np.isin(gpu.node_ids, dirty)).tolist()
                 out[at_nics] = _codes(nic, gpu, at_nics, at_gpus, self.codes)
-                out = _frozen(out)
+                out = read_only(out)
         if out is None:
-            out = _frozen(_codes(nic, gpu, range(len(nic.devices)), range(len(gpu.gpus)), self.codes))
+            out = read_only(_codes(nic, gpu, range(len(nic.devices)), range(len(gpu.gpus)), self.codes))
         self.last = _Last(gs, ns, gpu, nic, jobs, served, out)
         return out

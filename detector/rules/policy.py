@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpufleet.detector.core import memo
-from gpufleet.detector.core.numeric import codes_of
+from gpufleet.detector.core.numeric import codes_of, read_only, truthy
 from gpufleet.detector.frame.frames import GpuFrame
 
 BoolArray = np.ndarray
@@ -38,14 +38,9 @@ def capped_by_policy(g: GpuFrame, limit_ref: FloatArray | None = None) -> BoolAr
     lim = g.get("power_limit")
     ref = np.asarray(limit_ref, dtype=float) if limit_ref is not None else None
     key = (lim.tobytes(), ref.tobytes() if ref is not None else None, g.models, g.jobs)
-    out: BoolArray = memo.last("policy.capped", key, lambda: _frozen(_capped(g, limit_ref)),
+    out: BoolArray = memo.last("policy.capped", key, lambda: read_only(_capped(g, limit_ref)),
                                keep=lambda k: (k[0], k[1], list(k[2]), list(k[3]))).copy()
     return out
-
-
-def _frozen(a: BoolArray) -> BoolArray:
-    a.flags.writeable = False
-    return a
 
 
 def _capped(g: GpuFrame, limit_ref: FloatArray | None) -> BoolArray:
@@ -61,8 +56,7 @@ def _capped(g: GpuFrame, limit_ref: FloatArray | None) -> BoolArray:
     usual = np.zeros(len(models))
     np.maximum.at(usual, model[known], lim[known])
     job, jobs = codes_of("jobs", g.jobs)
-    has_job = np.array([bool(j) for j in jobs], dtype=bool)[job]
-    sel = np.flatnonzero(known & has_job)
+    sel = np.flatnonzero(known & truthy(job, jobs))
     if not len(sel):
         return out
     group = job[sel] * len(models) + model[sel]

@@ -46,7 +46,7 @@ import numpy as np
 
 from gpufleet.detector.core import memo
 from gpufleet.detector.core.candidate import DIRECT, Candidate, Evidence
-from gpufleet.detector.core.numeric import codes, codes_of, median, nan_to_zero
+from gpufleet.detector.core.numeric import codes, codes_of, median, nan_to_zero, read_only
 from gpufleet.detector.frame.features import NVLINK_ERROR_FEATURES, GpuFrame
 from gpufleet.detector.rules import cause_rules, causes, iforest
 from gpufleet.detector.rules.robust import PeerGroups, nanmedian
@@ -146,10 +146,7 @@ def _count_job_model_codes(jobs: list[str | None], namespaces: list[str | None],
         job_, space_, model_ = job_names[j], space_names[sp], model_names[m]
         peerless_of[k] = " MIG " in model_ or (not job_ and not compare_jobless)
         code_of[k] = index.setdefault((job_ or "", (space_ or "") if job_ else "", model_), len(index))
-    code, peerless = code_of[inverse], peerless_of[inverse]
-    code.flags.writeable = False
-    peerless.flags.writeable = False
-    return code, peerless
+    return read_only(code_of[inverse]), read_only(peerless_of[inverse])
 
 
 def _groups(frame: GpuFrame, eligible: FloatArray, p: StragglerParams,
@@ -167,13 +164,8 @@ def _groups(frame: GpuFrame, eligible: FloatArray, p: StragglerParams,
         code = code * (int(bucket_code.max(initial=0)) + 1) + bucket_code
     # the same eligible GPUs and peer codes as last time (mostly): the same groups (a copy: the caller's to change)
     key = (ok.tobytes(), code.tobytes(), p.min_peers)
-    out: FloatArray = memo.last("straggler.groups", key, lambda: _frozen(_group_ids(ok, code, p.min_peers))).copy()
+    out: FloatArray = memo.last("straggler.groups", key, lambda: read_only(_group_ids(ok, code, p.min_peers))).copy()
     return out
-
-
-def _frozen(a: IntArray) -> IntArray:
-    a.flags.writeable = False
-    return a
 
 
 def _limit_codes(limit_ref: FloatArray) -> IntArray:
@@ -183,7 +175,7 @@ def _limit_codes(limit_ref: FloatArray) -> IntArray:
     def derive() -> IntArray:
         with np.errstate(invalid="ignore"):
             bucket = np.where(np.isfinite(lim), np.round(lim / 10.0) * 10.0, -1.0)
-        return _frozen(np.unique(bucket, return_inverse=True)[1])
+        return read_only(np.unique(bucket, return_inverse=True)[1])
 
     return memo.last("straggler.limit_codes", lim.tobytes(), derive)
 
@@ -425,7 +417,7 @@ def _job_codes(jobs: list[str | None]) -> IntArray:
     """Per GPU: a code per distinct job (-1: none), kept while the frame's jobs are the same."""
     def derive() -> IntArray:
         index: dict[str, int] = {}
-        return _frozen(np.array([index.setdefault(j, len(index)) if j else -1 for j in jobs], dtype=np.int64))
+        return read_only(np.array([index.setdefault(j, len(index)) if j else -1 for j in jobs], dtype=np.int64))
 
     return memo.last("straggler.job_codes", jobs, derive, keep=list)
 
