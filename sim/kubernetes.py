@@ -41,7 +41,7 @@ import numpy as np
 
 from gpufleet.sim.faults import Fault, FaultSchedule
 from gpufleet.sim.physics import Physics
-from gpufleet.sim.recording import FILES, RecordingResult, write_profile
+from gpufleet.sim.recording import FILES, RecordingResult, mark_begins, write_profile
 from gpufleet.sim.recording.capture import Context, Frames, run
 from gpufleet.sim.recording.openmetrics import OmWriter, prefix
 from gpufleet.sim.scenario import Scenario, parse_scenario
@@ -295,7 +295,7 @@ def record(ks: KubeScenario, out_dir: str | Path, profiles: tuple[str, ...] = ("
     for p in profiles:
         files[p] = out / FILES[p]
         samples[p] = write_profile(files[p], p, sim, fr, series, pod_of=pod_of, extra=extra)
-    labels = ks.labels(sim)
+    labels = mark_begins(ks.labels(sim), sim, fr)
     labels["files"] = {p: FILES[p] for p in profiles}
     labels["series"] = series
     path = out / "labels.json"

@@ -32,7 +32,7 @@ aligned`` records every series at the tick instead, as the harness did before.
 Reported, per profile, fleet and severity class: precision counting every
 finding (see :func:`score_run`), recall, cause accuracy per attributed finding,
 findings per fault (fragmentation: mean and max), median detection latency
-(from the onset to the evaluation that opened the first right finding, in
+(from when the fault begins in the recording to the evaluation that opened the first right finding, in
 scrape intervals); false findings per 1,000 GPU-hours on healthy fleets, per
 control scenario. Results go to ``DIR/quality.json`` and a Markdown table on
 stdout.
@@ -145,7 +145,9 @@ def score_run(run: Run, profile: str, labels: dict[str, Any], findings: list[Fin
     :data:`END_SLACK_SECONDS`); its cause is right when (kind, cause) is expected. Every finding that is
     not attributed is false, so precision counts every finding, and a fault detected as five findings
     counts five (fragmentation). A fault is detected when a finding with an expected (kind, cause) was
-    attributed to it; its latency is from the onset to the evaluation that opened the first such finding.
+    attributed to it; its latency is from when the fault begins in the recording (``begins``, see
+    :func:`gpufleet.sim.recording.mark_begins`; the onset in older labels) to the evaluation that opened the first
+    such finding.
     """
     faults = labels["faults"]
     gpus = sum(int(n["gpus"]) for n in labels["nodes"])
@@ -166,7 +168,7 @@ def score_run(run: Run, profile: str, labels: dict[str, Any], findings: list[Fin
         out.per_fault.append((len(on_entity), len(good), len({_incident(findings[i], i) for i in on_entity})))
         if good:
             first = min(good, key=lambda i: findings[i].opened)
-            latency = (findings[first].opened - fault["onset"]) / out.step
+            latency = (findings[first].opened - fault.get("begins", fault["onset"])) / out.step
             first_any = min(on_entity, key=lambda i: findings[i].opened)
             out.detected.append((fault["type"], latency, first_any in good))
         else:

@@ -58,7 +58,7 @@ import numpy as np
 
 from gpufleet.sim.fleet import Job
 from gpufleet.sim.physics import Physics
-from gpufleet.sim.recording import FILES, RecordingResult, write_profile
+from gpufleet.sim.recording import FILES, RecordingResult, mark_begins, write_profile
 from gpufleet.sim.recording.capture import run
 from gpufleet.sim.scenario import Scenario, parse_scenario, parse_time
 from gpufleet.sim.simulator import Simulator
@@ -328,7 +328,7 @@ def record(out_dir: str | Path, *, seed: int = 1, step: float = 15.0, start: flo
     for p in profiles:
         files[p] = out / FILES[p]
         samples[p] = write_profile(files[p], p, sim, fr, series)
-    doc = labels(sim)
+    doc = mark_begins(labels(sim), sim, fr)
     doc["files"] = {p: FILES[p] for p in profiles}
     doc["series"] = series
     path = out / "labels.json"

@@ -45,6 +45,9 @@ Ground-truth schema (``labels.json``)::
         "gpu_instance": str, "mig_profile": str (MIG slice faults only),
         "nic": str | null (e.g. "mlx5_3"),
         "onset": unix s, "end": unix s | null,
+        "begins": unix s (when the fault's state begins on its node in the recording: the first tick at or
+                  after the onset, at the instant inside its interval where the scrape model lands that tick's
+                  changes; latencies are measured from it),
         "precursor_start": unix s | null (when the early warning begins, before the onset:
                            pcie_downgrade's AER reports with a precursor; the onset stays the fault's start),
         "severity": 0..1, "severity_class": "marginal" | "moderate" | "obvious",
@@ -72,6 +75,9 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from gpufleet.detector.sources.profiles import PROFILES
 from gpufleet.sim.recording import dcgm_profile, gpufleet_profile
@@ -80,8 +86,8 @@ from gpufleet.sim.recording.openmetrics import OmWriter
 from gpufleet.sim.recording.scrape import ScrapeModel
 from gpufleet.sim.simulator import Simulator
 
-__all__ = ["FILES", "PROFILES", "SERIES", "Frames", "RecordingResult", "iter_profiles", "record", "run",
-           "write_profile"]
+__all__ = ["FILES", "PROFILES", "SERIES", "Frames", "RecordingResult", "iter_profiles", "mark_begins", "record",
+           "run", "write_profile"]
 
 SERIES = ("full", "core")
 FILES = {"gpufleet": "metrics.gpufleet.om", "dcgm": "metrics.dcgm.om"}
@@ -122,6 +128,25 @@ def write_profile(path: Path, profile: str, sim: Simulator, fr: Frames, series: 
     return w.samples
 
 
+def mark_begins(labels: dict[str, Any], sim: Simulator, fr: Frames) -> dict[str, Any]:
+    """Give every fault of ``labels`` its ``begins``: when its state begins on its node in the recording of
+    ``fr``. A fault is labelled with the time it is scheduled for; the physics applies it at the first tick at or
+    after that, and the scrape model lands a tick's changes at an instant inside the following interval, so the
+    fault begins up to an interval or more after its label (a 60 s tick, an onset off its grid). A latency
+    measured from the label would count time before the fault existed."""
+    scrape = ScrapeModel(sim, fr) if sim.scenario.scrape.realistic else None
+    nodes = {n: i for i, n in enumerate(sim.nodes)}
+    for f in labels.get("faults", []):
+        t = float(f["onset"])
+        if scrape is not None:
+            at = scrape.begins(t, nodes.get(str(f.get("node"))))
+        else:
+            k = int(np.searchsorted(fr.times, t - 1e-6))
+            at = float(fr.times[k]) if k < len(fr.times) else None
+        f["begins"] = t if at is None else max(t, at)
+    return labels
+
+
 def record(sim: Simulator, out_dir: str | Path, profiles: tuple[str, ...] = ("gpufleet",),
            progress: Callable[[int, int], None] | None = None, series: str = "full") -> RecordingResult:
     """Run ``sim`` to the end and write the recording files and ``labels.json`` into ``out_dir``.
@@ -142,7 +167,7 @@ def record(sim: Simulator, out_dir: str | Path, profiles: tuple[str, ...] = ("gp
     for p in profiles:
         files[p] = out / FILES[p]
         samples[p] = write_profile(files[p], p, sim, fr, series)
-    labels = sim.labels()
+    labels = mark_begins(sim.labels(), sim, fr)
     labels["files"] = {p: FILES[p] for p in profiles}
     labels["series"] = series
     labels_path = out / "labels.json"

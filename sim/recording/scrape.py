@@ -109,6 +109,15 @@ class ScrapeModel:
             self.restarts.setdefault((node_index[r["node"]], r.get("component", "gpu")), []).append(
                 (at, at + float(r["seconds"])))
 
+    def begins(self, t: float, node: int | None) -> float | None:
+        """When a change scheduled for ``t`` (a fault's labelled onset) begins on ``node`` in the recording: the
+        instant inside its interval where the first tick at or after ``t`` lands there (the site-wide instant for
+        ``None``). None past the capture's end."""
+        k = int(np.searchsorted(self.fr.times, t - 1e-6))
+        if k >= self.n:
+            return None
+        return float(self.site_change[k] if node is None else self.change[k, node])
+
     # ---------------------------------------------------------------- targets
     def target(self, inst: str, node: int | None = None, component: str | None = None) -> Target:
         """The scrapes of target ``inst`` (on ``node``, serving ``component``: its restarts and reboots)."""

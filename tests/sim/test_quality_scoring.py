@@ -49,3 +49,14 @@ def test_a_missed_fault_and_a_quiet_fleet() -> None:
     assert out.detected == [("power_cap", None, None)] and out.per_fault == [(0, 0, 0)]
     row = summarize([out])["faults"]["dcgm/plain/moderate"]
     assert row["recall"] == 0.0 and row["precision"] is None and row["missed"] == ["power_cap"]
+
+
+def test_latency_counts_from_when_the_fault_begins_in_the_recording() -> None:
+    labels = _labels()
+    labels["faults"][0]["begins"] = T0 + 1800 + 12.0  # the tick's change landed 12 s into its interval
+    run = Run("power_cap", "moderate", 1, 1.0, "fault", fleet="messy")
+    out = score_run(run, "gpufleet", labels, [_f("throttling", "power", None, T0 + 1842)], 0.0)
+    assert out.detected == [("power_cap", 2.0, True)]  # 30 s after it began, not 42 s after its label
+    del labels["faults"][0]["begins"]  # older labels: from the onset
+    assert score_run(run, "gpufleet", labels, [_f("throttling", "power", None, T0 + 1842)], 0.0).detected == [
+        ("power_cap", 2.8, True)]

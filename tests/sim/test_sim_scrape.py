@@ -260,3 +260,30 @@ def test_the_writer_stamps_each_series_with_its_targets_scrapes(values: list[lis
     assert [ln.split()[0] for ln in lines] == [ln.split()[0] for ln in want]
     assert [(float(a.split()[1]), a.split()[2]) for a in lines] == [(float(b.split()[1]), b.split()[2]) for b in want]
     assert w.samples == 5
+
+
+@pytest.mark.parametrize("model", ["prometheus", "aligned"])
+def test_a_fault_begins_where_its_nodes_scrapes_first_read_it(model: str) -> None:
+    from gpufleet.sim.recording import mark_begins
+    from gpufleet.sim.recording.capture import run
+    from gpufleet.sim.recording.scrape import ScrapeModel
+
+    doc = copy.deepcopy(DOC)
+    doc["duration"], doc["step"], doc["scrape"] = "20m", 60.0, {"model": model}
+    doc["faults"] = [{"kind": "power_cap", "node": "node-002", "gpu": 1, "onset": "7m15s"},  # off the 60 s grid
+                     {"kind": "power_cap", "node": "node-004", "gpu": 0, "onset": "9m"}]
+    sim = Simulator(parse_scenario(doc, "scrape"), start=START)
+    fr = run(sim)
+    labels = mark_begins(sim.labels(), sim, fr)
+    first_tick = [START + 480.0, START + 540.0]  # the first ticks at or after the onsets
+    for f, tick in zip(labels["faults"], first_tick, strict=True):
+        assert f["onset"] <= tick <= f["begins"] < tick + 60.0
+        if model == "aligned":
+            assert f["begins"] == tick
+            continue
+        sm = ScrapeModel(sim, fr)
+        node = sim.nodes.index(f["node"])
+        x = sm.node_target("gpufleet", "gpu", node).times
+        k = int(np.searchsorted(fr.times, tick))
+        state = sm._index(x[:, None], sm.change[:, [node]])[:, 0]
+        assert ((state >= k) == (x >= f["begins"])).all()  # scrapes read the fault's tick exactly from then on
