@@ -109,8 +109,7 @@ class Entities:
         self.defaults = defaults
         self.index: dict[tuple[str, ...], int] = {}
         self.keys: list[tuple[str, ...]] = []
-        self.codes: list[int] = []
-        self.array = np.zeros(0, dtype=np.int64)
+        self.array = np.zeros(0, dtype=np.int64)  # per series id of the table: its entity code (-1: none)
         self.node_of = np.zeros(0, dtype=np.int64)  # per entity code: its node's number
         self.key_array = np.zeros(0, dtype=object)  # per entity code: its key
         self.key_columns: list[np.ndarray] = []  # per key column (node, then the identifying labels): per code
@@ -124,10 +123,12 @@ class Entities:
         self.memo: dict[str, Any] = {}
 
     def get(self, table: SeriesTable) -> IntArray:
-        if len(self.codes) < len(table):
+        have = len(self.array)
+        if have < len(table):
             nodes = node_column(table, self.naming)
             cols = [table.column(x) for x in self.ident]
-            for i in range(len(self.codes), len(table)):
+            added: list[int] = []
+            for i in range(have, len(table)):
                 node = nodes[i]
                 code = -1
                 if node is not None:
@@ -140,8 +141,9 @@ class Entities:
                         if code < 0:
                             code = self.index[key] = len(self.keys)
                             self.keys.append(key)
-                self.codes.append(code)
-            self.array = np.array(self.codes, dtype=np.int64)
+                added.append(code)
+            # only the series added since converted (the table grows by a node's series after a fleet change)
+            self.array = np.concatenate((self.array, np.array(added, dtype=np.int64)))
             self._grow(node_ids(table, self.naming))
         return self.array
 

@@ -96,12 +96,13 @@ class JobCodes:
         self.labels = labels
         self.names: list[str] = [""]
         self._index = {"": 0}
-        self._codes: list[int] = []
-        self.array = np.zeros(0, dtype=np.int64)
+        self.array = np.zeros(0, dtype=np.int64)  # per series id of the table: its job's code
 
     def get(self, table: SeriesTable) -> IntArray:
-        if len(self._codes) < len(table):
-            for lb in table.labels[len(self._codes):]:
+        have = len(self.array)
+        if have < len(table):
+            added: list[int] = []
+            for lb in table.labels[have:]:
                 job = next((lb[j] for j in self.labels if lb.get(j)), "")
                 exported = lb.get(exporters.EXPORTED_POD_LABEL)
                 if exported and job == lb.get(exporters.DCGM_POD_LABEL):
@@ -110,6 +111,7 @@ class JobCodes:
                 if code is None:
                     code = self._index[job] = len(self.names)
                     self.names.append(job)
-                self._codes.append(code)
-            self.array = np.array(self._codes, dtype=np.int64)
+                added.append(code)
+            # only the series added since converted (the table grows by a node's series after a fleet change)
+            self.array = np.concatenate((self.array, np.array(added, dtype=np.int64)))
         return self.array

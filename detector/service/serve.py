@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from gpufleet.detector.config import ConfigError, DetectorConfig
-from gpufleet.detector.engine import Detector, Evaluation, settle_heap
+from gpufleet.detector.engine import Detector, Evaluation, resettle_due, settle_heap
 from gpufleet.detector.frame.backend_guard import Degraded, guard_for, missing_core
 from gpufleet.detector.outputs.exporter import Exposer, Health, registry_for
 from gpufleet.detector.outputs.pages import FindingsPages, LiveEvidence
@@ -116,8 +116,8 @@ def serve(cfg: DetectorConfig, once: bool) -> int:
         try:
             state.before(at)  # not ready yet: rebuild the state; missed instants: evaluate them first
             ev = det.evaluate(at)
-            if not settled:  # the first evaluation's series table and caches: never walked by the collector again
-                settle_heap()
+            if not settled or resettle_due():  # the series table and caches: not walked by the collector again
+                settle_heap()  # (and once an hour the whole heap collected, in case anything left a cycle)
                 settled = True
             state.done = at
             _observe(evidence, det, ev)
