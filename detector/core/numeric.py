@@ -16,6 +16,7 @@ from gpufleet.detector.core import memo
 
 FloatArray = np.ndarray
 IntArray = np.ndarray
+BoolArray = np.ndarray
 H = TypeVar("H", bound=Hashable)
 A = TypeVar("A", bound=np.ndarray)
 
@@ -93,3 +94,15 @@ def positions_by(values: Sequence[H], where: np.ndarray | None = None, name: str
     ends = np.r_[starts[1:], len(by)].tolist()
     spans = sorted(zip(ix[starts].tolist(), starts.tolist(), ends, strict=True))  # by first position
     return {distinct[int(by[a])]: ix[a:b] for _, a, b in spans}
+
+
+def uniform_groups(a: IntArray, b: IntArray, na: int) -> tuple[IntArray, BoolArray]:
+    """For rows with group ``a`` (codes in [0, na)) and value ``b`` (codes >= 0): per group, its value where
+    every row of it has the same one (-1: no rows, or several values), and per row whether its group has several
+    values. Counting passes: the groups of one value (most nodes run one job) need no sort of their pairs."""
+    ref = np.full(na, -1, dtype=np.int64)
+    ref[a] = b  # one of each group's values
+    mixed = np.zeros(na, dtype=bool)
+    mixed[a[b != ref[a]]] = True
+    ref[mixed] = -1
+    return ref, mixed[a]

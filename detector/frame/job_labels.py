@@ -50,12 +50,21 @@ class Jobs:
         for name, k in self._code.items():
             self.names[k] = name
         p, c, v = np.concatenate(pos), np.concatenate(code), np.concatenate(count)
-        # Most GPUs have one job series over the window: its job and count are the GPU's as they are; only the
-        # GPUs with several (jobs that changed, pods that restarted) need the per-(GPU, job) totals and a sort.
-        single = np.bincount(p, minlength=n)[p] == 1
-        gpu, job, total = self._totals(p[~single], c[~single], v[~single])
-        gpu, job, total = np.concatenate((p[single], gpu)), np.concatenate((c[single], job)), np.concatenate((
-            v[single], total))
+        # Most GPUs have one job over the window, however many series say it: that job and the sum of their
+        # counts are the GPU's (counted, not sorted); only the GPUs with several jobs (jobs that changed, pods
+        # that restarted) need the per-(GPU, job) totals and a sort.
+        ref = np.zeros(n, dtype=c.dtype)
+        ref[p] = c  # one of each GPU's jobs
+        mixed = np.zeros(n, dtype=bool)
+        mixed[p[c != ref[p]]] = True
+        several_jobs = mixed[p]
+        one = ~several_jobs
+        rows = np.bincount(p[one], minlength=n)
+        alone = np.flatnonzero(rows)
+        summed = np.bincount(p[one], weights=v[one], minlength=n)[alone]
+        gpu, job, total = self._totals(p[several_jobs], c[several_jobs], v[several_jobs])
+        gpu, job, total = (np.concatenate((alone, gpu)), np.concatenate((ref[alone], job)),
+                           np.concatenate((summed, total)))
         named = job != 0
         n_named = np.bincount(gpu[named], minlength=n)
         # The job with the most samples per GPU: sort by GPU, then count descending (stable: the first job wins ties).

@@ -32,7 +32,15 @@ from operator import methodcaller
 import numpy as np
 
 from gpufleet.detector.core import memo
-from gpufleet.detector.core.numeric import codes, codes_of, median, nan_to_zero, read_only, truthy
+from gpufleet.detector.core.numeric import (
+    codes,
+    codes_of,
+    median,
+    nan_to_zero,
+    read_only,
+    truthy,
+    uniform_groups,
+)
 from gpufleet.detector.frame.features import GpuFrame, NicFrame
 
 FloatArray = np.ndarray
@@ -69,13 +77,16 @@ def _count_node_groups(names: list[str], frame: GpuFrame) -> np.ndarray:
     sel = np.flatnonzero(truthy(job, jobs))
     if not len(sel) or not len(names):
         return out
-    pair, first, count = np.unique(node[sel] * len(jobs) + job[sel], return_index=True, return_counts=True)
-    pnode, pjob = pair // len(jobs), pair % len(jobs)
-    order = np.lexsort((first, -count, pnode))  # per node: the most GPUs, then the first to appear
-    pnode, pjob = pnode[order], pjob[order]
-    head = np.r_[True, pnode[1:] != pnode[:-1]]
-    chosen = np.full(len(nodes), -1, dtype=np.int64)
-    chosen[pnode[head]] = pjob[head]
+    # a node all of whose GPUs (with a job) run one job: that one; only the others' (node, job) pairs are sorted
+    chosen, mixed = uniform_groups(node[sel], job[sel], len(nodes))
+    sel = sel[mixed]
+    if len(sel):
+        pair, first, count = np.unique(node[sel] * len(jobs) + job[sel], return_index=True, return_counts=True)
+        pnode, pjob = pair // len(jobs), pair % len(jobs)
+        order = np.lexsort((first, -count, pnode))  # per node: the most GPUs, then the first to appear
+        pnode, pjob = pnode[order], pjob[order]
+        head = np.r_[True, pnode[1:] != pnode[:-1]]
+        chosen[pnode[head]] = pjob[head]
     at = {nd: k for k, nd in enumerate(nodes)}
     picked = np.array([chosen[at[nd]] if nd in at else -1 for nd in names], dtype=np.int64)
     some = picked >= 0

@@ -46,7 +46,7 @@ import numpy as np
 
 from gpufleet.detector.core import memo
 from gpufleet.detector.core.candidate import DIRECT, Candidate, Evidence
-from gpufleet.detector.core.numeric import codes, codes_of, median, nan_to_zero, read_only
+from gpufleet.detector.core.numeric import codes, codes_of, median, nan_to_zero, read_only, uniform_groups
 from gpufleet.detector.frame.features import NVLINK_ERROR_FEATURES, GpuFrame
 from gpufleet.detector.rules import cause_rules, causes, iforest
 from gpufleet.detector.rules.robust import PeerGroups, nanmedian
@@ -444,9 +444,16 @@ def _per_node_job(nodes: list[str], jobs: list[str | None], scored: np.ndarray) 
         return {}
     node, node_names = codes_of("nodes", nodes)
     job, job_names = codes_of("jobs", jobs)
+    # a node whose scored GPUs run one job: their count; only the other nodes' (node, job) pairs are sorted
+    one_job, mixed = uniform_groups(node[sel], job[sel], len(node_names))
+    alone = np.bincount(node[sel[~mixed]], minlength=len(node_names))
+    out = {(node_names[n], job_names[one_job[n]]): c for n, c in zip(np.flatnonzero(alone).tolist(),
+                                                                    alone[alone > 0].tolist(), strict=True)}
+    sel = sel[mixed]
     pair, count = np.unique(node[sel] * len(job_names) + job[sel], return_counts=True)
-    return {(node_names[p // len(job_names)], job_names[p % len(job_names)]): c
-            for p, c in zip(pair.tolist(), count.tolist(), strict=True)}
+    out.update({(node_names[p // len(job_names)], job_names[p % len(job_names)]): c
+                for p, c in zip(pair.tolist(), count.tolist(), strict=True)})
+    return out
 
 
 def _collapse_nodes(frame: GpuFrame, groups: FloatArray, cands: list[Candidate],

@@ -1,5 +1,5 @@
-"""Each GPU's job over the window (``job_labels.Jobs.resolve``): the fast path for GPUs with one job series gives
-what the per-(GPU, job) totals and a sort give for every GPU."""
+"""Each GPU's job over the window (``job_labels.Jobs.resolve``): the fast path for GPUs with one job (one series or
+several alike) gives what the per-(GPU, job) totals and a sort give for every GPU."""
 
 from __future__ import annotations
 

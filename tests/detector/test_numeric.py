@@ -6,6 +6,8 @@ import warnings
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpufleet.detector.core import numeric
 
@@ -50,3 +52,16 @@ def test_nan_to_zero_is_numpys(seed: int) -> None:
         assert got.tobytes() == expected.tobytes() and got is not v
     ints = np.arange(5)
     assert numeric.nan_to_zero(ints).tolist() == ints.tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3)), max_size=40))
+def test_uniform_groups_are_the_groups_of_one_value(rows: list[tuple[int, int]]) -> None:
+    a = np.array([r[0] for r in rows], dtype=np.int64)
+    b = np.array([r[1] for r in rows], dtype=np.int64)
+    values: dict[int, set[int]] = {}
+    for g, v in rows:
+        values.setdefault(g, set()).add(v)
+    one, mixed = numeric.uniform_groups(a, b, 6)
+    assert one.tolist() == [next(iter(values[g])) if len(values.get(g, ())) == 1 else -1 for g in range(6)]
+    assert mixed.tolist() == [len(values[g]) > 1 for g, _ in rows]
