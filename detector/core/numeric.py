@@ -52,10 +52,27 @@ def read_only(a: A) -> A:
     return a
 
 
-def codes(values: Sequence[H]) -> tuple[IntArray, list[H]]:
+#: Lists longer than this are first read as runs of equal values (:func:`codes`).
+RUNS_FROM = 64
+
+
+def codes(values: Sequence[H], runs: bool = True) -> tuple[IntArray, list[H]]:
     """Per value: a code per distinct value, numbered in order of first appearance, and the distinct values (one
     pass in C over the list, not a Python statement per entry: the per-GPU tables made again after a change of
-    the fleet are made with it)."""
+    the fleet are made with it). A frame's lists come in key order, each value in one run (a node's GPUs, a
+    job's nodes): then the runs are the codes, found by comparing neighbours in C, and only the runs' heads are
+    hashed (``runs=False``: a list known not to be in runs, such as each node's NIC device names)."""
+    n = len(values)
+    if runs and n > RUNS_FROM:
+        arr = np.fromiter(values, dtype=object, count=n)
+        head = np.empty(n, dtype=bool)
+        head[0] = True
+        np.not_equal(arr[1:], arr[:-1], out=head[1:])
+        heads = np.flatnonzero(head)
+        firsts: dict[H, int] = dict.fromkeys(arr[heads].tolist(), 0) if 2 * len(heads) <= n else {}
+        if len(firsts) == len(heads):  # no value in two runs
+            run: IntArray = np.cumsum(head, dtype=np.int64) - 1
+            return run, list(firsts)
     index: dict[H, int] = dict.fromkeys(values, 0)
     for k, key in enumerate(index):
         index[key] = k

@@ -100,7 +100,7 @@ def _fabric_ports(nic: NicFrame, p: NetworkParams) -> np.ndarray:
                 else np.zeros(n, dtype=bool))
     out: np.ndarray = serves | ~(ethernet | has_mapped[node])
     if p.storage_devices:
-        dev, devices = codes(nic.devices)
+        dev, devices = codes(nic.devices, runs=False)
         storage = np.array([re.fullmatch(p.storage_devices, d) is not None for d in devices], dtype=bool)
         out &= ~storage[dev]
     return out

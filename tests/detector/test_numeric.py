@@ -65,3 +65,16 @@ def test_uniform_groups_are_the_groups_of_one_value(rows: list[tuple[int, int]])
     one, mixed = numeric.uniform_groups(a, b, 6)
     assert one.tolist() == [next(iter(values[g])) if len(values.get(g, ())) == 1 else -1 for g in range(6)]
     assert mixed.tolist() == [len(values[g]) > 1 for g, _ in rows]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["n0", "n1", "n2", "n10", "", None]), st.integers(1, 40)), max_size=12),
+       st.booleans())
+def test_codes_number_values_by_first_appearance(runs: list[tuple[str | None, int]], short: bool) -> None:
+    values = [v for v, k in runs for _ in range(k)]  # in runs (a frame's lists), some values in several runs
+    if short:
+        values = values[: numeric.RUNS_FROM]
+    index: dict[str | None, int] = {}
+    want = [index.setdefault(v, len(index)) for v in values]
+    code, distinct = numeric.codes(values)
+    assert code.dtype == np.int64 and code.tolist() == want and distinct == list(index)
