@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from gpufleet.detector.core.numeric import uniform_groups
 from gpufleet.detector.sources.source import SeriesTable
 from gpufleet.vocab import exporters
 
@@ -53,14 +54,9 @@ class Jobs:
         # Most GPUs have one job over the window, however many series say it: that job and the sum of their
         # counts are the GPU's (counted, not sorted); only the GPUs with several jobs (jobs that changed, pods
         # that restarted) need the per-(GPU, job) totals and a sort.
-        ref = np.zeros(n, dtype=c.dtype)
-        ref[p] = c  # one of each GPU's jobs
-        mixed = np.zeros(n, dtype=bool)
-        mixed[p[c != ref[p]]] = True
-        several_jobs = mixed[p]
+        ref, several_jobs = uniform_groups(p, c, n)
         one = ~several_jobs
-        rows = np.bincount(p[one], minlength=n)
-        alone = np.flatnonzero(rows)
+        alone = np.flatnonzero(np.bincount(p[one], minlength=n))
         summed = np.bincount(p[one], weights=v[one], minlength=n)[alone]
         gpu, job, total = self._totals(p[several_jobs], c[several_jobs], v[several_jobs])
         gpu, job, total = (np.concatenate((alone, gpu)), np.concatenate((ref[alone], job)),
