@@ -79,12 +79,33 @@ def codes(values: Sequence[H], runs: bool = True) -> tuple[IntArray, list[H]]:
     return np.fromiter(map(index.__getitem__, values), dtype=np.int64, count=len(values)), list(index)
 
 
-def codes_of(name: str, values: Sequence[H]) -> tuple[IntArray, list[H]]:
+def codes_by_ints(values: Sequence[H], ints: IntArray) -> tuple[IntArray, list[H]]:
+    """:func:`codes` of ``values`` read from ``ints``, an integer per value with equal integers exactly where the
+    values are equal (a frame's node numbers beside its node names): the runs and first appearances are found
+    by comparing integers, and only the distinct values' first entries are read from ``values``."""
+    n = len(ints)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64), []
+    head = np.empty(n, dtype=bool)
+    head[0] = True
+    np.not_equal(ints[1:], ints[:-1], out=head[1:])
+    heads = np.flatnonzero(head)
+    if len(np.unique(ints[heads])) == len(heads):  # each value in one run (a frame in key order)
+        return np.cumsum(head, dtype=np.int64) - 1, [values[i] for i in heads.tolist()]
+    _, first, inverse = np.unique(ints, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")  # the distinct values by first appearance
+    rank = np.empty(len(first), dtype=np.int64)
+    rank[order] = np.arange(len(first), dtype=np.int64)
+    return rank[inverse.reshape(-1)], [values[i] for i in first[order].tolist()]
+
+
+def codes_of(name: str, values: Sequence[H], ints: IntArray | None = None) -> tuple[IntArray, list[H]]:
     """:func:`codes` of the frame's list ``name`` (``jobs``, ``nodes``, ``models``), kept while it is the same list
     (:mod:`~gpufleet.detector.core.memo`): after a change of the fleet the tables made of them code each list once,
-    not once a table. The codes are read-only (shared by those tables)."""
+    not once a table. The codes are read-only (shared by those tables). ``ints``: an integer coding of the same
+    values (:func:`codes_by_ints`; the frame's node numbers), read in place of the values where given."""
     def derive() -> tuple[IntArray, list[H]]:
-        code, distinct = codes(values)
+        code, distinct = codes(values) if ints is None or len(ints) != len(values) else codes_by_ints(values, ints)
         return read_only(code), distinct
 
     return memo.last(f"codes.{name}", values, derive, keep=list)

@@ -121,6 +121,8 @@ class Entities:
         self.frame_nodes = np.zeros(0, dtype=np.int64)  # the node number (NodeIds) at each frame position
         self.code_pos = np.zeros(0, dtype=np.int64)
         self.memo: dict[str, Any] = {}
+        #: How the last frame's keys were edited from the one before (None: sorted afresh), for its columns.
+        self.edit: _Edit | None = None
 
     def get(self, table: SeriesTable) -> IntArray:
         have = len(self.array)
@@ -178,18 +180,31 @@ class Entities:
             order = sorted(present.tolist(), key=self.keys.__getitem__)
             codes = np.array(order, dtype=np.int64)
             keys = [self.keys[c] for c in order]
+            self.edit = None
         else:
             codes = self.frame_codes
+            keys = list(self.frame_keys)
+            gone: list[tuple[int, int]] = []
             if len(removed):
                 keep = np.ones(len(codes), dtype=bool)
-                keep[self.code_pos[removed]] = False
+                at_removed = self.code_pos[removed]
+                keep[at_removed] = False
                 codes = codes[keep]
+                gone = _runs(np.sort(at_removed).tolist())
+                for a, b in gone:
+                    del keys[a:b]
+            came: list[tuple[int, list[int]]] = []
             if len(added):
-                kept = self.key_array[codes].tolist()
                 new = sorted(added.tolist(), key=self.keys.__getitem__)
-                at = [bisect.bisect_left(kept, self.keys[c]) for c in new]
+                at = [bisect.bisect_left(keys, self.keys[c]) for c in new]
                 codes = np.insert(codes, at, new)
-            keys = self.key_array[codes].tolist()
+                for a, c in zip(at, new, strict=True):
+                    if came and came[-1][0] == a:
+                        came[-1][1].append(c)
+                    else:
+                        came.append((a, [c]))
+            self.edit = _Edit(self.frame_keys, keys, gone, came)
+            self.edit.apply(keys, lambda c: self.keys[c], removed=False)
         self.frame_keys = keys
         codes.flags.writeable = False
         self.frame_codes = codes
@@ -198,6 +213,45 @@ class Entities:
         self.code_pos = np.full(len(self.keys), -1, dtype=np.int64)
         self.code_pos[codes] = np.arange(len(codes), dtype=np.int64)
         self.present = present
+
+
+def _runs(positions: list[int]) -> list[tuple[int, int]]:
+    """Ascending positions as [start, end) runs of consecutive ones, the last run first (to delete from a list)."""
+    out: list[tuple[int, int]] = []
+    for p in positions:
+        if out and out[-1][1] == p:
+            out[-1] = (out[-1][0], p + 1)
+        else:
+            out.append((p, p + 1))
+    return out[::-1]
+
+
+class _Edit:
+    """A frame's keys made from the last frame's (``was``) by deleting the runs ``gone`` (the last first) and then
+    inserting each group of ``came`` (a position among the keys left, the entity codes inserted there in key
+    order): a node's GPUs are one run, so a node drained, replaced or back is a slice or two of each list, not
+    a list made of every key again. The same edits make the frame's columns from the last frame's."""
+
+    def __init__(self, was: list[tuple[str, ...]], now: list[tuple[str, ...]], gone: list[tuple[int, int]],
+                 came: list[tuple[int, list[int]]]) -> None:
+        self.was, self.now, self.gone, self.came = was, now, gone, came
+
+    def apply(self, items: list[Any], value: Callable[[int], Any], removed: bool = True) -> list[Any]:
+        """``items`` (one entry per key of ``was``) edited in place: ``value(code)`` for each code inserted
+        (``removed`` False: the runs are deleted already)."""
+        if removed:
+            for a, b in self.gone:
+                del items[a:b]
+        offset = 0
+        for a, codes in self.came:
+            items[a + offset:a + offset] = [value(c) for c in codes]
+            offset += len(codes)
+        return items
+
+
+def _column(keys: list[tuple[str, ...]], j: int) -> Callable[[int], str]:
+    """An entity code's key column ``j``."""
+    return lambda code: keys[code][j]
 
 
 class EntityFrame:
@@ -283,7 +337,13 @@ class EntityFrame:
         """The entity keys as ``width`` lists (node, then the identifying labels); fresh lists each call."""
         cols = self.cache.get("columns") if self.cache is not None else None
         if cols is None or cols[0] is not self.keys:
-            if self.space is not None and self.codes is not None and width <= len(self.space.key_columns):
+            edit = self.space.edit if self.space is not None else None
+            if (cols is not None and edit is not None and edit.was is cols[0] and edit.now is self.keys
+                    and len(cols[1]) == width and self.space is not None):
+                # the last frame's columns, edited as its keys were (a few slices, not every key's columns)
+                keys_of = self.space.keys
+                cols = (self.keys, [edit.apply(list(c), _column(keys_of, j)) for j, c in enumerate(cols[1])])
+            elif self.space is not None and self.codes is not None and width <= len(self.space.key_columns):
                 cols = (self.keys, [self.space.key_columns[j][self.codes].tolist() for j in range(width)])
             else:
                 cols = (self.keys, [[k[j] for k in self.keys] for j in range(width)])

@@ -57,10 +57,7 @@ def nicmap_of(results: list[Result], naming: NodeNaming) -> NicMap:
     out: NicMap | None = None
     if isinstance(last, _Kept):
         col = node_column(res.table, naming)
-        was, now = np.zeros(len(res.table), dtype=bool), np.zeros(len(res.table), dtype=bool)
-        was[last.ids_array] = True
-        now[res.ids] = True
-        moved = np.flatnonzero(was != now)  # the series that came or went
+        moved = _moved(last.ids_array, res.ids)
         changed = {n for i in moved.tolist() if (n := col[i]) is not None}
         if len(changed) <= max(64, len(last.keys) // EDIT_SHARE):
             out = NicMap(last.nicmap)
@@ -68,7 +65,9 @@ def nicmap_of(results: list[Result], naming: NodeNaming) -> NicMap:
             for n in changed:
                 for k in keys.pop(n, ()):
                     del out[k]
-            sel = np.array([i for i in res.ids.tolist() if col[i] in changed], dtype=np.int64)
+            ids = res.ids.tolist()  # (the changed nodes' series: their nodes looked up in C, not a statement each)
+            sel = res.ids[np.fromiter(map(changed.__contains__, map(col.__getitem__, ids)), dtype=bool,
+                                      count=len(ids))]
             part, part_keys = _make([Result(res.table, sel, np.zeros(len(sel)))], naming)
             out.update(part)
             keys.update(part_keys)
@@ -79,6 +78,18 @@ def nicmap_of(results: list[Result], naming: NodeNaming) -> NicMap:
         out, keys = _make(results, naming)
         res.table.derived[key] = _Kept(ids, res.ids.copy(), out, keys)
     return out
+
+
+def _moved(was: np.ndarray, now: np.ndarray) -> np.ndarray:
+    """The series ids in one of ``was`` and ``now`` but not the other (each lists a series once), ascending: past
+    the prefix and suffix the two share (a node's series came or went in the middle), a set difference of the
+    rest; not a mask over the whole table."""
+    m = min(len(was), len(now))
+    differ = np.flatnonzero(was[:m] != now[:m])
+    head = int(differ[0]) if len(differ) else m
+    differ = np.flatnonzero(was[::-1][:m - head] != now[::-1][:m - head])
+    tail = int(differ[0]) if len(differ) else m - head
+    return np.setxor1d(was[head:len(was) - tail], now[head:len(now) - tail])
 
 
 def _make(results: list[Result], naming: NodeNaming) -> tuple[NicMap, dict[str, tuple[tuple[str, str], ...]]]:

@@ -104,7 +104,8 @@ class ImpactTracker:
         sync = np.ones(len(g), dtype=bool) if g.sync is None else np.asarray(g.sync, dtype=bool)
         # each job's rows and each row's node code (kept while the frame's jobs and nodes are the same lists)
         rows = memo.last("impact.job_rows", g.jobs, lambda: positions_by(g.jobs, name="jobs"), keep=list)
-        node_code, code_of = memo.last("impact.node_codes", g.nodes, lambda: _node_codes(g.nodes), keep=list)
+        node_code, code_of = memo.last("impact.node_codes", g.nodes, lambda: _node_codes(g.nodes, g.node_ids),
+                                      keep=list)
         by_job: dict[str, np.ndarray] = {}
         for j in {f.job for f in todo}:
             ix = rows.get(j)
@@ -136,8 +137,8 @@ class ImpactTracker:
             imp.recent.append(d / (1.0 - d))
 
 
-def _node_codes(nodes: list[str]) -> tuple[np.ndarray, dict[str, int]]:
-    code, names = codes_of("nodes", nodes)
+def _node_codes(nodes: list[str], node_ids: np.ndarray | None) -> tuple[np.ndarray, dict[str, int]]:
+    code, names = codes_of("nodes", nodes, node_ids)
     return code, {str(n): k for k, n in enumerate(names)}
 
 

@@ -72,7 +72,7 @@ def _count_node_groups(names: list[str], frame: GpuFrame) -> np.ndarray:
     """Array passes: each (node, job) pair's GPUs counted, each node's most frequent job (of a tie the one that
     appears first on it), the jobs numbered in the order of ``names``."""
     out = np.full(len(names), -1, dtype=np.int64)
-    node, nodes = codes_of("nodes", frame.nodes)
+    node, nodes = codes_of("nodes", frame.nodes, frame.node_ids)
     job, jobs = codes_of("jobs", frame.jobs)
     sel = np.flatnonzero(truthy(job, jobs))
     if not len(sel) or not len(names):

@@ -47,7 +47,7 @@ import numpy as np
 
 from gpufleet.detector.core import memo
 from gpufleet.detector.core.candidate import DIRECT, Candidate, Evidence
-from gpufleet.detector.core.numeric import codes, nan_to_zero, read_only
+from gpufleet.detector.core.numeric import codes, codes_of, nan_to_zero, read_only
 from gpufleet.detector.frame.features import GpuFrame, NicFrame
 from gpufleet.detector.rules.causes import nic_fabric
 from gpufleet.detector.rules.nic_jobs import nic_jobs
@@ -93,7 +93,7 @@ def _fabric_ports(nic: NicFrame, p: NetworkParams) -> np.ndarray:
     distinct device name matched once."""
     n = len(nic.nodes)
     serves = np.fromiter(map(bool, nic.gpus), dtype=bool, count=n)
-    node, nodes = codes(nic.nodes)
+    node, nodes = codes_of("nic_nodes", nic.nodes, nic.node_ids)
     has_mapped = np.zeros(len(nodes), dtype=bool)
     has_mapped[node[serves]] = True  # a node some of whose ports serve a GPU
     ethernet = (np.fromiter(map("Ethernet".__eq__, nic.link_layers), dtype=bool, count=n) if nic.link_layers
@@ -136,9 +136,12 @@ def _layer_codes(link_layers: list[str], busy_idx: np.ndarray) -> np.ndarray:
     """Per busy port: a code of its link layer, in order of first appearance (kept while the layers and the busy
     ports are the same)."""
     def derive() -> np.ndarray:
-        codes: dict[str, int] = {}
-        return read_only(np.array([codes.setdefault(link_layers[j], len(codes)) for j in busy_idx.tolist()],
-                                dtype=np.int64))
+        layer, _ = codes(link_layers, runs=False)  # (a node's ports of both layers: no runs to read)
+        busy = layer[busy_idx]
+        _, first, inverse = np.unique(busy, return_index=True, return_inverse=True)
+        rank = np.empty(len(first), dtype=np.int64)  # renumbered by first appearance among the busy ports
+        rank[np.argsort(first, kind="stable")] = np.arange(len(first), dtype=np.int64)
+        return read_only(rank[inverse.reshape(-1)])
 
     out: np.ndarray = memo.last("network.layer_codes", (link_layers, busy_idx.tobytes()), derive,
                                 keep=lambda k: (list(k[0]), k[1]))

@@ -436,13 +436,14 @@ def _candidate(frame: GpuFrame, i: int, s: float, z: dict[str, FloatArray], p: S
     return Candidate(frame.nodes[i], frame.gpus[i], frame.jobs[i], frame.sites[i], ev.strongest(), float(s), ev)
 
 
-def _per_node_job(nodes: list[str], jobs: list[str | None], scored: np.ndarray) -> dict[tuple[str, str | None], int]:
+def _per_node_job(nodes: list[str], jobs: list[str | None], scored: np.ndarray, node_ids: IntArray | None = None
+                  ) -> dict[tuple[str, str | None], int]:
     """How many GPUs of each (node, job) are scored (kept while the GPUs, their jobs and which are scored are the
     same)."""
     sel = np.flatnonzero(scored)
     if not len(sel):
         return {}
-    node, node_names = codes_of("nodes", nodes)
+    node, node_names = codes_of("nodes", nodes, node_ids)
     job, job_names = codes_of("jobs", jobs)
     # a node whose scored GPUs run one job: their count; only the other nodes' (node, job) pairs are sorted
     one_job, mixed = uniform_groups(node[sel], job[sel], len(node_names))
@@ -465,7 +466,7 @@ def _collapse_nodes(frame: GpuFrame, groups: FloatArray, cands: list[Candidate],
         return []
     scored = groups >= 0
     per_node_job = memo.last("straggler.per_node_job", (scored.tobytes(), frame.nodes, frame.jobs),
-                             lambda: _per_node_job(frame.nodes, frame.jobs, scored),
+                             lambda: _per_node_job(frame.nodes, frame.jobs, scored, frame.node_ids),
                              keep=lambda k: (k[0], list(k[1]), list(k[2])))
     by: dict[tuple[str, str | None], list[Candidate]] = defaultdict(list)
     for c in cands:

@@ -23,9 +23,15 @@ def test_frames_after_entities_come_and_go_are_sorted_as_from_scratch() -> None:
     pool = [(f"node-{rng.randrange(10_000)}", str(rng.randrange(10))) for _ in range(400)]
     table = SeriesTable()
     current = pool[:200]
+    edited = 0
     for step in range(60):
         if step % 10 == 9:  # now and then many at once (a full sort)
             current = rng.sample(pool, rng.randrange(1, len(pool)))
+        elif step % 3 == 2 and current:  # a whole node drained, another one (back or new) with its GPUs
+            node = rng.choice(current)[0]
+            back = f"node-{rng.randrange(10_000)}"
+            current = [m for m in current if m[0] != node] + [(back, str(g)) for g in range(4)]
+            rng.shuffle(current)
         else:  # usually a few: a node drained, replaced or added; the series in any order
             gone = set(rng.sample(current, min(len(current), rng.randrange(0, 4))))
             current = [m for m in current if m not in gone] + rng.sample(pool, rng.randrange(0, 4))
@@ -33,9 +39,13 @@ def test_frames_after_entities_come_and_go_are_sorted_as_from_scratch() -> None:
         frame = _frame(table, current)
         expect = sorted({(n, g) for n, g in current})
         assert frame.keys == expect
+        # the columns (edited from the last frame's when its keys were): those of the keys
+        assert frame.columns(2) == [[n for n, _ in expect], [g for _, g in expect]]
+        edited += frame.space is not None and frame.space.edit is not None and frame.space.edit.now is frame.keys
         res = Result(table, np.array([table.intern({"instance": f"{n}:9400", "gpu": g}) for n, g in current],
                                      dtype=np.int64), np.zeros(len(current)))
         assert [frame.keys[p] for p in frame.positions(res).tolist()] == current
+    assert edited >= 30  # (most frames were edits)
 
 
 def test_a_changed_frame_is_a_new_list() -> None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from dataclasses import replace
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpufleet.detector import engine
+from gpufleet.detector.frame import nic_map
 from gpufleet.detector.frame.frames import GpuFrame, NicFrame
 from gpufleet.detector.rules import causes, network, phases, straggler
 from gpufleet.detector.rules.network import NetworkParams
@@ -19,6 +21,11 @@ JOBS = st.sampled_from(["j1", "j2", "j3", "", None])
 FLEET = st.lists(st.tuples(st.sampled_from(["n0", "n1", "n2", "n3"]), JOBS,
                            st.sampled_from(["H200", "B200", "H200 MIG 1g.18gb"]), st.sampled_from(["ns", "", None])),
                  min_size=0, max_size=50)
+
+
+def _node_numbers(nodes: list[str]) -> np.ndarray:
+    """Each node's number as a frame of one table's entities has them (any integers, one per node)."""
+    return np.array([int(n[1:]) * 3 + 1 for n in nodes], dtype=np.int64)
 
 
 def _frame(gpus: list[tuple[str, str | None, str, str | None]]) -> GpuFrame:
@@ -58,6 +65,8 @@ def test_node_groups(gpus: list[tuple[str, str | None, str, str | None]], names:
         jobs = counts.get(nd)
         want.append(index.setdefault(max(jobs, key=lambda j: jobs[j]), len(index)) if jobs else -1)
     assert causes._count_node_groups(names, frame).tolist() == want
+    numbered = replace(frame, node_ids=_node_numbers(frame.nodes))  # a frame of one table's entities
+    assert causes._count_node_groups(names, numbered).tolist() == want
 
 
 @settings(max_examples=200, deadline=None)
@@ -84,6 +93,7 @@ def test_per_node_job_counts(gpus: list[tuple[str, str | None, str, str | None]]
     for i in np.flatnonzero(scored).tolist():
         want[(nodes[i], jobs[i])] += 1
     assert straggler._per_node_job(nodes, jobs, scored) == dict(want)
+    assert straggler._per_node_job(nodes, jobs, scored, _node_numbers(nodes)) == dict(want)
 
 
 @settings(max_examples=200, deadline=None)
@@ -117,3 +127,30 @@ def test_fabric_ports(nics: list[tuple[str, str, tuple[str, ...], str]], with_la
         want = [w and re.fullmatch(storage, d) is None for w, d in zip(want, devices, strict=True)]
     got = network._fabric_ports(frame, NetworkParams(storage_devices=storage))
     assert got.dtype == bool and got.tolist() == want
+    numbered = replace(frame, node_ids=_node_numbers(nodes))
+    assert network._fabric_ports(numbered, NetworkParams(storage_devices=storage)).tolist() == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(NICS, st.data())
+def test_layer_codes(nics: list[tuple[str, str, tuple[str, ...], str]], data: st.DataObject) -> None:
+    layers = [x[3] for x in nics]
+    busy = np.array(sorted(data.draw(st.sets(st.integers(0, max(len(nics) - 1, 0)), max_size=len(nics)))),
+                    dtype=np.int64)
+    index: dict[str, int] = {}  # the plain reading: each busy port's layer numbered by first appearance
+    want = [index.setdefault(layers[j], len(index)) for j in busy.tolist()]
+    got = network._layer_codes(layers, busy)
+    assert got.dtype == np.int64 and got.tolist() == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 60), unique=True, max_size=40), st.data())
+def test_moved_series(was: list[int], data: st.DataObject) -> None:
+    """The series that came or went between two answers (a node's series dropped, added anywhere, the order kept)."""
+    kept = [i for i in was if data.draw(st.booleans())]
+    added = data.draw(st.lists(st.integers(61, 90), unique=True, max_size=8))
+    now = list(kept)
+    for a in added:
+        now.insert(data.draw(st.integers(0, len(now))), a)
+    got = nic_map._moved(np.array(was, dtype=np.int64), np.array(now, dtype=np.int64))
+    assert got.tolist() == sorted(set(was) ^ set(now))

@@ -78,3 +78,14 @@ def test_codes_number_values_by_first_appearance(runs: list[tuple[str | None, in
     want = [index.setdefault(v, len(index)) for v in values]
     code, distinct = numeric.codes(values)
     assert code.dtype == np.int64 and code.tolist() == want and distinct == list(index)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["n0", "n1", "n2", "n10"]), st.integers(1, 12)), max_size=12))
+def test_codes_by_ints_are_the_codes_of_the_values(runs: list[tuple[str, int]]) -> None:
+    values = [v for v, k in runs for _ in range(k)]  # in runs, some values in several runs
+    number = {"n0": 7, "n1": 3, "n2": 0, "n10": 12}  # any integers, equal exactly where the values are
+    ints = np.array([number[v] for v in values], dtype=np.int64)
+    code, distinct = numeric.codes_by_ints(values, ints)
+    want_code, want_distinct = numeric.codes(values, runs=False)
+    assert code.dtype == np.int64 and code.tolist() == want_code.tolist() and distinct == want_distinct
