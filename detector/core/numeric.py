@@ -79,24 +79,31 @@ def codes(values: Sequence[H], runs: bool = True) -> tuple[IntArray, list[H]]:
     return np.fromiter(map(index.__getitem__, values), dtype=np.int64, count=len(values)), list(index)
 
 
-def codes_by_ints(values: Sequence[H], ints: IntArray) -> tuple[IntArray, list[H]]:
-    """:func:`codes` of ``values`` read from ``ints``, an integer per value with equal integers exactly where the
-    values are equal (a frame's node numbers beside its node names): the runs and first appearances are found
-    by comparing integers, and only the distinct values' first entries are read from ``values``."""
+def int_codes(ints: IntArray) -> tuple[IntArray, IntArray]:
+    """Per integer of ``ints``: a code per distinct integer, numbered in order of first appearance, and each code's
+    first position (array passes: neighbours compared where each integer is one run, else one sort)."""
     n = len(ints)
     if n == 0:
-        return np.zeros(0, dtype=np.int64), []
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     head = np.empty(n, dtype=bool)
     head[0] = True
     np.not_equal(ints[1:], ints[:-1], out=head[1:])
     heads = np.flatnonzero(head)
-    if len(np.unique(ints[heads])) == len(heads):  # each value in one run (a frame in key order)
-        return np.cumsum(head, dtype=np.int64) - 1, [values[i] for i in heads.tolist()]
+    if len(np.unique(ints[heads])) == len(heads):  # each integer in one run (a frame in key order)
+        return np.cumsum(head, dtype=np.int64) - 1, heads
     _, first, inverse = np.unique(ints, return_index=True, return_inverse=True)
-    order = np.argsort(first, kind="stable")  # the distinct values by first appearance
+    order = np.argsort(first, kind="stable")  # the distinct integers by first appearance
     rank = np.empty(len(first), dtype=np.int64)
     rank[order] = np.arange(len(first), dtype=np.int64)
-    return rank[inverse.reshape(-1)], [values[i] for i in first[order].tolist()]
+    return rank[inverse.reshape(-1)], first[order]
+
+
+def codes_by_ints(values: Sequence[H], ints: IntArray) -> tuple[IntArray, list[H]]:
+    """:func:`codes` of ``values`` read from ``ints``, an integer per value with equal integers exactly where the
+    values are equal (a frame's node numbers beside its node names): the codes are :func:`int_codes`', and only
+    the distinct values' first entries are read from ``values``."""
+    code, first = int_codes(ints)
+    return code, [values[i] for i in first.tolist()]
 
 
 def codes_of(name: str, values: Sequence[H], ints: IntArray | None = None) -> tuple[IntArray, list[H]]:

@@ -191,20 +191,19 @@ class Entities:
                 keep[at_removed] = False
                 codes = codes[keep]
                 gone = _runs(np.sort(at_removed).tolist())
-                for a, b in gone:
-                    del keys[a:b]
-            came: list[tuple[int, list[int]]] = []
+            edit = _Edit(self.frame_keys, keys, gone)
+            edit.delete(keys)
             if len(added):
                 new = sorted(added.tolist(), key=self.keys.__getitem__)
                 at = [bisect.bisect_left(keys, self.keys[c]) for c in new]
                 codes = np.insert(codes, at, new)
                 for a, c in zip(at, new, strict=True):
-                    if came and came[-1][0] == a:
-                        came[-1][1].append(c)
+                    if edit.came and edit.came[-1][0] == a:
+                        edit.came[-1][1].append(c)
                     else:
-                        came.append((a, [c]))
-            self.edit = _Edit(self.frame_keys, keys, gone, came)
-            self.edit.apply(keys, lambda c: self.keys[c], removed=False)
+                        edit.came.append((a, [c]))
+            edit.insert(keys, self.keys.__getitem__)
+            self.edit = edit
         self.frame_keys = keys
         codes.flags.writeable = False
         self.frame_codes = codes
@@ -232,20 +231,26 @@ class _Edit:
     order): a node's GPUs are one run, so a node drained, replaced or back is a slice or two of each list, not
     a list made of every key again. The same edits make the frame's columns from the last frame's."""
 
-    def __init__(self, was: list[tuple[str, ...]], now: list[tuple[str, ...]], gone: list[tuple[int, int]],
-                 came: list[tuple[int, list[int]]]) -> None:
-        self.was, self.now, self.gone, self.came = was, now, gone, came
+    def __init__(self, was: list[tuple[str, ...]], now: list[tuple[str, ...]], gone: list[tuple[int, int]]) -> None:
+        self.was, self.now, self.gone = was, now, gone
+        self.came: list[tuple[int, list[int]]] = []
 
-    def apply(self, items: list[Any], value: Callable[[int], Any], removed: bool = True) -> list[Any]:
-        """``items`` (one entry per key of ``was``) edited in place: ``value(code)`` for each code inserted
-        (``removed`` False: the runs are deleted already)."""
-        if removed:
-            for a, b in self.gone:
-                del items[a:b]
+    def delete(self, items: list[Any]) -> None:
+        """``items`` (one entry per key of ``was``) less the runs gone, in place."""
+        for a, b in self.gone:
+            del items[a:b]
+
+    def insert(self, items: list[Any], value: Callable[[int], Any]) -> None:
+        """``value(code)`` inserted into ``items`` (with the runs gone deleted) for each code that came, in place."""
         offset = 0
         for a, codes in self.came:
             items[a + offset:a + offset] = [value(c) for c in codes]
             offset += len(codes)
+
+    def apply(self, items: list[Any], value: Callable[[int], Any]) -> list[Any]:
+        """``items`` (one entry per key of ``was``) edited as the keys were, in place."""
+        self.delete(items)
+        self.insert(items, value)
         return items
 
 
@@ -337,12 +342,12 @@ class EntityFrame:
         """The entity keys as ``width`` lists (node, then the identifying labels); fresh lists each call."""
         cols = self.cache.get("columns") if self.cache is not None else None
         if cols is None or cols[0] is not self.keys:
-            edit = self.space.edit if self.space is not None else None
-            if (cols is not None and edit is not None and edit.was is cols[0] and edit.now is self.keys
-                    and len(cols[1]) == width and self.space is not None):
+            space = self.space
+            edit = space.edit if space is not None else None
+            if (space is not None and edit is not None and cols is not None and edit.was is cols[0]
+                    and edit.now is self.keys and len(cols[1]) == width):
                 # the last frame's columns, edited as its keys were (a few slices, not every key's columns)
-                keys_of = self.space.keys
-                cols = (self.keys, [edit.apply(list(c), _column(keys_of, j)) for j, c in enumerate(cols[1])])
+                cols = (self.keys, [edit.apply(list(c), _column(space.keys, j)) for j, c in enumerate(cols[1])])
             elif self.space is not None and self.codes is not None and width <= len(self.space.key_columns):
                 cols = (self.keys, [self.space.key_columns[j][self.codes].tolist() for j in range(width)])
             else:

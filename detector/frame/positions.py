@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
+from gpufleet.detector.core.numeric import int_codes
 from gpufleet.detector.frame.entities import Entities
 
 IntArray = np.ndarray
@@ -136,12 +137,9 @@ class EntityIndex:
                 self._space, self._codes, self.nodes, self.ids = ents, codes, [], []
                 self.pos = _KeyPositions(ents, codes, self.nic)
                 self.by_node = _NodePositions(ents.node_space.index, node_ids)
-                uniq, first, inverse = np.unique(node_ids, return_index=True, return_inverse=True)
-                rank = np.empty(len(uniq), dtype=np.int64)
-                rank[np.argsort(first, kind="stable")] = np.arange(len(uniq), dtype=np.int64)
+                self.node_code, first = int_codes(node_ids)  # the nodes by first appearance
                 names = ents.node_space.names
-                self.node_names = [names[i] for i in uniq[np.argsort(first, kind="stable")].tolist()]
-                self.node_code = rank[inverse.reshape(-1)]
+                self.node_names = [names[i] for i in node_ids[first].tolist()]
             return self.pos, self.by_node
         if self._space is not None or nodes != self.nodes or ids != self.ids:
             self._space = self._codes = None

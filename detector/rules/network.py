@@ -47,7 +47,7 @@ import numpy as np
 
 from gpufleet.detector.core import memo
 from gpufleet.detector.core.candidate import DIRECT, Candidate, Evidence
-from gpufleet.detector.core.numeric import codes, codes_of, nan_to_zero, read_only
+from gpufleet.detector.core.numeric import codes, codes_of, int_codes, nan_to_zero, read_only
 from gpufleet.detector.frame.features import GpuFrame, NicFrame
 from gpufleet.detector.rules.causes import nic_fabric
 from gpufleet.detector.rules.nic_jobs import nic_jobs
@@ -137,11 +137,7 @@ def _layer_codes(link_layers: list[str], busy_idx: np.ndarray) -> np.ndarray:
     ports are the same)."""
     def derive() -> np.ndarray:
         layer, _ = codes(link_layers, runs=False)  # (a node's ports of both layers: no runs to read)
-        busy = layer[busy_idx]
-        _, first, inverse = np.unique(busy, return_index=True, return_inverse=True)
-        rank = np.empty(len(first), dtype=np.int64)  # renumbered by first appearance among the busy ports
-        rank[np.argsort(first, kind="stable")] = np.arange(len(first), dtype=np.int64)
-        return read_only(rank[inverse.reshape(-1)])
+        return read_only(int_codes(layer[busy_idx])[0])  # renumbered by first appearance among the busy ports
 
     out: np.ndarray = memo.last("network.layer_codes", (link_layers, busy_idx.tobytes()), derive,
                                 keep=lambda k: (list(k[0]), k[1]))
