@@ -191,15 +191,26 @@ class Agent:
         return self._usage
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self, listen_xid: bool = True, wait: float | None = None) -> None:
+    def start(self, listen_xid: bool = True, wait: float | None = None, stop: threading.Event | None = None) -> None:
         """Initialize NVML, waiting at most ``wait`` seconds (default: the scrape timeout) for it, and,
-        unless ``listen_xid`` is false, start the XID event thread. Never blocks longer, never raises."""
+        unless ``listen_xid`` is false, start the XID event thread. Never blocks longer, never raises; returns
+        at once when ``stop`` is set meanwhile (a SIGTERM while NVML's initialization hangs)."""
         wait = self.cfg.scrape_timeout if wait is None else wait
         log.info("%s", collector_report.report(self.cfg, self.sysfs_path))
         job = self.lanes.submit(NODE, "nvmlInit", self.backend.start)
-        if job is not None and not job.wait(time.monotonic() + wait):
-            log.error("NVML initialization has not returned after %g s: serving without GPUs (gpufleet_nvml_up 0) "
-                      "until it does", wait)
+        deadline = time.monotonic() + wait
+        if job is not None and stop is not None:
+            while not job.done.wait(min(0.2, max(0.0, deadline - time.monotonic()))) and not stop.is_set() \
+                    and time.monotonic() < deadline:
+                pass
+            if stop.is_set():
+                deadline = time.monotonic()
+        if job is not None and not job.wait(deadline):
+            if stop is not None and stop.is_set():
+                log.error("NVML initialization has not returned; stopping without it")
+            else:
+                log.error("NVML initialization has not returned after %g s: serving without GPUs (gpufleet_nvml_up 0) "
+                          "until it does", wait)
         elif job is not None and job.error is not None:
             log.error("NVML initialization failed: %s: %s", type(job.error).__name__, job.error)
         elif not getattr(self.backend, "up", False):

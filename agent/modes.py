@@ -120,7 +120,7 @@ def serve(cfg: AgentConfig) -> int:
         except OSError as e:
             print(f"{PROG}: cannot listen on {cfg.listen_address}: {e.strerror or e}", file=sys.stderr)
             return 1
-        agent.start()
+        agent.start(stop=stop)
         tune_gc()
         thread = server.serve_in_thread()
         log.info("listening on %s://%s%s (version %s)", server.scheme, cfg.listen_address,
@@ -174,7 +174,7 @@ def textfile(cfg: AgentConfig) -> int:
     busy: list[float | None] = [None]
     wd = sdnotify.Watchdog(lambda: None, timeout=0)  # disabled unless a daemon (--interval > 0)
     try:
-        agent.start(listen_xid=cfg.textfile_interval > 0)
+        agent.start(listen_xid=cfg.textfile_interval > 0, stop=stop)
         if cfg.textfile_interval > 0:
             tune_gc()
             wd = watchdog(lambda: None, lambda: max(0.0, 0.0 if busy[0] is None else

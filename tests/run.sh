@@ -57,8 +57,9 @@ echo "==> import-linter (package contracts)"
 .venv/bin/lint-imports --no-cache 2>&1 | grep -v "^Warning: skipping module with too many dots" | tail -12
 # Two workers (pytest-xdist), each test file on one worker: most of the suite waits on real servers, so two
 # halve its wall time on CI's two cores. GPUFLEET_TEST_WORKERS=1 runs it in one process.
+# Files go to the workers in collection order, the heaviest first (tests/conftest.py: HEAVY).
 workers=${GPUFLEET_TEST_WORKERS:-$(($(nproc) >= 2 ? 2 : 1))}
 parallel=()
-[ "$workers" -le 1 ] || parallel=(-n "$workers" --dist loadfile)
+[ "$workers" -le 1 ] || parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 echo "==> pytest${parallel:+ (${workers} workers)}"
 exec .venv/bin/python -m pytest "${parallel[@]}" "$@"

@@ -255,6 +255,28 @@ def test_hung_init_serves_the_rest_and_recovers() -> None:
         agent.close()
 
 
+def test_a_stop_while_init_hangs_ends_the_wait_at_once() -> None:
+    """SIGTERM (the stop event) during a hung nvmlInit: start() returns without waiting out the scrape
+    timeout, so the daemon stops within systemd's stop timeout instead of after it."""
+    agent = _agent("sim:2,hang=nvmlInit", timeout=30.0)
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    try:
+        t0 = time.monotonic()
+        agent.start(listen_xid=False, stop=stop)
+        assert time.monotonic() - t0 < 3.0, "start() waited out the 30 s init timeout after the stop"
+        assert not agent.backend.up
+    finally:
+        agent.close()
+    unstopped = _agent("sim:2,hang=nvmlInit", timeout=1.0)  # the control: without a stop it waits its timeout
+    try:
+        t0 = time.monotonic()
+        unstopped.start(listen_xid=False, stop=threading.Event())
+        assert time.monotonic() - t0 >= 0.9
+    finally:
+        unstopped.close()
+
+
 def test_one_hung_gpu_health_and_close() -> None:
     agent = _agent("sim:4,hang=nvmlDeviceGetTemperature@2", timeout=0.6)
     try:
