@@ -40,8 +40,12 @@ class FaultProxy:
     @contextmanager
     def serving(self) -> Iterator[FaultProxy]:
         proxy = self
+        local = threading.local()  # one backend session per handler thread: its connection kept alive
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # the client's connection kept alive too (as to a real backend)
+            disable_nagle_algorithm = True  # (else each answer's headers and body wait on a delayed ACK)
+
             def log_message(self, *_: object) -> None:
                 pass
 
@@ -61,9 +65,13 @@ class FaultProxy:
                 if fault == "timeout":
                     time.sleep(proxy.delay)
                 headers = {"Content-Type": self.headers.get("Content-Type", "application/x-www-form-urlencoded")}
+                session = getattr(local, "session", None)
+                if session is None:
+                    session = local.session = requests.Session()
+                    session.trust_env = False  # no proxy settings read from the environment on each request
                 try:
-                    r = requests.request(self.command, proxy.backend + self.path, data=body or None,
-                                         headers=headers, timeout=30)
+                    r = session.request(self.command, proxy.backend + self.path, data=body or None,
+                                        headers=headers, timeout=30)
                 except requests.RequestException:
                     self._send(502, b'{"status":"error","error":"backend unreachable"}')
                     return

@@ -12,14 +12,18 @@ guard (replay's) is shown to go wrong on the edited recordings, so the checks ca
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import subprocess
+import threading
 import tomllib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import requests
 from backend_faults import FaultProxy, edit_recording
 from support import (
     backfilled_prometheus,
@@ -88,9 +92,17 @@ def grid(lo_min: float, hi_min: float) -> list[float]:
     return [START + lo_min * MIN + i * STEP for i in range(n)]
 
 
+def session() -> requests.Session:
+    """The detector's HTTP session, reading no proxy settings from the environment (requests looks them up again
+    on every request: a sixth of an evaluation's time against a local backend)."""
+    s = requests.Session()
+    s.trust_env = False
+    return s
+
+
 def detector(url: str, guarded: bool, cfg: DetectorConfig | None = None) -> tuple[Detector, PrometheusSource]:
     cfg = cfg or config()
-    prom = PrometheusSource(url, timeout=1.0)
+    prom = PrometheusSource(url, timeout=1.0, session=session())
     det = Detector(cfg, prom)
     if guarded:
         det.guard = guard_for(prom, det.queries, cfg.window_seconds, det.naming, cfg.interval_seconds)
@@ -120,10 +132,60 @@ def run(det: Detector, times: list[float]) -> dict[float, Degraded]:
     return held
 
 
+def fork(det: Detector) -> Detector:
+    """An independent copy of ``det``: its tracker, guard, memos and its source's series table copied, a fresh HTTP
+    session (the tests that go on from one warmed-up detector share its warm-up)."""
+    src = det.source
+    assert isinstance(src, PrometheusSource)
+    # the tracker's summaries close over det.places: the copy shares that dict (the fleet's racks, none here)
+    # rather than keep a copy its summaries would not read
+    out = copy.deepcopy(det, {id(src.session): session(), id(src._lock): threading.Lock(), id(det.places): det.places})
+    assert out.source is not src and out.guard is not None and out.guard.prom is out.source  # type: ignore[attr-defined]
+    assert state(out) == state(det)
+    return out
+
+
 @pytest.fixture(scope="module")
 def prometheus(recording: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with backfilled_prometheus(recording, tmp_path_factory.mktemp("prom")) as url:
         yield url
+
+
+@dataclass
+class Warm:
+    """The guarded detector through the fault proxy (no fault yet), evaluated from 2.25 to 7 min."""
+
+    proxy: FaultProxy
+    det: Detector
+    held: dict[float, dict[str, str]]  # the guard's held nodes at each evaluation
+    degraded: dict[float, Degraded]  # the evaluations it held (none on a healthy backend)
+
+
+@pytest.fixture(scope="module")
+def warm(prometheus: str) -> Iterator[Warm]:
+    with FaultProxy(prometheus).serving() as proxy:
+        det, _ = detector(proxy.url, guarded=True)
+        assert det.guard is not None
+        held, degraded = {}, {}
+        for t in grid(2.25, 7):
+            try:
+                det.evaluate(t)
+            except Degraded as e:
+                degraded[t] = e
+            held[t] = dict(det.guard.last.held)  # type: ignore[attr-defined]
+        yield Warm(proxy, det, held, degraded)
+
+
+@pytest.fixture
+def warmed(warm: Warm) -> Iterator[tuple[Detector, FaultProxy]]:
+    """A copy of the warmed-up detector (at 7 min, the straggler open) and the proxy, no fault set."""
+    assert warm.degraded == {}, warm.degraded  # a healthy backend: nothing held
+    proxy = warm.proxy
+    proxy.mode, proxy.match, proxy.delay, proxy.injected = "", "", 2.0, 0
+    try:
+        yield fork(warm.det), proxy
+    finally:
+        proxy.mode = ""
 
 
 @pytest.mark.parametrize(("mode", "match", "reason"), [
@@ -132,36 +194,37 @@ def prometheus(recording: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     ("warnings", "", "partial_response"),
     ("partial", "gpufleet_gpu_utilization_ratio", "partial_response"),
 ])
-def test_a_failing_or_partial_query_holds_the_evaluation(prometheus: str, mode: str, match: str,
+def test_a_failing_or_partial_query_holds_the_evaluation(warmed: tuple[Detector, FaultProxy], mode: str, match: str,
                                                         reason: str) -> None:
-    with FaultProxy(prometheus).serving() as proxy:
-        det, _ = detector(proxy.url, guarded=True)
-        assert run(det, grid(2.25, 7)) == {}
-        assert straggler_of(det), "the straggler opened before the fault"
-        before, opened = state(det), straggler_of(det)
-        proxy.mode, proxy.match, proxy.delay = mode, match, 2.0
-        for t in grid(7, 8):  # a minute of the fault: four evaluations, each held, nothing changed
-            with pytest.raises(Degraded) as held:
-                det.evaluate(t)
-            assert set(held.value.reasons) == {reason}, held.value.reasons
-            assert state(det) == before
-        assert proxy.injected >= 4
-        proxy.mode = ""
-        assert run(det, grid(8, 9)) == {}
-        assert straggler_of(det) == opened and len(det.tracker.closed) == 0
-
-
-def test_every_query_failing_is_an_evaluation_failure_that_changes_nothing(prometheus: str) -> None:
-    with FaultProxy(prometheus).serving() as proxy:
-        det, _ = detector(proxy.url, guarded=True)
-        for t in grid(2.25, 11):  # a healthy backend and fleet (the evaluation pass included): nothing held
+    det, proxy = warmed  # evaluated through the proxy from 2.25 to 7 min, nothing held (the warm fixture)
+    assert straggler_of(det), "the straggler opened before the fault"
+    before, opened = state(det), straggler_of(det)
+    proxy.mode, proxy.match, proxy.delay = mode, match, 2.0
+    for t in grid(7, 8):  # a minute of the fault: four evaluations, each held, nothing changed
+        with pytest.raises(Degraded) as held:
             det.evaluate(t)
-            assert det.guard is not None and det.guard.last.held == {}  # type: ignore[attr-defined]
-        before = state(det)
-        proxy.mode = "5xx"
-        with pytest.raises(SourceError, match="every query failed"):
-            det.evaluate(START + 11 * MIN)
+        assert set(held.value.reasons) == {reason}, held.value.reasons
         assert state(det) == before
+    assert proxy.injected >= 4
+    proxy.mode = ""
+    assert run(det, grid(8, 9)) == {}
+    assert straggler_of(det) == opened and len(det.tracker.closed) == 0
+
+
+def test_every_query_failing_is_an_evaluation_failure_that_changes_nothing(
+        warm: Warm, warmed: tuple[Detector, FaultProxy]) -> None:
+    # a healthy backend and fleet (the evaluation pass included): nothing held, from 2.25 min (the warm fixture)
+    assert warm.held and all(h == {} for h in warm.held.values()), warm.held
+    det, proxy = warmed
+    assert det.guard is not None
+    for t in grid(7, 11):
+        det.evaluate(t)
+        assert det.guard.last.held == {}  # type: ignore[attr-defined]
+    before = state(det)
+    proxy.mode = "5xx"
+    with pytest.raises(SourceError, match="every query failed"):
+        det.evaluate(START + 11 * MIN)
+    assert state(det) == before
 
 
 def test_prometheus_killed_and_restarted_on_its_data_dir_loses_nothing(recording: Path, tmp_path: Path) -> None:
@@ -177,7 +240,7 @@ def test_prometheus_killed_and_restarted_on_its_data_dir_loses_nothing(recording
     det, _ = detector(url, guarded=True)
     with running(argv, log=tmp_path / "prom1.log") as proc:
         wait_http(f"{url}/-/ready", timeout=60)
-        assert run(det, grid(2.25, 6)) == {}
+        assert run(det, grid(4.5, 6)) == {}  # from 4.5 min: the straggler's onset (3 min) well inside the window
         before, opened = state(det), straggler_of(det)
         assert opened
         os.kill(proc.pid, signal.SIGKILL)
@@ -195,7 +258,7 @@ def test_victoria_metrics_partial_answers_hold_the_evaluation(recording: Path, t
     body = b"".join(_ms_lines(recording))
     with imported_victoria_metrics(body, tmp_path) as vm, FaultProxy(vm).serving() as proxy:
         det, _ = detector(proxy.url, guarded=True)
-        assert run(det, grid(2.25, 6)) == {}
+        assert run(det, grid(4.5, 6)) == {}  # from 4.5 min: the straggler's onset (3 min) well inside the window
         before, opened = state(det), straggler_of(det)
         assert opened
         proxy.mode = "partial"
@@ -230,16 +293,22 @@ def broken(recording: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 def test_frozen_stale_and_gap_open_nothing_and_close_nothing(broken: str) -> None:
-    times = grid(2.25, 30)
+    # the unguarded detector from 15 min (the straggler open, two minutes before its node goes stale) to 28 min
+    # (a minute past the gap's end): the stretch its closures are looked for in
     bare, _ = detector(broken, guarded=False)
-    closed = []
-    for t in times:
+    closed, seen = [], False
+    for t in grid(15, 28):
         bare.evaluate(t)
-        if t >= START + 5 * MIN and not straggler_of(bare):
+        seen = seen or bool(straggler_of(bare))
+        if seen and not straggler_of(bare):
             closed.append((t - START) / MIN)
+    assert seen, "the straggler opened in the unguarded run"
     # without the guard the faults go wrong (so the checks below can fail): the straggler's finding closed by its
     # node going stale and by the gap (and reopened when the data came back)
     assert any(17 <= m <= 22 for m in closed) and any(m >= 24 for m in closed), closed
+    # the guarded one from 4.5 min (the straggler open from its first evaluation: its onset, 3 min, well inside
+    # the window), through the evaluation pass, the freeze, the stale node, the gap and three minutes after it
+    times = grid(4.5, 30)
     det, _ = detector(broken, guarded=True)
     assert det.guard is not None
     reasons: dict[float, set[str]] = {}

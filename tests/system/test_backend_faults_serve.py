@@ -30,6 +30,9 @@ from test_e2e import _QuietHandler, serve_http
 pytestmark = pytest.mark.slow
 
 NODES = [f"node-00{i}" for i in range(4)]
+#: The detector's window: the four intervals (8 s) a frozen node's readings stay flat before it is held, no more
+#: (a node back is held until its frozen stretch has left the window).
+WINDOW = 8
 
 
 class Readings:
@@ -102,12 +105,13 @@ def test_serve_says_degraded_and_why_and_opens_nothing(tmp_path: Path) -> None:
         first = subprocess.Popen(argv, stdout=open(tmp_path / "prom1.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
         try:
             wait_http(f"{prom_url}/-/ready", timeout=30)
+            scraping = time.monotonic()
             cfg = tmp_path / "detector.toml"
             cfg.write_text(f"""
 [detector]
 profile = "gpufleet"
 interval_seconds = 2
-window_seconds = 12
+window_seconds = {WINDOW}
 listen = "127.0.0.1:{det_port}"
 
 [prometheus]
@@ -118,11 +122,11 @@ timeout_seconds = 1
 open_after = 2
 close_after = 3
 """)
-            time.sleep(13)  # a full window of samples
             det = es.enter_context(running([str(BIN / "gpufleet-detector"), "serve", "--config", str(cfg)],
                                            log=tmp_path / "detector.log"))
             url = f"http://127.0.0.1:{det_port}"
-            wait_http(f"{url}/ready", timeout=60)
+            wait_http(f"{url}/ready", timeout=60)  # (the detector started while the first window fills)
+            time.sleep(max(0.0, scraping + WINDOW + 1 - time.monotonic()))  # a full window of samples
             wait_until(lambda: health(url).startswith("OK\nOK"), "healthy", 30, url)
 
             # a frozen exporter: the node is held once its readings stayed flat four intervals (8 s)
