@@ -23,7 +23,11 @@ finding that opens while another finding is open on the same node and GPU
 throttling, a NIC and the rank it slows); a node-level finding absorbs the
 open per-GPU findings of its kind on that node (they end, marked
 ``absorbed_by``, and are no longer reported as findings of their own), and
-while it is open no per-GPU finding of that kind opens on the node.
+while it is open no per-GPU finding of that kind opens on the node. A kind that
+explains a cause on its node (``KindSpec.explains``: a tray out of thermal
+margin explains its GPUs' thermal throttling and lag) absorbs the node's open
+findings of other kinds with that cause the same way, and while it is open
+with that cause they do not open: one physical problem, one finding.
 
 The cause of a finding is the one with the most evidence over its life
 (candidate scores summed per cause); the others are listed in ``causes``.
@@ -193,6 +197,9 @@ class Tracker:
         # Node-level candidates first: they absorb their GPUs' findings before those could open.
         cands.sort(key=lambda x: x[2].gpu is not None)
         for k, kind, c in cands:
+            if self._explained(kind, c):
+                seen.discard(k)
+                continue  # the node's finding of another kind explains it (a tray out of thermal margin)
             if c.gpu is not None and self._node_level(kind, c.node):
                 seen.discard(k)
                 nk: Key = (kind, c.node, "", "", "", "")
@@ -256,7 +263,7 @@ class Tracker:
         spec = kinds.spec(kind)
         if spec.open_after:
             return spec.open_after
-        if spec.direct or cause_rules.names_directly(c.evidence.rules, c.cause):
+        if kinds.direct(kind, c.cause) or cause_rules.names_directly(c.evidence.rules, c.cause):
             return self.open_after_direct
         return self.open_after
 
@@ -289,6 +296,21 @@ class Tracker:
             return True
         return False
 
+    def _explained(self, kind: str, c: Candidate) -> bool:
+        """Whether an open node-level finding of another kind with ``c``'s cause explains candidate ``c`` of ``kind``
+        on its node (:attr:`gpufleet.detector.core.kinds.KindSpec.explains`); a NIC's never. (One only pending does
+        not hold ``c`` back: what opens meanwhile goes into it when it opens, detected when ``c`` was.)"""
+        if c.nic or not c.cause or not c.node:
+            return False
+        for other in kinds.EXPLAINED_BY.get(c.cause, ()):
+            if other == kind:
+                continue
+            nk: Key = (other, c.node, "", "", "", "")
+            f = self.active.get(nk)
+            if f is not None and f.cause == c.cause:
+                return True
+        return False
+
     def _node_level(self, kind: str, node: str) -> bool:
         k: Key = (kind, node, "", "", "", "")
         return k in self.active or k in self.pending
@@ -313,6 +335,14 @@ class Tracker:
                     self._close(ok, t)
             for pk in [pk for pk in self.pending if pk[0] == kind and pk[1] == c.node and pk[2]]:
                 del self.pending[pk]
+        if c.gpu is None and f.cause in kinds.spec(kind).explains:  # what it explains on its node goes into it
+            for ok in list(self._open_on_node.get(f.node or "", ())):
+                of = self.active[ok]
+                if of.kind != kind and not of.nic and of.cause == f.cause:
+                    f.start = min(f.start, of.start)
+                    f.opened = min(f.opened, of.opened)
+                    of.absorbed_by = f.incident
+                    self._close(ok, t)
         f.key = k
         self._activate(k, f)
         self.incident_meta.setdefault(f.incident, (f.node or "", f.gpu or "", f.site or "", f.job or "", f.namespace,

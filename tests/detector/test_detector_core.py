@@ -288,6 +288,58 @@ def test_incidents_link_kinds_and_the_node_absorbs_its_gpus() -> None:
     assert {f.absorbed_by for f in tr.closed} == {strag[0].incident}
 
 
+def test_a_tray_out_of_thermal_margin_absorbs_what_it_explains_on_its_tray() -> None:
+    """One physical problem, one finding (issue 31): a tray's thermal finding takes in its GPUs' thermal throttling
+    and lag (opened before it, detected when they were), holds new ones back while open, and leaves the rest: a
+    power-capped GPU on the tray, another tray's thermal throttling, a NIC."""
+    tr = Tracker(open_after=2, close_after=2, merge_seconds=0)
+    seen = lambda k: True  # noqa: E731
+    hot = Candidate("tray-02", "1", "job-a", "dc1", "thermal", 8.0)
+    lag = Candidate("tray-02", None, "job-a", "dc1", "thermal", 6.0)
+    capped = Candidate("tray-02", "2", "job-a", "dc1", "power", 7.0)
+    other = Candidate("tray-03", "0", "job-a", "dc1", "thermal", 8.0)
+    nic = Candidate("tray-02", None, "job-a", "dc1", "thermal", 5.0, nic="mlx5_0/1")
+    before = [("throttling", hot), ("straggler", lag), ("throttling", capped), ("throttling", other), ("network", nic)]
+    for t in (0, 60):
+        tr.update(t, before, seen)
+    assert len(tr.all_findings()) == 5
+    tray = Candidate("tray-02", None, None, "dc1", "thermal", 12.0)
+    late = Candidate("tray-02", "3", "job-a", "dc1", "thermal", 8.0)  # throttles only once the tray's finding is open
+    for t in (120, 180, 240, 300):
+        tr.update(t, [*before, ("tray_health", tray), *([("throttling", late)] if t >= 240 else [])], seen)
+    got = sorted((f.kind, f.node, f.gpu, f.cause, f.nic) for f in tr.all_findings())
+    assert got == [("network", "tray-02", None, "thermal", "mlx5_0/1"), ("throttling", "tray-02", "2", "power", ""),
+                   ("throttling", "tray-03", "0", "thermal", ""), ("tray_health", "tray-02", None, "thermal", "")], got
+    (f,) = [f for f in tr.all_findings() if f.kind == "tray_health"]
+    assert f.detected == 60, "detected when the first of what it explains was"
+    assert {(c.kind, c.absorbed_by) for c in tr.closed} == {("throttling", f.incident), ("straggler", f.incident)}
+    # the control: a tray finding of a cause it does not explain (none of its kind's) absorbs nothing
+    tr2 = Tracker(open_after=2, close_after=2, merge_seconds=0)
+    for t in (0, 60, 120, 180):
+        tr2.update(t, [("throttling", hot), *([("tray_health", Candidate("tray-02", None, None, "dc1", "fabric", 9.0))]
+                                            if t >= 120 else [])], seen)
+    assert sorted(x.kind for x in tr2.all_findings()) == ["throttling", "tray_health"]
+
+
+def test_a_trays_own_report_opens_at_once_its_gpus_fabric_flags_wait_for_the_rack() -> None:
+    """A tray's C2C links down or its thermal margin gone is its own report (direct: one evaluation, and fenceable);
+    a GPU's NVLink fabric health flags wait an evaluation, in which a switch tray's rack-wide finding can show."""
+    from gpufleet.detector.incidents.tracker import Finding
+    from gpufleet.detector.remediate.direct_evidence import direct
+
+    tr = Tracker(open_after=2, close_after=2, merge_seconds=0, open_after_direct=1)
+    seen = lambda k: True  # noqa: E731
+    c2c = Candidate("tray-02", None, None, "dc1", "c2c", 12.0)
+    flags = Candidate("tray-05", "1", None, "dc1", "nvlink", 12.0)
+    tr.update(0, [("tray_health", c2c), ("tray_health", flags)], seen)
+    assert [(f.node, f.cause) for f in tr.all_findings()] == [("tray-02", "c2c")]
+    tr.update(15, [("tray_health", c2c), ("tray_health", flags)], seen)
+    assert sorted((f.node, f.cause) for f in tr.all_findings()) == [("tray-02", "c2c"), ("tray-05", "nvlink")]
+    by = {f.cause: f for f in tr.all_findings()}
+    assert direct(by["c2c"]) and not direct(by["nvlink"])
+    assert not direct(Finding("nvlink_domain", "nvlink", "rack 1", None, None, "dc1", 0.0, None, 9.0, ""))
+
+
 def test_a_resubmitted_job_keeps_the_finding_and_history_is_bounded() -> None:
     tr = Tracker(open_after=1, close_after=1, merge_seconds=0, history=3, reopen_seconds=0)
     seen = lambda k: True  # noqa: E731

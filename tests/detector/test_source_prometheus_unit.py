@@ -91,3 +91,28 @@ def test_concurrent_queries_keep_their_order_and_their_errors() -> None:
     for i, r in enumerate(got):
         if i != 5:
             assert r == [({"gpu": str(i)}, float(i))]
+
+
+def test_the_environment_is_read_once_as_requests_would_read_it(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Any) -> None:
+    """The source's own session takes the proxy, CA bundle and netrc from the environment when it is made, then
+    stops requests from reading them again on every query (trust_env); a CA file given still beats the bundle."""
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine prom.example login reader password s3cret\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    monkeypatch.setenv("NO_PROXY", "direct.example")
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", "/etc/ssl/site-bundle.pem")
+    src = PrometheusSource("https://prom.example:9090")
+    assert not src.session.trust_env
+    assert src.session.proxies.get("https") == "http://proxy.example:3128"
+    assert src.session.auth == ("reader", "s3cret")
+    assert src.session.verify == "/etc/ssl/site-bundle.pem"
+    bypass = PrometheusSource("https://direct.example:9090")
+    assert "https" not in bypass.session.proxies and bypass.session.auth is None
+    assert PrometheusSource("https://prom.example:9090", verify="/etc/gpufleet/ca.pem").session.verify == \
+        "/etc/gpufleet/ca.pem"
+    monkeypatch.delenv("REQUESTS_CA_BUNDLE")
+    monkeypatch.delenv("CURL_CA_BUNDLE", raising=False)
+    assert PrometheusSource("https://prom.example:9090").session.verify is True
