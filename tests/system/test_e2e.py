@@ -344,6 +344,91 @@ def logs(tmp_path: Path) -> str:
     return "\n".join(out)
 
 
+class BackgroundStack:
+    """A :func:`stack` run in a thread of its own, started by the module's :func:`live_stacks` so that this
+    module's stacks start and run side by side (each test waits only for its own) and closed by the test using it.
+    The thread lives as long as the stack (the agents' parent-death signal is the thread's)."""
+
+    def __init__(self, path: Path, scenario: str) -> None:
+        self.path = path
+        self.started = time.monotonic()
+        self._ready, self._closing = threading.Event(), threading.Event()
+        self._stack: Stack | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(scenario,), name=f"stack-{path.name}", daemon=True)
+        self._thread.start()
+
+    def _run(self, scenario: str) -> None:
+        try:
+            with stack(self.path, scenario) as s:
+                self._stack = s
+                self._ready.set()
+                self._closing.wait()
+        except BaseException as e:  # raised in the test (start-up) or at its teardown (stopping)
+            self._error = e
+        finally:
+            self._ready.set()
+
+    def get(self, timeout: float = 120.0) -> Stack:
+        """The stack once it is up (its start-up's error, if it failed)."""
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"the stack under {self.path} is not up after {timeout:.0f} s\n{logs(self.path)}")
+        if self._stack is None:
+            raise RuntimeError(f"the stack under {self.path} did not start") from self._error
+        return self._stack
+
+    def close(self) -> None:
+        """Stop the stack (once); an error while stopping it fails the test."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        self._thread.join(timeout=60)
+        if self._stack is not None and self._error is not None:
+            raise self._error
+
+
+#: The live stacks of this module's tests: fixture name -> scenario.
+LIVE_STACKS = {"straggler_stack": SCENARIO + FAULT, "healthy_stack": SCENARIO}
+
+
+@pytest.fixture(scope="module")
+def live_stacks(request: pytest.FixtureRequest,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, BackgroundStack]]:
+    """The live stacks that this module's selected tests use, all started at once: the healthy fleet's detector
+    evaluates while the straggler test (and the dcgm one) runs; the stacks a test did not close stop here."""
+    wanted = [name for name in LIVE_STACKS if any(
+        getattr(item, "module", None) is request.module and name in getattr(item, "fixturenames", ())
+        for item in request.session.items)]
+    started = {name: BackgroundStack(tmp_path_factory.mktemp(name), LIVE_STACKS[name]) for name in wanted}
+    try:
+        yield started
+    finally:
+        for b in started.values():
+            b.close()
+
+
+def _live_stack(stacks: dict[str, BackgroundStack], name: str, factory: pytest.TempPathFactory) -> Iterator[
+        BackgroundStack]:
+    if name not in stacks:  # not among the selected items (a test run some other way): started now
+        stacks[name] = BackgroundStack(factory.mktemp(name), LIVE_STACKS[name])
+    yield stacks[name]
+    stacks[name].close()
+
+
+@pytest.fixture
+def straggler_stack(live_stacks: dict[str, BackgroundStack],
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundStack]:
+    """The fleet with the injected straggler, its stack started with the module's others."""
+    yield from _live_stack(live_stacks, "straggler_stack", tmp_path_factory)
+
+
+@pytest.fixture
+def healthy_stack(live_stacks: dict[str, BackgroundStack],
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundStack]:
+    """The same fleet without the fault, its stack started with the module's others."""
+    yield from _live_stack(live_stacks, "healthy_stack", tmp_path_factory)
+
+
 # ------------------------------------------------------------------------------------------ the tests
 DASH_VARS = {"$__rate_interval": "30s", "$__interval": "5s", "$__range": "1m",
              "$site": ".*", "$node": ".*", "$gpu": ".*", "$job_id": ".*", "$namespace": ".*", "$rack": ".*"}
@@ -366,43 +451,33 @@ def dashboard_queries(dcgm: bool = False, **values: str) -> Iterator[tuple[str, 
 
 
 @pytest.mark.timeout(170)
-def test_straggler_pages_with_node_and_gpu_and_dashboards_have_data(tmp_path: Path) -> None:
-    t0 = time.monotonic()
-    with stack(tmp_path, SCENARIO + FAULT) as s:
-        def paged() -> bool:
-            return any(path == "/pager" and labels.get("alertname") == "GpufleetStragglerFound"
-                       for path, labels in s.received)
+def test_straggler_pages_with_node_and_gpu_and_dashboards_have_data(straggler_stack: BackgroundStack) -> None:
+    s, tmp_path = straggler_stack.get(), straggler_stack.path
 
-        assert wait_for(paged, timeout=75), f"no straggler page; received {s.received}\n{logs(tmp_path)}"
-        pages = [labels for path, labels in s.received
-                 if path == "/pager" and labels["alertname"] == "GpufleetStragglerFound"]
-        truth = {(f["node"], str(f["gpu"])) for f in s.fleet.simulator.labels()["faults"]}
-        assert truth == {STRAGGLER}
-        assert {(p["node"], p["gpu"]) for p in pages} == truth, pages
-        assert pages[0]["job_id"] == "job-e2e" and pages[0]["severity"] == "critical"
-        other_pages = [labels for path, labels in s.received
-                       if path == "/pager" and labels["alertname"] != "GpufleetStragglerFound"]
-        assert not other_pages, other_pages
+    def paged() -> bool:
+        return any(path == "/pager" and labels.get("alertname") == "GpufleetStragglerFound"
+                   for path, labels in s.received)
 
-        empty = []
-        for uid, title, expr in dashboard_queries():
-            if any(p.search(expr) for p in NO_DATA_EXPECTED):
-                continue
-            if not s.query(expr):
-                empty.append(f"{uid} / {title}: {expr}")
-        assert not empty, "dashboard queries without data:\n" + "\n".join(empty)
-    assert time.monotonic() - t0 < 150
+    assert wait_for(paged, timeout=75), f"no straggler page; received {s.received}\n{logs(tmp_path)}"
+    pages = [labels for path, labels in s.received
+             if path == "/pager" and labels["alertname"] == "GpufleetStragglerFound"]
+    truth = {(f["node"], str(f["gpu"])) for f in s.fleet.simulator.labels()["faults"]}
+    assert truth == {STRAGGLER}
+    assert {(p["node"], p["gpu"]) for p in pages} == truth, pages
+    assert pages[0]["job_id"] == "job-e2e" and pages[0]["severity"] == "critical"
+    other_pages = [labels for path, labels in s.received
+                   if path == "/pager" and labels["alertname"] != "GpufleetStragglerFound"]
+    assert not other_pages, other_pages
 
-
-@pytest.mark.timeout(120)
-def test_healthy_fleet_sends_nothing(tmp_path: Path) -> None:
-    with stack(tmp_path, SCENARIO) as s:
-        # Run as long as the straggler needed to page, with the detector evaluating all along.
-        assert wait_for(lambda: len(s.query("gpufleet_detector_straggler_score")) == 16, timeout=40), logs(tmp_path)
-        time.sleep(30)
-        assert s.query('gpufleet_detector_evaluations_total{result="success"} > 5'), logs(tmp_path)
-        assert not s.query("ALERTS"), s.query("ALERTS")
-        assert s.received == []
+    empty = []
+    for uid, title, expr in dashboard_queries():
+        if any(p.search(expr) for p in NO_DATA_EXPECTED):
+            continue
+        if not s.query(expr):
+            empty.append(f"{uid} / {title}: {expr}")
+    assert not empty, "dashboard queries without data:\n" + "\n".join(empty)
+    straggler_stack.close()
+    assert time.monotonic() - straggler_stack.started < 150
 
 
 if __name__ == "__main__":  # pragma: no cover
@@ -476,3 +551,25 @@ def test_dcgm_flavour_dashboard_has_data_from_a_dcgm_fleet(tmp_path: Path) -> No
         empty = [f"{title}: {expr}" for _, title, expr in dashboard_queries(dcgm=True, __rate_interval="2m")
                  if not query(expr)]
         assert not empty, "dcgm dashboard queries without data:\n" + "\n".join(empty)
+
+
+#: How long the healthy fleet is watched, in the detector's evaluations: the straggler pages some 8 evaluations
+#: after its detector starts, the healthy fleet is watched for 20 (the 16 scores, then 30 s at 2 s), counted
+#: rather than slept so that a loaded machine watches as many.
+HEALTHY_EVALUATIONS = 20
+
+
+# Last in the module: its stack started with the straggler's and has been evaluating since.
+@pytest.mark.timeout(180)
+def test_healthy_fleet_sends_nothing(healthy_stack: BackgroundStack) -> None:
+    s, tmp_path = healthy_stack.get(), healthy_stack.path
+
+    def evaluations() -> float:
+        return sum(float(r["value"][1]) for r in s.query('gpufleet_detector_evaluations_total{result="success"}'))
+
+    # Run as long as the straggler needed to page (twice over), with the detector evaluating all along.
+    assert wait_for(lambda: len(s.query("gpufleet_detector_straggler_score")) == 16, timeout=40), logs(tmp_path)
+    assert wait_for(lambda: evaluations() >= HEALTHY_EVALUATIONS, timeout=120), (evaluations(), logs(tmp_path))
+    assert s.query('gpufleet_detector_evaluations_total{result="success"} > 5'), logs(tmp_path)
+    assert not s.query("ALERTS"), s.query("ALERTS")
+    assert s.received == []

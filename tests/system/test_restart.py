@@ -47,21 +47,24 @@ pytestmark = pytest.mark.slow
 
 DETECTOR = DETECTOR_CONFIG + """
 # The PUE model scaled down to this test's minutes (the defaults need 12 hours of history): fitted after
-# 30 s, a drift of 0.01 PUE flagged within about a minute.
+# 15 s (and 8 evaluations), a drift of 0.01 PUE flagged about 15 s after it begins (CUSUM: (0.01 - 0.005) PUE
+# for 14.4 s reaches h). The simulated PUE has no noise (its weather moves by hundredths of a degree in these
+# minutes), so the small h flags nothing before the onset.
 [pue]
-baseline_hours = 0.008
+baseline_hours = 0.004
 refit_hours = 0.004
 history_days = 1
 min_drift = 0.01
-h = 0.00005
+h = 0.000005
 """
 
-#: The site's cooling degrades from 40 s on (+0.01 PUE at first, growing): a PUE drift under way at the kill.
+#: The site's cooling degrades from 32 s on (+0.01 PUE at first, growing): a PUE drift under way at the kill.
+#: The detector starts a few seconds after the fleet and fits its PUE model some 16 s later: about 10 s before.
 PUE_FAULT = """
 [[faults]]
 kind = "pue_drift"
 site = "site-a"
-onset = "40s"
+onset = "32s"
 severity = 1.0
 """
 
@@ -142,7 +145,9 @@ def test_a_killed_detector_restarts_with_its_incident_and_pages_once(tmp_path: P
             shutil.which("prometheus-alertmanager") or need_binary("alertmanager"), f"--config.file={tmp_path / 'am.yml'}",
             f"--storage.path={tmp_path / 'am'}", f"--web.listen-address=127.0.0.1:{am_port}", "--cluster.listen-address=",
         ], log=tmp_path / "alertmanager.log"))
-        (tmp_path / "rules.yml").write_text(fast_rules(RULES.read_text()))
+        # The rules 180 times faster (the drift ticket's 15 minutes are 5 s, the straggler page's 2 minutes 1 s, the
+        # detector-down alert's 5 minutes 2 s: the kill below is longer); keep_firing_for stays 10 minutes.
+        (tmp_path / "rules.yml").write_text(fast_rules(RULES.read_text(), scale=1 / 180))
         prometheus = start_prometheus(es, tmp_path, {
             "global": {"scrape_interval": "1s", "scrape_timeout": "900ms", "evaluation_interval": "1s"},
             "rule_files": [str(tmp_path / "rules.yml")],
