@@ -311,6 +311,15 @@ class Tracker:
                 return True
         return False
 
+    def _absorb(self, f: Finding, ok: Key, t: float) -> None:
+        """Open finding ``ok`` goes into node-level finding ``f``: ``f`` started and was detected when it was, if
+        earlier; ``ok`` ends, marked ``absorbed_by``."""
+        of = self.active[ok]
+        f.start = min(f.start, of.start)
+        f.opened = min(f.opened, of.opened)
+        of.absorbed_by = f.incident
+        self._close(ok, t)
+
     def _node_level(self, kind: str, node: str) -> bool:
         k: Key = (kind, node, "", "", "", "")
         return k in self.active or k in self.pending
@@ -329,20 +338,14 @@ class Tracker:
             for ok in list(self._open_on_node.get(f.node or "", ())):
                 of = self.active[ok]
                 if of.kind == kind and of.gpu is not None and not of.nic:
-                    f.start = min(f.start, of.start)
-                    f.opened = min(f.opened, of.opened)  # detected when its first GPU was
-                    of.absorbed_by = f.incident
-                    self._close(ok, t)
+                    self._absorb(f, ok, t)
             for pk in [pk for pk in self.pending if pk[0] == kind and pk[1] == c.node and pk[2]]:
                 del self.pending[pk]
         if c.gpu is None and f.cause in kinds.spec(kind).explains:  # what it explains on its node goes into it
             for ok in list(self._open_on_node.get(f.node or "", ())):
                 of = self.active[ok]
                 if of.kind != kind and not of.nic and of.cause == f.cause:
-                    f.start = min(f.start, of.start)
-                    f.opened = min(f.opened, of.opened)
-                    of.absorbed_by = f.incident
-                    self._close(ok, t)
+                    self._absorb(f, ok, t)
         f.key = k
         self._activate(k, f)
         self.incident_meta.setdefault(f.incident, (f.node or "", f.gpu or "", f.site or "", f.job or "", f.namespace,

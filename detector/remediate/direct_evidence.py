@@ -5,7 +5,8 @@ a clock-event reason, a lowered power limit, memory errors, a flagged NIC, a PCI
 pressure). A throttling finding is one (a clock-event reason held the clocks), and so is a network finding (the
 port's own counters); a straggler is one when a direct or link rule applied, not when its cause is inferred from
 its deviations alone; an NVL72 tray's health finding is one for its C2C links and its thermal margin (as the tray
-reports them), not for its GPUs' NVLink fabric health flags (a switch tray may explain those); a PUE drift, a workload ticket and an NVL72 rack finding never are (no one node to fence).
+reports them), not for its GPUs' NVLink fabric health flags (a switch tray may explain those); a PUE drift, a
+workload ticket and an NVL72 rack finding never are (no one node to fence).
 """
 
 from __future__ import annotations

@@ -60,6 +60,7 @@ def partial_notes(body: Mapping[str, Any], what: str) -> list[str]:
         out.append(f"{what:.120}: the backend marked the answer partial (isPartial)")
     return out
 
+
 def settled_session(url: str) -> requests.Session:
     """A session that reads the environment's proxy (``HTTPS_PROXY``, ``NO_PROXY``, ...), CA bundle
     (``REQUESTS_CA_BUNDLE``, ``CURL_CA_BUNDLE``) and ``~/.netrc`` for ``url`` once, as requests would on every

@@ -15,6 +15,8 @@ from urllib.parse import parse_qs, urlsplit
 
 import requests
 
+from gpufleet.detector.sources.prometheus import settled_session
+
 
 class FaultProxy:
     """Forwards the Prometheus HTTP API to ``backend``; while :attr:`mode` is set, answers the requests whose
@@ -67,8 +69,7 @@ class FaultProxy:
                 headers = {"Content-Type": self.headers.get("Content-Type", "application/x-www-form-urlencoded")}
                 session = getattr(local, "session", None)
                 if session is None:
-                    session = local.session = requests.Session()
-                    session.trust_env = False  # no proxy settings read from the environment on each request
+                    session = local.session = settled_session(proxy.backend)  # the environment read once
                 try:
                     r = session.request(self.command, proxy.backend + self.path, data=body or None,
                                         headers=headers, timeout=30)

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import requests
 from backend_faults import FaultProxy, edit_recording
 from support import (
     backfilled_prometheus,
@@ -38,7 +37,7 @@ from gpufleet.detector.config import DetectorConfig
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.frame.backend_guard import Degraded, guard_for
 from gpufleet.detector.outputs.exporter import Exposer, Health, registry_for
-from gpufleet.detector.sources.prometheus import PrometheusSource
+from gpufleet.detector.sources.prometheus import PrometheusSource, settled_session
 from gpufleet.detector.sources.source import SourceError
 from gpufleet.sim.quality import _config
 from gpufleet.sim.recording import record
@@ -92,17 +91,9 @@ def grid(lo_min: float, hi_min: float) -> list[float]:
     return [START + lo_min * MIN + i * STEP for i in range(n)]
 
 
-def session() -> requests.Session:
-    """The detector's HTTP session, reading no proxy settings from the environment (requests looks them up again
-    on every request: a sixth of an evaluation's time against a local backend)."""
-    s = requests.Session()
-    s.trust_env = False
-    return s
-
-
 def detector(url: str, guarded: bool, cfg: DetectorConfig | None = None) -> tuple[Detector, PrometheusSource]:
     cfg = cfg or config()
-    prom = PrometheusSource(url, timeout=1.0, session=session())
+    prom = PrometheusSource(url, timeout=1.0)
     det = Detector(cfg, prom)
     if guarded:
         det.guard = guard_for(prom, det.queries, cfg.window_seconds, det.naming, cfg.interval_seconds)
@@ -139,7 +130,7 @@ def fork(det: Detector) -> Detector:
     assert isinstance(src, PrometheusSource)
     # the tracker's summaries close over det.places: the copy shares that dict (the fleet's racks, none here)
     # rather than keep a copy its summaries would not read
-    out = copy.deepcopy(det, {id(src.session): session(), id(src._lock): threading.Lock(), id(det.places): det.places})
+    out = copy.deepcopy(det, {id(src.session): settled_session(src.url), id(src._lock): threading.Lock(), id(det.places): det.places})
     assert out.source is not src and out.guard is not None and out.guard.prom is out.source  # type: ignore[attr-defined]
     assert state(out) == state(det)
     return out
