@@ -11,7 +11,7 @@ Queries are evaluated by :mod:`~gpufleet.detector.sources.window_ops` with Prome
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,19 +120,23 @@ class RecordingSource:
 
     def _matching_positions(self, query: Query) -> list[int]:
         """Positions (in ``series[query.metric]``) of the series the query's matchers select."""
-        res = [(k, op, re.compile(v) if op == "=~" else v) for k, op, v in query.matchers]
-        out = []
-        for pos, s in enumerate(self.series.get(query.metric, [])):
-            ok = True
-            for k, op, v in res:
-                got = s.labels.get(k, "")
-                if (op == "=" and got != v) or (op == "=~" and not v.fullmatch(got)):  # type: ignore[union-attr]
-                    ok = False
-                    break
-            if ok:
-                out.append(pos)
-        return out
+        return match_positions((s.labels for s in self.series.get(query.metric, [])), query.matchers)
 
+
+def match_positions(labels: Iterable[Mapping[str, str]], matchers: Iterable[tuple[str, str, str]]) -> list[int]:
+    """Positions of the label sets that every matcher (``(name, "=" or "=~", value)``) selects."""
+    res = [(k, op, re.compile(v) if op == "=~" else v) for k, op, v in matchers]
+    out = []
+    for pos, lbl in enumerate(labels):
+        ok = True
+        for k, op, v in res:
+            got = lbl.get(k, "")
+            if (op == "=" and got != v) or (op == "=~" and not v.fullmatch(got)):  # type: ignore[union-attr]
+                ok = False
+                break
+        if ok:
+            out.append(pos)
+    return out
 
 
 def _load_series(paths: Sequence[str | Path], wanted: set[str] | None, parallel: bool = False,

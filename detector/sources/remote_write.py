@@ -4,15 +4,17 @@
 and keeps, per series of the profile's sample names, the samples of the last ``retention`` seconds (from the newest
 sample received). It answers the detector's queries with the recording source's PromQL semantics
 (:mod:`~gpufleet.detector.sources.window_ops`: the same evaluation the query path gets from the backend), from a
-:class:`~gpufleet.detector.sources.recording.RecordingSource` view rebuilt only after new samples arrived; the
-series table is shared by every view, so a series keeps its id (and its resolved entity) for the life of the store.
+columnar view (:mod:`~gpufleet.detector.sources.stream_window`) brought up to date only after new samples arrived;
+the series table is shared by every view, so a series keeps its id (and its resolved entity) for the life of the
+store.
 
 Samples are kept in time order per series. One older than its series' newest (vmagent sends on several queues
 at once, so a series' batches can arrive out of turn) is put in its place while the window still holds its
 time; one older than the window is *out of order* and rejected (counted; the rest of the request is kept),
 one at a time already held with the same value is a resend (a sender retries a batch after a timeout) and
-ignored, one at a time already held with another value is rejected as out of order too. Prometheus' staleness markers (a NaN of one bit pattern, written when a series
-vanishes) are not samples to a range function and are dropped, as PromQL does.
+ignored, one at a time already held with another value is rejected as out of order too. Prometheus' staleness
+markers (a NaN of one bit pattern, written when a series vanishes) are not samples to a range function and are
+dropped, as PromQL does.
 
 :class:`StreamingSource` answers from the stream once it holds a whole window before the evaluation instant,
 and from the query API (``fallback``) before that: a detector that has just started warms up from the backend
@@ -21,7 +23,6 @@ and then reads the stream.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import struct
@@ -33,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from gpufleet.detector.sources.profiles import Query
-from gpufleet.detector.sources.recording import RecordingSource, Series
 from gpufleet.detector.sources.source import LabelKey, Result, SeriesTable, Source
+from gpufleet.detector.sources.stream_window import MetricRows, WindowView
 
 log = logging.getLogger("gpufleet.detector.remote_write")
 
@@ -42,6 +43,10 @@ log = logging.getLogger("gpufleet.detector.remote_write")
 STALE_NAN_BITS = 0x7FF0000000000002
 _BITS = struct.Struct("<d")
 _U64 = struct.Struct("<Q")
+
+
+#: Pending samples a metric holds before the first view at most (or one per series, when more).
+_PENDING = 1 << 16
 
 
 def is_stale_marker(v: float) -> bool:
@@ -62,7 +67,8 @@ class Ingested:
 
 
 class StreamStore:
-    """Per series of the kept metrics: the samples of the last ``retention`` seconds, in time order."""
+    """Per series of the kept metrics: the samples of the last ``retention`` seconds, in time order, as columns
+    (:mod:`~gpufleet.detector.sources.stream_window`)."""
 
     def __init__(self, metrics: Iterable[str] | None, retention: float) -> None:
         if not retention > 0:
@@ -71,14 +77,13 @@ class StreamStore:
         self.retention = retention
         self.query_errors = 0
         self._lock = threading.Lock()
-        # name -> label key (no __name__) -> [times s, values, labels, series id in the table]
-        self._history: dict[str, dict[LabelKey, list[Any]]] = {}
-        #: Per metric: changes whenever a series is added or removed (positions and ids cached until then).
-        self._epoch: dict[str, int] = {}
-        self._ids: dict[str, tuple[int, np.ndarray]] = {}
-        self._positions: dict[tuple[Query, int], list[int]] = {}
+        self._rows: dict[str, MetricRows] = {}
+        self._positions: dict[tuple[Query, int], np.ndarray] = {}
         self._table = SeriesTable()
-        self._view: RecordingSource | None = None
+        #: Label keys and (name, value) pairs, one object each for every metric's rows and the table.
+        self._keys: dict[LabelKey, LabelKey] = {}
+        self._pairs: dict[tuple[str, str], tuple[str, str]] = {}
+        self._view: WindowView | None = None
         #: New samples arrived since the view was built; the instant the view was last queried at.
         self._dirty = True
         self._view_at = math.nan
@@ -87,14 +92,18 @@ class StreamStore:
         #: Time of the first sample kept (seconds; inf before the first): the stream covers [first, newest].
         self.first = math.inf
         self._trimmed = -math.inf  # newest at the last trim
+        self._viewed = -math.inf  # newest when the last view was built
 
     def ingest(self, request: Any) -> Ingested:
         """Add the samples of a decoded ``WriteRequest``; what was kept and rejected is returned."""
         out = Ingested()
         wanted = self.metrics
+        retention = self.retention
+        accepted = rejected = stale = late = 0
         with self._lock:
-            history = self._history
+            metrics = self._rows
             newest, first = self.newest, self.first
+            rows: MetricRows | None = None
             for ts in request.timeseries:
                 name = ""
                 rest: list[tuple[str, str]] = []
@@ -110,83 +119,96 @@ class StreamStore:
                 out.series += 1
                 rest.sort()
                 key = tuple(rest)
-                by_key = history.get(name)
-                if by_key is None:
-                    by_key = history[name] = {}
-                have = by_key.get(key)
-                if have is None:
-                    have = by_key[key] = [[], [], dict(key), self._table.intern_key(key)]
-                    self._epoch[name] = self._epoch.get(name, 0) + 1
-                times, values = have[0], have[1]
-                last = times[-1] if times else -math.inf
+                rows = metrics.get(name)
+                if rows is None:
+                    rows = metrics[name] = MetricRows(retention)
+                r = rows.index.get(key)
+                if r is None:
+                    r = self._add_row(rows, key)
+                last = rows.last[r]
+                p_row, p_t, p_v, pm = rows.p_row, rows.p_t, rows.p_v, rows.p_map
                 for s in samples:
                     v = s.value
                     if v != v and is_stale_marker(v):
-                        out.stale += 1
+                        stale += 1
                         continue
                     t = s.timestamp / 1000.0
                     if t <= last:
                         # late (a sender with several queues, a retried batch): put in its place while the
                         # window still holds its time; a resend is ignored; an older one, or another value at
                         # a time already held, is rejected
-                        i = bisect.bisect_left(times, t)
-                        if i < len(times) and times[i] == t:
-                            if values[i] == v or (v != v and values[i] != values[i]):
-                                continue
-                            out.out_of_order += 1
+                        held = rows.held(r, t)
+                        pm = rows.p_map
+                        if held is not None:
+                            if not (held == v or (v != v and held != held)):
+                                rejected += 1
                             continue
-                        if t < max(newest, last) - self.retention:
-                            out.out_of_order += 1
+                        if t < max(newest, last) - retention:
+                            rejected += 1
                             continue
-                        times.insert(i, t)
-                        values.insert(i, v)
-                        out.accepted += 1
-                        out.late += 1
-                        if t < first:
-                            first = t
-                        continue
-                    times.append(t)
-                    values.append(v)
-                    last = t
-                    out.accepted += 1
-                    if t > newest:
+                        rows.late.add(r)
+                        late += 1
+                    elif t > newest:
                         newest = t
+                    if pm is not None:
+                        pm[(r, t)] = v
+                    p_row.append(r)
+                    p_t.append(t)
+                    p_v.append(v)
+                    if t > last:
+                        last = t
+                    accepted += 1
                     if t < first:
                         first = t
+                rows.last[r] = last
             self.newest, self.first = newest, first
-            if out.accepted:
+            out.accepted, out.out_of_order, out.stale, out.late = accepted, rejected, stale, late
+            if accepted:
                 self._dirty = True
-            if newest - self._trimmed > self.retention:  # bounded memory even when nothing queries the store
-                self._trim()
+            if newest - self._trimmed > retention and newest - self._viewed > retention:
+                self._maintain(copy=self._view is not None)  # bounded memory even when nothing queries the store
+            elif self._view is None and rows is not None and rows.pending() > max(_PENDING, len(rows.keys)):
+                # nothing reads the matrices before the first view (the query API answers the warm-up): the
+                # samples go into them as they come, not all at the first evaluation
+                for each in metrics.values():
+                    each.flush(newest - retention)
         return out
 
-    def _trim(self) -> None:
-        """Drop the samples older than ``newest - retention`` and the series left without any (lock held)."""
+    def _add_row(self, rows: MetricRows, key: LabelKey) -> int:
+        """A row for a new series: its label key made of shared pairs (the series of a GPU or node differ in
+        their name only: one key and one label dict for all of them), its id in the table."""
+        canon = self._keys.get(key)
+        if canon is None:
+            pairs = self._pairs
+            canon = tuple([pairs.setdefault(p, p) for p in key])
+            self._keys[canon] = canon
+        sid = self._table.intern_key(canon)
+        return rows.add_row(canon, sid, self._table.labels[sid])
+
+    def _maintain(self, copy: bool) -> None:
+        """Flush the pending samples, drop those older than ``newest - retention`` and the rows left without any
+        (lock held). ``copy``: into new matrices, leaving the ones a view may still read as they are."""
         keep = self.newest - self.retention
-        for name, by_key in self._history.items():
-            gone = []
-            for key, entry in by_key.items():
-                ts, vs = entry[0], entry[1]
-                drop = bisect.bisect_left(ts, keep)
-                if drop:
-                    del ts[:drop], vs[:drop]
-                if not ts:
-                    gone.append(key)
-            for key in gone:
-                del by_key[key]
-            if gone:
-                self._epoch[name] = self._epoch.get(name, 0) + 1
+        for rows in self._rows.values():
+            if copy:
+                rows.t, rows.v, rows.cnt = rows.t.copy(), rows.v.copy(), rows.cnt.copy()
+            rows.flush(keep)
+            rows.trim(keep)
+            rows.compact()
+        if copy:
+            self._view = None
+            self._dirty = True
         self._trimmed = self.newest
 
     @property
     def samples(self) -> int:
         with self._lock:
-            return sum(len(e[0]) for by_key in self._history.values() for e in by_key.values())
+            return sum(rows.samples for rows in self._rows.values())
 
     @property
     def series_count(self) -> int:
         with self._lock:
-            return sum(1 for by_key in self._history.values() for e in by_key.values() if e[0])
+            return sum(rows.series() for rows in self._rows.values())
 
     def covers(self, t: float, window: float) -> bool:
         """Does the stream hold the whole window ``[t - window, t]``: it began before the window, the window's
@@ -196,88 +218,37 @@ class StreamStore:
 
     def metric_names(self) -> set[str]:
         with self._lock:
-            return {n for n, by_key in self._history.items() if any(e[0] for e in by_key.values())}
+            return {n for n, rows in self._rows.items() if rows.samples}
 
     def query(self, query: Query, t: float, window: float) -> Result:
         """``query`` at ``t``. The queries of one evaluation (one ``t``) read one view: samples arriving meanwhile
         (a sender flushes every second or so) are seen from the next instant on, not halfway through."""
         return self.snapshot(t).query(query, t, window)
 
-    def snapshot(self, at: float | None = None) -> RecordingSource:
-        """The history as a recording source (samples older than ``newest - retention`` dropped first); rebuilt
-        when new samples arrived, unless the view was last read at the same instant ``at``."""
+    def snapshot(self, at: float | None = None) -> WindowView:
+        """The window as a view (pending samples flushed into it; those older than ``newest - retention``
+        dropped once per retention); made anew when new samples arrived, unless the view was last read at the
+        same instant ``at``. A view is read by one evaluation at a time: the next one changes its matrices."""
         with self._lock:
             if self._view is not None and (not self._dirty or (at is not None and at == self._view_at)):
                 self._view_at = math.nan if at is None else at
                 return self._view
             self._dirty = False
             self._view_at = math.nan if at is None else at
-            if self.newest - self._trimmed > self.retention / 8:  # a few samples past the window cost nothing
-                self._trim()
-            series: dict[str, list[Series]] = {}
-            ids: dict[str, np.ndarray] = {}
-            epochs: dict[str, int] = {}
-            for name, by_key in self._history.items():
-                entries = list(by_key.values())
-                if not entries:
-                    continue
-                # series scraped together share one time array, and their values are converted as one matrix
-                # (found by length and ends, then compared: no tuple is built per series)
-                groups: dict[tuple[int, float, float], list[tuple[list[float], list[int]]]] = {}
-                out_empty: list[int] = []
-                for j, e in enumerate(entries):
-                    ts = e[0]
-                    if not ts:  # only staleness markers or rejected samples so far
-                        out_empty.append(j)
-                        continue
-                    cands = groups.setdefault((len(ts), ts[0], ts[-1]), [])
-                    for have, js in cands:
-                        if have == ts:
-                            js.append(j)
-                            break
-                    else:
-                        cands.append((ts, [j]))
-                out: list[Series | None] = [None] * len(entries)
-                for tlist, js in (g for cands in groups.values() for g in cands):
-                    t_arr = np.array(tlist, dtype=np.float64)
-                    vals = np.array([entries[j][1] for j in js], dtype=np.float64)
-                    for r, j in enumerate(js):
-                        out[j] = Series(entries[j][2], t_arr, vals[r])
-                for j in out_empty:
-                    out[j] = Series(entries[j][2], np.zeros(0), np.zeros(0))
-                series[name] = out  # type: ignore[assignment]  # every position was filled
-                epoch = epochs[name] = self._epoch.get(name, 0)
-                cached = self._ids.get(name)
-                if cached is None or cached[0] != epoch:
-                    cached = self._ids[name] = (epoch, np.array([e[3] for e in entries], dtype=np.int64))
-                ids[name] = cached[1]
-            self._view = _View(series, self._table, ids, epochs, self._positions)
+            keep = self.newest - self.retention
+            trim = self.newest - self._trimmed > self.retention or self._trimmed == -math.inf
+            frozen = {}
+            for name, rows in self._rows.items():
+                rows.flush(keep)
+                if trim:
+                    rows.trim(keep)
+                    rows.compact()
+                frozen[name] = rows.frozen()
+            if trim:
+                self._trimmed = self.newest
+            self._viewed = self.newest
+            self._view = WindowView(self._table, frozen, self._positions)
             return self._view
-
-
-class _View(RecordingSource):
-    """A recording source over the window: series ids and each query's matching series kept from the store (they
-    change only when a series is added or removed), not worked out again at every view."""
-
-    def __init__(self, series: dict[str, list[Series]], table: SeriesTable, ids: dict[str, np.ndarray],
-                 epochs: dict[str, int], positions: dict[tuple[Query, int], list[int]]) -> None:
-        self.series = series
-        self.table = table
-        self._ids = ids
-        self._cache = {}
-        self.query_errors = 0
-        self.samples = sum(len(s.ts) for ss in series.values() for s in ss)
-        self._epochs = epochs
-        self._positions = positions
-
-    def _matching_positions(self, query: Query) -> list[int]:
-        key = (query, self._epochs.get(query.metric, -1))
-        got = self._positions.get(key)
-        if got is None:
-            if len(self._positions) > 4096:  # old epochs' entries
-                self._positions.clear()
-            got = self._positions[key] = super()._matching_positions(query)
-        return got
 
 
 class StreamingSource:

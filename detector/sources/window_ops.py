@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 FloatArray = np.ndarray
+IntArray = np.ndarray
 
 
 def window_op(op: str, ts: FloatArray, vs: FloatArray, t: FloatArray, window: float) -> FloatArray:
@@ -66,9 +67,16 @@ def _extrapolated(ts: FloatArray, vs: FloatArray, t: FloatArray, window: float, 
     cdrops = np.concatenate((np.zeros((k, 2)), np.cumsum(drops, axis=1)), axis=1)
     first, last = vs[:, lo], vs[:, hi - 1]
     result = last - first + (cdrops[:, hi] - cdrops[:, lo + 1])
-    first_t, last_t = ts[lo], ts[hi - 1]
+    out[:, ok] = _extrapolate(first, last, result, ts[lo], ts[hi - 1], hi - lo, t, window, is_rate)
+    return out
+
+
+def _extrapolate(first: FloatArray, last: FloatArray, result: FloatArray, first_t: FloatArray, last_t: FloatArray,
+                 n: FloatArray, t: FloatArray | float, window: float, is_rate: bool) -> FloatArray:
+    """The extrapolation of Prometheus' extrapolatedRate, elementwise: ``result`` the increase between the window's
+    first and last sample (resets added back), ``n`` the samples in the window (>= 2)."""
     sampled = last_t - first_t
-    avg_gap = sampled / (hi - lo - 1)
+    avg_gap = sampled / (n - 1)
     to_start = first_t - (t - window)
     to_end = t - last_t
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -81,5 +89,84 @@ def _extrapolated(ts: FloatArray, vs: FloatArray, t: FloatArray, window: float, 
         value = result * (interval / sampled)
     if is_rate:
         value = value / window
-    out[:, ok] = value
+    out: FloatArray = value
     return out
+
+
+def window_bounds(ts: FloatArray, t: float, window: float) -> tuple[IntArray, IntArray]:
+    """Per column of the time-major ``ts`` (see :func:`window_rows`): the first step in ``[t - window, t]`` and
+    one past the last."""
+    return np.count_nonzero(ts < t - window, axis=0), np.count_nonzero(ts <= t, axis=0)
+
+
+def window_rows(op: str, ts: FloatArray, vs: FloatArray, t: float, window: float,
+                bounds: tuple[IntArray, IntArray] | None = None, pos: IntArray | None = None) -> FloatArray:
+    """:func:`window_op` at one time ``t`` for series each sampled at its own times, time-major: column ``r`` of
+    ``ts`` holds series ``r``'s sample times in order and NaN past its last (``vs`` its values), so every step is
+    a pass over contiguous rows. One result per column (per column of ``pos``, when given), equal to the bit to
+    :func:`window_ops` of that series. ``bounds``: :func:`window_bounds` of ``ts``, when already known."""
+    if op not in _OPS:
+        raise ValueError(f"unknown operation {op!r}")
+    lo, hi = bounds if bounds is not None else window_bounds(ts, t, window)
+    if pos is not None:
+        lo, hi = lo[pos], hi[pos]
+    out = np.full(len(lo), np.nan)
+    if not len(lo) or not ts.shape[0]:
+        return out
+    n = hi - lo
+    if op == "count":
+        has = n > 0
+        out[has] = n[has]
+        return out
+    ok = n >= 2 if op in ("rate", "increase") else n > 0
+    cols: IntArray | slice = slice(None)
+    src: IntArray | slice = slice(None) if pos is None else pos  # the columns of ts and vs read
+    if not ok.all():  # only the series with an answer
+        cols = np.flatnonzero(ok)
+        if not len(cols):
+            return out
+        lo, hi, n = lo[cols], hi[cols], n[cols]
+        src = cols if pos is None else pos[cols]
+    at = np.arange(vs.shape[1]) if isinstance(src, slice) else src
+    if op == "last":
+        out[cols] = vs[hi - 1, at]
+        return out
+    top = int(hi.max())  # no step past the last one in a window is read
+    if op in ("max", "min"):
+        bottom = int(lo.min())
+        v = vs[bottom:top, src]
+        steps = np.arange(bottom, top)[:, np.newaxis]
+        inside = (steps >= lo) & (steps < hi)
+        if op == "max":
+            out[cols] = np.where(inside, v, -np.inf).max(axis=0)
+        else:
+            out[cols] = np.where(inside, v, np.inf).min(axis=0)
+        return out
+    v = vs[:top, src]  # sums run from the first sample held, as on the recording path
+    if op == "avg":
+        cs = np.cumsum(v, axis=0)
+        out[cols] = (_prefix(cs, hi, 1) - _prefix(cs, lo, 1)) / n
+        return out
+    # rate, increase
+    prev = v[:-1]
+    drops = np.where(v[1:] < prev, prev, 0.0)
+    cdrops = np.cumsum(drops, axis=0)
+    first, last = _at(v, lo), _at(v, hi - 1)
+    result = last - first + (_prefix(cdrops, hi, 2) - _prefix(cdrops, lo + 1, 2))
+    out[cols] = _extrapolate(first, last, result, ts[lo, at], ts[hi - 1, at], n, t, window, op == "rate")
+    return out
+
+
+_OPS = frozenset({"count", "avg", "last", "max", "min", "rate", "increase"})
+
+
+def _prefix(cs: FloatArray, steps: FloatArray, zeros: int) -> FloatArray:
+    """What ``_at`` gives on ``cs`` with ``zeros`` rows of zeros before it (no copy of ``cs`` made for them)."""
+    got: FloatArray = np.where(steps >= zeros, _at(cs, np.maximum(steps - zeros, 0)), 0.0)
+    return got
+
+
+def _at(m: FloatArray, steps: FloatArray) -> FloatArray:
+    """``m[steps[r], r]`` for every column ``r``."""
+    got: FloatArray = np.take_along_axis(m, steps[np.newaxis, :], axis=0)[0]
+    return got

@@ -1,12 +1,15 @@
 """The detector's side of remote write: CPU per sample received (decode and store) and per evaluation from the
 stream, at a fleet size, in one process (no backend).
 
-Run: ``.venv/bin/python tests/bench/bench_remote_write_ingest.py [--gpus 2000 10000] [--scrapes 10]``.
-A synthetic fleet (the tests' generator: the gpufleet profile's families, 8-GPU nodes, 256-GPU jobs) is cut into
-requests of 2,000 series of one sample each, as Prometheus sends them (``max_samples_per_send``), compressed
-once beforehand; ``--scrapes`` scrapes 15 s apart are decoded and added to a store holding the window
-(120 s + 4 intervals), then one detector evaluates the last instant from it (the first evaluation, which also
-resolves every series id, and a second one after one more scrape). CPU seconds (``time.process_time``), peak RSS.
+Run: ``.venv/bin/python tests/bench/bench_remote_write_ingest.py [--gpus 2000 10000 100000 500000] [--scrapes 10]``.
+A synthetic fleet (the tests' generator: the gpufleet profile's families, 8-GPU nodes, 256-GPU jobs; past
+10,000 GPUs, copies of the 10,000-GPU fleet with their own node and job names) is cut into requests of 2,000
+series of one sample each, as Prometheus sends them (``max_samples_per_send``); ``--scrapes`` scrapes 15 s apart
+are decoded and added to a store holding the window (120 s + 4 intervals), then one detector evaluates the last
+instant from it (the first evaluation, which also resolves every series id), a second one after one more scrape,
+and a third after a scrape in which the fleet changed (one copy's nodes gone, or with one copy none; the first
+copy's jobs replaced by new ones). Only decoding and storing are timed (the requests are made as the run goes, so
+the bench holds one copy of the fleet). CPU seconds (``time.process_time``), peak RSS of the process.
 """
 
 from __future__ import annotations
@@ -16,20 +19,25 @@ import resource
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import cramjam
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "detector"))
 
 from test_detector_core import Fault, Synth, synth
 
-from gpufleet.detector.config import parse
+from gpufleet.detector.config import DetectorConfig, parse
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.receiver.prometheus_config import sample_names
 from gpufleet.detector.receiver.proto import decode, encode
 from gpufleet.detector.sources.remote_write import StreamStore
 
 BATCH = 2000
+#: Fleets past this many GPUs are copies of this one (own node and job names), so the bench holds one copy.
+COPY = 10_000
 
 
 def fleet(gpus: int, tmp: Path) -> list[tuple[dict[str, str], float]]:
@@ -50,6 +58,35 @@ def fleet(gpus: int, tmp: Path) -> list[tuple[dict[str, str], float]]:
     return out
 
 
+def templates(series: list[tuple[dict[str, str], float]], ms: int) -> list[bytes]:
+    """The fleet's requests of one scrape at ``ms``, serialized and not compressed (copies are made of them)."""
+    return [bytes(cramjam.snappy.decompress_raw(encode([(lb, [(ms, v)]) for lb, v in series[i:i + BATCH]])))
+            for i in range(0, len(series), BATCH)]
+
+
+def scrape(base: list[bytes], ms0: int, ms: int, copies: range, jobs: bytes = b"job-") -> Iterator[bytes]:
+    """One scrape's compressed requests: copy ``c`` of the base fleet has its own nodes and jobs (``node-`` and
+    ``job-`` renamed to as many bytes, so the protobuf lengths hold), every sample at ``ms``."""
+    old, new = b"\x10" + varint(ms0), b"\x10" + varint(ms)
+    for c in copies:
+        for raw in base:
+            body = raw.replace(old, new)
+            if c:
+                body = body.replace(b"node-", b"n%03d-" % c).replace(b"job-", b"j%03d" % c)
+            elif jobs != b"job-":
+                body = body.replace(b"job-", jobs)
+            yield bytes(cramjam.snappy.compress_raw(body))
+
+
+def varint(x: int) -> bytes:
+    out = bytearray()
+    while x > 0x7F:
+        out.append((x & 0x7F) | 0x80)
+        x >>= 7
+    out.append(x)
+    return bytes(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gpus", type=int, nargs="+", default=[2000, 10000])
@@ -57,36 +94,52 @@ def main() -> None:
     args = ap.parse_args()
     cfg = parse({"detector": {"interval_seconds": 15.0, "window_seconds": 120.0}})
     print("| GPUs | series | samples | ingest CPU s | us per sample | first evaluation CPU s | next evaluation CPU s |"
-          " max RSS MB |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          " after the fleet changed CPU s | max RSS MB |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for gpus in args.gpus:
-        with tempfile.TemporaryDirectory() as d:
-            series = fleet(gpus, Path(d))
-        t0 = 1_800_000_000.0
-        bodies = []
-        for k in range(args.scrapes + 1):
-            ms = round((t0 + 15.0 * k) * 1000)
-            bodies.append([encode([(lb, [(ms, v)]) for lb, v in series[i:i + BATCH]])
-                           for i in range(0, len(series), BATCH)])
-        store = StreamStore(sample_names(cfg), 120.0 + 4 * 15.0)
-        c0 = time.process_time()
-        for scrape in bodies[:-1]:
-            for body in scrape:
-                store.ingest(decode(body, 1 << 28))
-        ingest = time.process_time() - c0
-        det = Detector(cfg, store)
-        c0 = time.process_time()
-        det.evaluate(t0 + 15.0 * (args.scrapes - 1))
-        first = time.process_time() - c0
-        for body in bodies[-1]:
+        if gpus > COPY and gpus % COPY:
+            raise SystemExit(f"--gpus past {COPY:,} must be a multiple of it (copies of the {COPY:,}-GPU fleet)")
+        print(run(cfg, gpus, args.scrapes), flush=True)
+
+
+def run(cfg: DetectorConfig, gpus: int, scrapes: int) -> str:
+    """One fleet size's row of the table."""
+    with tempfile.TemporaryDirectory() as d:
+        series = fleet(min(gpus, COPY), Path(d))
+    copies = range(max(1, gpus // COPY))
+    t0 = 1_800_000_000.0
+    ms0 = round(t0 * 1000)
+    base = templates(series, ms0)
+    store = StreamStore(sample_names(cfg), 120.0 + 4 * 15.0)
+
+    def send(k: int, which: range, jobs: bytes = b"job-") -> float:
+        """Scrape ``k`` into the store; the CPU seconds of decoding and storing it."""
+        spent = 0.0
+        for body in scrape(base, ms0, ms0 + 15_000 * k, which, jobs):
+            c0 = time.process_time()
             store.ingest(decode(body, 1 << 28))
-        c0 = time.process_time()
-        det.evaluate(t0 + 15.0 * args.scrapes)
-        nxt = time.process_time() - c0
-        n = len(series) * args.scrapes
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(f"| {gpus:,} | {len(series):,} | {n:,} | {ingest:.2f} | {ingest / n * 1e6:.2f} | {first:.2f} | "
-              f"{nxt:.2f} | {rss:.0f} |", flush=True)
+            spent += time.process_time() - c0
+        return spent
+
+    ingest = sum(send(k, copies) for k in range(scrapes))
+    det = Detector(cfg, store)
+    c0 = time.process_time()
+    det.evaluate(t0 + 15.0 * (scrapes - 1))
+    first = time.process_time() - c0
+    send(scrapes, copies)
+    c0 = time.process_time()
+    det.evaluate(t0 + 15.0 * scrapes)
+    nxt = time.process_time() - c0
+    # the fleet changes: the last copy's nodes leave (with one copy, none do), and copy 0's jobs are replaced by
+    # new ones on the same nodes
+    send(scrapes + 1, copies[:-1] if len(copies) > 1 else copies, jobs=b"jnew")
+    c0 = time.process_time()
+    det.evaluate(t0 + 15.0 * (scrapes + 1))
+    changed = time.process_time() - c0
+    n = len(series) * len(copies) * scrapes
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return (f"| {gpus:,} | {len(series) * len(copies):,} | {n:,} | {ingest:.2f} | {ingest / n * 1e6:.2f} | "
+            f"{first:.2f} | {nxt:.2f} | {changed:.2f} | {rss:.0f} |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,287 @@
+"""A remote-write stream's window as columns: per metric, one row per series in two matrices (times, values).
+
+The receiver's hot path only appends: a sample newer than its series' newest goes to the metric's *pending*
+arrays (row, time, value), a few machine words, with no numpy call per sample. The matrices change only when
+the store makes a view for a new evaluation instant (:meth:`MetricRows.flush`): the pending samples are
+scattered into their rows at once (rows that took a late sample are re-sorted), so a view stays one consistent
+picture of the window for the whole of one evaluation while samples keep arriving.
+
+Series ``r`` is column ``r`` of the matrices (time-major: one step of every series is a contiguous row), its
+samples from row 0 in time order, NaN past the last (``cnt[r]``), so one query is a few vectorized passes over the
+series it selects (:func:`~gpufleet.detector.sources.window_ops.window_rows`), with
+every series at its own times (targets scraped at their own offsets need no grouping). Samples older than the
+window are shifted out when the columns would otherwise grow (:meth:`MetricRows.trim`), and rows left empty
+(series gone) are dropped when they are many (:meth:`MetricRows.compact`).
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Mapping
+from itertools import islice
+
+import numpy as np
+
+from gpufleet.detector.sources.profiles import Query
+from gpufleet.detector.sources.recording import match_positions
+from gpufleet.detector.sources.source import LabelKey, Result, SeriesTable
+from gpufleet.detector.sources.window_ops import window_bounds, window_rows
+
+FloatArray = np.ndarray
+IntArray = np.ndarray
+
+
+class MetricRows:
+    """One metric's series ("rows": columns of the time-major matrices): their label sets and ids, the flushed
+    samples as matrices (step x series), the pending ones."""
+
+    def __init__(self, retention: float) -> None:
+        self.retention = retention
+        self.index: dict[LabelKey, int] = {}
+        self.keys: list[LabelKey] = []
+        self.labels: list[dict[str, str]] = []
+        self.ids = array("q")
+        #: Per row: the newest sample time held (flushed or pending; -inf before the first).
+        self.last = array("d")
+        self.t: FloatArray = np.full((0, 0), np.nan)
+        self.v: FloatArray = np.full((0, 0), np.nan)
+        self.cnt: IntArray = np.zeros(0, dtype=np.int64)
+        self.p_row = array("q")
+        self.p_t = array("d")
+        self.p_v = array("d")
+        #: (row, time) -> value of the pending samples, kept only once a late sample needs to look them up.
+        self.p_map: dict[tuple[int, float], float] | None = None
+        #: Rows that took a late sample since the last flush (re-sorted then).
+        self.late: set[int] = set()
+        #: Changes whenever a row is added or rows are dropped (ids and matching rows are cached until then).
+        self.epoch = 0
+        self._ids: tuple[int, IntArray] | None = None
+
+    def add_row(self, key: LabelKey, sid: int, labels: dict[str, str]) -> int:
+        r = len(self.keys)
+        self.index[key] = r
+        self.keys.append(key)
+        self.labels.append(labels)
+        self.ids.append(sid)
+        self.last.append(-math.inf)
+        self.epoch += 1
+        return r
+
+    def held(self, r: int, t: float) -> float | None:
+        """The value held for row ``r`` at time ``t`` (NaN is a value), or None when there is none."""
+        pm = self.p_map
+        if pm is None:
+            pm = self.p_map = {(int(a), b): c for a, b, c in zip(self.p_row, self.p_t, self.p_v, strict=True)}
+        got = pm.get((r, t))
+        if got is not None:
+            return got
+        c = int(self.cnt[r]) if r < len(self.cnt) else 0
+        if c:
+            times = self.t[:c, r]
+            i = int(np.searchsorted(times, t))
+            if i < c and times[i] == t:
+                return float(self.v[i, r])
+        return None
+
+    def pending(self) -> int:
+        return len(self.p_row)
+
+    @property
+    def samples(self) -> int:
+        return int(self.cnt.sum()) + len(self.p_row)
+
+    def series(self) -> int:
+        """Rows holding a sample (flushed or pending)."""
+        if not len(self.p_row):
+            return int(np.count_nonzero(self.cnt))
+        has = np.zeros(max(len(self.keys), len(self.cnt)), dtype=bool)
+        has[: len(self.cnt)] = self.cnt > 0
+        has[np.frombuffer(self.p_row, dtype=np.int64)] = True
+        return int(np.count_nonzero(has))
+
+    def flush(self, keep: float) -> None:
+        """Scatter the pending samples into the matrices (rows grown as needed; when the columns are full, the
+        samples older than ``keep`` are shifted out first, and the columns grown only if that is not enough)."""
+        n = len(self.keys)
+        if n > self.t.shape[1]:
+            self._resize(self.t.shape[0], max(n, 2 * self.t.shape[1], 16))
+        if not len(self.p_row):
+            self.p_map = None
+            self.late.clear()
+            return
+        r = np.frombuffer(self.p_row, dtype=np.int64)
+        tt = np.frombuffer(self.p_t, dtype=np.float64)
+        vv = np.frombuffer(self.p_v, dtype=np.float64)
+        self.p_row, self.p_t, self.p_v, self.p_map = array("q"), array("d"), array("d"), None
+        if int(np.bincount(r, minlength=1).max()) == 1:  # a sample per series (evaluated every scrape): as it is
+            start, length = np.arange(len(r)), np.ones(len(r), dtype=np.int64)
+            rank = np.zeros(len(r), dtype=np.int64)
+        else:  # grouped by series, each in arrival order (late ones are sorted below)
+            order = np.argsort(r, kind="stable")
+            r, tt, vv = r[order], tt[order], vv[order]
+            start = np.flatnonzero(np.concatenate(([True], r[1:] != r[:-1])))
+            length = np.diff(np.append(start, len(r)))
+            rank = np.arange(len(r)) - np.repeat(start, length)
+        col = self.cnt[r] + rank
+        if int(col.max()) >= self.t.shape[0]:
+            self.trim(keep)
+            col = self.cnt[r] + rank
+            need = int(col.max()) + 1
+            if need > self.t.shape[0]:
+                # room for half a window more than the window holds at the rate samples come (the columns are
+                # trimmed when full): grown once, not at every new sample
+                per_window = self._per_window(tt, length, need)
+                steps = max(need, min(math.ceil(1.5 * per_window) + 2, max(3 * need, 64)),
+                            self.t.shape[0] * 3 // 2, 4)
+                self._resize(steps, self.t.shape[1])
+        self.t[col, r] = tt
+        self.v[col, r] = vv
+        self.cnt[r[start]] += length
+        if self.late:
+            lr = np.fromiter(self.late, dtype=np.int64, count=len(self.late))
+            self.late.clear()
+            by_time = np.argsort(self.t[:, lr], axis=0, kind="stable")  # NaN (past the last sample) sorts last
+            self.t[:, lr] = np.take_along_axis(self.t[:, lr], by_time, axis=0)
+            self.v[:, lr] = np.take_along_axis(self.v[:, lr], by_time, axis=0)
+
+    def _per_window(self, tt: FloatArray, length: IntArray, need: int) -> int:
+        """About how many samples a series holds over the retention, at the rate they come: from the series
+        holding the most, else from the pending samples of one series, else ``need``."""
+        most = int(self.cnt.max()) if len(self.cnt) else 0
+        if most >= 2:
+            r = int(self.cnt.argmax())
+            span = float(self.t[most - 1, r] - self.t[0, r])
+        else:
+            most, span = int(length.max()), float(tt.max() - tt.min())
+        return math.ceil((most - 1) * self.retention / span) + 1 if most > 1 and span > 0 else need
+
+    def trim(self, keep: float) -> None:
+        """Shift out the flushed samples older than ``keep``."""
+        n = len(self.cnt)
+        if not n or not self.t.shape[0]:
+            return
+        drop = np.count_nonzero(self.t < keep, axis=0)
+        rows = np.flatnonzero(drop)
+        if not len(rows):
+            return
+        d = drop[rows]
+        cap = self.t.shape[0]
+        idx = np.arange(cap)[:, np.newaxis] + d[np.newaxis, :]
+        past = idx >= cap
+        np.minimum(idx, cap - 1, out=idx)
+        every = len(rows) == n
+        for m in (self.t, self.v):
+            shifted = np.take_along_axis(m if every else m[:, rows], idx, axis=0)
+            shifted[past] = np.nan
+            if every:
+                m[...] = shifted
+            else:
+                m[:, rows] = shifted
+        self.cnt[rows] -= d
+
+    def compact(self) -> bool:
+        """Drop the rows left without samples when they are many (flushed first); True when rows were dropped."""
+        n = len(self.keys)
+        if len(self.p_row) or n > len(self.cnt):
+            return False
+        alive = self.cnt[:n] > 0
+        empty = n - int(np.count_nonzero(alive))
+        if empty <= max(16, n // 4):
+            return False
+        kept = np.flatnonzero(alive)
+        self.keys = [self.keys[i] for i in kept]
+        self.labels = [self.labels[i] for i in kept]
+        self.ids = array("q", np.frombuffer(self.ids, dtype=np.int64)[kept].tobytes())
+        self.last = array("d", np.frombuffer(self.last, dtype=np.float64)[kept].tobytes())
+        self.index = {k: r for r, k in enumerate(self.keys)}
+        rows = max(len(kept), 16)
+        t, v = np.full((self.t.shape[0], rows), np.nan), np.full((self.t.shape[0], rows), np.nan)
+        t[:, : len(kept)], v[:, : len(kept)] = self.t[:, kept], self.v[:, kept]
+        cnt = np.zeros(rows, dtype=np.int64)
+        cnt[: len(kept)] = self.cnt[kept]
+        self.t, self.v, self.cnt = t, v, cnt
+        self.epoch += 1
+        return True
+
+    def _resize(self, steps: int, rows: int) -> None:
+        t, v = np.full((steps, rows), np.nan), np.full((steps, rows), np.nan)
+        s, r = min(steps, self.t.shape[0]), min(rows, self.t.shape[1])
+        t[:s, :r], v[:s, :r] = self.t[:s, :r], self.v[:s, :r]
+        cnt = np.zeros(rows, dtype=np.int64)
+        cnt[:r] = self.cnt[:r]
+        self.t, self.v, self.cnt = t, v, cnt
+
+    def frozen(self) -> Frozen:
+        """What a view reads of this metric (valid until the next flush)."""
+        n = len(self.keys)
+        if self._ids is None or self._ids[0] != self.epoch:
+            self._ids = (self.epoch, np.frombuffer(self.ids, dtype=np.int64).copy())
+        m = int(self.cnt[:n].max()) if n else 0
+        return Frozen(self.t, self.v, n, m, self._ids[1], self.labels, self.epoch)
+
+
+class Frozen:
+    """One metric as a view reads it: the first ``m`` steps of the first ``n`` series of the matrices."""
+
+    __slots__ = ("epoch", "ids", "labels", "m", "n", "t", "v")
+
+    def __init__(self, t: FloatArray, v: FloatArray, n: int, m: int, ids: IntArray, labels: list[dict[str, str]],
+                 epoch: int) -> None:
+        self.t, self.v, self.n, self.m, self.ids, self.labels, self.epoch = t, v, n, m, ids, labels, epoch
+
+
+class WindowView:
+    """The window at one evaluation instant: answers queries with PromQL's range-function semantics."""
+
+    def __init__(self, table: SeriesTable, metrics: Mapping[str, Frozen],
+                 positions: dict[tuple[Query, int], IntArray]) -> None:
+        self.table = table
+        self.metrics = metrics
+        self.query_errors = 0
+        self._positions = positions
+        self._answers: dict[tuple[Query, float, float], Result] = {}
+        self._bounds: dict[tuple[str, float, float], tuple[IntArray, IntArray]] = {}
+
+    def metric_names(self) -> set[str]:
+        return {name for name, f in self.metrics.items() if f.m}
+
+    def query(self, query: Query, t: float, window: float) -> Result:
+        key = (query, float(t), float(window))
+        got = self._answers.get(key)
+        if got is None:
+            got = self._answers[key] = self._evaluate(query, float(t), float(window))
+        return got
+
+    def _evaluate(self, query: Query, t: float, window: float) -> Result:
+        f = self.metrics.get(query.metric)
+        if f is None or not f.n:
+            return Result.empty(self.table)
+        pos: IntArray | None = self._matching(query, f)
+        ids = f.ids
+        if pos is not None and len(pos) == f.n:  # every series (positions are in order and distinct)
+            pos = None
+        elif pos is not None:
+            ids = ids[pos]
+        ts, vs = f.t[: f.m, : f.n], f.v[: f.m, : f.n]
+        # where each series' window starts and ends: once per metric and instant, whatever the op and matchers
+        bkey = (query.metric, t, window)
+        bounds = self._bounds.get(bkey)
+        if bounds is None:
+            bounds = self._bounds[bkey] = window_bounds(ts, t, window)
+        vals = window_rows(query.op, ts, vs, t, window, bounds, pos)
+        if query.scale != 1.0:
+            vals *= query.scale
+        keep = ~np.isnan(vals)
+        return Result(self.table, ids[keep], vals[keep])
+
+    def _matching(self, query: Query, f: Frozen) -> IntArray:
+        key = (query, f.epoch)
+        got = self._positions.get(key)
+        if got is None:
+            if len(self._positions) > 4096:  # old epochs' entries
+                self._positions.clear()
+            got = self._positions[key] = np.array(match_positions(islice(f.labels, f.n), query.matchers),
+                                                  dtype=np.intp)
+        return got
+
