@@ -167,7 +167,7 @@ class StreamStore:
                 self._dirty = True
             if newest - self._trimmed > retention and newest - self._viewed > retention:
                 self._maintain(copy=self._view is not None)  # bounded memory even when nothing queries the store
-            elif self._view is None and rows is not None and rows.pending() > max(_PENDING, len(rows.keys)):
+            elif self._view is None and rows is not None and rows.pending() > max(_PENDING, len(rows.ids)):
                 # nothing reads the matrices before the first view (the query API answers the warm-up): the
                 # samples go into them as they come, not all at the first evaluation
                 for each in metrics.values():
@@ -192,9 +192,7 @@ class StreamStore:
         for rows in self._rows.values():
             if copy:
                 rows.t, rows.v, rows.cnt = rows.t.copy(), rows.v.copy(), rows.cnt.copy()
-            rows.flush(keep)
-            rows.trim(keep)
-            rows.compact()
+            rows.settle(keep, trim=True)
         if copy:
             self._view = None
             self._dirty = True
@@ -239,10 +237,7 @@ class StreamStore:
             trim = self.newest - self._trimmed > self.retention or self._trimmed == -math.inf
             frozen = {}
             for name, rows in self._rows.items():
-                rows.flush(keep)
-                if trim:
-                    rows.trim(keep)
-                    rows.compact()
+                rows.settle(keep, trim)
                 frozen[name] = rows.frozen()
             if trim:
                 self._trimmed = self.newest

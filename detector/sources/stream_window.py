@@ -38,8 +38,8 @@ class MetricRows:
 
     def __init__(self, retention: float) -> None:
         self.retention = retention
+        #: Label key -> row, in row order.
         self.index: dict[LabelKey, int] = {}
-        self.keys: list[LabelKey] = []
         self.labels: list[dict[str, str]] = []
         self.ids = array("q")
         #: Per row: the newest sample time held (flushed or pending; -inf before the first).
@@ -59,9 +59,8 @@ class MetricRows:
         self._ids: tuple[int, IntArray] | None = None
 
     def add_row(self, key: LabelKey, sid: int, labels: dict[str, str]) -> int:
-        r = len(self.keys)
+        r = len(self.ids)
         self.index[key] = r
-        self.keys.append(key)
         self.labels.append(labels)
         self.ids.append(sid)
         self.last.append(-math.inf)
@@ -95,15 +94,22 @@ class MetricRows:
         """Rows holding a sample (flushed or pending)."""
         if not len(self.p_row):
             return int(np.count_nonzero(self.cnt))
-        has = np.zeros(max(len(self.keys), len(self.cnt)), dtype=bool)
+        has = np.zeros(max(len(self.ids), len(self.cnt)), dtype=bool)
         has[: len(self.cnt)] = self.cnt > 0
         has[np.frombuffer(self.p_row, dtype=np.int64)] = True
         return int(np.count_nonzero(has))
 
+    def settle(self, keep: float, trim: bool) -> None:
+        """:meth:`flush`, and with ``trim`` also :meth:`trim` and :meth:`compact`."""
+        self.flush(keep)
+        if trim:
+            self.trim(keep)
+            self.compact()
+
     def flush(self, keep: float) -> None:
         """Scatter the pending samples into the matrices (rows grown as needed; when the columns are full, the
         samples older than ``keep`` are shifted out first, and the columns grown only if that is not enough)."""
-        n = len(self.keys)
+        n = len(self.ids)
         if n > self.t.shape[1]:
             self._resize(self.t.shape[0], max(n, 2 * self.t.shape[1], 16))
         if not len(self.p_row):
@@ -182,7 +188,7 @@ class MetricRows:
 
     def compact(self) -> bool:
         """Drop the rows left without samples when they are many (flushed first); True when rows were dropped."""
-        n = len(self.keys)
+        n = len(self.ids)
         if len(self.p_row) or n > len(self.cnt):
             return False
         alive = self.cnt[:n] > 0
@@ -190,31 +196,29 @@ class MetricRows:
         if empty <= max(16, n // 4):
             return False
         kept = np.flatnonzero(alive)
-        self.keys = [self.keys[i] for i in kept]
+        keys = list(self.index)
+        self.index = {keys[i]: r for r, i in enumerate(kept.tolist())}
         self.labels = [self.labels[i] for i in kept]
         self.ids = array("q", np.frombuffer(self.ids, dtype=np.int64)[kept].tobytes())
         self.last = array("d", np.frombuffer(self.last, dtype=np.float64)[kept].tobytes())
-        self.index = {k: r for r, k in enumerate(self.keys)}
-        rows = max(len(kept), 16)
-        t, v = np.full((self.t.shape[0], rows), np.nan), np.full((self.t.shape[0], rows), np.nan)
-        t[:, : len(kept)], v[:, : len(kept)] = self.t[:, kept], self.v[:, kept]
-        cnt = np.zeros(rows, dtype=np.int64)
-        cnt[: len(kept)] = self.cnt[kept]
-        self.t, self.v, self.cnt = t, v, cnt
+        self._into(self.t.shape[0], max(len(kept), 16), self.t[:, kept], self.v[:, kept], self.cnt[kept])
         self.epoch += 1
         return True
 
     def _resize(self, steps: int, rows: int) -> None:
-        t, v = np.full((steps, rows), np.nan), np.full((steps, rows), np.nan)
         s, r = min(steps, self.t.shape[0]), min(rows, self.t.shape[1])
-        t[:s, :r], v[:s, :r] = self.t[:s, :r], self.v[:s, :r]
-        cnt = np.zeros(rows, dtype=np.int64)
-        cnt[:r] = self.cnt[:r]
-        self.t, self.v, self.cnt = t, v, cnt
+        self._into(steps, rows, self.t[:s, :r], self.v[:s, :r], self.cnt[:r])
+
+    def _into(self, steps: int, rows: int, t: FloatArray, v: FloatArray, cnt: IntArray) -> None:
+        """New matrices of ``steps`` x ``rows`` (NaN) and counts, starting with ``t``, ``v`` and ``cnt``."""
+        self.t, self.v = np.full((steps, rows), np.nan), np.full((steps, rows), np.nan)
+        self.cnt = np.zeros(rows, dtype=np.int64)
+        s, r = t.shape
+        self.t[:s, :r], self.v[:s, :r], self.cnt[:r] = t, v, cnt
 
     def frozen(self) -> Frozen:
         """What a view reads of this metric (valid until the next flush)."""
-        n = len(self.keys)
+        n = len(self.ids)
         if self._ids is None or self._ids[0] != self.epoch:
             self._ids = (self.epoch, np.frombuffer(self.ids, dtype=np.int64).copy())
         m = int(self.cnt[:n].max()) if n else 0
@@ -242,9 +246,6 @@ class WindowView:
         self._positions = positions
         self._answers: dict[tuple[Query, float, float], Result] = {}
         self._bounds: dict[tuple[str, float, float], tuple[IntArray, IntArray]] = {}
-
-    def metric_names(self) -> set[str]:
-        return {name for name, f in self.metrics.items() if f.m}
 
     def query(self, query: Query, t: float, window: float) -> Result:
         key = (query, float(t), float(window))

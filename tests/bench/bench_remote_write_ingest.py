@@ -32,7 +32,7 @@ from test_detector_core import Fault, Synth, synth
 from gpufleet.detector.config import DetectorConfig, parse
 from gpufleet.detector.engine import Detector
 from gpufleet.detector.receiver.prometheus_config import sample_names
-from gpufleet.detector.receiver.proto import decode, encode
+from gpufleet.detector.receiver.proto import TimeSeries, decode, encode
 from gpufleet.detector.sources.remote_write import StreamStore
 
 BATCH = 2000
@@ -60,14 +60,19 @@ def fleet(gpus: int, tmp: Path) -> list[tuple[dict[str, str], float]]:
 
 def templates(series: list[tuple[dict[str, str], float]], ms: int) -> list[bytes]:
     """The fleet's requests of one scrape at ``ms``, serialized and not compressed (copies are made of them)."""
-    return [bytes(cramjam.snappy.decompress_raw(encode([(lb, [(ms, v)]) for lb, v in series[i:i + BATCH]])))
-            for i in range(0, len(series), BATCH)]
+    out = []
+    for i in range(0, len(series), BATCH):
+        raw = bytes(cramjam.snappy.decompress_raw(encode([(lb, [(ms, v)]) for lb, v in series[i:i + BATCH]])))
+        if raw.count(stamp(ms)) != len(series[i:i + BATCH]):  # a value's bytes that look like the timestamp
+            raise SystemExit("the requests' timestamps cannot be told from their other bytes")
+        out.append(raw)
+    return out
 
 
 def scrape(base: list[bytes], ms0: int, ms: int, copies: range, jobs: bytes = b"job-") -> Iterator[bytes]:
     """One scrape's compressed requests: copy ``c`` of the base fleet has its own nodes and jobs (``node-`` and
     ``job-`` renamed to as many bytes, so the protobuf lengths hold), every sample at ``ms``."""
-    old, new = b"\x10" + varint(ms0), b"\x10" + varint(ms)
+    old, new = stamp(ms0), stamp(ms)
     for c in copies:
         for raw in base:
             body = raw.replace(old, new)
@@ -78,13 +83,10 @@ def scrape(base: list[bytes], ms0: int, ms: int, copies: range, jobs: bytes = b"
             yield bytes(cramjam.snappy.compress_raw(body))
 
 
-def varint(x: int) -> bytes:
-    out = bytearray()
-    while x > 0x7F:
-        out.append((x & 0x7F) | 0x80)
-        x >>= 7
-    out.append(x)
-    return bytes(out)
+def stamp(ms: int) -> bytes:
+    """A sample's timestamp field as protobuf writes it (the same length for every scrape of the run)."""
+    got: bytes = TimeSeries().samples.add(timestamp=ms).SerializeToString()
+    return got
 
 
 def main() -> None:

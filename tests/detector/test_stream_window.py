@@ -111,7 +111,7 @@ def check(store: StreamStore, truth: dict[int, list[tuple[float, float]]], queri
           retention: float) -> None:
     view = store.snapshot(at)
     held = {}
-    for row, key in enumerate(store._rows[UTIL].keys):  # what the window holds, row by row
+    for key, row in store._rows[UTIL].index.items():  # what the window holds, row by row
         n = int(store._rows[UTIL].cnt[row])
         held[key] = (store._rows[UTIL].t[:n, row].copy(), store._rows[UTIL].v[:n, row].copy())
     for s, samples in truth.items():
