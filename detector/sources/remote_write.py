@@ -8,13 +8,13 @@ columnar view (:mod:`~gpufleet.detector.sources.stream_window`) brought up to da
 the series table is shared by every view, so a series keeps its id (and its resolved entity) for the life of the
 store.
 
-Samples are kept in time order per series. One older than its series' newest (vmagent sends on several queues
-at once, so a series' batches can arrive out of turn) is put in its place while the window still holds its
-time; one older than the window is *out of order* and rejected (counted; the rest of the request is kept),
-one at a time already held with the same value is a resend (a sender retries a batch after a timeout) and
-ignored, one at a time already held with another value is rejected as out of order too. Prometheus' staleness
-markers (a NaN of one bit pattern, written when a series vanishes) are not samples to a range function and are
-dropped, as PromQL does.
+Samples are kept in time order per series. One older than its series' newest (vmagent sends on several queues at
+once, so a series' batches can arrive out of turn) is put in its place while the window still holds its time; one
+older than the window (of any series: a new one's sender may have its clock behind) is *out of order* and rejected
+(counted; the rest of the request is kept), one at a time already held with the same value is a resend (a sender
+retries a batch after a timeout) and ignored, one at a time already held with another value is rejected as out of
+order too. Prometheus' staleness markers (a NaN of one bit pattern, written when a series vanishes) are not
+samples to a range function and are dropped, as PromQL does.
 
 :class:`StreamingSource` answers from the stream once it holds a whole window before the evaluation instant,
 and from the query API (``fallback``) before that: a detector that has just started warms up from the backend
@@ -150,6 +150,9 @@ class StreamStore:
                         late += 1
                     elif t > newest:
                         newest = t
+                    elif t < newest - retention:  # a new series' sample older than the window (its clock behind)
+                        rejected += 1
+                        continue
                     if pm is not None:
                         pm[(r, t)] = v
                     p_row.append(r)

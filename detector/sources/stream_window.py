@@ -7,11 +7,18 @@ scattered into their rows at once (rows that took a late sample are re-sorted), 
 picture of the window for the whole of one evaluation while samples keep arriving.
 
 Series ``r`` is column ``r`` of the matrices (time-major: one step of every series is a contiguous row), its
-samples from row 0 in time order, NaN past the last (``cnt[r]``), so one query is a few vectorized passes over the
-series it selects (:func:`~gpufleet.detector.sources.window_ops.window_rows`), with
-every series at its own times (targets scraped at their own offsets need no grouping). Samples older than the
+samples from row 0 in time order, past the last (``cnt[r]``) NaN values and the largest time, so one query is a
+few vectorized passes over the series it selects (:func:`~gpufleet.detector.sources.window_ops.window_rows`),
+with every series at its own times (targets scraped at their own offsets need no grouping). Samples older than the
 window are shifted out when the columns would otherwise grow (:meth:`MetricRows.trim`), and rows left empty
 (series gone) are dropped when they are many (:meth:`MetricRows.compact`).
+
+Times are held as they arrive, integer milliseconds, as 32-bit offsets from a per-metric base
+(:attr:`MetricRows.base`): half the memory of a float second, and every comparison of a window's bounds made in
+integers gives the float one's answer to the bit (:func:`~gpufleet.detector.sources.window_ops.window_bounds`).
+When a sample would not fit (24.8 days from the base) what is older than the window is shifted out and the base
+moves to the oldest time left; a flush whose times span more than that (a sender's clock years ahead) widens the
+metric's times to 64 bits.
 """
 
 from __future__ import annotations
@@ -26,10 +33,18 @@ import numpy as np
 from gpufleet.detector.sources.profiles import Query
 from gpufleet.detector.sources.recording import match_positions
 from gpufleet.detector.sources.source import LabelKey, Result, SeriesTable
-from gpufleet.detector.sources.window_ops import window_bounds, window_rows
+from gpufleet.detector.sources.window_ops import (
+    clamp_ms,
+    first_ms_at_or_after,
+    ms_seconds,
+    window_bounds,
+    window_rows,
+)
 
 FloatArray = np.ndarray
 IntArray = np.ndarray
+
+_NARROW, _WIDE = np.int32, np.int64
 
 
 class MetricRows:
@@ -44,7 +59,9 @@ class MetricRows:
         self.ids = array("q")
         #: Per row: the newest sample time held (flushed or pending; -inf before the first).
         self.last = array("d")
-        self.t: FloatArray = np.full((0, 0), np.nan)
+        #: The sample times of ``t`` are milliseconds after this one (ms since the epoch).
+        self.base = 0
+        self.t: IntArray = np.full((0, 0), np.iinfo(_NARROW).max, dtype=_NARROW)
         self.v: FloatArray = np.full((0, 0), np.nan)
         self.cnt: IntArray = np.zeros(0, dtype=np.int64)
         self.p_row = array("q")
@@ -76,12 +93,18 @@ class MetricRows:
         if got is not None:
             return got
         c = int(self.cnt[r]) if r < len(self.cnt) else 0
-        if c:
+        off = round(t * 1000.0) - self.base
+        info = np.iinfo(self.t.dtype)
+        if c and info.min <= off < info.max:
             times = self.t[:c, r]
-            i = int(np.searchsorted(times, t))
-            if i < c and times[i] == t:
+            i = int(np.searchsorted(times, off))
+            if i < c and times[i] == off:
                 return float(self.v[i, r])
         return None
+
+    def times(self, r: int) -> FloatArray:
+        """Row ``r``'s flushed sample times, in seconds."""
+        return ms_seconds(self.t[: int(self.cnt[r]), r], self.base)
 
     def pending(self) -> int:
         return len(self.p_row)
@@ -129,6 +152,9 @@ class MetricRows:
             start = np.flatnonzero(np.concatenate(([True], r[1:] != r[:-1])))
             length = np.diff(np.append(start, len(r)))
             rank = np.arange(len(r)) - np.repeat(start, length)
+        ms = np.rint(tt * 1000.0).astype(np.int64)  # the samples' own integer timestamps (t = ms / 1000)
+        if not self.cnt.any():  # nothing held: any base will do
+            self.base = int(ms.min())
         col = self.cnt[r] + rank
         if int(col.max()) >= self.t.shape[0]:
             self.trim(keep)
@@ -141,15 +167,40 @@ class MetricRows:
                 steps = max(need, min(math.ceil(1.5 * per_window) + 2, max(3 * need, 64)),
                             self.t.shape[0] * 3 // 2, 4)
                 self._resize(steps, self.t.shape[1])
-        self.t[col, r] = tt
+        off = ms - self.base
+        info = np.iinfo(self.t.dtype)
+        if int(off.min()) < info.min or int(off.max()) >= info.max:
+            self.trim(keep)  # what is older than the window goes first: the rest may fit from another base
+            col = self.cnt[r] + rank
+            self._refit(off)
+            off = ms - self.base
+        self.t[col, r] = off
         self.v[col, r] = vv
         self.cnt[r[start]] += length
         if self.late:
             lr = np.fromiter(self.late, dtype=np.int64, count=len(self.late))
             self.late.clear()
-            by_time = np.argsort(self.t[:, lr], axis=0, kind="stable")  # NaN (past the last sample) sorts last
+            by_time = np.argsort(self.t[:, lr], axis=0, kind="stable")  # past the last sample: sorts last
             self.t[:, lr] = np.take_along_axis(self.t[:, lr], by_time, axis=0)
             self.v[:, lr] = np.take_along_axis(self.v[:, lr], by_time, axis=0)
+
+    def _refit(self, off: IntArray) -> None:
+        """Make room for times ``off`` (ms after the base): the base moved to the oldest time held or coming when
+        what is held and what comes fit 32 bits from there, else the times widened to 64 bits."""
+        past = np.iinfo(self.t.dtype).max
+        real = self.t != past
+        lo, hi = int(off.min()), int(off.max())
+        if real.any():
+            held = self.t[real]
+            lo, hi = min(lo, int(held.min())), max(hi, int(held.max()))
+        if hi - lo < np.iinfo(_NARROW).max:
+            t = np.full(self.t.shape, np.iinfo(_NARROW).max, dtype=_NARROW)
+            t[real] = self.t[real].astype(np.int64) - lo
+        else:
+            t = np.full(self.t.shape, np.iinfo(_WIDE).max, dtype=_WIDE)
+            t[real] = self.t[real].astype(np.int64)
+            lo = 0
+        self.t, self.base = t, self.base + lo
 
     def _per_window(self, tt: FloatArray, length: IntArray, need: int) -> int:
         """About how many samples a series holds over the retention, at the rate they come: from the series
@@ -157,7 +208,7 @@ class MetricRows:
         most = int(self.cnt.max()) if len(self.cnt) else 0
         if most >= 2:
             r = int(self.cnt.argmax())
-            span = float(self.t[most - 1, r] - self.t[0, r])
+            span = (int(self.t[most - 1, r]) - int(self.t[0, r])) / 1000.0
         else:
             most, span = int(length.max()), float(tt.max() - tt.min())
         return math.ceil((most - 1) * self.retention / span) + 1 if most > 1 and span > 0 else need
@@ -167,23 +218,26 @@ class MetricRows:
         n = len(self.cnt)
         if not n or not self.t.shape[0]:
             return
-        drop = np.count_nonzero(self.t < keep, axis=0)
+        info = np.iinfo(self.t.dtype)
+        drop = np.count_nonzero(self.t < clamp_ms(first_ms_at_or_after(keep, self.base), self.t.dtype), axis=0)
         rows = np.flatnonzero(drop)
         if not len(rows):
             return
         d = drop[rows]
         cap = self.t.shape[0]
-        idx = np.arange(cap)[:, np.newaxis] + d[np.newaxis, :]
-        past = idx >= cap
-        np.minimum(idx, cap - 1, out=idx)
         every = len(rows) == n
-        for m in (self.t, self.v):
-            shifted = np.take_along_axis(m if every else m[:, rows], idx, axis=0)
-            shifted[past] = np.nan
-            if every:
-                m[...] = shifted
-            else:
-                m[:, rows] = shifted
+        # by how many samples a row shifts (all rows alike, or a few groups when the series come at a few
+        # rates): a slice moved per group, no index matrix the size of the window
+        shifts = np.unique(d)
+        for k in shifts.tolist():
+            sel: IntArray | slice = slice(None) if every and len(shifts) == 1 else rows[d == k]
+            for m, gone in ((self.t, info.max), (self.v, np.nan)):
+                if isinstance(sel, slice):
+                    m[: cap - k] = m[k:]
+                    m[cap - k:] = gone
+                else:
+                    m[: cap - k, sel] = m[k:, sel]
+                    m[cap - k:, sel] = gone
         self.cnt[rows] -= d
 
     def compact(self) -> bool:
@@ -210,8 +264,9 @@ class MetricRows:
         self._into(steps, rows, self.t[:s, :r], self.v[:s, :r], self.cnt[:r])
 
     def _into(self, steps: int, rows: int, t: FloatArray, v: FloatArray, cnt: IntArray) -> None:
-        """New matrices of ``steps`` x ``rows`` (NaN) and counts, starting with ``t``, ``v`` and ``cnt``."""
-        self.t, self.v = np.full((steps, rows), np.nan), np.full((steps, rows), np.nan)
+        """New matrices of ``steps`` x ``rows`` (no sample) and counts, starting with ``t``, ``v`` and ``cnt``."""
+        self.t = np.full((steps, rows), np.iinfo(self.t.dtype).max, dtype=self.t.dtype)
+        self.v = np.full((steps, rows), np.nan)
         self.cnt = np.zeros(rows, dtype=np.int64)
         s, r = t.shape
         self.t[:s, :r], self.v[:s, :r], self.cnt[:r] = t, v, cnt
@@ -222,17 +277,19 @@ class MetricRows:
         if self._ids is None or self._ids[0] != self.epoch:
             self._ids = (self.epoch, np.frombuffer(self.ids, dtype=np.int64).copy())
         m = int(self.cnt[:n].max()) if n else 0
-        return Frozen(self.t, self.v, n, m, self._ids[1], self.labels, self.epoch)
+        return Frozen(self.t, self.v, n, m, self._ids[1], self.labels, self.epoch, self.base)
 
 
 class Frozen:
-    """One metric as a view reads it: the first ``m`` steps of the first ``n`` series of the matrices."""
+    """One metric as a view reads it: the first ``m`` steps of the first ``n`` series of the matrices (times in
+    ms after ``base``)."""
 
-    __slots__ = ("epoch", "ids", "labels", "m", "n", "t", "v")
+    __slots__ = ("base", "epoch", "ids", "labels", "m", "n", "t", "v")
 
-    def __init__(self, t: FloatArray, v: FloatArray, n: int, m: int, ids: IntArray, labels: list[dict[str, str]],
-                 epoch: int) -> None:
+    def __init__(self, t: IntArray, v: FloatArray, n: int, m: int, ids: IntArray, labels: list[dict[str, str]],
+                 epoch: int, base: int) -> None:
         self.t, self.v, self.n, self.m, self.ids, self.labels, self.epoch = t, v, n, m, ids, labels, epoch
+        self.base = base
 
 
 class WindowView:
@@ -269,8 +326,8 @@ class WindowView:
         bkey = (query.metric, t, window)
         bounds = self._bounds.get(bkey)
         if bounds is None:
-            bounds = self._bounds[bkey] = window_bounds(ts, t, window)
-        vals = window_rows(query.op, ts, vs, t, window, bounds, pos)
+            bounds = self._bounds[bkey] = window_bounds(ts, t, window, f.base)
+        vals = window_rows(query.op, ts, vs, t, window, bounds, pos, f.base)
         if query.scale != 1.0:
             vals *= query.scale
         keep = ~np.isnan(vals)

@@ -8,6 +8,8 @@ samples in the window give no rate (NaN).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 FloatArray = np.ndarray
@@ -93,21 +95,65 @@ def _extrapolate(first: FloatArray, last: FloatArray, result: FloatArray, first_
     return out
 
 
-def window_bounds(ts: FloatArray, t: float, window: float) -> tuple[IntArray, IntArray]:
+def window_bounds(ts: FloatArray, t: float, window: float, base: int | None = None) -> tuple[IntArray, IntArray]:
     """Per column of the time-major ``ts`` (see :func:`window_rows`): the first step in ``[t - window, t]`` and
-    one past the last."""
-    return np.count_nonzero(ts < t - window, axis=0), np.count_nonzero(ts <= t, axis=0)
+    one past the last. ``base``: ``ts`` holds integer milliseconds after ``base`` (ms), the dtype's largest value
+    past the last sample (see :func:`ms_seconds`)."""
+    if base is None:
+        return np.count_nonzero(ts < t - window, axis=0), np.count_nonzero(ts <= t, axis=0)
+    start, end = clamp_ms(first_ms_at_or_after(t - window, base), ts.dtype), clamp_ms(first_ms_after(t, base), ts.dtype)
+    return np.count_nonzero(ts < start, axis=0), np.count_nonzero(ts < end, axis=0)
+
+
+def ms_seconds(ms: IntArray, base: int) -> FloatArray:
+    """Offsets of ``ms`` milliseconds after ``base`` as seconds, to the bit what ``timestamp / 1000.0`` gives for
+    the sample's own integer timestamp (exact below 2**53 ms)."""
+    out: FloatArray = (ms.astype(np.int64) + base) / 1000.0
+    return out
+
+
+def clamp_ms(offset: int, dtype: np.dtype) -> int:
+    """``offset`` within the range of ``dtype``: a threshold to compare times of that type with."""
+    info = np.iinfo(dtype)
+    return min(max(offset, int(info.min)), int(info.max))
+
+
+def first_ms_at_or_after(t: float, base: int) -> int:
+    """The smallest offset ``o`` (ms after ``base``) whose time ``(base + o) / 1000.0`` is ``>= t``: the times
+    of integer milliseconds are monotonic in them, so ``offset < this`` is ``time < t``, to the bit."""
+    if not math.isfinite(t):
+        return -(1 << 62) if t < 0 else 1 << 62
+    m = math.ceil(t * 1000.0)
+    while (m - 1) / 1000.0 >= t:
+        m -= 1
+    while m / 1000.0 < t:
+        m += 1
+    return m - base
+
+
+def first_ms_after(t: float, base: int) -> int:
+    """The smallest offset whose time is ``> t`` (``offset < this`` is ``time <= t``)."""
+    if not math.isfinite(t):
+        return -(1 << 62) if t < 0 else 1 << 62
+    m = math.floor(t * 1000.0) + 1
+    while (m - 1) / 1000.0 > t:
+        m -= 1
+    while m / 1000.0 <= t:
+        m += 1
+    return m - base
 
 
 def window_rows(op: str, ts: FloatArray, vs: FloatArray, t: float, window: float,
-                bounds: tuple[IntArray, IntArray] | None = None, pos: IntArray | None = None) -> FloatArray:
+                bounds: tuple[IntArray, IntArray] | None = None, pos: IntArray | None = None,
+                base: int | None = None) -> FloatArray:
     """:func:`window_op` at one time ``t`` for series each sampled at its own times, time-major: column ``r`` of
     ``ts`` holds series ``r``'s sample times in order and NaN past its last (``vs`` its values), so every step is
     a pass over contiguous rows. One result per column (per column of ``pos``, when given), equal to the bit to
-    :func:`window_ops` of that series. ``bounds``: :func:`window_bounds` of ``ts``, when already known."""
+    :func:`window_ops` of that series. ``bounds``: :func:`window_bounds` of ``ts``, when already known. ``base``: ``ts``
+    holds integer milliseconds after ``base`` (see :func:`window_bounds`)."""
     if op not in _OPS:
         raise ValueError(f"unknown operation {op!r}")
-    lo, hi = bounds if bounds is not None else window_bounds(ts, t, window)
+    lo, hi = bounds if bounds is not None else window_bounds(ts, t, window, base)
     if pos is not None:
         lo, hi = lo[pos], hi[pos]
     out = np.full(len(lo), np.nan)
@@ -153,7 +199,10 @@ def window_rows(op: str, ts: FloatArray, vs: FloatArray, t: float, window: float
     cdrops = np.cumsum(drops, axis=0)
     first, last = _at(v, lo), _at(v, hi - 1)
     result = last - first + (_prefix(cdrops, hi, 2) - _prefix(cdrops, lo + 1, 2))
-    out[cols] = _extrapolate(first, last, result, ts[lo, at], ts[hi - 1, at], n, t, window, op == "rate")
+    first_t, last_t = ts[lo, at], ts[hi - 1, at]
+    if base is not None:
+        first_t, last_t = ms_seconds(first_t, base), ms_seconds(last_t, base)
+    out[cols] = _extrapolate(first, last, result, first_t, last_t, n, t, window, op == "rate")
     return out
 
 

@@ -1,13 +1,14 @@
 """The detector's side of remote write: CPU per sample received (decode and store) and per evaluation from the
 stream, at a fleet size, in one process (no backend).
 
-Run: ``.venv/bin/python tests/bench/bench_remote_write_ingest.py [--gpus 2000 10000 100000 500000] [--scrapes 10]``.
+Run: ``.venv/bin/python tests/bench/bench_remote_write_ingest.py [--gpus 2000 10000 100000 500000] [--scrapes 10] [--steady 6]``.
 A synthetic fleet (the tests' generator: the gpufleet profile's families, 8-GPU nodes, 256-GPU jobs; past
 10,000 GPUs, copies of the 10,000-GPU fleet with their own node and job names) is cut into requests of 2,000
 series of one sample each, as Prometheus sends them (``max_samples_per_send``); ``--scrapes`` scrapes 15 s apart
 are decoded and added to a store holding the window (120 s + 4 intervals), then one detector evaluates the last
-instant from it (the first evaluation, which also resolves every series id), a second one after one more scrape,
-and a third after a scrape in which the fleet changed (one copy's nodes gone, or with one copy none; the first
+instant from it (the first evaluation, which also resolves every series id), then one after each of ``--steady``
+more scrapes (the window's trims and growth fall among them: the median, mean and largest reported, and the
+median's CPU per GPU against 10,000 GPUs'), and a last one after a scrape in which the fleet changed (one copy's nodes gone, or with one copy none; the first
 copy's jobs replaced by new ones). Only decoding and storing are timed (the requests are made as the run goes, so
 the bench holds one copy of the fleet). CPU seconds (``time.process_time``), peak RSS of the process.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -93,19 +95,31 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gpus", type=int, nargs="+", default=[2000, 10000])
     ap.add_argument("--scrapes", type=int, default=10)
+    ap.add_argument("--steady", type=int, default=6,
+                    help="scrapes after the first evaluation, each followed by an evaluation (the window's trims "
+                         "and growth fall among them: their median, mean and largest are reported)")
     args = ap.parse_args()
+    if args.steady < 1:
+        raise SystemExit("--steady must be at least 1")
     cfg = parse({"detector": {"interval_seconds": 15.0, "window_seconds": 120.0}})
-    print("| GPUs | series | samples | ingest CPU s | us per sample | first evaluation CPU s | next evaluation CPU s |"
-          " after the fleet changed CPU s | max RSS MB |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| GPUs | series | samples | ingest CPU s | us per sample | first evaluation CPU s |"
+          " steady evaluation CPU s, median | mean | max | after the fleet changed CPU s | x the median |"
+          " max RSS MB |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    per_gpu: dict[int, float] = {}
     for gpus in args.gpus:
         if gpus > COPY and gpus % COPY:
             raise SystemExit(f"--gpus past {COPY:,} must be a multiple of it (copies of the {COPY:,}-GPU fleet)")
-        print(run(cfg, gpus, args.scrapes), flush=True)
+        row, median = run(cfg, gpus, args.scrapes, args.steady)
+        per_gpu[gpus] = median / gpus
+        print(row, flush=True)
+    ref = min((g for g in per_gpu if g >= COPY), default=min(per_gpu))
+    print(f"\nsteady evaluation CPU per GPU (median) against {ref:,} GPUs: " + ", ".join(
+        f"{g:,}: {per_gpu[g] * 1e6:.2f} us ({per_gpu[g] / per_gpu[ref]:.2f}x)" for g in per_gpu))
 
 
-def run(cfg: DetectorConfig, gpus: int, scrapes: int) -> str:
-    """One fleet size's row of the table."""
+def run(cfg: DetectorConfig, gpus: int, scrapes: int, steady: int) -> tuple[str, float]:
+    """One fleet size's row of the table, and its median steady evaluation's CPU seconds."""
     with tempfile.TemporaryDirectory() as d:
         series = fleet(min(gpus, COPY), Path(d))
     copies = range(max(1, gpus // COPY))
@@ -128,20 +142,24 @@ def run(cfg: DetectorConfig, gpus: int, scrapes: int) -> str:
     c0 = time.process_time()
     det.evaluate(t0 + 15.0 * (scrapes - 1))
     first = time.process_time() - c0
-    send(scrapes, copies)
-    c0 = time.process_time()
-    det.evaluate(t0 + 15.0 * scrapes)
-    nxt = time.process_time() - c0
+    evals = []
+    for k in range(scrapes, scrapes + steady):
+        send(k, copies)
+        c0 = time.process_time()
+        det.evaluate(t0 + 15.0 * k)
+        evals.append(time.process_time() - c0)
+    median, mean = statistics.median(evals), statistics.fmean(evals)
     # the fleet changes: the last copy's nodes leave (with one copy, none do), and copy 0's jobs are replaced by
     # new ones on the same nodes
-    send(scrapes + 1, copies[:-1] if len(copies) > 1 else copies, jobs=b"jnew")
+    send(scrapes + steady, copies[:-1] if len(copies) > 1 else copies, jobs=b"jnew")
     c0 = time.process_time()
-    det.evaluate(t0 + 15.0 * (scrapes + 1))
+    det.evaluate(t0 + 15.0 * (scrapes + steady))
     changed = time.process_time() - c0
     n = len(series) * len(copies) * scrapes
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return (f"| {gpus:,} | {len(series) * len(copies):,} | {n:,} | {ingest:.2f} | {ingest / n * 1e6:.2f} | "
-            f"{first:.2f} | {nxt:.2f} | {changed:.2f} | {rss:.0f} |")
+            f"{first:.2f} | {median:.3f} | {mean:.3f} | {max(evals):.3f} | {changed:.3f} | {changed / median:.2f} | "
+            f"{rss:.0f} |"), median
 
 
 if __name__ == "__main__":

@@ -148,11 +148,12 @@ def test_bad_requests_get_4xx_and_a_counter(receiver: RemoteWriteReceiver, heade
 
 def test_out_of_order_is_400_and_keeps_the_rest(receiver: RemoteWriteReceiver) -> None:
     assert post(receiver, encode([(gpu(1, 0), [(600_000, 0.5)])])).status_code == 204
-    r = post(receiver, encode([(gpu(1, 0), [(1000, 0.1)]), (gpu(1, 1), [(1000, 0.2)])]))  # 1 s: before the window
-    assert r.status_code == 400 and "1 sample(s) out of order" in r.text and "1 kept" in r.text
+    # 1 s: before the window, of a series held and of a new one (a sender's clock behind); a new one in the window
+    r = post(receiver, encode([(gpu(1, 0), [(1000, 0.1)]), (gpu(1, 1), [(1000, 0.2)]), (gpu(1, 2), [(590_000, 0.3)])]))
+    assert r.status_code == 400 and "2 sample(s) out of order" in r.text and "1 kept" in r.text
     assert receiver.store.series_count == 2
     text = counters(receiver)
-    assert 'gpufleet_detector_remote_write_samples_total{result="out_of_order"} 1.0' in text
+    assert 'gpufleet_detector_remote_write_samples_total{result="out_of_order"} 2.0' in text
 
 
 def test_other_paths_methods_and_lengths(receiver: RemoteWriteReceiver) -> None:

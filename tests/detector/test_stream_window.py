@@ -113,7 +113,7 @@ def check(store: StreamStore, truth: dict[int, list[tuple[float, float]]], queri
     held = {}
     for key, row in store._rows[UTIL].index.items():  # what the window holds, row by row
         n = int(store._rows[UTIL].cnt[row])
-        held[key] = (store._rows[UTIL].t[:n, row].copy(), store._rows[UTIL].v[:n, row].copy())
+        held[key] = (store._rows[UTIL].times(row), store._rows[UTIL].v[:n, row].copy())
     for s, samples in truth.items():
         key = tuple(sorted((a, b) for a, b in labels(s).items() if a != "__name__"))
         arrived = [(t, v) for t, v in samples if t <= store.newest]
@@ -172,3 +172,76 @@ def test_maintenance_while_nothing_queries_leaves_the_last_view_as_it_was() -> N
     assert sorted(v for _, v in view.query(Query("n2", UTIL, "count"), 50.0, 50.0)) == want
     [(_, last)] = list(store.query(Query("last", UTIL, "last"), 390.0, 30.0))
     assert last == 390.0 and not math.isnan(last)
+
+
+def test_integer_bounds_are_the_float_bounds_to_the_bit() -> None:
+    """Times held as integer milliseconds after a base give the same window bounds as the float seconds they
+    stand for, for any instant and window (instants on a sample, a rounding away from one, far from both)."""
+    rng = np.random.default_rng(5)
+    for _ in range(400):
+        base = int(rng.integers(0, 2_000_000_000_000))
+        off = np.sort(rng.integers(-50_000, 400_000, size=(int(rng.integers(1, 30)), 3)), axis=0).astype(np.int32)
+        off[int(rng.integers(0, len(off))):, int(rng.integers(0, 3))] = np.iinfo(np.int32).max  # past the last
+        seconds = np.where(off == np.iinfo(np.int32).max, np.nan, (off.astype(np.int64) + base) / 1000.0)
+        window = float(rng.choice([0.001, 15.0, 60.0, 119.999, rng.uniform(0, 300)]))
+        on = float(seconds[int(rng.integers(0, len(off))), 0])
+        for at in (on, on + window, np.nextafter(on, np.inf), np.nextafter(on, -np.inf), on + window * 1e-9,
+                   base / 1000.0 + float(rng.uniform(-100, 500)), -math.inf, math.inf):
+            if math.isnan(at):
+                continue
+            want = window_bounds(seconds, at, window)
+            got = window_bounds(off, at, window, base)
+            np.testing.assert_array_equal(got[0], want[0], err_msg=f"{base} {at!r} {window!r}")
+            np.testing.assert_array_equal(got[1], want[1], err_msg=f"{base} {at!r} {window!r}")
+
+
+def recorded(series: dict[int, list[tuple[int, float]]], q: Query, at: float, window: float) -> dict[str, float]:
+    """The recording path's answer for ``series`` (integer ms timestamps), by GPU."""
+    out = {}
+    for s, samples in series.items():
+        ts = np.array([t / 1000.0 for t, _ in samples])
+        vs = np.array([[v for _, v in samples]])
+        got = window_ops(q.op, ts, vs, np.array([at]), window)[0, 0]
+        if not math.isnan(got):
+            out[str(s)] = float(got)
+    return out
+
+
+def streamed(store: StreamStore, q: Query, at: float, window: float) -> dict[str, float]:
+    return {lb["gpu"]: v for lb, v in store.query(q, at, window)}
+
+
+def test_a_stream_past_the_32_bit_range_moves_its_base_and_a_far_clock_widens_the_times() -> None:
+    """A detector that runs for weeks: once a sample would not fit 32 bits after the base (24.8 days) the base
+    moves to the oldest time held and the answers stay the recording's. A sender whose clock is years off
+    (its samples far from the rest) widens the metric's times to 64 bits rather than losing either."""
+    t0, step = 1_700_000_000_000, 10_000
+    store = StreamStore({UTIL}, 60.0)
+    sent: dict[int, list[tuple[int, float]]] = {0: [], 1: []}
+    jump = (1 << 31) - 500_000  # the second stretch starts 500 s before the first base's 32-bit range ends
+    times = [t0 + k * step for k in range(100)] + [t0 + jump + k * step for k in range(100)]
+    for i, t in enumerate(times):
+        for s in sent:
+            sent[s].append((t + 137 * s, float(i * (s + 1))))
+        store.ingest(request([(labels(s), [sent[s][-1]]) for s in sent]))
+        at = (t + 5_000) / 1000.0
+        for op in OPS:
+            q = Query(op, UTIL, op)
+            got, want = streamed(store, q, at, 45.0), recorded(sent, q, at, 45.0)
+            assert got.keys() == want.keys() and all(got[k] == want[k] for k in want), (op, i)
+    rows = store._rows[UTIL]
+    assert rows.t.dtype == np.int32 and rows.base > t0  # moved, not widened
+    behind = t0 - 3 * 365 * 86_400_000  # a new sender whose clock is three years behind: older than the window
+    ingested = store.ingest(request([(labels(3), [(behind, 1.0)])]))
+    assert ingested.out_of_order == 1 and ingested.accepted == 0
+    last = times[-1] + step
+    far = last + 3 * 365 * 86_400_000  # and one three years ahead, in the same request as the others' samples
+    sent[2] = [(far, 1.0), (far + step, 2.0)]
+    store.ingest(request([(labels(s), [(last, 7.0)]) for s in (0, 1)] + [(labels(2), sent[2])]))
+    for s in (0, 1):
+        sent[s].append((last, 7.0))
+    assert store._rows[UTIL].t.dtype == np.int64  # both held until the window moves on: 64-bit times
+    at = (far + step) / 1000.0
+    for op in OPS:  # the window is the far clock's now (what the stream says is the newest); answered as recorded
+        q = Query(op, UTIL, op)
+        assert streamed(store, q, at, 45.0) == recorded(sent, q, at, 45.0) != {}
