@@ -35,6 +35,7 @@ from gpufleet.detector.sources.recording import match_positions
 from gpufleet.detector.sources.source import LabelKey, Result, SeriesTable
 from gpufleet.detector.sources.window_ops import (
     clamp_ms,
+    count_below,
     first_ms_at_or_after,
     ms_seconds,
     window_bounds,
@@ -219,7 +220,7 @@ class MetricRows:
         if not n or not self.t.shape[0]:
             return
         info = np.iinfo(self.t.dtype)
-        drop = np.count_nonzero(self.t < clamp_ms(first_ms_at_or_after(keep, self.base), self.t.dtype), axis=0)
+        drop = count_below(self.t, clamp_ms(first_ms_at_or_after(keep, self.base), self.t.dtype))
         rows = np.flatnonzero(drop)
         if not len(rows):
             return

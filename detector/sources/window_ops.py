@@ -9,6 +9,7 @@ samples in the window give no rate (NaN).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -102,7 +103,32 @@ def window_bounds(ts: FloatArray, t: float, window: float, base: int | None = No
     if base is None:
         return np.count_nonzero(ts < t - window, axis=0), np.count_nonzero(ts <= t, axis=0)
     start, end = clamp_ms(first_ms_at_or_after(t - window, base), ts.dtype), clamp_ms(first_ms_after(t, base), ts.dtype)
-    return np.count_nonzero(ts < start, axis=0), np.count_nonzero(ts < end, axis=0)
+    return count_below(ts, start), count_below(ts, end)
+
+
+def count_below(ts: IntArray, x: int) -> IntArray:
+    """Per column of the time-major integer ``ts`` (each column in order): how many of its times are ``< x``.
+    Every row's smallest and largest time grow from one row to the next, so the rows in which every column is
+    below ``x``, and those in which none is, are found by bisection: only the band between is compared."""
+    m, n = ts.shape
+    if not m or not n:
+        return np.zeros(n, dtype=np.int64)
+    below = _first_row(ts, lambda row: int(row.max()) >= x)  # rows before it: every column < x
+    none = _first_row(ts, lambda row: int(row.min()) >= x)  # from it on: no column < x
+    out: IntArray = np.count_nonzero(ts[below:none] < x, axis=0) if none > below else np.zeros(n, dtype=np.int64)
+    return out + below
+
+
+def _first_row(ts: IntArray, true: Callable[[IntArray], bool]) -> int:
+    """The first row of ``ts`` for which ``true`` holds (it holds for every row after it), or the row count."""
+    lo, hi = 0, ts.shape[0]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if true(ts[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def ms_seconds(ms: IntArray, base: int) -> FloatArray:

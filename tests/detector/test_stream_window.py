@@ -13,7 +13,7 @@ from gpufleet.detector.sources import remote_write
 from gpufleet.detector.sources.profiles import Op, Query
 from gpufleet.detector.sources.recording import RecordingSource, Series
 from gpufleet.detector.sources.remote_write import StreamStore
-from gpufleet.detector.sources.window_ops import window_bounds, window_ops, window_rows
+from gpufleet.detector.sources.window_ops import count_below, window_bounds, window_ops, window_rows
 
 OPS: tuple[Op, ...] = ("count", "avg", "last", "max", "min", "rate", "increase")
 UTIL = "gpufleet_gpu_utilization_ratio"
@@ -193,6 +193,8 @@ def test_integer_bounds_are_the_float_bounds_to_the_bit() -> None:
             got = window_bounds(off, at, window, base)
             np.testing.assert_array_equal(got[0], want[0], err_msg=f"{base} {at!r} {window!r}")
             np.testing.assert_array_equal(got[1], want[1], err_msg=f"{base} {at!r} {window!r}")
+        for x in (int(rng.integers(-60_000, 410_000)), int(off.min()), int(off.max()), np.iinfo(np.int32).max):
+            np.testing.assert_array_equal(count_below(off, x), np.count_nonzero(off < x, axis=0))
 
 
 def recorded(series: dict[int, list[tuple[int, float]]], q: Query, at: float, window: float) -> dict[str, float]:
