@@ -18,7 +18,7 @@ Times are held as they arrive, integer milliseconds, as 32-bit offsets from a pe
 integers gives the float one's answer to the bit (:func:`~gpufleet.detector.sources.window_ops.window_bounds`).
 When a sample would not fit (24.8 days from the base) what is older than the window is shifted out and the base
 moves to the oldest time left; a flush whose times span more than that (a sender's clock years ahead) widens the
-metric's times to 64 bits.
+metric's times to 64 bits, narrowed again at the next trim once what is held fits.
 """
 
 from __future__ import annotations
@@ -129,6 +129,8 @@ class MetricRows:
         if trim:
             self.trim(keep)
             self.compact()
+            if self.t.dtype != _NARROW:  # widened for a clock far off: narrowed once what is held fits again
+                self._refit(np.zeros(0, dtype=np.int64))
 
     def flush(self, keep: float) -> None:
         """Scatter the pending samples into the matrices (rows grown as needed; when the columns are full, the
@@ -187,13 +189,15 @@ class MetricRows:
 
     def _refit(self, off: IntArray) -> None:
         """Make room for times ``off`` (ms after the base): the base moved to the oldest time held or coming when
-        what is held and what comes fit 32 bits from there, else the times widened to 64 bits."""
+        what is held and what comes fit 32 bits from there (narrowed again if they were 64), else the times
+        widened to 64 bits."""
         past = np.iinfo(self.t.dtype).max
         real = self.t != past
-        lo, hi = int(off.min()), int(off.max())
+        spans = [(int(off.min()), int(off.max()))] if len(off) else []
         if real.any():
             held = self.t[real]
-            lo, hi = min(lo, int(held.min())), max(hi, int(held.max()))
+            spans.append((int(held.min()), int(held.max())))
+        lo, hi = min((a for a, _ in spans), default=0), max((b for _, b in spans), default=0)
         if hi - lo < np.iinfo(_NARROW).max:
             t = np.full(self.t.shape, np.iinfo(_NARROW).max, dtype=_NARROW)
             t[real] = self.t[real].astype(np.int64) - lo

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gpufleet.detector.receiver.proto import decode, encode
-from gpufleet.detector.sources import remote_write
+from gpufleet.detector.sources import remote_write, stream_window
 from gpufleet.detector.sources.profiles import Op, Query
 from gpufleet.detector.sources.recording import RecordingSource, Series
 from gpufleet.detector.sources.remote_write import StreamStore
@@ -213,11 +213,21 @@ def streamed(store: StreamStore, q: Query, at: float, window: float) -> dict[str
     return {lb["gpu"]: v for lb, v in store.query(q, at, window)}
 
 
-def test_a_stream_past_the_32_bit_range_moves_its_base_and_a_far_clock_widens_the_times() -> None:
+def test_a_stream_past_the_32_bit_range_moves_its_base_and_a_far_clock_widens_the_times(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A detector that runs for weeks: once a sample would not fit 32 bits after the base (24.8 days) the base
     moves to the oldest time held and the answers stay the recording's. A sender whose clock is years off
-    (its samples far from the rest) widens the metric's times to 64 bits rather than losing either."""
+    (its samples far from the rest) widens the metric's times to 64 bits rather than losing either, narrowed
+    again once the window holds only times that fit."""
     t0, step = 1_700_000_000_000, 10_000
+    refits: list[str] = []  # the times' type after each move of the base
+    refit = stream_window.MetricRows._refit
+
+    def recorded_refit(self: stream_window.MetricRows, off: np.ndarray) -> None:
+        refit(self, off)
+        refits.append(str(self.t.dtype))
+
+    monkeypatch.setattr(stream_window.MetricRows, "_refit", recorded_refit)
     store = StreamStore({UTIL}, 60.0)
     sent: dict[int, list[tuple[int, float]]] = {0: [], 1: []}
     jump = (1 << 31) - 500_000  # the second stretch starts 500 s before the first base's 32-bit range ends
@@ -242,8 +252,20 @@ def test_a_stream_past_the_32_bit_range_moves_its_base_and_a_far_clock_widens_th
     store.ingest(request([(labels(s), [(last, 7.0)]) for s in (0, 1)] + [(labels(2), sent[2])]))
     for s in (0, 1):
         sent[s].append((last, 7.0))
-    assert store._rows[UTIL].t.dtype == np.int64  # both held until the window moves on: 64-bit times
+    # both were flushed together (64-bit times for that flush), then the window moved to the far clock's now:
+    # what it holds fits 32 bits again
+    assert store._rows[UTIL].t.dtype == np.int32
     at = (far + step) / 1000.0
     for op in OPS:  # the window is the far clock's now (what the stream says is the newest); answered as recorded
         q = Query(op, UTIL, op)
         assert streamed(store, q, at, 45.0) == recorded(sent, q, at, 45.0) != {}
+    for k in range(2, 40):  # the far clock's samples go on; the others' have left the window
+        sent[2].append((far + k * step, float(k)))
+        store.ingest(request([(labels(2), [sent[2][-1]])]))
+        at = (far + k * step) / 1000.0
+        assert streamed(store, Query("last", UTIL, "last"), at, 45.0) == {"2": float(k)}
+    assert store._rows[UTIL].t.dtype == np.int32  # narrowed again once what is held fits 32 bits
+    assert refits == ["int32", "int64", "int32"]  # moved, widened for the one flush, narrowed
+    for op in OPS:
+        q = Query(op, UTIL, op)
+        assert streamed(store, q, at, 45.0) == recorded({2: sent[2]}, q, at, 45.0) != {}
