@@ -29,7 +29,7 @@ from gpufleet.sim.faults import SEVERITY_WORDS
 from gpufleet.sim.quality import Outcome, Run, _config, score_run
 
 SCENARIOS = ("slow_host", "network_congestion", "roce_pause_storm", "pcie_downgrade")
-NEW_FEATURES = frozenset({"host_cpu_pressure", "host_steal", "host_cpus", "node_pause", "node_discards",
+NEW_FEATURES = frozenset({"host_cpu_pressure", "host_cpu_pressure_now", "host_steal", "host_cpus", "node_pause", "node_discards",
                           "node_pause_storm", "node_aer_cor", "coll_frac", "@netdev", "nic_pause", "nic_discards",
                           "nic_pause_storm"})
 PROFILE = "gpufleet"

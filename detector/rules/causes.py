@@ -7,7 +7,10 @@ a whole fleet under CPU pressure or a fabric pausing everywhere does not single 
 
 - host: CPU pressure (PSI cpu ``some``: the fraction of time runnable tasks waited for a CPU) or
   CPU steal (per CPU) on the straggler's node, at least :attr:`~CauseParams.pressure_min` /
-  :attr:`~CauseParams.steal_min` and :attr:`~CauseParams.ratio` times its peers' median.
+  :attr:`~CauseParams.steal_min` and :attr:`~CauseParams.ratio` times its peers' median. The pressure is read
+  over the window and over the latest scrape interval alone (``irate``), each against the peers' same reading:
+  pressure that began inside the window is evidence from its first increment, as the GPU's latest reading
+  (``util_last``) is of the dip it causes.
 - network: the fraction of time the node's NICs were paused by PFC (the most paused port), at
   least :attr:`~CauseParams.pause_min` and ``ratio`` x the peers', or buffer/congestion discards or
   pause-storm events on a node whose peers have none.
@@ -45,8 +48,8 @@ from gpufleet.detector.frame.features import GpuFrame, NicFrame
 
 FloatArray = np.ndarray
 #: Node features this module reads (queries in profiles.py).
-NODE_FEATURES = ("host_cpu_pressure", "host_steal", "host_cpus", "node_pause", "node_discards", "node_pause_storm",
-                 "node_aer_cor")
+NODE_FEATURES = ("host_cpu_pressure", "host_cpu_pressure_now", "host_steal", "host_cpus", "node_pause",
+                 "node_discards", "node_pause_storm", "node_aer_cor")
 
 
 @dataclass
@@ -159,7 +162,7 @@ def node_causes(node: Mapping[str, Mapping[str, float]], frame: GpuFrame, p: Cau
     with np.errstate(invalid="ignore", divide="ignore"):
         steal = np.where(np.isfinite(cpus) & (cpus > 0), steal_s / cpus, np.nan)
     feats = {f: col(f) for f in ("node_pause", "node_discards", "node_pause_storm", "node_aer_cor",
-                                 "host_cpu_pressure")}
+                                 "host_cpu_pressure", "host_cpu_pressure_now")}
     feats["steal"] = steal
 
     def stands_out(f: str, minimum: float) -> np.ndarray:
@@ -185,6 +188,8 @@ def node_causes(node: Mapping[str, Mapping[str, float]], frame: GpuFrame, p: Cau
         (none_at_peers("node_pause_storm"), "network", "pause_storm_events", "node_pause_storm"),
         (stands_out("node_aer_cor", p.aer_rate), "pcie", "aer_correctable_per_s", "node_aer_cor"),
         (stands_out("host_cpu_pressure", p.pressure_min), "host", "cpu_pressure", "host_cpu_pressure"),
+        # pressure that began inside the window: its latest scrape interval against its peers' latest
+        (stands_out("host_cpu_pressure_now", p.pressure_min), "host", "cpu_pressure_now", "host_cpu_pressure_now"),
         (stands_out("steal", p.steal_min), "host", "cpu_steal", "steal"),
     ]
     out: dict[str, tuple[str, dict[str, float]]] = {}

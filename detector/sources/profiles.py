@@ -21,7 +21,7 @@ from typing import Literal
 from gpufleet.vocab import catalog, exporters
 from gpufleet.vocab.nvml import reason_bits
 
-Op = Literal["avg", "max", "min", "last", "count", "rate", "increase"]
+Op = Literal["avg", "max", "min", "last", "count", "rate", "increase", "irate"]
 #: ``meta``: a query collect() does not resolve to an entity; its raw result is kept on FeatureFrame.meta.
 #: ``nicif``: a NIC feature keyed by network interface, mapped onto the NIC by the ``netdev`` query's info series.
 Entity = Literal["gpu", "nic", "node", "site", "nicmap", "meta", "nicif", "netdev"]
@@ -37,6 +37,7 @@ PROMQL_FUNC: dict[str, str] = {
     "count": "count_over_time",
     "rate": "rate",
     "increase": "increase",
+    "irate": "irate",
 }
 
 
@@ -169,6 +170,10 @@ GPUFLEET: tuple[Query, ...] = (
     # Fabric and host evidence of a straggler's cause (detector/rules/causes.py).
     _q("host_cpu_pressure", "gpufleet_host_pressure_stalled_seconds_total", "rate", "node",
        (("resource", "=", "cpu"), ("kind", "=", "some"))),
+    # ... and in the latest scrape interval alone: pressure that began inside the window shows from its first
+    # increment, not once it has filled a fraction of the window (its GPUs' latest reading is util_last).
+    _q("host_cpu_pressure_now", "gpufleet_host_pressure_stalled_seconds_total", "irate", "node",
+       (("resource", "=", "cpu"), ("kind", "=", "some"))),
     _q("host_steal", "gpufleet_host_cpu_steal_seconds_total", "rate", "node"),
     _q("host_cpus", "gpufleet_host_cpus", "last", "node"),
     _q("node_pause", "gpufleet_nic_pause_duration_seconds_total", "rate", "node"),
@@ -237,6 +242,7 @@ DCGM: tuple[Query, ...] = (
     _x("node_power", "ipmi_dcmi_power_consumption_watts", "avg", "node"),
     # node_exporter's pressure collector (PSI cpu "some"): a straggler's host evidence (detector/rules/causes.py).
     _x("host_cpu_pressure", "node_pressure_cpu_waiting_seconds_total", "rate", "node", optional=True),
+    _x("host_cpu_pressure_now", "node_pressure_cpu_waiting_seconds_total", "irate", "node", optional=True),
 )
 
 #: Kubernetes (both profiles): kube-state-metrics' pod owners and labels and the batch Jobs' owners, passed

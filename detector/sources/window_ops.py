@@ -2,8 +2,10 @@
 
 Semantics match Prometheus 2.x range selectors: a window of ``w`` seconds at time ``t`` holds the samples
 with ``t - w <= ts <= t``. ``avg``/``max``/``min``/``last``/``count`` are the ``*_over_time`` functions;
-``rate``/``increase`` use Prometheus' extrapolation and counter-reset handling; series with fewer than two
-samples in the window give no rate (NaN).
+``rate``/``increase`` use Prometheus' extrapolation and counter-reset handling; ``irate`` is the per-second
+rate between the window's last two samples (what the counter did in the latest scrape interval; a drop between
+them is a reset: the last value is the increase); series with fewer than two samples in the window give no rate
+(NaN).
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ def window_ops(op: str, ts: FloatArray, vs: FloatArray, t: FloatArray, window: f
             out[:, has] = ufunc.reduceat(padded, idx, axis=1)[:, 0::2]
     elif op in ("rate", "increase"):
         out = _extrapolated(ts, vs, t, window, lo, hi, op == "rate")
+    elif op == "irate":
+        ok = n >= 2
+        if ok.any():
+            b = hi[ok] - 1
+            out[:, ok] = _instant_rate(vs[:, b - 1], vs[:, b], ts[b - 1], ts[b])
     else:
         raise ValueError(f"unknown operation {op!r}")
     return out
@@ -93,6 +100,15 @@ def _extrapolate(first: FloatArray, last: FloatArray, result: FloatArray, first_
     if is_rate:
         value = value / window
     out: FloatArray = value
+    return out
+
+
+def _instant_rate(prev: FloatArray, last: FloatArray, prev_t: FloatArray, last_t: FloatArray) -> FloatArray:
+    """Prometheus' instantValue (``irate``), elementwise: the increase between two samples (the last value where
+    the counter dropped: a reset) per second between them; NaN where they are at one instant."""
+    dt = last_t - prev_t
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out: FloatArray = np.where(dt > 0, np.where(last < prev, last, last - prev) / dt, np.nan)
     return out
 
 
@@ -190,7 +206,7 @@ def window_rows(op: str, ts: FloatArray, vs: FloatArray, t: float, window: float
         has = n > 0
         out[has] = n[has]
         return out
-    ok = n >= 2 if op in ("rate", "increase") else n > 0
+    ok = n >= 2 if op in ("rate", "increase", "irate") else n > 0
     cols: IntArray | slice = slice(None)
     src: IntArray | slice = slice(None) if pos is None else pos  # the columns of ts and vs read
     if not ok.all():  # only the series with an answer
@@ -202,6 +218,12 @@ def window_rows(op: str, ts: FloatArray, vs: FloatArray, t: float, window: float
     at = np.arange(vs.shape[1]) if isinstance(src, slice) else src
     if op == "last":
         out[cols] = vs[hi - 1, at]
+        return out
+    if op == "irate":
+        prev_t, last_t = ts[hi - 2, at], ts[hi - 1, at]
+        if base is not None:
+            prev_t, last_t = ms_seconds(prev_t, base), ms_seconds(last_t, base)
+        out[cols] = _instant_rate(vs[hi - 2, at], vs[hi - 1, at], prev_t, last_t)
         return out
     top = int(hi.max())  # no step past the last one in a window is read
     if op in ("max", "min"):
@@ -232,7 +254,7 @@ def window_rows(op: str, ts: FloatArray, vs: FloatArray, t: float, window: float
     return out
 
 
-_OPS = frozenset({"count", "avg", "last", "max", "min", "rate", "increase"})
+_OPS = frozenset({"count", "avg", "last", "max", "min", "rate", "increase", "irate"})
 
 
 def _prefix(cs: FloatArray, steps: FloatArray, zeros: int) -> FloatArray:

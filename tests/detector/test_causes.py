@@ -44,6 +44,21 @@ def test_cpu_pressure_on_the_node_and_not_its_peers_is_host() -> None:
     assert node_causes(nodes(host_cpu_pressure=[0.001, 0.002, 0.06, 0.001]), frame(), CauseParams()) == {}
 
 
+def test_pressure_that_began_inside_the_window_counts_from_its_latest_interval() -> None:
+    # 40 % stalled since the latest scrape: a 120 s window's rate is 0.05 (below the minimum), its irate 0.4
+    window, now = [0.01, 0.02, 0.05, 0.015], [0.01, 0.02, 0.4, 0.015]
+    assert node_causes(nodes(host_cpu_pressure=window), frame(), CauseParams()) == {}
+    got = node_causes(nodes(host_cpu_pressure=window, host_cpu_pressure_now=now), frame(), CauseParams())
+    assert got == {"n2": ("host", {"cpu_pressure_now": 0.4})}
+    # a latest interval alike on every node of the job (a job-wide burst) singles out no host
+    alike = [0.38, 0.41, 0.4, 0.39]
+    assert node_causes(nodes(host_cpu_pressure=window, host_cpu_pressure_now=alike), frame(), CauseParams()) == {}
+    # the window's own reading, where it stands out, is the evidence named
+    got = node_causes(nodes(host_cpu_pressure=[0.01, 0.02, 0.3, 0.015], host_cpu_pressure_now=now), frame(),
+                      CauseParams())
+    assert got == {"n2": ("host", {"cpu_pressure": 0.3})}
+
+
 def test_steal_is_per_cpu() -> None:
     got = node_causes(nodes(host_steal=[0.2, 0.3, 19.2, 0.1], host_cpus=[192.0] * 4), frame(), CauseParams())
     assert list(got) == ["n2"] and got["n2"][0] == "host"

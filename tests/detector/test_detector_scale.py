@@ -7,6 +7,7 @@ VictoriaMetrics (``/api/v1/import/prometheus``), both on free 127.0.0.1 ports an
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Iterator
@@ -128,8 +129,9 @@ def test_victoriametrics_gives_the_same_features_and_findings(prometheus: str, v
     window = fast_cfg().window_seconds
     compared = {"exact": 0, "rate": 0}
     # T0 + 427.5: every counter steady over the window (the faults start at +540 s); the others span the onset
+    counters = [dataclasses.replace(q, op="irate") for q in queries("gpufleet") if q.op in ("rate", "increase")]
     for t in (T0 + 427.5, *TIMES[::3]):
-        for q in queries("gpufleet"):
+        for q in [*queries("gpufleet"), *counters]:
             want = {tuple(sorted(lab.items())): v for lab, v in prom.query(q, t, window)}
             got = {tuple(sorted(lab.items())): v for lab, v in vm.query(q, t, window)}
             assert set(want) == set(got), q.promql(window)

@@ -15,7 +15,7 @@ from gpufleet.detector.sources.recording import RecordingSource, Series
 from gpufleet.detector.sources.remote_write import StreamStore
 from gpufleet.detector.sources.window_ops import count_below, window_bounds, window_ops, window_rows
 
-OPS: tuple[Op, ...] = ("count", "avg", "last", "max", "min", "rate", "increase")
+OPS: tuple[Op, ...] = ("count", "avg", "last", "max", "min", "rate", "increase", "irate")
 UTIL = "gpufleet_gpu_utilization_ratio"
 
 
@@ -53,6 +53,17 @@ def test_window_rows_is_window_ops_bit_for_bit() -> None:
                 t_mat, at, window), pos), got[pos], err_msg=op)
     with pytest.raises(ValueError, match="unknown operation"):
         window_rows("median", t_mat, v_mat, 1.0, 1.0)
+
+
+def test_irate_is_the_latest_interval_of_the_counter() -> None:
+    """PromQL's irate: the window's last two samples, per second between them; a drop between them is a reset (the
+    last value is the increase); fewer than two samples in the window: no rate."""
+    ts = np.array([0.0, 15.0, 30.0, 45.0])
+    vs = np.array([[0.0, 10.0, 40.0, 4.0]])
+    got = window_ops("irate", ts, vs, np.array([30.0, 44.0, 45.0, 90.0, 100.0]), 60.0)[0]
+    np.testing.assert_array_equal(got, [30.0 / 15.0, 30.0 / 15.0, 4.0 / 15.0, 4.0 / 15.0, np.nan])
+    # the window's rate spreads the same latest interval over all of it
+    assert window_ops("rate", ts[:3], vs[:, :3], np.array([30.0]), 60.0)[0, 0] < got[0]
 
 
 def request(samples: list[tuple[dict[str, str], list[tuple[int, float]]]]) -> object:

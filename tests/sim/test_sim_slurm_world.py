@@ -348,3 +348,34 @@ def test_the_harness_refuses_a_dcgm_collect_interval_out_of_range(bad: str, caps
         quality_slurm.main(["--dcgm-collect", bad, "--out", "/nonexistent/never-written"])
     assert e.value.code == 2 and "--dcgm-collect" in capsys.readouterr().err
     assert slurm_world.DCGM_COLLECT_S == 30.0  # nothing changed for the runs that follow
+
+
+@pytest.mark.slow
+def test_a_starved_host_opens_within_two_scrapes_from_its_latest_pressure(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stray process of seed 3 (no checkpoint at its onset) at 15 s scrapes, in both profiles: with the pressure
+    of the latest scrape interval (``host_cpu_pressure_now``) its host straggler opens within two scrapes; read over
+    the window alone (the control), the pressure needs several scrapes to fill enough of it."""
+    from gpufleet.detector import engine
+    from gpufleet.detector.service.replay import replay
+    from gpufleet.sim.scenario import parse_time
+
+    res = slurm_world.record(tmp_path, seed=3, step=STEP, start=parse_time(quality.START),
+                             profiles=("gpufleet", "dcgm"), scrape="prometheus")
+    labels = json.loads(res.labels.read_text())
+    [fault] = [f for f in labels["faults"] if f["type"] == "slow_host"]
+
+    def latency(profile: str) -> float:
+        _, found = replay([str(res.files[profile])], quality_slurm.config(profile, STEP), STEP)
+        opened = [f.opened for f in found if f.kind == "straggler" and f.cause == "host" and f.node == fault["node"]
+                  and fault["onset"] <= f.opened <= fault["end"]]
+        assert opened, profile
+        return float((min(opened) - fault["begins"]) / STEP)
+
+    with_now = {p: latency(p) for p in ("gpufleet", "dcgm")}
+    original = getattr(engine, "queries")  # noqa: B009 (the engine's own name, as quality_fabric swaps it)
+    monkeypatch.setattr(engine, "queries",
+                        lambda profile: tuple(q for q in original(profile) if q.feature != "host_cpu_pressure_now"))
+    window_only = {p: latency(p) for p in ("gpufleet", "dcgm")}
+    for p in ("gpufleet", "dcgm"):
+        assert with_now[p] <= 2.0 < window_only[p], (p, with_now, window_only)
