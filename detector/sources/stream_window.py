@@ -33,14 +33,7 @@ import numpy as np
 from gpufleet.detector.sources.profiles import Query
 from gpufleet.detector.sources.recording import match_positions
 from gpufleet.detector.sources.source import LabelKey, Result, SeriesTable
-from gpufleet.detector.sources.window_ops import (
-    clamp_ms,
-    count_below,
-    first_ms_at_or_after,
-    ms_seconds,
-    window_bounds,
-    window_rows,
-)
+from gpufleet.detector.sources.window_ops import count_before, ms_seconds, window_bounds, window_rows
 
 FloatArray = np.ndarray
 IntArray = np.ndarray
@@ -224,7 +217,7 @@ class MetricRows:
         if not n or not self.t.shape[0]:
             return
         info = np.iinfo(self.t.dtype)
-        drop = count_below(self.t, clamp_ms(first_ms_at_or_after(keep, self.base), self.t.dtype))
+        drop = count_before(self.t, keep, self.base)
         rows = np.flatnonzero(drop)
         if not len(rows):
             return

@@ -118,8 +118,13 @@ def window_bounds(ts: FloatArray, t: float, window: float, base: int | None = No
     past the last sample (see :func:`ms_seconds`)."""
     if base is None:
         return np.count_nonzero(ts < t - window, axis=0), np.count_nonzero(ts <= t, axis=0)
-    start, end = clamp_ms(first_ms_at_or_after(t - window, base), ts.dtype), clamp_ms(first_ms_after(t, base), ts.dtype)
-    return count_below(ts, start), count_below(ts, end)
+    return count_before(ts, t - window, base), count_below(ts, clamp_ms(first_ms_after(t, base), ts.dtype))
+
+
+def count_before(ts: IntArray, t: float, base: int) -> IntArray:
+    """Per column of the time-major ``ts`` (integer ms after ``base``): how many of its times are before ``t``
+    (seconds), to the bit of the float comparison: where a window starts, and what a trim to ``t`` drops."""
+    return count_below(ts, clamp_ms(first_ms_at_or_after(t, base), ts.dtype))
 
 
 def count_below(ts: IntArray, x: int) -> IntArray:
@@ -163,24 +168,23 @@ def clamp_ms(offset: int, dtype: np.dtype) -> int:
 def first_ms_at_or_after(t: float, base: int) -> int:
     """The smallest offset ``o`` (ms after ``base``) whose time ``(base + o) / 1000.0`` is ``>= t``: the times
     of integer milliseconds are monotonic in them, so ``offset < this`` is ``time < t``, to the bit."""
-    if not math.isfinite(t):
-        return -(1 << 62) if t < 0 else 1 << 62
-    m = math.ceil(t * 1000.0)
-    while (m - 1) / 1000.0 >= t:
-        m -= 1
-    while m / 1000.0 < t:
-        m += 1
-    return m - base
+    return _first_ms(t, base, t.__le__)
 
 
 def first_ms_after(t: float, base: int) -> int:
     """The smallest offset whose time is ``> t`` (``offset < this`` is ``time <= t``)."""
+    return _first_ms(t, base, t.__lt__)
+
+
+def _first_ms(t: float, base: int, reached: Callable[[float], bool]) -> int:
+    """The smallest offset (ms after ``base``) whose time in seconds is ``reached`` (true from some time on):
+    the nearest millisecond to ``t``, moved by the float comparisons themselves."""
     if not math.isfinite(t):
         return -(1 << 62) if t < 0 else 1 << 62
-    m = math.floor(t * 1000.0) + 1
-    while (m - 1) / 1000.0 > t:
+    m = math.ceil(t * 1000.0)
+    while reached((m - 1) / 1000.0):
         m -= 1
-    while m / 1000.0 <= t:
+    while not reached(m / 1000.0):
         m += 1
     return m - base
 
@@ -219,11 +223,13 @@ def window_rows(op: str, ts: FloatArray, vs: FloatArray, t: float, window: float
     if op == "last":
         out[cols] = vs[hi - 1, at]
         return out
+
+    def seconds(steps: IntArray) -> FloatArray:  # each column's time at its step, in seconds
+        got: FloatArray = ts[steps, at]
+        return got if base is None else ms_seconds(got, base)
+
     if op == "irate":
-        prev_t, last_t = ts[hi - 2, at], ts[hi - 1, at]
-        if base is not None:
-            prev_t, last_t = ms_seconds(prev_t, base), ms_seconds(last_t, base)
-        out[cols] = _instant_rate(vs[hi - 2, at], vs[hi - 1, at], prev_t, last_t)
+        out[cols] = _instant_rate(vs[hi - 2, at], vs[hi - 1, at], seconds(hi - 2), seconds(hi - 1))
         return out
     top = int(hi.max())  # no step past the last one in a window is read
     if op in ("max", "min"):
@@ -247,10 +253,7 @@ def window_rows(op: str, ts: FloatArray, vs: FloatArray, t: float, window: float
     cdrops = np.cumsum(drops, axis=0)
     first, last = _at(v, lo), _at(v, hi - 1)
     result = last - first + (_prefix(cdrops, hi, 2) - _prefix(cdrops, lo + 1, 2))
-    first_t, last_t = ts[lo, at], ts[hi - 1, at]
-    if base is not None:
-        first_t, last_t = ms_seconds(first_t, base), ms_seconds(last_t, base)
-    out[cols] = _extrapolate(first, last, result, first_t, last_t, n, t, window, op == "rate")
+    out[cols] = _extrapolate(first, last, result, seconds(lo), seconds(hi - 1), n, t, window, op == "rate")
     return out
 
 
